@@ -1,0 +1,79 @@
+"""`tpass-coordinator`: started once per job by the SPANK plugin on the batch host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from torchpass import logs
+from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
+from torchpass.coordinator.state import JobState
+from torchpass.errors import TorchpassError
+
+
+def _own_address() -> str:
+    """The address other nodes reach this host by (its name, resolved here)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
+@click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="Shared torchpass state directory; registration goes to STATE_DIR/jobs/JOBID/.")
+@click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True, help="Hot spare nodes in the allocation.")
+@click.option("--policy", default="default", show_default=True, help="Policy name (from --torchpass=policy=).")
+@click.option("--ready-fd", type=int, default=None,
+              help="Write the endpoint (tcp://ADDR:PORT) and a newline to this fd once listening, then close it.")
+@click.option("--bind-address", default=None, help="Address to listen on [default: this host's address].")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 picks a free port.")
+@click.option("--slurm-poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="How often to ask slurmctld whether the job still runs; the coordinator exits when it has ended.")
+@click.option("--log-level", default="info", show_default=True)
+def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_poll_s, log_level):
+    """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand)."""
+    logs.configure(log_level)
+    log = logs.get_logger("torchpass.coordinator")
+    address = bind_address or _own_address()
+    try:
+        job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
+        server = CoordinatorServer(job, bind_address=address, port=port)
+        endpoint = f"tcp://{address}:{server.port}"
+        write_registration(state_dir, job_id, {
+            "job_id": job_id, "endpoint": endpoint, "pid": os.getpid(), "host": socket.gethostname(),
+            "uid": os.getuid(), "started": job.started_wall, "spares": spares, "policy": policy,
+        })
+    except (TorchpassError, OSError) as exc:
+        click.echo(f"tpass-coordinator: {exc}", err=True)
+        sys.exit(1)
+    if ready_fd is not None:
+        try:
+            os.write(ready_fd, (endpoint + "\n").encode())
+            os.close(ready_fd)
+        except OSError as exc:
+            log.warning("could not write the ready line", fd=ready_fd, error=str(exc))
+    job.record(time.time(), "coordinator.started", f"coordinator for job {job_id} listening on {endpoint}")
+    log.info("coordinator listening", job_id=job_id, endpoint=endpoint, spares=spares, policy=policy)
+
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    from torchpass.slurm import client
+
+    server.serve(tick=job_liveness_check(client(), job_id), tick_interval_s=slurm_poll_s)
+    try:
+        (Path(state_dir) / "jobs" / str(job_id) / "coordinator.json").unlink()
+    except OSError:
+        pass
+    log.info("coordinator stopped", job_id=job_id)
+
+
+if __name__ == "__main__":
+    main()

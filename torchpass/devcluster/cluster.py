@@ -1,0 +1,562 @@
+"""The local cluster: bring-up, tear-down, status and command execution."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+
+import torchpass
+from torchpass.errors import DependencyError, DevclusterError
+
+log = structlog.get_logger("torchpass.devcluster")
+
+DEFAULT_BASE_DIR = Path("/run/torchpass/devcluster")
+REPO_ROOT = Path(torchpass.__file__).resolve().parent.parent
+_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+_SUBNET_RE = re.compile(r"^10\.(\d{1,3})\.(\d{1,3})$")
+
+
+@dataclass(frozen=True)
+class DevclusterSpec:
+    """What to bring up. Several clusters coexist if names and subnets differ."""
+
+    name: str = "dev"
+    nodes: int = 4
+    # First three octets of a private /24 that exists only on this machine.
+    subnet: str = "10.77.0"
+    base_dir: Path = DEFAULT_BASE_DIR
+    # Start a tpassd on every node (the health daemon, with fake GPUs).
+    tpassd: bool = True
+    plugin: Path | None = None  # default: <repo>/slurm_spank/torchpass.so if built
+
+    def validate(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise DevclusterError(
+                f"cluster name {self.name!r} must be 1-8 lowercase letters/digits, starting with a letter"
+            )
+        if not 1 <= self.nodes <= 16:
+            raise DevclusterError(f"--nodes {self.nodes} is out of range; use 1 to 16")
+        m = _SUBNET_RE.match(self.subnet)
+        if not m or not (0 <= int(m.group(1)) <= 255 and 0 <= int(m.group(2)) <= 255):
+            raise DevclusterError(f"subnet {self.subnet!r} must look like 10.X.Y (a private /24)")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.base_dir) / self.name
+
+    @property
+    def ctld_port(self) -> int:
+        # One slurmctld per cluster in the root namespace: ports must differ.
+        return 6800 + int(self.subnet.split(".")[1])
+
+    @property
+    def bridge(self) -> str:
+        return f"tp-{self.name}"
+
+    def node_name(self, i: int) -> str:
+        return f"node{i}"
+
+    def node_address(self, i: int) -> str:
+        return f"{self.subnet}.{10 + i}"
+
+    def netns(self, i: int) -> str:
+        return f"tp-{self.name}-n{i}"
+
+    def veth(self, i: int) -> str:
+        return f"tp{self.name}{i}"
+
+    @property
+    def controller_address(self) -> str:
+        return f"{self.subnet}.1"
+
+
+@dataclass
+class _State:
+    """What is running and what exists, written as it happens."""
+
+    spec: dict
+    pids: dict[str, int] = field(default_factory=dict)  # role -> pid
+    netns: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    up: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _run(argv: list[str], *, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, **kw)
+    if check and proc.returncode != 0:
+        err = " ".join((proc.stderr or proc.stdout).split())[:300]
+        raise DevclusterError(f"'{' '.join(argv)}' failed: {err}")
+    return proc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_pidfile(path: Path, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = int(path.read_text().strip())
+            if _pid_alive(pid):
+                return pid
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise DevclusterError(f"{path} did not appear within {timeout_s:g} s; see the logs in {path.parent.parent / 'log'}")
+
+
+def _check_dependencies() -> None:
+    if os.geteuid() != 0:
+        raise DevclusterError("the devcluster needs root (network namespaces, slurmd); rerun as root")
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "ip", "nsenter", "unshare")
+               if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
+    if missing:
+        raise DependencyError(
+            f"missing {', '.join(missing)}; install them with 'make deps' (scripts/install-system-deps.sh)"
+        )
+
+
+class Devcluster:
+    """A handle on one local cluster (running or not)."""
+
+    def __init__(self, spec: DevclusterSpec):
+        spec.validate()
+        self.spec = spec
+        self.run_dir = spec.run_dir
+        self._state_path = self.run_dir / "cluster.json"
+        self._state: _State | None = None
+
+    # --- public ----------------------------------------------------------
+    @classmethod
+    def up(cls, spec: DevclusterSpec, *, timeout_s: float = 60.0) -> "Devcluster":
+        """Bring the cluster up (tearing down any leftover of the same name first)."""
+        cluster = cls(spec)
+        _check_dependencies()
+        with cluster._lock():
+            cluster._down_locked()
+            try:
+                cluster._up_locked(timeout_s)
+            except BaseException:
+                log.error("devcluster bring-up failed; tearing down what was started", name=spec.name)
+                cluster._down_locked()
+                raise
+        return cluster
+
+    @classmethod
+    def attach(cls, name: str = "dev", base_dir: Path = DEFAULT_BASE_DIR) -> "Devcluster":
+        """A running cluster by name; DevclusterError if it is not up."""
+        path = Path(base_dir) / name / "cluster.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DevclusterError(f"no devcluster named {name!r} is up; start one with 'tpassctl devcluster up'") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DevclusterError(f"{path} is unreadable ({exc}); run 'tpassctl devcluster down --name {name}'") from None
+        spec_d = data["spec"]
+        spec_d["base_dir"] = Path(spec_d["base_dir"])
+        if spec_d.get("plugin"):
+            spec_d["plugin"] = Path(spec_d["plugin"])
+        cluster = cls(DevclusterSpec(**spec_d))
+        cluster._state = _State(**data)
+        return cluster
+
+    def down(self) -> None:
+        with self._lock():
+            self._down_locked()
+
+    @property
+    def node_names(self) -> list[str]:
+        return [self.spec.node_name(i) for i in range(1, self.spec.nodes + 1)]
+
+    def node_address(self, node: str) -> str:
+        return self.spec.node_address(self._index(node))
+
+    @property
+    def state_dir(self) -> Path:
+        return self.run_dir / "state"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.run_dir / "etc" / "slurm.conf"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.run_dir / "munge" / "munge.socket.2"
+
+    def env(self) -> dict[str, str]:
+        """Exports that make plain Slurm commands and tpassctl talk to this cluster."""
+        return {
+            "SLURM_CONF": str(self.slurm_conf),
+            "TORCHPASS_STATE_DIR": str(self.state_dir),
+            "TORCHPASS_MUNGE_SOCKET": str(self.munge_socket),
+            "TORCHPASS_DEVCLUSTER": self.spec.name,
+        }
+
+    def slurmd_pid(self, node: str) -> int:
+        state = self._require_state()
+        return state.pids[f"slurmd.{node}"]
+
+    def exec_on(self, node: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        """Run argv inside ``node``'s network, UTS and mount namespaces."""
+        return subprocess.run(self.ns_argv(node) + list(argv), **kw)
+
+    def popen_on(self, node: str, argv: list[str], **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.ns_argv(node) + list(argv), **kw)
+
+    def ns_argv(self, node: str) -> list[str]:
+        pid = self.slurmd_pid(node)
+        return ["nsenter", "-t", str(pid), "--net", "--uts", "--mount", "--"]
+
+    def status(self) -> dict:
+        state = self._require_state()
+        procs = {role: {"pid": pid, "alive": _pid_alive(pid)} for role, pid in state.pids.items()}
+        nodes = []
+        try:
+            out = _run(["scontrol", "show", "nodes", "--json"], env={**os.environ, **self.env()}, timeout=10)
+            for n in json.loads(out.stdout).get("nodes", []):
+                nodes.append({"name": n["name"], "address": n.get("address"), "state": n.get("state"),
+                              "reason": n.get("reason", "")})
+        except (DevclusterError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+            nodes = [{"error": str(exc)}]
+        return {"name": self.spec.name, "run_dir": str(self.run_dir), "processes": procs,
+                "nodes": nodes, "env": self.env()}
+
+    def tpassd_restart(self, node: str) -> int:
+        """(Re)start the tpassd of one node; returns its pid."""
+        state = self._require_state()
+        with self._lock():
+            old = state.pids.get(f"tpassd.{node}")
+            if old and _pid_alive(old):
+                self._kill(old)
+            pid = self._start_tpassd(self._index(node))
+            self._save()
+            return pid
+
+    # --- bring-up ---------------------------------------------------------
+    def _lock(self):
+        self.spec.base_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.spec.base_dir / f".{self.spec.name}.lock", "w")
+
+        class _Ctx:
+            def __enter__(s):
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                return s
+
+            def __exit__(s, *exc):
+                fcntl.flock(fh, fcntl.LOCK_UN)
+                fh.close()
+
+        return _Ctx()
+
+    def _save(self) -> None:
+        assert self._state is not None
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self._state), indent=1, default=str))
+        os.replace(tmp, self._state_path)
+
+    def _require_state(self) -> _State:
+        if self._state is None:
+            other = Devcluster.attach(self.spec.name, self.spec.base_dir)
+            self._state = other._state
+        assert self._state is not None
+        return self._state
+
+    def _index(self, node: str) -> int:
+        m = re.fullmatch(r"node(\d+)", node)
+        if not m or not 1 <= int(m.group(1)) <= self.spec.nodes:
+            raise DevclusterError(f"no node {node!r} in devcluster {self.spec.name!r}; nodes: {', '.join(self.node_names)}")
+        return int(m.group(1))
+
+    def _up_locked(self, timeout_s: float) -> None:
+        spec = self.spec
+        t0 = time.monotonic()
+        rd = self.run_dir
+        for sub in ("etc", "log", "ctld", "munge", "state"):
+            (rd / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(rd, 0o755)
+        os.chmod(rd / "state", 0o1777)  # every job user registers its coordinator here
+        self._state = _State(spec={k: str(v) if isinstance(v, Path) else v for k, v in asdict(spec).items()})
+        self._save()
+
+        self._start_munge()
+        self._make_network()
+        self._write_configs()
+        self._state.env = self.env()
+        self._start_slurmctld()
+        for i in range(1, spec.nodes + 1):
+            self._start_slurmd(i)
+        self._save()
+        self._wait_idle(timeout_s - (time.monotonic() - t0))
+        if spec.tpassd:
+            for i in range(1, spec.nodes + 1):
+                self._start_tpassd(i)
+        self._state.up = True
+        self._save()
+        log.info("devcluster up", name=spec.name, nodes=spec.nodes, seconds=round(time.monotonic() - t0, 2))
+
+    def _start_munge(self) -> None:
+        md = self.run_dir / "munge"
+        key = md / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        shutil.chown(md, "munge", "munge")
+        shutil.chown(key, "munge", "munge")
+        os.chmod(key, 0o400)
+        os.chmod(md, 0o755)  # clients (every job user) must reach the socket
+        _run([
+            "runuser", "-u", "munge", "--", "munged",
+            f"--key-file={key}", f"--socket={self.munge_socket}", f"--pid-file={md / 'munged.pid'}",
+            f"--log-file={md / 'munged.log'}", f"--seed-file={md / 'munged.seed'}",
+        ])
+        self._state.pids["munged"] = _read_pidfile(md / "munged.pid")
+        self._save()
+
+    def _make_network(self) -> None:
+        spec = self.spec
+        _run(["ip", "link", "add", spec.bridge, "type", "bridge"])
+        self._state.links.append(spec.bridge)
+        self._save()
+        _run(["ip", "addr", "add", f"{spec.controller_address}/24", "dev", spec.bridge])
+        _run(["ip", "link", "set", spec.bridge, "up"])
+        for i in range(1, spec.nodes + 1):
+            ns, veth = spec.netns(i), spec.veth(i)
+            _run(["ip", "netns", "add", ns])
+            self._state.netns.append(ns)
+            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            self._state.links.append(veth)
+            self._save()
+            _run(["ip", "link", "set", veth, "master", spec.bridge, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{spec.node_address(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _write_configs(self) -> None:
+        spec, rd = self.spec, self.run_dir
+        host = socket.gethostname()
+        hosts = [f"127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
+        hosts += [f"{spec.node_address(i)} {spec.node_name(i)}" for i in range(1, spec.nodes + 1)]
+        (rd / "etc" / "hosts").write_text("\n".join(hosts) + "\n")
+        plugin = spec.plugin or (REPO_ROOT / "slurm_spank" / "torchpass.so")
+        coordinator = Path(sys.executable).parent / "tpass-coordinator"
+        runtime = REPO_ROOT / "torchpass" / "runtime" / "boot"
+        plug_line = (
+            f"optional {plugin} coordinator={coordinator} state_dir={self.state_dir}"
+            f" runtime_path={runtime}\n"
+        )
+        (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
+        if not plugin.exists():
+            log.warning("SPANK plugin not built; --torchpass will be unknown to sbatch", plugin=str(plugin),
+                        hint="make -C slurm_spank")
+        n = spec.nodes
+        conf = f"""# Generated by torchpass devcluster {spec.name!r}; rewritten on every 'up'.
+ClusterName=tp{spec.name}
+SlurmctldHost={host}({spec.controller_address})
+SlurmctldPort={spec.ctld_port}
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket}
+StateSaveLocation={rd}/ctld
+SlurmctldPidFile={rd}/ctld/slurmctld.pid
+SlurmctldLogFile={rd}/log/slurmctld.log
+SlurmdSpoolDir={rd}/%n/spool
+SlurmdPidFile={rd}/%n/slurmd.pid
+SlurmdLogFile={rd}/log/slurmd.%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerParameters=permit_job_expansion
+ReturnToService=2
+SlurmdTimeout=20
+KillWait=5
+MinJobAge=600
+PlugStackConfig={rd}/etc/plugstack.conf
+NodeName=node[1-{n}] NodeAddr={spec.subnet}.[11-{10 + n}] CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+        if n == 1:
+            conf = conf.replace(f"NodeName=node[1-1] NodeAddr={spec.subnet}.[11-11]",
+                                f"NodeName=node1 NodeAddr={spec.subnet}.11").replace("Nodes=node[1-1]", "Nodes=node1")
+        self.slurm_conf.write_text(conf)
+        for i in range(1, n + 1):
+            (rd / spec.node_name(i) / "spool").mkdir(parents=True, exist_ok=True)
+
+    def _start_slurmctld(self) -> None:
+        rd = self.run_dir
+        _run(["slurmctld", "-f", str(self.slurm_conf), "-i"], env={**os.environ, **self.env()})
+        self._state.pids["slurmctld"] = _read_pidfile(rd / "ctld" / "slurmctld.pid")
+        self._save()
+
+    def _start_slurmd(self, i: int) -> None:
+        spec, rd = self.spec, self.run_dir
+        node = spec.node_name(i)
+        # Not `ip netns exec`: it remounts /sys and hides /sys/fs/cgroup.
+        script = (
+            f"hostname {node} && mount --bind {rd / 'etc' / 'hosts'} /etc/hosts"
+            f" && exec slurmd -f {self.slurm_conf}"
+        )
+        _run(
+            ["nsenter", f"--net=/run/netns/{spec.netns(i)}", "--", "unshare", "--uts", "--mount",
+             "--propagation", "slave", "--", "sh", "-c", script],
+            env={**os.environ, **self.env()},
+        )
+        self._state.pids[f"slurmd.{node}"] = _read_pidfile(rd / node / "slurmd.pid")
+        self._save()
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(timeout_s, 5.0)
+        env = {**os.environ, **self.env()}
+        last = ""
+        while time.monotonic() < deadline:
+            proc = _run(["scontrol", "show", "nodes", "--json"], check=False, env=env, timeout=10)
+            if proc.returncode == 0:
+                try:
+                    nodes = json.loads(proc.stdout).get("nodes", [])
+                except json.JSONDecodeError:
+                    nodes = []
+                states = {n["name"]: n.get("state", []) for n in nodes}
+                last = str(states)
+                if len(states) == self.spec.nodes and all(s == ["IDLE"] for s in states.values()):
+                    return
+            time.sleep(0.1)
+        raise DevclusterError(f"nodes did not become IDLE in time: {last}; see {self.run_dir / 'log'}")
+
+    def _start_tpassd(self, i: int) -> int:
+        try:
+            from tpassd.devnode import start_args
+        except ImportError as exc:
+            raise DevclusterError(f"tpassd is not installed in this environment ({exc}); pip install -e .") from None
+        spec, rd = self.spec, self.run_dir
+        node = spec.node_name(i)
+        node_dir = rd / node / "tpassd"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket)
+        logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
+        try:
+            proc = subprocess.Popen(
+                self.ns_argv(node) + argv,
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, **self.env()},
+            )
+        finally:
+            logf.close()
+        # nsenter execs the target after entering, so the pid is tpassd's own.
+        self._state.pids[f"tpassd.{node}"] = proc.pid
+        self._save()
+        return proc.pid
+
+    # --- tear-down ----------------------------------------------------------
+    @staticmethod
+    def _kill(pid: int, grace_s: float = 3.0) -> None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _pid_alive(pid):
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # Reap if it is our child (tpassd started by this process).
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+    def _netns_pids(self, ns: str) -> list[int]:
+        proc = _run(["ip", "netns", "pids", ns], check=False)
+        return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+    def _down_locked(self) -> None:
+        spec = self.spec
+        state = None
+        if self._state_path.exists():
+            try:
+                state = _State(**json.loads(self._state_path.read_text()))
+            except (OSError, json.JSONDecodeError, TypeError):
+                state = None
+        pids = dict(state.pids) if state else {}
+        # Pid files cover a crash between start and the state file's update.
+        for pidfile, role in [(self.run_dir / "ctld" / "slurmctld.pid", "slurmctld"),
+                              (self.run_dir / "munge" / "munged.pid", "munged")]:
+            try:
+                pids.setdefault(role, int(pidfile.read_text().strip()))
+            except (OSError, ValueError):
+                pass
+        for i in range(1, 17):
+            try:
+                pids.setdefault(f"slurmd.node{i}", int((self.run_dir / f"node{i}" / "slurmd.pid").read_text().strip()))
+            except (OSError, ValueError):
+                pass
+        namespaces = set(state.netns if state else [])
+        namespaces |= {ns for ns in _run(["ip", "netns", "list"], check=False).stdout.split()
+                       if ns.startswith(f"tp-{spec.name}-n")}
+        # Everything inside our node namespaces is ours: jobs, coordinators, tpassds.
+        ns_pids = [p for ns in namespaces for p in self._netns_pids(ns)]
+        ours = {p for p in pids.values() if self._is_ours(p)} | set(ns_pids)
+        for role in ("tpassd", "slurmd", "slurmctld", "munged"):
+            for name, pid in pids.items():
+                if name.startswith(role) and pid in ours:
+                    self._kill(pid)
+        for pid in ns_pids:
+            if _pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for ns in sorted(namespaces):
+            _run(["ip", "netns", "delete", ns], check=False)
+        links = set(state.links if state else []) | {spec.bridge} | {spec.veth(i) for i in range(1, 17)}
+        for link in sorted(links):
+            if Path(f"/sys/class/net/{link}").exists():
+                _run(["ip", "link", "delete", link], check=False)
+        if self.run_dir.exists():
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._state = None
+
+    def _is_ours(self, pid: int) -> bool:
+        """A recorded pid is ours if it still runs one of the programs we start."""
+        if not _pid_alive(pid):
+            return False
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        # Every daemon we start names a file under our run dir on its command line.
+        return str(self.run_dir) in b" ".join(cmd).decode(errors="replace")

@@ -1,0 +1,289 @@
+"""The one wire schema: every message that crosses a torchpass socket.
+
+Frames are UTF-8 JSON objects, at most MAX_FRAME_BYTES long. Two shapes:
+
+* request / publication  ``{"v": 1, "type": T, "id": ID, "auth": CRED?,
+  "seq": N?, "sender": S?, "body": {...}}``: ``type`` names an entry of
+  BODIES below, whose field specs the body must match exactly (no missing
+  required field, no unknown field, every value of its declared type).
+* reply  ``{"v": 1, "type": "reply", "id": ID, "ok": true, "result": {...}}``
+  or ``{"v": 1, "type": "reply", "id": ID, "ok": false,
+  "error": {"code": CODE, "message": MSG}}`` with a code from ERROR_CODES.
+
+``v`` is the schema version. A peer speaking another version gets an
+``unsupported_version`` error, never a guess. Changing a body in a way an
+old peer cannot read means bumping SCHEMA_VERSION.
+
+Decoding never raises anything but ProtocolError, whatever the bytes, so a
+server can always answer with an error reply and keep serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchpass.errors import ProtocolError, RemoteError
+
+SCHEMA_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20  # 1 MiB: the largest honest message is a node snapshot
+
+# Stable error codes carried in error replies; clients switch on these.
+ERROR_CODES = frozenset(
+    {
+        "bad_request",  # malformed frame, wrong field types, unknown fields
+        "unsupported_version",  # v differs from SCHEMA_VERSION
+        "unknown_type",  # no such message type
+        "unauthenticated",  # missing, forged, replayed or expired credential
+        "forbidden",  # authenticated, but this user may not do this
+        "not_found",  # the job / rank / node / fault named does not exist here
+        "conflict",  # valid request that the current state does not allow
+        "unavailable",  # a dependency is missing (e.g. criu) or not ready
+        "failed",  # the action was attempted and failed; message says why
+        "internal",  # a bug; details are in the server's log, not the reply
+    }
+)
+
+
+@dataclass(frozen=True)
+class F:
+    """Field spec: the accepted Python types after JSON decoding."""
+
+    types: tuple[type, ...]
+    required: bool = True
+
+
+def _f(*types: type, required: bool = True) -> F:
+    return F(tuple(types), required)
+
+
+INT = (int,)
+NUM = (int, float)
+
+# Message bodies, by type. Sections are owned by the component that serves
+# the messages; keep each section's names prefixed with its component.
+BODIES: dict[str, dict[str, F]] = {
+    # --- rank runtime -> coordinator -------------------------------------
+    # A rank announces itself when its process group is created.
+    "rank.register": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "world_size": _f(int),
+        "node": _f(str),
+        "pid": _f(int),
+        "generation": _f(int, required=False),
+    },
+    # Progress: step = optimizer steps seen, collectives = collectives issued.
+    "rank.progress": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "step": _f(int),
+        "collectives": _f(int),
+        "node": _f(str, required=False),
+        "loss": _f(float, int, required=False),
+    },
+    # --- anyone -> coordinator ---------------------------------------------
+    "job.status": {},
+    "job.events": {"since_seq": _f(int, required=False)},
+}
+
+
+@dataclass(frozen=True)
+class Message:
+    type: str
+    body: dict[str, Any]
+    id: str = ""
+    auth: str | None = None
+    seq: int | None = None
+    sender: str | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: str
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    code: str | None = None
+    message: str | None = None
+
+    def unwrap(self) -> dict[str, Any]:
+        """The result of a successful reply; RemoteError otherwise."""
+        if not self.ok:
+            raise RemoteError(self.code or "internal", self.message or "error reply")
+        return self.result
+
+
+_ids = itertools.count(1)
+_id_prefix = f"{os.getpid():x}-"
+
+
+def new_id() -> str:
+    return f"{_id_prefix}{next(_ids)}"
+
+
+def _check_json_value(value: Any) -> None:
+    # json.loads accepts NaN/Infinity; they are not JSON and break peers.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError("non-finite number in message")
+
+
+def _dump(obj: dict[str, Any]) -> bytes:
+    try:
+        data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"message is not JSON-serialisable: {exc}") from None
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    return data
+
+
+def _load(frame: bytes) -> dict[str, Any]:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("frame is not bytes")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        obj = json.loads(bytes(frame).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"frame is not UTF-8 JSON: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame is not a JSON object")
+    v = obj.get("v")
+    if v != SCHEMA_VERSION or isinstance(v, bool):
+        raise ProtocolError(f"unsupported schema version {v!r}, this peer speaks {SCHEMA_VERSION}")
+    return obj
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-finite number {name}")
+
+
+def _validate_body(type_: str, body: Any) -> dict[str, Any]:
+    spec = BODIES.get(type_)
+    if spec is None:
+        raise ProtocolError(f"unknown message type {type_!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{type_}: body is not an object")
+    unknown = sorted(set(body) - set(spec))
+    if unknown:
+        raise ProtocolError(f"{type_}: unknown field(s) {', '.join(map(str, unknown))}")
+    for name, fs in spec.items():
+        if name not in body or body[name] is None:
+            if fs.required:
+                raise ProtocolError(f"{type_}: missing field {name!r}")
+            continue
+        value = body[name]
+        # bool is an int subclass in Python; never accept it for a number.
+        if isinstance(value, bool) and bool not in fs.types:
+            raise ProtocolError(f"{type_}: field {name!r} must be {_names(fs.types)}, got bool")
+        if not isinstance(value, fs.types):
+            raise ProtocolError(
+                f"{type_}: field {name!r} must be {_names(fs.types)}, got {type(value).__name__}"
+            )
+        _check_json_value(value)
+    return body
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def encode(
+    type_: str,
+    body: dict[str, Any] | None = None,
+    *,
+    id: str | None = None,
+    auth: str | None = None,
+    seq: int | None = None,
+    sender: str | None = None,
+) -> bytes:
+    body = _validate_body(type_, dict(body or {}))
+    obj: dict[str, Any] = {"v": SCHEMA_VERSION, "type": type_, "id": id or new_id(), "body": body}
+    if auth is not None:
+        obj["auth"] = auth
+    if seq is not None:
+        obj["seq"] = seq
+    if sender is not None:
+        obj["sender"] = sender
+    return _dump(obj)
+
+
+def decode(frame: bytes) -> Message:
+    """Decode and validate a request or publication; ProtocolError otherwise."""
+    obj = _load(frame)
+    type_ = obj.get("type")
+    if not isinstance(type_, str):
+        raise ProtocolError("missing or non-string 'type'")
+    if type_ == "reply":
+        raise ProtocolError("a reply was sent where a request was expected")
+    allowed = {"v", "type", "id", "auth", "seq", "sender", "body"}
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise ProtocolError(f"unknown envelope field(s) {', '.join(map(str, extra))}")
+    id_ = obj.get("id", "")
+    auth = obj.get("auth")
+    seq = obj.get("seq")
+    sender = obj.get("sender")
+    if not isinstance(id_, str) or len(id_) > 128:
+        raise ProtocolError("'id' must be a string of at most 128 characters")
+    if auth is not None and not isinstance(auth, str):
+        raise ProtocolError("'auth' must be a string")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+        raise ProtocolError("'seq' must be a non-negative integer")
+    if sender is not None and not isinstance(sender, str):
+        raise ProtocolError("'sender' must be a string")
+    body = _validate_body(type_, obj.get("body", {}))
+    return Message(type_, body, id_, auth, seq, sender)
+
+
+def peek_id(frame: bytes) -> str:
+    """Best-effort request id of a frame that failed to decode, for the error reply."""
+    try:
+        obj = json.loads(bytes(frame[:MAX_FRAME_BYTES]).decode("utf-8"))
+        id_ = obj.get("id", "") if isinstance(obj, dict) else ""
+        return id_ if isinstance(id_, str) and len(id_) <= 128 else ""
+    except Exception:  # noqa: BLE001 - any garbage simply has no id
+        return ""
+
+
+def encode_ok(id: str, result: dict[str, Any] | None = None) -> bytes:
+    return _dump({"v": SCHEMA_VERSION, "type": "reply", "id": id, "ok": True, "result": result or {}})
+
+
+def encode_error(id: str, code: str, message: str) -> bytes:
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    # Messages are one line for the user; never a traceback.
+    line = " ".join(str(message).split())[:500]
+    return _dump(
+        {
+            "v": SCHEMA_VERSION,
+            "type": "reply",
+            "id": id,
+            "ok": False,
+            "error": {"code": code, "message": line},
+        }
+    )
+
+
+def decode_reply(frame: bytes) -> Reply:
+    obj = _load(frame)
+    if obj.get("type") != "reply":
+        raise ProtocolError("expected a reply")
+    id_ = obj.get("id", "")
+    ok = obj.get("ok")
+    if not isinstance(ok, bool) or not isinstance(id_, str):
+        raise ProtocolError("reply lacks a boolean 'ok' or a string 'id'")
+    if ok:
+        result = obj.get("result", {})
+        if not isinstance(result, dict):
+            raise ProtocolError("reply 'result' is not an object")
+        return Reply(id_, True, result)
+    err = obj.get("error")
+    if not isinstance(err, dict) or not isinstance(err.get("code"), str):
+        raise ProtocolError("error reply lacks error.code")
+    return Reply(id_, False, {}, err["code"], str(err.get("message", "")))

@@ -1,0 +1,1 @@
+"""tpassctl: the torchpass command line for login nodes and admins."""

@@ -1,0 +1,81 @@
+"""`tpassctl devcluster`: a real local Slurm cluster in network namespaces."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+
+from torchpass.devcluster import Devcluster, DevclusterSpec
+from torchpass.devcluster.cluster import DEFAULT_BASE_DIR
+
+name_option = click.option("--name", default="dev", show_default=True, help="Cluster name (1-8 lowercase letters/digits).")
+base_option = click.option("--base-dir", type=click.Path(path_type=Path, file_okay=False), default=DEFAULT_BASE_DIR,
+                           show_default=True, help="Where cluster run directories live.")
+
+
+@click.group()
+def devcluster():
+    """A local Slurm cluster on this machine: munged, slurmctld, one slurmd + tpassd per node.
+
+    Each node is a network, UTS and mount namespace with its own address and
+    hostname. Needs root and the system packages ('make deps').
+    """
+
+
+@devcluster.command()
+@name_option
+@base_option
+@click.option("--nodes", type=click.IntRange(1, 16), default=4, show_default=True)
+@click.option("--subnet", default="10.77.0", show_default=True, help="First three octets of a private /24 for the nodes.")
+@click.option("--no-tpassd", is_flag=True, help="Do not start a tpassd on each node.")
+def up(name, base_dir, nodes, subnet, no_tpassd):
+    """Bring the cluster up (replacing any leftover of the same name)."""
+    c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd))
+    click.echo(f"devcluster {name!r} up: {', '.join(c.node_names)} on {subnet}.0/24")
+    click.echo(f'use it with: eval "$(tpassctl devcluster env --name {name})"')
+
+
+@devcluster.command()
+@name_option
+@base_option
+def down(name, base_dir):
+    """Stop every process and remove every namespace, link and file of the cluster."""
+    Devcluster(DevclusterSpec(name=name, base_dir=base_dir)).down()
+    click.echo(f"devcluster {name!r} down")
+
+
+@devcluster.command()
+@name_option
+@base_option
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def status(name, base_dir, as_json):
+    """Processes and Slurm node states of the cluster."""
+    st = Devcluster.attach(name, base_dir).status()
+    if as_json:
+        click.echo(json.dumps(st, indent=1))
+        return
+    click.echo(f"devcluster {st['name']} ({st['run_dir']})")
+    for role, p in sorted(st["processes"].items()):
+        click.echo(f"  {role:<16} pid {p['pid']:<8} {'running' if p['alive'] else 'DEAD'}")
+    for n in st["nodes"]:
+        if "error" in n:
+            click.echo(f"  slurm: {n['error']}")
+        else:
+            click.echo(f"  {n['name']:<8} {n['address']:<12} {'+'.join(n['state'])} {n.get('reason') or ''}")
+
+
+@devcluster.command()
+@name_option
+@base_option
+@click.option("--json", "as_json", is_flag=True, help="Print the variables as JSON.")
+def env(name, base_dir, as_json):
+    """Print shell exports so that sbatch/squeue/tpassctl talk to the cluster."""
+    variables = Devcluster.attach(name, base_dir).env()
+    if as_json:
+        click.echo(json.dumps(variables, indent=1))
+        return
+    for k, v in variables.items():
+        click.echo(f"export {k}={shlex.quote(v)}")
