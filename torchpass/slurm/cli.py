@@ -25,7 +25,11 @@ class CliSlurmClient(SlurmClient):
         self.environ = dict(os.environ if environ is None else environ)
         self.timeout_s = timeout_s
 
-    def _run(self, argv: list[str], *, want_json: bool = False) -> str:
+    def _run(self, argv: list[str]) -> str:
+        conf = self.environ.get("SLURM_CONF")
+        if conf and not os.path.exists(conf):
+            # Slurm's commands would retry for 60 s before saying so.
+            raise SlurmError(f"SLURM_CONF={conf} does not exist; fix SLURM_CONF or unset it")
         if shutil.which(argv[0], path=self.environ.get("PATH")) is None:
             raise DependencyError(f"{argv[0]} not found on PATH; install the Slurm client (slurm-client)")
         try:

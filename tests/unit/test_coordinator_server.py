@@ -1,0 +1,118 @@
+"""The coordinator over real ZeroMQ sockets on loopback, with an injected clock."""
+
+import threading
+
+import pytest
+import zmq
+
+from torchpass import wire, zmqio
+from torchpass.coordinator.server import CoordinatorServer, job_liveness_check
+from torchpass.coordinator.state import JobState
+from torchpass.errors import RemoteError, SlurmError, UnreachableError
+from torchpass.slurm.base import JobInfo
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def served():
+    clock = Clock()
+    server = CoordinatorServer(JobState(job_id=42, spares=1), bind_address="127.0.0.1", clock=clock, wall=lambda: 1e9)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    yield server, f"tcp://127.0.0.1:{server.port}", clock
+    server.stop()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def req(ep, type_, body=None):
+    return zmqio.request(ep, type_, body or {}, timeout_s=2, retries=0)
+
+
+def test_ranks_register_report_and_show_in_status(served):
+    server, ep, clock = served
+    for rank in range(3):
+        req(ep, "rank.register", {"job_id": 42, "rank": rank, "world_size": 3, "node": f"node{rank + 1}", "pid": 100 + rank})
+    req(ep, "rank.progress", {"job_id": 42, "rank": 1, "step": 7, "collectives": 30})
+    clock.t += 2.5
+    st = req(ep, "job.status")
+    assert st["registered_ranks"] == 3 and st["world_size"] == 3
+    assert (st["min_step"], st["max_step"]) == (-1, 7)
+    r1 = st["ranks"][1]
+    assert (r1["node"], r1["pid"], r1["step"], r1["collectives"]) == ("node2", 101, 7, 30)
+    assert r1["last_report_age_s"] == 2.5
+    events = req(ep, "job.events")["events"]
+    assert [e["kind"] for e in events] == ["rank.registered"] * 3
+
+
+def test_inconsistent_or_foreign_requests_get_error_replies(served):
+    _, ep, _ = served
+    with pytest.raises(RemoteError) as exc:
+        req(ep, "rank.register", {"job_id": 41, "rank": 0, "world_size": 2, "node": "n", "pid": 1})
+    assert exc.value.code == "not_found"
+    with pytest.raises(RemoteError) as exc:
+        req(ep, "rank.register", {"job_id": 42, "rank": 5, "world_size": 2, "node": "n", "pid": 1})
+    assert exc.value.code == "bad_request"
+    with pytest.raises(RemoteError) as exc:
+        req(ep, "rank.progress", {"job_id": 42, "rank": 0, "step": 1, "collectives": 1})
+    assert exc.value.code == "not_found"
+
+
+def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(served):
+    server, ep, _ = served
+    ctx = zmq.Context.instance()
+    for junk in [b"\x00\x01garbage", b'{"v":7,"id":"x"}', b"[]", b"x" * (wire.MAX_FRAME_BYTES + 10)]:
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep)
+        s.send(junk)
+        reply = wire.decode_reply(s.recv())
+        assert not reply.ok and reply.code in ("bad_request", "unsupported_version")
+        s.close()
+    # Far over the socket's MAXMSGSIZE ZeroMQ drops the connection: no reply, nothing breaks.
+    s = ctx.socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(ep)
+    s.send(b"y" * (3 * wire.MAX_FRAME_BYTES))
+    assert s.poll(300) == 0
+    s.close()
+    assert req(ep, "job.status")["job_id"] == 42
+    assert server.counters["malformed"] == 4
+
+
+def test_unreachable_endpoint_times_out_with_a_clear_error():
+    with pytest.raises(UnreachableError, match="no reply from tcp://127.0.0.1:9 to job.status after 2 tries"):
+        zmqio.request("tcp://127.0.0.1:9", "job.status", {}, timeout_s=0.1, retries=1)
+
+
+class FakeSlurm:
+    """Only the job() query the liveness tick makes; answers are scripted."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def job(self, job_id):
+        a = self.answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+
+def _job(state):
+    return JobInfo(job_id=42, name="j", user="u", user_id=0, state=state, nodes=("node1",))
+
+
+def test_liveness_tick_ends_the_coordinator_only_when_the_job_ends():
+    tick = job_liveness_check(FakeSlurm([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
+                                         _job("COMPLETED")]), 42, max_failures=3)
+    assert [tick(), tick(), tick(), tick()] == [True, True, True, False]
+    tick = job_liveness_check(FakeSlurm([SlurmError("x")] * 3), 42, max_failures=3)
+    assert [tick(), tick(), tick()] == [True, True, False]
+    assert job_liveness_check(FakeSlurm([None]), 42)() is False

@@ -1,0 +1,69 @@
+"""`tpassctl status` against a real coordinator on loopback (Slurm not reachable)."""
+
+import json
+import os
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from torchpass.coordinator.server import CoordinatorServer, write_registration
+from torchpass.coordinator.state import JobState
+from torchpass import zmqio
+from tpassctl.cli import cli
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    server = CoordinatorServer(JobState(job_id=9), bind_address="127.0.0.1")
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    write_registration(tmp_path, 9, {"job_id": 9, "endpoint": ep, "pid": os.getpid(), "host": "h", "uid": os.getuid()})
+    yield ep
+    server.stop()
+    t.join(5)
+
+
+@pytest.fixture
+def no_slurm(monkeypatch, tmp_path):
+    # Point the Slurm commands at a config that does not exist: they fail fast.
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing-slurm.conf"))
+
+
+def test_status_json_lists_ranks_of_a_registered_job(tmp_path, coordinator, no_slurm):
+    for rank in (0, 1):
+        zmqio.request(coordinator, "rank.register",
+                      {"job_id": 9, "rank": rank, "world_size": 2, "node": f"node{rank + 1}", "pid": 10 + rank})
+    zmqio.request(coordinator, "rank.progress", {"job_id": 9, "rank": 0, "step": 4, "collectives": 9})
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"])
+    assert res.exit_code == 0, res.output
+    jobs = json.loads(res.output)["jobs"]
+    assert [j["job_id"] for j in jobs] == [9]
+    job = jobs[0]
+    assert job["reachable"] and job["registered_ranks"] == 2
+    assert [(r["rank"], r["node"], r["step"]) for r in job["ranks"]] == [(0, "node1", 4), (1, "node2", -1)]
+    assert "slurm_error" in job  # Slurm was unreachable and the output says so
+
+
+def test_registration_claiming_another_uid_is_ignored(tmp_path, no_slurm):
+    write_registration(tmp_path, 5, {"job_id": 5, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                     "uid": os.getuid() + 1})
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["jobs"] == []
+
+
+def test_unknown_job_and_missing_state_dir_give_one_line_errors(tmp_path, no_slurm):
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "77"])
+    assert res.exit_code == 1
+    assert "job 77 has no torchpass coordinator registered" in res.output
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path / "nope"), "status"])
+    assert res.exit_code == 1 and "no torchpass state directory at" in res.output
+
+
+def test_unreachable_coordinator_is_reported_not_fatal(tmp_path, no_slurm):
+    write_registration(tmp_path, 6, {"job_id": 6, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                     "uid": os.getuid()})
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "6", "--timeout", "0.1"])
+    assert res.exit_code == 0
+    assert "UNREACHABLE: no reply from tcp://127.0.0.1:9" in res.output
