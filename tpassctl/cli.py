@@ -53,9 +53,11 @@ def cli(ctx: click.Context, state_dir: Path, verbose: bool) -> None:
 
 def _register() -> None:
     from tpassctl.devcluster_cmd import devcluster
+    from tpassctl.goodput_cmd import goodput
     from tpassctl.status_cmd import status
 
     cli.add_command(devcluster)
+    cli.add_command(goodput)
     cli.add_command(status)
 
 

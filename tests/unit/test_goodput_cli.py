@@ -1,0 +1,231 @@
+"""`tpassctl goodput` through click's CliRunner."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from torchpass.goodput import model
+from torchpass.goodput.model import build_inputs, evaluate
+from torchpass.goodput.presets import PRESETS
+from tpassctl.goodput_cmd import JSON_SCHEMA, goodput
+
+
+def run(*args: str, cwd: Path | None = None):
+    runner = CliRunner()
+    if cwd is None:
+        return runner.invoke(goodput, list(args), catch_exceptions=False)
+    with runner.isolated_filesystem(temp_dir=cwd):
+        return runner.invoke(goodput, list(args), catch_exceptions=False)
+
+
+def run_json(*args: str) -> dict:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_prints_a_comparison_quickly(name):
+    started = time.perf_counter()
+    result = run("--preset", name)
+    elapsed = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    for label in ("checkpoint-restart", "checkpointless", "live migration"):
+        assert label in result.stdout
+    assert "goodput (useful / paid GPU-h)" in result.stdout
+    assert "USD lost per month" in result.stdout
+    assert elapsed < 2.0  # the issue's budget, simulation included
+
+
+def test_json_matches_the_model_and_has_the_documented_shape():
+    doc = run_json("--preset", "llama3-16k", "--runs", "300")
+    assert doc["schema"] == JSON_SCHEMA
+    assert doc["preset"] == "llama3-16k"
+    assert set(doc) == {
+        "schema", "preset", "inputs", "input_sources", "measured_source", "derived", "strategies", "plot", "warnings",
+    }
+    assert set(doc["strategies"]) == set(model.STRATEGIES)
+    inputs, _ = build_inputs([("preset", PRESETS["llama3-16k"].values)])
+    expected = evaluate(inputs)
+    for name, entry in doc["strategies"].items():
+        assert entry["goodput"] == pytest.approx(expected.strategies[name].goodput, rel=1e-12)
+        assert entry["lost_usd_per_month"] == pytest.approx(expected.strategies[name].lost_usd_per_month, rel=1e-12)
+        sim = entry["simulation"]
+        assert sim["runs"] == 300
+        assert set(sim["wall_hours"]) == {"mean", "p5", "p95"}
+        assert abs(sim["wall_hours_rel_diff_vs_model"]) < 0.02
+    # 54 * 24 / 419 = 3.093 h between failures.
+    assert doc["derived"]["job_mtbf_hours"] == pytest.approx(3.093, abs=1e-3)
+    assert doc["input_sources"]["gpus"] == "preset llama3-16k"
+
+
+def test_no_simulate_leaves_simulation_null():
+    doc = run_json("--preset", "pretrain-1k", "--no-simulate")
+    assert all(entry["simulation"] is None for entry in doc["strategies"].values())
+
+
+def test_precedence_preset_then_toml_then_flags(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text("gpus = 2048\ngpus_per_node = 4\nspare_nodes = 12\nsoft_fraction = 0.6\n")
+    doc = run_json("--preset", "llama3-16k", "--config", str(config), "--gpus", "4096", "--no-simulate")
+    inputs = doc["inputs"]
+    assert inputs["gpus"] == 4096  # flag over TOML over preset
+    assert inputs["gpus_per_node"] == 4  # TOML over preset
+    assert inputs["work_hours"] == 54 * 24  # preset over default
+    assert inputs["cr_restart_s"] == 300  # default
+    assert doc["input_sources"]["gpus"] == "--gpus"
+    assert doc["input_sources"]["soft_fraction"] == f"config {config}"
+    assert doc["input_sources"]["cr_restart_s"] == "default"
+
+
+def test_failure_rate_flags_convert():
+    # 2.4 failures a day on 100 GPUs: 0.1 per hour, so 1,000 GPU-hours per GPU.
+    doc = run_json("--gpus", "100", "--job-failures-per-day", "2.4", "--no-simulate")
+    assert doc["inputs"]["gpu_mtbf_hours"] == pytest.approx(1000.0)
+    assert doc["derived"]["job_mtbf_hours"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--gpus", "-5"], "'--gpus'"),
+        (["--gpus", "0"], "'--gpus'"),
+        (["--gpus", "100000000000"], "'--gpus'"),
+        (["--soft-fraction", "1.5"], "'--soft-fraction'"),
+        (["--gpu-mtbf-hours", "0"], "'--gpu-mtbf-hours'"),
+        (["--checkpoint-save-s", "0"], "'--checkpoint-save-s'"),
+        (["--usd-per-gpu-hour", "-1"], "'--usd-per-gpu-hour'"),
+        (["--spare-policy", "warm"], "'--spare-policy'"),
+        (["--gpus", "32", "--blast-radius-gpus", "64"], "--blast-radius-gpus: blast_radius_gpus (64) exceeds gpus"),
+        (["--spare-nodes", "0"], "--spare-nodes: spare_nodes (0) is too small"),
+        (["--gpu-mtbf-hours", "5", "--node-mtbf-hours", "4"], "once, as one of --gpu-mtbf-hours"),
+    ],
+)
+def test_bad_flags_are_named(args, named):
+    result = run(*args, "--no-simulate")
+    assert result.exit_code != 0
+    assert named in result.output
+    assert "Traceback" not in result.output
+
+
+def test_toml_unknown_and_bad_values_are_named(tmp_path):
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("gpus = 64\nsofft_fraction = 0.2\n")
+    result = run("--config", str(unknown))
+    assert result.exit_code == 1
+    assert f"config {unknown}: unknown key(s) sofft_fraction" in result.output
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('gpus = "lots"\n')
+    result = run("--config", str(bad))
+    assert result.exit_code == 1
+    assert "gpus must be a number, got 'lots'" in result.output
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("gpus = \n")
+    result = run("--config", str(broken))
+    assert result.exit_code == 1
+    assert "is not valid TOML" in result.output
+
+
+def test_measured_file_sets_live_migration_times(tmp_path):
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({
+        "detection_latency_s": {"mean": 2.5, "p50": 2.0, "p95": 4.0, "n": 20},
+        "migration_pause_s": {"p50": 6.5, "p95": 7.0},
+        "steady_state_overhead": 0.001,
+    }))
+    doc = run_json("--preset", "pretrain-1k", "--measured", str(results), "--no-simulate")
+    assert doc["inputs"]["lm_detect_s"] == 2.5  # mean preferred
+    assert doc["inputs"]["lm_migrate_s"] == 6.5  # p50 when no mean
+    assert doc["inputs"]["lm_overhead"] == 0.001
+    assert doc["measured_source"] == str(results)
+    # Flags still win over measured figures.
+    doc = run_json("--measured", str(results), "--lm-migrate-s", "30", "--no-simulate")
+    assert doc["inputs"]["lm_migrate_s"] == 30
+
+
+def test_measured_auto_discovers_results_and_falls_back(tmp_path):
+    runner = CliRunner()
+    with runner.isolated_filesystem(temp_dir=tmp_path) as cwd:
+        # Nothing to find: a clear note, the defaults stay, exit 0.
+        result = runner.invoke(goodput, ["--measured", "--no-simulate"])
+        assert result.exit_code == 0, result.output
+        assert "--measured: no measured results in" in result.stderr
+        assert "bench/results/*.json" in result.stderr
+        # Another benchmark's results file is skipped; docs/benchmarks.md is read.
+        Path(cwd, "bench/results").mkdir(parents=True)
+        Path(cwd, "bench/results/other.json").write_text('{"throughput": 3}')
+        Path(cwd, "docs").mkdir()
+        Path(cwd, "docs/benchmarks.md").write_text(
+            "# Benchmarks\n\n```json torchpass-measured\n"
+            '{"detection_latency_s": {"p50": 1.5}, "migration_pause_s": {"p50": 9.0}}\n```\n'
+        )
+        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (1.5, 9.0)
+        assert doc["measured_source"].endswith("docs/benchmarks.md")
+        # A results file with the keys wins over the doc.
+        Path(cwd, "bench/results/migration.json").write_text(
+            '{"detection_latency_s": 0.8, "migration_pause_s": {"mean": 4.0}}'
+        )
+        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.8, 4.0)
+        assert doc["measured_source"].endswith("migration.json")
+
+
+def test_bad_measured_figures_are_named(tmp_path):
+    results = tmp_path / "r.json"
+    results.write_text('{"migration_pause_s": {"p50": -3}}')
+    result = run("--measured", str(results))
+    assert result.exit_code == 1
+    assert "migration_pause_s must be a finite number >= 0, got -3" in result.output
+    results.write_text('{"unrelated": 1}')
+    result = run("--measured", str(results))
+    assert result.exit_code == 1
+    assert "has none of the keys detection_latency_s" in result.output
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "goodput.png"
+    doc = run_json("--preset", "pretrain-1k", "--no-simulate", "--plot", str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert doc["plot"] == str(out)
+    out2 = tmp_path / "usd.png"
+    result = run("--no-simulate", "--plot", str(out2), "--plot-metric", "usd-lost-per-month")
+    assert result.exit_code == 0, result.output
+    assert out2.stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = run("--no-simulate", "--plot", str(tmp_path / "x.png"))
+    assert result.exit_code == 1
+    assert "pip install 'torchpass[plot]'" in result.output
+
+
+def test_list_presets():
+    result = run("--list-presets")
+    assert result.exit_code == 0
+    for name in PRESETS:
+        assert name in result.stdout
+    listed = json.loads(run("--list-presets", "--json").stdout)
+    assert listed["llama3-16k"]["values"]["gpus"] == 16_384
+
+
+def test_unknown_preset_is_refused():
+    result = run("--preset", "llama4")
+    assert result.exit_code == 2
+    assert "'--preset'" in result.output
+
+
+def test_weibull_flag_reaches_the_simulator():
+    doc = run_json("--preset", "pretrain-1k", "--weibull-shape", "0.7", "--runs", "200")
+    sim = doc["strategies"]["checkpoint_restart"]["simulation"]
+    assert sim["failure_process"] == "weibull(shape=0.7)"
