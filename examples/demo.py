@@ -37,7 +37,7 @@ def main() -> int:
     work.chmod(0o777)
     out = work / "job-%j.out"
     env = {**os.environ, "PYTHON": sys.executable, "TRAIN_PY": str(HERE / "train_ddp.py"), "STEPS": "40",
-           "TRAIN_ARGS": "--step-sleep 0.15"}
+           "TRAIN_ARGS": "--sleep 0.15"}
     print("\n== sbatch --torchpass examples/train.sbatch (3 nodes, unmodified DDP script)", flush=True)
     job_id = int(sh(["sbatch", "--parsable", "-o", str(out), "-D", str(work), str(HERE / "train.sbatch")],
                     capture_output=True, env=env).stdout.strip().split(";")[0])

@@ -16,8 +16,11 @@ def sbatch(args: list[str], script: str, *, cwd: Path, check: bool = True) -> su
     path = cwd / f"job-{time.monotonic_ns()}.sbatch"
     path.write_text(script)
     path.chmod(0o755)
+    # The test process carries the devcluster's TORCHPASS_* exports; a
+    # submitting user would not, and they must not leak into the job.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
     proc = subprocess.run(["sbatch", "--parsable", *args, str(path)], capture_output=True, text=True,
-                          cwd=cwd, env=os.environ.copy(), timeout=30)
+                          cwd=cwd, env=env, timeout=30)
     if check and proc.returncode != 0:
         raise AssertionError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc

@@ -1,0 +1,66 @@
+/*
+ * coordinator.h - start and stop the per-job torchpass coordinator.
+ *
+ * No Slurm calls in here either: remote.c and jobscript.c gather the job's
+ * identity and pass it in.
+ */
+#ifndef TPASS_COORDINATOR_H
+#define TPASS_COORDINATOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+#include "args.h"
+
+struct tpass_job {
+	unsigned job_id;
+	uid_t uid;
+	gid_t gid;
+	const gid_t *gids;   /* supplementary groups of the job */
+	int ngids;
+	unsigned spares;
+	const char *policy;
+	const char *node;    /* this node's Slurm name */
+	char *const *env;    /* environment handed to the coordinator */
+};
+
+struct tpass_coord {
+	pid_t pid;
+	unsigned long long start_time; /* /proc/PID/stat field 22 */
+	char address[256];             /* tcp://ADDR:PORT */
+};
+
+/*
+ * Prepare STATE_DIR/jobs/JOB (owned by the job user), stop a coordinator
+ * left by an earlier run of the same job on this node, start
+ * COORDINATOR --job-id J --state-dir D --spares N --policy P --ready-fd 3
+ * as the job user (detached, own session, stdin /dev/null, stdout/stderr
+ * appended to STATE_DIR/jobs/J/coordinator.log), wait up to
+ * conf->ready_timeout_s for its "tcp://ADDR:PORT" line and write
+ * STATE_DIR/jobs/J/coordinator.pid ("PID STARTTIME NODE").  Must run as root.
+ */
+int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job,
+		      struct tpass_coord *out, char *err, size_t errlen);
+
+/*
+ * Stop the coordinator pid if it is still the process we started (same
+ * start time, owned by uid): SIGTERM to its process group, SIGKILL after
+ * timeout_s.  Returns 0 when it is gone (or was never there), -1 on error.
+ */
+int tpass_coord_stop(pid_t pid, unsigned long long start_time, uid_t uid,
+		     unsigned timeout_s, char *err, size_t errlen);
+
+/*
+ * Backstop used by the epilog: read STATE_DIR/jobs/J/coordinator.pid and
+ * stop that coordinator if it was started on this node (node name match).
+ * *stopped tells whether a live coordinator was found and stopped.
+ */
+int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
+				  unsigned job_id, uid_t uid, const char *node,
+				  bool *stopped, char *err, size_t errlen);
+
+/* Start time of pid from /proc (0 if it is gone or a zombie). */
+unsigned long long tpass_proc_start_time(pid_t pid);
+
+#endif /* TPASS_COORDINATOR_H */

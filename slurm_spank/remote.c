@@ -1,0 +1,482 @@
+/*
+ * remote.c - slurmstepd (remote context).
+ *
+ * Batch step of a --torchpass job (init_post_opt, as root): start the one
+ * coordinator of the job on the batch host.  Every step of a --torchpass job
+ * (user_init): export TORCHPASS_* and the runtime's PYTHONPATH to the tasks;
+ * in the batch step also hide the hot spares from a plain srun.  Batch step
+ * exit: stop the coordinator (the epilog repeats that as a backstop).
+ *
+ * Steps of jobs without --torchpass return at the first line of each hook.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <slurm/slurm.h>
+
+#include "coordinator.h"
+#include "tpass.h"
+
+static struct {
+	bool is_batch;
+	unsigned job_id;
+	uint32_t step_id;
+	uid_t uid;
+	gid_t gid;
+	char node[256];
+	bool launch_failed;
+	char launch_err[TPASS_ERR_MAXLEN + 256];
+	bool coord_started;
+	struct tpass_coord coord;
+} R;
+
+static const char *const exported_vars[] = {
+	"TORCHPASS_JOB_ID", "TORCHPASS_COORDINATOR", "TORCHPASS_STATE_DIR",
+	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_NODE",
+	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", NULL,
+};
+
+static void launch_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void launch_fail(const char *fmt, ...)
+{
+	va_list ap;
+
+	if (R.launch_failed)
+		return; /* keep the first reason */
+	va_start(ap, fmt);
+	vsnprintf(R.launch_err, sizeof(R.launch_err), fmt, ap);
+	va_end(ap);
+	R.launch_failed = true;
+}
+
+static int get_env(spank_t sp, const char *name, char *buf, int len)
+{
+	return spank_getenv(sp, name, buf, len) == ESPANK_SUCCESS ? 0 : -1;
+}
+
+static void identify(spank_t sp)
+{
+	uint32_t u32 = 0;
+
+	spank_get_item(sp, S_JOB_ID, &u32);
+	R.job_id = u32;
+	R.step_id = 0;
+	spank_get_item(sp, S_JOB_STEPID, &R.step_id);
+	R.is_batch = R.step_id == SLURM_BATCH_SCRIPT;
+	spank_get_item(sp, S_JOB_UID, &R.uid);
+	spank_get_item(sp, S_JOB_GID, &R.gid);
+	tpass_node_name(R.node, sizeof(R.node));
+}
+
+int tpass_remote_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	return tpass_register_option(sp);
+}
+
+/* Environment for the coordinator: Slurm's and the locale, not the user's
+ * Python or loader settings (PYTHONPATH, LD_PRELOAD, ...). */
+static char **coordinator_env(spank_t sp)
+{
+	static const char *const keep[] = { "PATH=", "HOME=", "USER=",
+					    "LOGNAME=", "LANG=", "LC_",
+					    "TZ=", "TMPDIR=", "SLURM_", NULL };
+	char **job_env = NULL, **env;
+	size_t n = 0, i, k, out = 0;
+	bool have_path = false, have_conf = false;
+	const char *conf = getenv("SLURM_CONF");
+
+	if (spank_get_item(sp, S_JOB_ENV, &job_env) != ESPANK_SUCCESS)
+		job_env = NULL;
+	while (job_env && job_env[n])
+		n++;
+	env = calloc(n + 16, sizeof(*env));
+	if (!env)
+		return NULL;
+	for (i = 0; i < n; i++) {
+		for (k = 0; keep[k]; k++)
+			if (!strncmp(job_env[i], keep[k], strlen(keep[k])))
+				break;
+		if (!keep[k] || !strncmp(job_env[i], "SLURM_SPANK_", 12))
+			continue;
+		if (!strncmp(job_env[i], "PATH=", 5))
+			have_path = true;
+		if (!strncmp(job_env[i], "SLURM_CONF=", 11))
+			have_conf = true;
+		env[out++] = strdup(job_env[i]);
+	}
+	if (!have_path)
+		env[out++] = strdup("PATH=/usr/local/bin:/usr/bin:/bin");
+	if (!have_conf && conf && *conf &&
+	    asprintf(&env[out], "SLURM_CONF=%s", conf) > 0)
+		out++;
+	if (asprintf(&env[out], "TORCHPASS_JOB_ID=%u", R.job_id) > 0)
+		out++;
+	if (asprintf(&env[out], "TORCHPASS_STATE_DIR=%s", tpass.conf.state_dir) > 0)
+		out++;
+	if (asprintf(&env[out], "TORCHPASS_SPARES=%u", tpass.opts.spares) > 0)
+		out++;
+	if (asprintf(&env[out], "TORCHPASS_POLICY=%s", tpass.opts.policy) > 0)
+		out++;
+	if (asprintf(&env[out], "TORCHPASS_NODE=%s", R.node) > 0)
+		out++;
+	env[out] = NULL;
+	return env;
+}
+
+static void free_env(char **env)
+{
+	for (size_t i = 0; env && env[i]; i++)
+		free(env[i]);
+	free(env);
+}
+
+static void start_coordinator(spank_t sp)
+{
+	char err[TPASS_ERR_MAXLEN];
+	gid_t *gids = NULL;
+	int ngids = 0;
+	struct tpass_job job = { 0 };
+	char **env;
+
+	if (spank_get_item(sp, S_JOB_SUPPLEMENTARY_GIDS, &gids, &ngids) !=
+	    ESPANK_SUCCESS) {
+		gids = &R.gid;
+		ngids = 1;
+	}
+	env = coordinator_env(sp);
+	if (!env) {
+		launch_fail("out of memory");
+		return;
+	}
+	job.job_id = R.job_id;
+	job.uid = R.uid;
+	job.gid = R.gid;
+	job.gids = gids;
+	job.ngids = ngids;
+	job.spares = tpass.opts.spares;
+	job.policy = tpass.opts.policy;
+	job.node = R.node;
+	job.env = env;
+	if (tpass_coord_start(&tpass.conf, &job, &R.coord, err, sizeof(err)) < 0) {
+		launch_fail("job %u: %s", R.job_id, err);
+	} else {
+		R.coord_started = true;
+		tpass_info("job %u: coordinator pid %d on %s at %s", R.job_id,
+			   (int)R.coord.pid, R.node, R.coord.address);
+	}
+	free_env(env);
+}
+
+/*
+ * Batch step: refuse spares >= nodes before anything is started.  (The job
+ * environment already holds SLURM_JOB_NODELIST here; S_JOB_NNODES is 0 for
+ * the batch step.)
+ */
+static int check_spares(spank_t sp)
+{
+	char nodelist[8192], err[TPASS_ERR_MAXLEN];
+	char **hosts = NULL;
+	size_t n = 0;
+
+	if (tpass.opts.spares == 0)
+		return 0;
+	if (get_env(sp, "SLURM_JOB_NODELIST", nodelist, sizeof(nodelist)) < 0) {
+		launch_fail("spares=%u: SLURM_JOB_NODELIST is not set",
+			    tpass.opts.spares);
+		return -1;
+	}
+	if (tpass_hostlist_expand(nodelist, &hosts, &n, err, sizeof(err)) < 0) {
+		launch_fail("spares=%u: %s", tpass.opts.spares, err);
+		return -1;
+	}
+	tpass_hostlist_free(hosts, n);
+	if (tpass.opts.spares >= n) {
+		launch_fail("--torchpass=spares=%u needs at least %u nodes but job %u has %zu; submit with -N %u or more, or ask for fewer spares",
+			    tpass.opts.spares, tpass.opts.spares + 1, R.job_id,
+			    n, tpass.opts.spares + 1);
+		return -1;
+	}
+	return 0;
+}
+
+int tpass_remote_init_post_opt(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (!tpass_active(sp))
+		return 0;
+	identify(sp);
+	if (tpass.opts_bad) {
+		launch_fail("%s", tpass.opts_err);
+		return 0;
+	}
+	if (!tpass.conf_ok) {
+		launch_fail("the torchpass plugin is misconfigured on node %s (%s); ask your administrator",
+			    R.node, tpass.conf_err);
+		return 0;
+	}
+	if (R.is_batch && check_spares(sp) == 0)
+		start_coordinator(sp);
+	return 0;
+}
+
+static int set_env(spank_t sp, const char *name, const char *value)
+{
+	spank_err_t rc = spank_setenv(sp, name, value, 1);
+
+	if (rc != ESPANK_SUCCESS) {
+		launch_fail("cannot set %s: %s", name, spank_strerror(rc));
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * Batch step with spares=N: the last N nodes of the allocation are hot
+ * spares.  A plain srun in the batch script must run on the others only,
+ * every time.  srun 24.11 has no environment variable for --exclude, and a
+ * smaller SLURM_JOB_NUM_NODES alone lets the step land on a spare whenever
+ * an active node is still releasing the previous step, so the plugin writes
+ * a host file (STATE_DIR/jobs/J/hostfile: each active node once per task, in
+ * order, i.e. the block layout the job asked for) and exports
+ * SLURM_HOSTFILE, with SLURM_JOB_NUM_NODES/SLURM_NNODES and
+ * SLURM_NTASKS/SLURM_NPROCS reduced to match.  Runs as the job user.
+ */
+static int write_hostfile(char **hosts, const unsigned long *counts,
+			  size_t active, char *path, size_t pathlen)
+{
+	FILE *f;
+	int fd;
+
+	snprintf(path, pathlen, "%s/jobs/%u/hostfile", tpass.conf.state_dir,
+		 R.job_id);
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
+		  0644);
+	if (fd < 0) {
+		launch_fail("spares=%u: cannot write %s: %s",
+			    tpass.opts.spares, path, strerror(errno));
+		return -1;
+	}
+	f = fdopen(fd, "w");
+	if (!f) {
+		close(fd);
+		launch_fail("spares=%u: cannot write %s", tpass.opts.spares,
+			    path);
+		return -1;
+	}
+	for (size_t i = 0; i < active; i++)
+		for (unsigned long t = 0; t < counts[i]; t++)
+			fprintf(f, "%s\n", hosts[i]);
+	if (fclose(f) != 0) {
+		launch_fail("spares=%u: cannot write %s", tpass.opts.spares,
+			    path);
+		return -1;
+	}
+	return 0;
+}
+
+static int hide_spares(spank_t sp)
+{
+	char nodelist[8192], buf[8192], tpn[1024], err[TPASS_ERR_MAXLEN];
+	char path[TPASS_PATH_MAXLEN + 64];
+	unsigned long *counts = NULL, tasks = 0;
+	char **hosts = NULL;
+	size_t n = 0, active, i;
+	int rc = -1;
+
+	if (get_env(sp, "SLURM_JOB_NODELIST", nodelist, sizeof(nodelist)) < 0) {
+		launch_fail("spares=%u: SLURM_JOB_NODELIST is not set",
+			    tpass.opts.spares);
+		return -1;
+	}
+	if (tpass_hostlist_expand(nodelist, &hosts, &n, err, sizeof(err)) < 0) {
+		launch_fail("spares=%u: %s", tpass.opts.spares, err);
+		return -1;
+	}
+	if (tpass.opts.spares >= n) {
+		launch_fail("--torchpass=spares=%u needs at least %u nodes but job %u has %zu; submit with -N %u or more, or ask for fewer spares",
+			    tpass.opts.spares, tpass.opts.spares + 1, R.job_id,
+			    n, tpass.opts.spares + 1);
+		goto out;
+	}
+	active = n - tpass.opts.spares;
+	counts = calloc(n, sizeof(*counts));
+	if (!counts) {
+		launch_fail("out of memory");
+		goto out;
+	}
+	if (get_env(sp, "SLURM_TASKS_PER_NODE", tpn, sizeof(tpn)) == 0) {
+		if (tpass_tasks_per_node(tpn, active, counts, &tasks, err,
+					 sizeof(err)) < 0) {
+			launch_fail("spares=%u: %s", tpass.opts.spares, err);
+			goto out;
+		}
+	} else {
+		for (i = 0; i < active; i++)
+			counts[i] = 1;
+		tasks = active;
+	}
+	if (write_hostfile(hosts, counts, active, path, sizeof(path)) < 0)
+		goto out;
+	if (tpass_hostlist_join(hosts, active, n, buf, sizeof(buf)) < 0 ||
+	    set_env(sp, "TORCHPASS_SPARE_NODES", buf) < 0)
+		goto out;
+	if (tpass_hostlist_join(hosts, 0, active, buf, sizeof(buf)) < 0 ||
+	    set_env(sp, "TORCHPASS_ACTIVE_NODES", buf) < 0)
+		goto out;
+	if (set_env(sp, "SLURM_HOSTFILE", path) < 0)
+		goto out;
+	snprintf(buf, sizeof(buf), "%zu", active);
+	if (set_env(sp, "SLURM_JOB_NUM_NODES", buf) < 0 ||
+	    set_env(sp, "SLURM_NNODES", buf) < 0)
+		goto out;
+	snprintf(buf, sizeof(buf), "%lu", tasks);
+	if (set_env(sp, "SLURM_NTASKS", buf) < 0 ||
+	    set_env(sp, "SLURM_NPROCS", buf) < 0)
+		goto out;
+	rc = 0;
+out:
+	if (rc < 0 && !R.launch_failed)
+		launch_fail("spares=%u: node list too long", tpass.opts.spares);
+	free(counts);
+	tpass_hostlist_free(hosts, n);
+	return rc;
+}
+
+static void strip_env(spank_t sp)
+{
+	char old[8192], buf[8192];
+
+	for (int i = 0; exported_vars[i]; i++)
+		spank_unsetenv(sp, exported_vars[i]);
+	if (tpass.conf_ok && tpass.conf.runtime_path[0] &&
+	    get_env(sp, "PYTHONPATH", old, sizeof(old)) == 0 &&
+	    tpass_pythonpath_strip(old, tpass.conf.runtime_path, buf,
+				   sizeof(buf)) == 0) {
+		if (buf[0])
+			spank_setenv(sp, "PYTHONPATH", buf, 1);
+		else
+			spank_unsetenv(sp, "PYTHONPATH");
+	}
+}
+
+static int export_env(spank_t sp)
+{
+	char buf[8192], old[8192];
+	bool runtime = true;
+
+	snprintf(buf, sizeof(buf), "%u", R.job_id);
+	if (set_env(sp, "TORCHPASS_JOB_ID", buf) < 0 ||
+	    set_env(sp, "TORCHPASS_STATE_DIR", tpass.conf.state_dir) < 0 ||
+	    set_env(sp, "TORCHPASS_POLICY", tpass.opts.policy) < 0 ||
+	    set_env(sp, "TORCHPASS_NODE", R.node) < 0)
+		return -1;
+	snprintf(buf, sizeof(buf), "%u", tpass.opts.spares);
+	if (set_env(sp, "TORCHPASS_SPARES", buf) < 0)
+		return -1;
+	if (R.coord_started &&
+	    set_env(sp, "TORCHPASS_COORDINATOR", R.coord.address) < 0)
+		return -1;
+
+	if (get_env(sp, "TORCHPASS_RUNTIME", buf, sizeof(buf)) == 0) {
+		if (!strcmp(buf, "0"))
+			runtime = false;
+		else if (strcmp(buf, "1")) {
+			launch_fail("TORCHPASS_RUNTIME='%.64s' is invalid; allowed: 0 (do not load the torchpass runtime into Python) or 1",
+				    buf);
+			return -1;
+		}
+	}
+	if (runtime && tpass.conf.runtime_path[0]) {
+		if (get_env(sp, "PYTHONPATH", old, sizeof(old)) < 0)
+			old[0] = '\0';
+		if (tpass_pythonpath_prepend(old, tpass.conf.runtime_path, buf,
+					     sizeof(buf)) < 0) {
+			launch_fail("PYTHONPATH is too long");
+			return -1;
+		}
+		if (set_env(sp, "PYTHONPATH", buf) < 0)
+			return -1;
+	}
+	if (R.is_batch && tpass.opts.spares > 0 && hide_spares(sp) < 0)
+		return -1;
+	return 0;
+}
+
+int tpass_remote_user_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (!tpass.opts.given && !tpass_active(sp))
+		return 0;
+	if (!R.job_id)
+		identify(sp);
+	if (tpass.opts.off) {
+		strip_env(sp);
+		return 0;
+	}
+	if (!R.launch_failed && export_env(sp) < 0)
+		strip_env(sp);
+	if (R.launch_failed) {
+		/* to the job's stderr and the slurmd log; task_init fails the task */
+		tpass_error("%s", R.launch_err);
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * In the task, before exec.  plugstack.conf loads torchpass as "optional",
+ * and SPANK ignores the return code of an optional plugin's hooks, so a
+ * launch error cannot fail the step by returning -1 (which is also what
+ * keeps a torchpass problem from ever draining a node).  Instead the task
+ * runs /bin/sh that prints the reason to the task's stderr and exits 1, in
+ * place of the user's program: the job ends FAILED (exit code 1) with the
+ * reason in its output, and nothing was started.
+ */
+int tpass_remote_task_init(spank_t sp, int ac, char **av)
+{
+	char msg[sizeof(R.launch_err) + 16];
+	const char *argv[] = {
+		"/bin/sh", "-c", "printf '%s\\n' \"$0\" >&2; exit 1", msg,
+	};
+	spank_err_t rc;
+
+	(void)ac;
+	(void)av;
+	if (!tpass.opts.given || tpass.opts.off || !R.launch_failed)
+		return 0;
+	snprintf(msg, sizeof(msg), "tpass: %s", R.launch_err);
+	rc = spank_prepend_task_argv(sp, 4, argv);
+	if (rc != ESPANK_SUCCESS)
+		tpass_error("cannot stop the task after a launch error: %s",
+			    spank_strerror(rc));
+	return -1;
+}
+
+int tpass_remote_exit(spank_t sp, int ac, char **av)
+{
+	char err[TPASS_ERR_MAXLEN];
+
+	(void)sp;
+	(void)ac;
+	(void)av;
+	if (!R.coord_started)
+		return 0;
+	R.coord_started = false;
+	if (tpass_coord_stop(R.coord.pid, R.coord.start_time, R.uid,
+			     tpass.conf.stop_timeout_s, err, sizeof(err)) < 0)
+		tpass_error("job %u: %s", R.job_id, err);
+	else
+		tpass_info("job %u: coordinator pid %d stopped", R.job_id,
+			   (int)R.coord.pid);
+	return 0;
+}

@@ -1,0 +1,400 @@
+/*
+ * test_args.c - unit tests for args.c (no Slurm needed).
+ * Build and run: make -C slurm_spank test
+ * Prints one line per failed check and a summary "N checks, F failed".
+ */
+#include "../args.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int checks, failed;
+
+#define CHECK(cond)                                                        \
+	do {                                                               \
+		checks++;                                                  \
+		if (!(cond)) {                                             \
+			failed++;                                          \
+			printf("FAIL %s:%d: %s\n", __FILE__, __LINE__,     \
+			       #cond);                                     \
+		}                                                          \
+	} while (0)
+
+#define CHECK_CONTAINS(hay, needle)                                        \
+	do {                                                               \
+		checks++;                                                  \
+		if (!strstr((hay), (needle))) {                            \
+			failed++;                                          \
+			printf("FAIL %s:%d: '%s' does not contain '%s'\n", \
+			       __FILE__, __LINE__, (hay), (needle));       \
+		}                                                          \
+	} while (0)
+
+static struct tpass_conf conf;
+static char err[TPASS_ERR_MAXLEN];
+
+static int opts(const char *v, struct tpass_opts *o)
+{
+	err[0] = '\0';
+	return tpass_opts_parse(v, &conf, o, err, sizeof(err));
+}
+
+static void test_opts_ok(void)
+{
+	struct tpass_opts o;
+
+	CHECK(opts(NULL, &o) == 0);
+	CHECK(o.given && !o.off && o.spares == 0);
+	CHECK(!strcmp(o.policy, "default"));
+
+	CHECK(opts("", &o) == 0 && o.spares == 0);
+	CHECK(opts("spares=0", &o) == 0 && o.spares == 0);
+	CHECK(opts("spares=64", &o) == 0 && o.spares == 64);
+	CHECK(opts("spares=2,policy=fast-1_x", &o) == 0);
+	CHECK(o.spares == 2 && !strcmp(o.policy, "fast-1_x"));
+	CHECK(opts("policy=p", &o) == 0 && o.spares == 0 &&
+	      !strcmp(o.policy, "p"));
+	CHECK(opts("policy=abcdefghijklmnopqrstuvwxyz012345", &o) == 0);
+	CHECK(opts("off", &o) == 0 && o.off);
+
+	/* idempotent: parsing again starts from defaults */
+	CHECK(opts("spares=3", &o) == 0 && o.spares == 3);
+	CHECK(opts("policy=x", &o) == 0 && o.spares == 0);
+	CHECK(opts("spares=3", &o) == 0 && opts("spares=3", &o) == 0 &&
+	      o.spares == 3 && !strcmp(o.policy, "default"));
+}
+
+static void test_opts_bad(void)
+{
+	struct tpass_opts o;
+
+	CHECK(opts("spares=abc", &o) < 0);
+	CHECK_CONTAINS(err, "'abc'");
+	CHECK_CONTAINS(err, "spares");
+	CHECK_CONTAINS(err, "0..64");
+
+	CHECK(opts("bogus=1", &o) < 0);
+	CHECK_CONTAINS(err, "unknown key 'bogus'");
+	CHECK_CONTAINS(err, "spares=N (0..64)");
+	CHECK_CONTAINS(err, "policy=NAME");
+
+	CHECK(opts("spares=65", &o) < 0);
+	CHECK_CONTAINS(err, "'65'");
+	CHECK(opts("spares=-1", &o) < 0);
+	CHECK(opts("spares=+1", &o) < 0);
+	CHECK(opts("spares= 1", &o) < 0);
+	CHECK(opts("spares=1 ", &o) < 0);
+	CHECK(opts("spares=", &o) < 0);
+	CHECK(opts("spares=99999999999999999999", &o) < 0);
+	CHECK(opts("spares=0x1", &o) < 0);
+	CHECK(opts("spares", &o) < 0);
+	CHECK_CONTAINS(err, "needs a value");
+	CHECK(opts("spares=1,spares=2", &o) < 0);
+	CHECK_CONTAINS(err, "twice");
+	CHECK(opts("policy=a,policy=b", &o) < 0);
+	CHECK(opts("spares=1,", &o) < 0);
+	CHECK_CONTAINS(err, "empty item");
+	CHECK(opts(",spares=1", &o) < 0);
+	CHECK(opts("spares=1,,policy=a", &o) < 0);
+	CHECK(opts("off,spares=1", &o) < 0);
+	CHECK_CONTAINS(err, "off");
+	CHECK(opts("spares=1,off", &o) < 0);
+	CHECK(opts("OFF", &o) < 0);
+	CHECK(opts("=1", &o) < 0);
+
+	CHECK(opts("policy=", &o) < 0);
+	CHECK_CONTAINS(err, "policy");
+	CHECK(opts("policy=a b", &o) < 0);
+	CHECK_CONTAINS(err, "[A-Za-z0-9_-]");
+	CHECK(opts("policy=a/b", &o) < 0);
+	CHECK(opts("policy=../x", &o) < 0);
+	CHECK(opts("policy=abcdefghijklmnopqrstuvwxyz0123456", &o) < 0);
+	CHECK(opts("policy=\xc3\xa9", &o) < 0);
+	CHECK(opts("policy", &o) < 0);
+
+	/* long garbage gets truncated in the message, not overflowed */
+	{
+		char big[4096];
+		memset(big, 'x', sizeof(big) - 1);
+		big[sizeof(big) - 1] = '\0';
+		memcpy(big, "spares=", 7);
+		CHECK(opts(big, &o) < 0);
+		CHECK(strlen(err) < 300);
+		memcpy(big, "policy=", 7);
+		CHECK(opts(big, &o) < 0);
+		big[0] = 'z';
+		CHECK(opts(big, &o) < 0);
+		CHECK_CONTAINS(err, "unknown key");
+	}
+}
+
+static void test_opts_max_spares(void)
+{
+	struct tpass_conf c;
+	struct tpass_opts o;
+	char *av[] = { "coordinator=/c", "state_dir=/s", "max_spares=2",
+		       "policy=site" };
+
+	CHECK(tpass_conf_parse(4, av, &c, err, sizeof(err)) == 0);
+	CHECK(tpass_opts_parse("spares=2", &c, &o, err, sizeof(err)) == 0);
+	CHECK(tpass_opts_parse("spares=3", &c, &o, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "0..2");
+	CHECK(tpass_opts_parse(NULL, &c, &o, err, sizeof(err)) == 0);
+	CHECK(!strcmp(o.policy, "site"));
+}
+
+static void test_opts_format(void)
+{
+	struct tpass_opts o, o2;
+	char buf[128];
+
+	CHECK(opts("policy=x,spares=4", &o) == 0);
+	CHECK(tpass_opts_format(&o, buf, sizeof(buf)) == 0);
+	CHECK(!strcmp(buf, "spares=4,policy=x"));
+	CHECK(opts(buf, &o2) == 0 && o2.spares == 4 &&
+	      !strcmp(o2.policy, "x"));
+	CHECK(opts("off", &o) == 0);
+	CHECK(tpass_opts_format(&o, buf, sizeof(buf)) == 0);
+	CHECK(!strcmp(buf, "off"));
+	CHECK(tpass_opts_format(&o, buf, 3) < 0);
+}
+
+static int conf_parse(int n, char **av, struct tpass_conf *c)
+{
+	err[0] = '\0';
+	return tpass_conf_parse(n, av, c, err, sizeof(err));
+}
+
+static void test_conf(void)
+{
+	struct tpass_conf c;
+
+	{
+		char *av[] = { "coordinator=/opt/tp/bin/tpass-coordinator",
+			       "state_dir=/var/lib/torchpass",
+			       "runtime_path=/opt/tp/boot", "policy=p1",
+			       "max_spares=8", "log_level=debug",
+			       "ready_timeout=20", "stop_timeout=2" };
+		CHECK(conf_parse(8, av, &c) == 0);
+		CHECK(!strcmp(c.coordinator, "/opt/tp/bin/tpass-coordinator"));
+		CHECK(!strcmp(c.state_dir, "/var/lib/torchpass"));
+		CHECK(!strcmp(c.runtime_path, "/opt/tp/boot"));
+		CHECK(!strcmp(c.policy, "p1"));
+		CHECK(c.max_spares == 8);
+		CHECK(c.log_level == TPASS_LOG_DEBUG);
+		CHECK(c.ready_timeout_s == 20 && c.stop_timeout_s == 2);
+	}
+	{
+		char *av[] = { "state_dir=/s", "coordinator=/c" };
+		CHECK(conf_parse(2, av, &c) == 0);
+		CHECK(c.runtime_path[0] == '\0');
+		CHECK(!strcmp(c.policy, "default"));
+		CHECK(c.max_spares == 64 && c.log_level == TPASS_LOG_INFO);
+		CHECK(c.ready_timeout_s == 10 && c.stop_timeout_s == 5);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "bogus=1" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "unknown argument 'bogus'");
+		CHECK_CONTAINS(err, "coordinator=PATH");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "verbose" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "'verbose' is not key=value");
+	}
+	{
+		char *av[] = { "coordinator=/c" };
+		CHECK(conf_parse(1, av, &c) < 0);
+		CHECK_CONTAINS(err, "missing required argument state_dir");
+	}
+	{
+		char *av[] = { "state_dir=/s" };
+		CHECK(conf_parse(1, av, &c) < 0);
+		CHECK_CONTAINS(err, "missing required argument coordinator");
+	}
+	CHECK(conf_parse(0, NULL, &c) < 0);
+	{
+		char *av[] = { "coordinator=relative/c", "state_dir=/s" };
+		CHECK(conf_parse(2, av, &c) < 0);
+		CHECK_CONTAINS(err, "absolute");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "coordinator=/d" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "twice");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=" };
+		CHECK(conf_parse(2, av, &c) < 0);
+		CHECK_CONTAINS(err, "empty");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "max_spares=65" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "max_spares");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "log_level=loud" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "error, info, verbose, debug");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "policy=a.b" };
+		CHECK(conf_parse(3, av, &c) < 0);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "runtime_path=/a:/b" };
+		CHECK(conf_parse(3, av, &c) < 0);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "ready_timeout=0" };
+		CHECK(conf_parse(3, av, &c) < 0);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "stop_timeout=301" };
+		CHECK(conf_parse(3, av, &c) < 0);
+	}
+}
+
+static void test_uint(void)
+{
+	unsigned v;
+
+	CHECK(tpass_parse_uint("0", 0, 5, &v) == 0 && v == 0);
+	CHECK(tpass_parse_uint("5", 0, 5, &v) == 0 && v == 5);
+	CHECK(tpass_parse_uint("6", 0, 5, &v) < 0);
+	CHECK(tpass_parse_uint("007", 0, 64, &v) == 0 && v == 7);
+	CHECK(tpass_parse_uint("", 0, 5, &v) < 0);
+	CHECK(tpass_parse_uint(NULL, 0, 5, &v) < 0);
+	CHECK(tpass_parse_uint("1", 2, 5, &v) < 0);
+	CHECK(tpass_parse_uint("4294967296", 0, 4294967295u, &v) < 0);
+}
+
+static void test_hostlist(void)
+{
+	char **h;
+	size_t n;
+	char buf[256];
+
+	CHECK(tpass_hostlist_expand("node[1-4]", &h, &n, err, sizeof(err)) == 0);
+	CHECK(n == 4 && !strcmp(h[0], "node1") && !strcmp(h[3], "node4"));
+	CHECK(tpass_hostlist_join(h, 2, 4, buf, sizeof(buf)) == 0);
+	CHECK(!strcmp(buf, "node3,node4"));
+	CHECK(tpass_hostlist_join(h, 0, 1, buf, sizeof(buf)) == 0);
+	CHECK(!strcmp(buf, "node1"));
+	CHECK(tpass_hostlist_join(h, 0, 4, buf, 10) < 0);
+	tpass_hostlist_free(h, n);
+
+	CHECK(tpass_hostlist_expand("gpu[08-10,12],login,x[3]-ib", &h, &n,
+				    err, sizeof(err)) == 0);
+	CHECK(n == 6);
+	if (n == 6) {
+		CHECK(!strcmp(h[0], "gpu08") && !strcmp(h[1], "gpu09"));
+		CHECK(!strcmp(h[2], "gpu10") && !strcmp(h[3], "gpu12"));
+		CHECK(!strcmp(h[4], "login") && !strcmp(h[5], "x3-ib"));
+	}
+	tpass_hostlist_free(h, n);
+
+	CHECK(tpass_hostlist_expand("a,b", &h, &n, err, sizeof(err)) == 0);
+	CHECK(n == 2 && !strcmp(h[1], "b"));
+	tpass_hostlist_free(h, n);
+
+	CHECK(tpass_hostlist_expand("", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("n[1-", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("n[3-1]", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("n[1-2]x[1-2]", &h, &n, err,
+				    sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("a,,b", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("a,", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("n[a]", &h, &n, err, sizeof(err)) < 0);
+	CHECK(tpass_hostlist_expand("n[1-999999]", &h, &n, err,
+				    sizeof(err)) < 0);
+}
+
+static void test_tasks(void)
+{
+	unsigned long t;
+
+	CHECK(tpass_tasks_on_first_nodes("1(x4)", 3, &t, err, sizeof(err)) == 0 &&
+	      t == 3);
+	CHECK(tpass_tasks_on_first_nodes("2(x3),1", 4, &t, err, sizeof(err)) == 0 &&
+	      t == 7);
+	CHECK(tpass_tasks_on_first_nodes("2(x3),1", 2, &t, err, sizeof(err)) == 0 &&
+	      t == 4);
+	CHECK(tpass_tasks_on_first_nodes("4,2,1", 2, &t, err, sizeof(err)) == 0 &&
+	      t == 6);
+	{
+		unsigned long c[4] = { 0 };
+		CHECK(tpass_tasks_per_node("2(x2),3,1", 4, c, &t, err,
+					   sizeof(err)) == 0);
+		CHECK(t == 8 && c[0] == 2 && c[1] == 2 && c[2] == 3 &&
+		      c[3] == 1);
+	}
+	CHECK(tpass_tasks_on_first_nodes("1(x2)", 3, &t, err, sizeof(err)) < 0);
+	CHECK(tpass_tasks_on_first_nodes("1(y2)", 1, &t, err, sizeof(err)) < 0);
+	CHECK(tpass_tasks_on_first_nodes("", 1, &t, err, sizeof(err)) < 0);
+	CHECK(tpass_tasks_on_first_nodes("x", 1, &t, err, sizeof(err)) < 0);
+}
+
+static void test_pythonpath(void)
+{
+	char buf[256];
+
+	CHECK(tpass_pythonpath_prepend(NULL, "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/rt"));
+	CHECK(tpass_pythonpath_prepend("", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/rt"));
+	CHECK(tpass_pythonpath_prepend("/a:/b", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/rt:/a:/b"));
+	CHECK(tpass_pythonpath_prepend("/rt:/a", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/rt:/a"));
+	CHECK(tpass_pythonpath_prepend("/rtx", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/rt:/rtx"));
+	CHECK(tpass_pythonpath_prepend("/a", "/rt", buf, 4) < 0);
+
+	CHECK(tpass_pythonpath_strip("/rt:/a:/b", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/a:/b"));
+	CHECK(tpass_pythonpath_strip("/a:/rt", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/a"));
+	CHECK(tpass_pythonpath_strip("/rt", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, ""));
+	CHECK(tpass_pythonpath_strip("/a:/rtx", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/a:/rtx"));
+	CHECK(tpass_pythonpath_strip("/rt:/a:/rt", "/rt", buf, sizeof(buf)) == 0 &&
+	      !strcmp(buf, "/a"));
+}
+
+static void test_ready(void)
+{
+	CHECK(tpass_ready_line_valid("tcp://10.0.0.1:5555", err, sizeof(err)) == 0);
+	CHECK(tpass_ready_line_valid("tcp://node1:1", err, sizeof(err)) == 0);
+	CHECK(tpass_ready_line_valid("tcp://[::1]:80", err, sizeof(err)) == 0);
+	CHECK(tpass_ready_line_valid("udp://h:1", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://h:0", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://h:65536", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://:1", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://h", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://a b:1", err, sizeof(err)) < 0);
+	CHECK(tpass_ready_line_valid("tcp://a;rm:1", err, sizeof(err)) < 0);
+}
+
+int main(void)
+{
+	tpass_conf_defaults(&conf);
+	test_opts_ok();
+	test_opts_bad();
+	test_opts_max_spares();
+	test_opts_format();
+	test_conf();
+	test_uint();
+	test_hostlist();
+	test_tasks();
+	test_pythonpath();
+	test_ready();
+	printf("%d checks, %d failed\n", checks, failed);
+	return failed ? 1 : 0;
+}

@@ -1,0 +1,84 @@
+/*
+ * tpass.h - state shared by the per-context files of the torchpass plugin.
+ *
+ * Layout (after NVIDIA pyxis): dispatch.c defines every slurm_spank_* hook
+ * and switches on spank_context() into tpass_<context>_<hook>() functions
+ * that live in allocator.c (sbatch/salloc), local.c (srun), remote.c
+ * (slurmstepd) and jobscript.c (prolog/epilog).  common.c holds the state,
+ * logging, plugstack parsing and the --torchpass option.
+ */
+#ifndef TPASS_H
+#define TPASS_H
+
+#include <stdbool.h>
+#include <slurm/spank.h>
+
+#include "args.h"
+
+/* Environment variable Slurm uses to hand our option to nested sruns. */
+#define TPASS_SPANK_OPT_ENV "SLURM_SPANK__SLURM_SPANK_OPTION_torchpass_torchpass"
+
+struct tpass_state {
+	/* plugstack.conf */
+	bool conf_parsed;
+	bool conf_ok;
+	struct tpass_conf conf;
+	char conf_err[TPASS_ERR_MAXLEN];
+
+	/* --torchpass */
+	struct tpass_opts opts;     /* opts.given == false: option not used */
+	bool opts_bad;
+	char opts_err[TPASS_ERR_MAXLEN];
+};
+
+extern struct tpass_state tpass;
+
+/* Logging: every line starts with "tpass: ". */
+void tpass_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void tpass_info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void tpass_verbose(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void tpass_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/*
+ * This node's name: the short host name.  (slurmstepd does not know the
+ * Slurm NodeName before the tasks' environment is built, and SLURMD_NODENAME
+ * in a step's environment is inherited from the batch script.)
+ */
+void tpass_node_name(char *buf, size_t len);
+
+/* Parse plugstack arguments once per process (idempotent). */
+void tpass_load_conf(int ac, char **av);
+
+/* Register --torchpass (all contexts that accept options). */
+int tpass_register_option(spank_t sp);
+
+/*
+ * Make sure tpass.opts reflects the option for this process: the option
+ * callback normally did it; otherwise ask spank_option_getopt.  Returns
+ * true when --torchpass is in effect (given and not "off").
+ */
+bool tpass_active(spank_t sp);
+
+/* The one-line reason given to users when the plugin config is broken. */
+void tpass_report_conf_broken(void);
+
+/* Submit-time checks of a valid, enabled --torchpass (option callback). */
+int tpass_allocator_check(const struct tpass_opts *opts);
+int tpass_local_check(const struct tpass_opts *opts);
+
+/* Per-context functions called by dispatch.c. */
+int tpass_allocator_init(spank_t sp, int ac, char **av);
+
+int tpass_local_init(spank_t sp, int ac, char **av);
+
+int tpass_remote_init(spank_t sp, int ac, char **av);
+int tpass_remote_init_post_opt(spank_t sp, int ac, char **av);
+int tpass_remote_user_init(spank_t sp, int ac, char **av);
+int tpass_remote_task_init(spank_t sp, int ac, char **av);
+int tpass_remote_exit(spank_t sp, int ac, char **av);
+
+int tpass_slurmd_init(spank_t sp, int ac, char **av);
+
+int tpass_jobscript_job_epilog(spank_t sp, int ac, char **av);
+
+#endif /* TPASS_H */

@@ -1,0 +1,357 @@
+"""The SPANK plugin end to end: real sbatch/srun/salloc against the devcluster.
+
+Jobs run as root here (the devcluster's Python lives under /root); the
+privilege drop of the coordinator for ordinary users is covered by the
+plugin's design and was checked by hand (docs/spank.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpass.slurm import client
+
+from slurm_helpers import job_id_of, wait_job, wait_running
+
+pytestmark = pytest.mark.integration
+
+RUNTIME_BOOT = Path(__file__).resolve().parents[2] / "torchpass" / "runtime" / "boot"
+PY = sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _plugin(plugin_built, cluster):
+    """Every test here needs the plugin loaded by the session's cluster."""
+    conf = (cluster.run_dir / "etc" / "plugstack.conf").read_text()
+    assert str(plugin_built) in conf, f"the devcluster's plugstack.conf does not load the plugin: {conf!r}"
+
+
+def _env() -> dict[str, str]:
+    """The submitter's environment without torchpass variables, so anything
+    TORCHPASS_* a job sees comes from the plugin."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_") and k != "PYTHONPATH"}
+
+
+def _run(argv: list[str], *, env: dict | None = None, cwd: Path | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, env=env or _env(), cwd=cwd, timeout=timeout)
+
+
+def _submit(args: list[str], script: str, job_dir: Path, *, env: dict | None = None) -> int:
+    path = job_dir / f"job-{time.monotonic_ns()}.sh"
+    path.write_text(script)
+    path.chmod(0o755)
+    proc = _run(["sbatch", "--parsable", "-o", str(job_dir / "out.%j"), *args, str(path)], env=env, cwd=job_dir)
+    assert proc.returncode == 0, f"sbatch failed: {proc.stderr.strip()}"
+    return job_id_of(proc)
+
+
+def _out(job_dir: Path, job_id: int) -> str:
+    return (job_dir / f"out.{job_id}").read_text()
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    env = {}
+    for line in path.read_text().splitlines():
+        k, sep, v = line.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            env[k] = v
+    return env
+
+
+def _coordinator_pids(job_id: int) -> list[int]:
+    """Live tpass-coordinator processes serving job_id, found in /proc."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("Z", "X") or not any(a.endswith(b"tpass-coordinator") for a in argv[:2]):
+            continue
+        if b"--job-id" in argv and argv[argv.index(b"--job-id") + 1] == str(job_id).encode():
+            pids.append(int(d.name))
+    return pids
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def _pidfile(cluster, job_id: int) -> Path:
+    return cluster.state_dir / "jobs" / str(job_id) / "coordinator.pid"
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _assert_one_coordinator(cluster, job_id: int) -> tuple[int, str]:
+    """Exactly one coordinator for the job, the one the pid file names."""
+    pidfile = _wait_for(lambda: _pidfile(cluster, job_id).exists() and _pidfile(cluster, job_id), 30,
+                        "the coordinator pid file")
+    pid_s, start_s, node = pidfile.read_text().split()
+    pids = _coordinator_pids(job_id)
+    assert pids == [int(pid_s)], f"coordinators for job {job_id}: {pids}, pid file says {pid_s}"
+    assert _start_time(int(pid_s)) == int(start_s)
+    return int(pid_s), node
+
+
+def _assert_no_coordinator(job_id: int, timeout_s: float = 15):
+    _wait_for(lambda: not _coordinator_pids(job_id), timeout_s, f"job {job_id}'s coordinator to exit")
+
+
+def _node_ok(name: str):
+    node = next(n for n in client().nodes() if n.name == name)
+    assert not node.drained and "DOWN" not in node.state and not node.reason, f"{name}: {node}"
+
+
+# --------------------------------------------------------------- submit time
+
+@pytest.mark.parametrize("cmd,value,expect", [
+    ("sbatch", "spares=abc", ["'abc'", "spares", "0..64"]),
+    ("sbatch", "bogus=1", ["unknown key 'bogus'", "spares=N (0..64)", "policy=NAME"]),
+    ("sbatch", "spares=65", ["'65'", "spares", "0..64"]),
+    ("sbatch", "spares=-1", ["'-1'", "spares"]),
+    ("sbatch", "policy=no/slash", ["'no/slash'", "policy", "[A-Za-z0-9_-]"]),
+    ("sbatch", "spares=1,spares=2", ["spares", "twice"]),
+    ("sbatch", "spares=1,", ["empty item"]),
+    ("srun", "bogus=1", ["unknown key 'bogus'", "spares=N (0..64)"]),
+    ("salloc", "spares=abc", ["'abc'", "0..64"]),
+])
+def test_bad_option_values_fail_at_submit(cmd, value, expect, job_dir):
+    extra = {"sbatch": ["--wrap", "true"], "srun": ["true"], "salloc": ["true"]}[cmd]
+    proc = _run([cmd, "-N1", f"--torchpass={value}", *extra], cwd=job_dir, timeout=30)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "tpass: " in ln]
+    assert len(lines) == 1, proc.stderr
+    for fragment in expect:
+        assert fragment in lines[0], lines[0]
+    assert "Submitted batch job" not in proc.stdout and "Granted job allocation" not in proc.stderr
+
+
+def test_salloc_and_srun_outside_a_batch_job_are_refused(job_dir):
+    proc = _run(["salloc", "-N1", "--torchpass", "true"], cwd=job_dir, timeout=30)
+    assert proc.returncode != 0
+    assert "salloc --torchpass is not supported" in proc.stderr and "sbatch --torchpass" in proc.stderr
+    assert "Granted job allocation" not in proc.stderr
+
+    proc = _run(["srun", "-N1", "--torchpass=spares=0", "hostname"], cwd=job_dir, timeout=30)
+    assert proc.returncode != 0
+    assert "srun --torchpass outside a batch job is not supported" in proc.stderr
+    assert proc.stdout == ""
+
+
+# ------------------------------------------------------------------- runtime
+
+def test_job_without_torchpass_is_untouched(cluster, job_dir):
+    script = f"""#!/bin/sh
+env > {job_dir}/env.batch
+srun sh -c 'env > {job_dir}/env.$SLURM_PROCID'
+"""
+    job_id = _submit(["-N3"], script, job_dir)
+    assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+    envs = [_read_env(job_dir / f"env.{i}") for i in ("batch", 0, 1, 2)]
+    for env in envs:
+        assert not [k for k in env if k.startswith("TORCHPASS_")]
+        assert str(RUNTIME_BOOT) not in env.get("PYTHONPATH", "")
+    assert not (cluster.state_dir / "jobs" / str(job_id)).exists()
+    assert _coordinator_pids(job_id) == []
+    assert "tpass" not in _out(job_dir, job_id)
+
+
+def test_torchpass_job_env_runtime_and_exactly_one_coordinator(cluster, job_dir):
+    script = f"""#!/bin/sh
+env > {job_dir}/env.batch
+srun sh -c 'env > {job_dir}/env.$SLURM_PROCID; \
+  {PY} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
+touch {job_dir}/running
+while [ ! -e {job_dir}/release ]; do sleep 0.2; done
+"""
+    job_id = _submit(["-N3", "--torchpass"], script, job_dir)
+    _wait_for(lambda: (job_dir / "running").exists(), 60, "the job's tasks")
+    pid, node = _assert_one_coordinator(cluster, job_id)
+    assert node == "node1"
+
+    batch = _read_env(job_dir / "env.batch")
+    address = batch["TORCHPASS_COORDINATOR"]
+    assert re.fullmatch(r"tcp://10\.\d+\.\d+\.11:\d+", address), address
+    hosts = set()
+    for rank in range(3):
+        env = _read_env(job_dir / f"env.{rank}")
+        assert env["TORCHPASS_JOB_ID"] == str(job_id)
+        assert env["TORCHPASS_COORDINATOR"] == address
+        assert env["TORCHPASS_STATE_DIR"] == str(cluster.state_dir)
+        assert env["TORCHPASS_SPARES"] == "0"
+        assert env["TORCHPASS_POLICY"] == "default"
+        assert env["TORCHPASS_NODE"] == env["SLURMD_NODENAME"]
+        assert env["PYTHONPATH"].split(":")[0] == str(RUNTIME_BOOT)
+        assert env["PYTHONPATH"].split(":").count(str(RUNTIME_BOOT)) == 1
+        assert (job_dir / f"rt.{rank}").read_text().strip() == "1"  # runtime loaded, script unchanged
+        hosts.add(env["SLURMD_NODENAME"])
+    assert hosts == {"node1", "node2", "node3"}
+    assert _coordinator_pids(job_id) == [pid]  # still one after the steps
+
+    (job_dir / "release").touch()
+    job = wait_job(job_id, timeout_s=60)
+    assert job.state == "COMPLETED", _out(job_dir, job_id)
+    _assert_no_coordinator(job_id)
+
+
+def test_scancel_stops_the_coordinator(cluster, job_dir):
+    job_id = _submit(["-N2", "--torchpass=policy=p1"], "#!/bin/sh\nsleep 300\n", job_dir)
+    wait_running(job_id)
+    pid, _ = _assert_one_coordinator(cluster, job_id)
+    assert _run(["scancel", str(job_id)]).returncode == 0
+    assert wait_job(job_id, timeout_s=60).state == "CANCELLED"
+    _assert_no_coordinator(job_id)
+    assert not Path(f"/proc/{pid}").exists() or _coordinator_pids(job_id) == []
+
+
+def test_time_limit_stops_the_coordinator(cluster, job_dir):
+    """Slurm enforces limits in whole minutes: this test takes about 70-90 s."""
+    job_id = _submit(["-N1", "--time=1", "--torchpass"], "#!/bin/sh\nsleep 300\n", job_dir)
+    wait_running(job_id)
+    _assert_one_coordinator(cluster, job_id)
+    assert wait_job(job_id, timeout_s=150).state == "TIMEOUT"
+    _assert_no_coordinator(job_id)
+
+
+def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir):
+    """The backstop: slurmstepd of the batch step is SIGKILLed, so its
+    slurm_spank_exit never runs; the epilog stops the coordinator."""
+    job_id = _submit(["-N1", "--torchpass"], f"#!/bin/sh\necho $$ > {job_dir}/script.pid\nexec sleep 300\n", job_dir)
+    wait_running(job_id)
+    coord, _ = _assert_one_coordinator(cluster, job_id)
+    script_pid = int(_wait_for(lambda: (job_dir / "script.pid").exists() and (job_dir / "script.pid").read_text(),
+                               30, "the batch script").strip())
+    stepd = [int(p) for p in _run(["pgrep", "-f", rf"^slurmstepd: \[{job_id}\.batch\]"]).stdout.split()]
+    assert len(stepd) == 1
+    try:
+        os.kill(stepd[0], signal.SIGKILL)
+        time.sleep(1)
+        assert _coordinator_pids(job_id) == [coord]  # nothing stopped it yet
+        assert _run(["scancel", str(job_id)]).returncode == 0
+        _assert_no_coordinator(job_id, timeout_s=30)
+    finally:
+        # under proctrack/linuxproc the orphaned script survives its slurmstepd
+        try:
+            os.kill(script_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    log = (cluster.run_dir / "log" / "slurmd.node1.log").read_text()
+    assert f"tpass: epilog job {job_id}: stopped a coordinator" in log
+    _node_ok("node1")
+
+
+# -------------------------------------------------------------------- spares
+
+def test_spares_keep_the_last_nodes_free(cluster, job_dir):
+    script = f"""#!/bin/sh
+env > {job_dir}/env.batch
+for i in 1 2 3; do srun hostname | sort | tr '\\n' ' ' >> {job_dir}/hosts; echo >> {job_dir}/hosts; done
+"""
+    job_id = _submit(["-N4", "--ntasks-per-node=1", "--torchpass=spares=1"], script, job_dir)
+    assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+    env = _read_env(job_dir / "env.batch")
+    assert env["TORCHPASS_SPARES"] == "1"
+    assert env["TORCHPASS_SPARE_NODES"] == "node4"
+    assert env["TORCHPASS_ACTIVE_NODES"] == "node1,node2,node3"
+    assert env["SLURM_JOB_NUM_NODES"] == env["SLURM_NNODES"] == "3"
+    assert env["SLURM_NTASKS"] == "3"
+    runs = [line.split() for line in (job_dir / "hosts").read_text().splitlines()]
+    assert runs == [["node1", "node2", "node3"]] * 3
+    _assert_no_coordinator(job_id)
+
+
+def test_spares_not_below_the_node_count_fail_the_job_not_the_node(cluster, job_dir):
+    job_id = _submit(["-N2", "--torchpass=spares=2"], f"#!/bin/sh\ntouch {job_dir}/ran\n", job_dir)
+    job = wait_job(job_id, timeout_s=60)
+    assert job.state == "FAILED" and job.exit_code == 1
+    out = _out(job_dir, job_id)
+    assert "tpass: --torchpass=spares=2 needs at least 3 nodes but job" in out
+    assert not (job_dir / "ran").exists()  # the script never ran
+    assert not _pidfile(cluster, job_id).exists()  # nothing was started
+    _node_ok("node1")
+    _node_ok("node2")
+
+
+# ------------------------------------------------------------- nested sruns
+
+def test_nested_srun_off_repeat_and_mismatch(cluster, job_dir):
+    script = f"""#!/bin/sh
+srun --torchpass=off sh -c 'env > {job_dir}/env.off.$SLURM_PROCID'
+srun --torchpass=spares=0,policy=default sh -c 'env > {job_dir}/env.same.$SLURM_PROCID'
+srun --torchpass=spares=1 true 2> {job_dir}/mismatch.err; echo $? > {job_dir}/mismatch.rc
+"""
+    job_id = _submit(["-N2", "--torchpass"], script, job_dir)
+    assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+    for rank in range(2):
+        off = _read_env(job_dir / f"env.off.{rank}")
+        assert not [k for k in off if k.startswith("TORCHPASS_")], off
+        assert str(RUNTIME_BOOT) not in off.get("PYTHONPATH", "")
+        same = _read_env(job_dir / f"env.same.{rank}")
+        assert same["TORCHPASS_JOB_ID"] == str(job_id)
+    assert (job_dir / "mismatch.rc").read_text().strip() != "0"
+    assert "differs from job" in (job_dir / "mismatch.err").read_text()
+
+
+def test_runtime_opt_out_and_strict_value(cluster, job_dir):
+    script = f"""#!/bin/sh
+srun sh -c 'env > {job_dir}/env.$SLURM_PROCID; \
+  {PY} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
+"""
+    job_id = _submit(["-N2", "--torchpass"], script, job_dir, env={**_env(), "TORCHPASS_RUNTIME": "0"})
+    assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+    for rank in range(2):
+        env = _read_env(job_dir / f"env.{rank}")
+        assert env["TORCHPASS_JOB_ID"] == str(job_id)
+        assert str(RUNTIME_BOOT) not in env.get("PYTHONPATH", "")
+        assert (job_dir / f"rt.{rank}").read_text().strip() == "0"
+
+    bad = _submit(["-N1", "--torchpass"], f"#!/bin/sh\ntouch {job_dir}/ran\n", job_dir,
+                  env={**_env(), "TORCHPASS_RUNTIME": "yes"})
+    job = wait_job(bad, timeout_s=60)
+    assert job.state == "FAILED"
+    assert "TORCHPASS_RUNTIME='yes' is invalid; allowed: 0" in _out(job_dir, bad)
+    assert not (job_dir / "ran").exists()
+
+
+# ------------------------------------------------------------ broken config
+
+def test_broken_plugstack_config_only_affects_torchpass_jobs(cluster, job_dir):
+    plugstack = cluster.run_dir / "etc" / "plugstack.conf"
+    good = plugstack.read_text()
+    plugstack.write_text(good.rstrip("\n") + " bogus_arg=1\n")
+    try:
+        proc = _run(["sbatch", "-N1", "--torchpass", "--wrap", "true"], cwd=job_dir)
+        assert proc.returncode != 0
+        assert "misconfigured" in proc.stderr and "unknown argument 'bogus_arg'" in proc.stderr
+
+        script = f"#!/bin/sh\nsrun hostname > {job_dir}/hosts\nenv > {job_dir}/env.batch\n"
+        job_id = _submit(["-N2"], script, job_dir)
+        assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+        assert sorted((job_dir / "hosts").read_text().split()) == ["node1", "node2"]
+        assert "tpass" not in _out(job_dir, job_id)
+        assert not [k for k in _read_env(job_dir / "env.batch") if k.startswith("TORCHPASS_")]
+    finally:
+        plugstack.write_text(good)
+    _node_ok("node1")
+    _node_ok("node2")
