@@ -86,9 +86,109 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str, required=False),
         "loss": _f(float, int, required=False),
     },
+    # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
+    # Publications on tpassd's PUB socket, multipart [topic, frame] with the
+    # topic equal to the type. Envelope: seq = per-publisher sequence number
+    # (every publication), sender = node name. incarnation changes on every
+    # daemon start (the seq restarts at 0 with it).
+    "tpassd.sample": {
+        "node": _f(str),
+        "incarnation": _f(str),
+        "t": _f(float, int),  # publisher's wall clock, seconds since the epoch
+        "interval_s": _f(float, int),
+        "state": _f(str),  # healthy | degraded | failed | unknown
+        "reasons": _f(list),
+        # component -> {"state", "reasons", "metrics": {name: value}}
+        "components": _f(dict),
+        # collector -> {"ok", "duration_s", "error"}
+        "collectors": _f(dict),
+    },
+    # One per component whose state changed; component "node" for the node.
+    "tpassd.event": {
+        "node": _f(str),
+        "incarnation": _f(str),
+        "t": _f(float, int),
+        "component": _f(str),
+        "state": _f(str),
+        "previous": _f(str),
+        "reasons": _f(list),
+        "node_state": _f(str),
+        "prev_event_seq": _f(int),  # seq of the previous event (-1: none): gap detection
+    },
+    "tpassd.heartbeat": {
+        "node": _f(str),
+        "incarnation": _f(str),
+        "t": _f(float, int),
+        "interval_s": _f(float, int),
+        "state": _f(str),
+        "last_event_seq": _f(int),
+        "uptime_s": _f(float, int),
+    },
+    # Requests to tpassd's control (ROUTER) socket; all need `auth`.
+    "tpassd.health": {},  # current health + seq: the late joiner's snapshot
+    "tpassd.status": {},  # health plus collectors, counters, config summary
+    # Fault drill (fake NVML provider / fixture IB tree only): root or the
+    # owner of a job on the node.
+    "tpassd.drill": {
+        "kind": _f(str),
+        "gpu": _f(int, required=False),
+        "port": _f(str, required=False),
+        "count": _f(int, required=False),
+    },
+    # --- coordinator -> rank runtime (pause / resume; torchpass/runtime) -----
+    # The coordinator sends commands in the *result* of its reply to any
+    # rank.* request (register, progress, armed, quiesced, resumed), as
+    # result["command"]; it repeats a command on every reply until the rank
+    # acknowledges it, and the rank treats repeats as no-ops:
+    #   {"command": "pause", "at": T, "generation": g, "hold_file": PATH?}
+    #       stop with exactly T collectives issued, tear down, rebuild as
+    #       generation g (> current). With hold_file: after rank.quiesced,
+    #       close every socket and wait until PATH exists (it is being dumped).
+    #       Acknowledged by rank.armed.
+    #   {"command": "resume", "generation": g, "master_addr": A, "master_port": P}
+    #       rebuild as generation g with the rendezvous store at A:P (rank 0
+    #       serves it); before T is reached it cancels the pause instead.
+    #       Acknowledged by rank.resumed.
+    # The reports below are rank -> coordinator requests.
+    "rank.armed": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "at": _f(int),
+        "generation": _f(int),
+        "collectives": _f(int),
+        "accepted": _f(bool),  # False: already past T (or stale generation); pick another T
+    },
+    "rank.quiesced": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "generation": _f(int),  # the generation it will rebuild as
+        "collectives": _f(int),  # == T
+        "sockets": _f(int),  # sockets the process still holds (the control link's included)
+        "drain_s": _f(float, int),
+        "node": _f(str),
+        "pid": _f(int),  # pid as seen from the node (host pid namespace when known)
+        "hold": _f(bool),  # True: it now closes its link and waits for hold_file
+    },
+    "rank.resumed": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "generation": _f(int),
+        "collectives": _f(int),
+        "rebuild_s": _f(float, int),
+        "node": _f(str),
+        "moved": _f(bool),  # its network namespace or hostname changed since start
+        "cancelled": _f(bool, required=False),  # resumed before reaching T: nothing rebuilt
+    },
     # --- anyone -> coordinator ---------------------------------------------
     "job.status": {},
     "job.events": {"since_seq": _f(int, required=False)},
+    # --- operator -> coordinator (tpassctl migrate; torchpass/coordinator) ---
+    # Planned migration of every rank on `node`, to the spare `to` when given.
+    # Reply result: {"migration": ID, "node": N, "to": T|None, "queued_behind": [IDs]}.
+    # Errors: not_found (node not in the job / `to` not a spare), conflict
+    # (already queued or in flight, spare not free, ranks missing),
+    # bad_request (to == node).
+    "job.migrate": {"node": _f(str), "to": _f(str, required=False)},
 }
 
 

@@ -53,12 +53,13 @@ def cli(ctx: click.Context, state_dir: Path, verbose: bool) -> None:
 
 def _register() -> None:
     from tpassctl.devcluster_cmd import devcluster
+    from tpassctl.events_cmd import events
     from tpassctl.goodput_cmd import goodput
+    from tpassctl.migrate_cmd import migrate
     from tpassctl.status_cmd import status
 
-    cli.add_command(devcluster)
-    cli.add_command(goodput)
-    cli.add_command(status)
+    for command in (devcluster, events, goodput, migrate, status):
+        cli.add_command(command)
 
 
 _register()

@@ -1,0 +1,707 @@
+"""The coordinator's pure decision core, driven scenario by scenario with an injected clock.
+
+A ``Sim`` holds the state, a clock moved by hand, and every action decided
+so far; it plays the executor by feeding outcomes through machine.apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.decide import (
+    AbortRestore,
+    CoordState,
+    Drain,
+    Event,
+    HandToSlurm,
+    KillSource,
+    PauseAt,
+    Phase,
+    RequestSpare,
+    Restore,
+    Resume,
+    ResumeInPlace,
+    Shrink,
+    Snapshot,
+    Transfer,
+    decide,
+)
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.health import State
+
+P = CoordinatorPolicy(
+    stall_s=30.0, pause_margin_collectives=8, spare_timeout_s=30.0, pause_timeout_s=10.0, dump_timeout_s=20.0,
+    transfer_timeout_s=10.0, restore_timeout_s=20.0, kill_timeout_s=5.0, rebuild_timeout_s=10.0,
+    finalize_timeout_s=10.0, max_spare_attempts=2, max_resume_attempts=2, retry_backoff_s=100.0,
+    spare_retry_s=200.0, max_attempts_per_node=3,
+)
+
+
+class Sim:
+    def __init__(self, nodes=("node1", "node2", "node3"), spares=("node4",), per_node=2, policy=P):
+        self.now = 1000.0
+        self.policy = policy
+        self.state = CoordState(job_id=7)
+        self.actions: list = []
+        self.decisions: list = []
+        rank = 0
+        for n in nodes:
+            for _ in range(per_node):
+                self.feed(mc.RankRegistered(rank, n, len(nodes) * per_node))
+                rank += 1
+        for n in (*nodes, *spares):
+            self.feed(mc.NodeHealthChanged(n, State.HEALTHY))
+        for s in spares:
+            self.feed(mc.SpareAdded(s))
+        self.feed(*[mc.RankProgress(r, 100, 10) for r in range(rank)])
+
+    # -- plumbing ------------------------------------------------------------------
+    @property
+    def m(self):
+        return self.state.migration
+
+    def feed(self, *events):
+        for ev in events:
+            self.state = mc.apply(self.state, ev, self.now)
+        return self
+
+    def tick(self, dt: float = 0.0, *events):
+        self.now += dt
+        self.feed(*events)
+        d = decide(self.now, self.state, self.policy)
+        self.state = d.state
+        self.actions.extend(d.actions)
+        self.decisions.append(d)
+        return d
+
+    def events(self, kind=None):
+        return [a for a in self.actions if isinstance(a, Event) and (kind is None or a.kind == kind)]
+
+    @staticmethod
+    def of(d, cls):
+        return [a for a in d.actions if isinstance(a, cls)]
+
+    # -- executor shortcuts --------------------------------------------------------
+    def degrade(self, node, why="gpu0: Xid 63 (row remap pending)", dt=1.0):
+        return self.tick(dt, mc.NodeHealthChanged(node, State.DEGRADED, (why,)))
+
+    def quiesce_all(self, dt=0.5):
+        m = self.m
+        return self.tick(dt, *[mc.Quiesced(r, m.generation, m.pause_at) for r in self.state.ranks])
+
+    def dump_all(self, dt=0.3):
+        m = self.m
+        return self.tick(dt, *[mc.SnapshotDone(m.id, r, f"/shared/img/{m.id}/r{r}", f"sha-{r}",
+                                               {"criu_dump_s": 0.2, "cuda_checkpoint_s": 0.05}) for r in m.ranks])
+
+    def transfer_all(self, dt=0.1):
+        m = self.m
+        return self.tick(dt, *[mc.TransferDone(m.id, r, m.target, m.images[r].path, m.images[r].checksum)
+                               for r in m.ranks])
+
+    def restore_all(self, dt=0.2):
+        m = self.m
+        return self.tick(dt, *[mc.RestoreDone(m.id, r, m.target, {"criu_restore_s": 0.15}) for r in m.ranks])
+
+    def kill_source(self, dt=0.05):
+        return self.tick(dt, mc.SourceKilled(self.m.id, self.m.node))
+
+    def resume_all(self, dt=0.06, cancelled=False):
+        m = self.m
+        return self.tick(dt, *[mc.Resumed(r, m.generation, self.state.ranks[r].node, cancelled)
+                               for r in self.state.ranks])
+
+    def finish(self, dt=0.5):
+        mid, node = self.m.id, self.m.node
+        self.tick(dt, mc.Drained(mid, node))
+        return self.tick(dt, mc.Shrunk(mid, (node,)))
+
+    def to_restore(self):
+        self.degrade("node2")
+        self.quiesce_all()
+        self.dump_all()
+        self.transfer_all()
+        assert self.m.phase == Phase.RESTORE
+
+
+# ============================================================================
+def test_idle_job_does_nothing():
+    sim = Sim()
+    d = sim.tick()
+    assert d.actions == () and d.reason == "no migration needed"
+
+
+def test_happy_path_through_every_phase_with_durations():
+    sim = Sim()
+    d = sim.degrade("node2")
+    assert [e.kind for e in sim.of(d, Event)] == ["migration.started", "spare.chosen"]
+    (pause,) = sim.of(d, PauseAt)
+    assert pause == PauseAt("m1", 108, 1, (2, 3))
+    assert sim.m.phase == Phase.PAUSE and sim.m.target == "node4" and sim.m.target_how == "hot"
+    assert sim.state.spare("node4").status == "reserved"
+
+    d = sim.quiesce_all()
+    assert sim.of(d, Snapshot) == [Snapshot("m1", 2, "node2"), Snapshot("m1", 3, "node2")]
+    d = sim.dump_all()
+    assert sim.of(d, Transfer) == [Transfer("m1", r, f"/shared/img/m1/r{r}", f"sha-{r}", "node2", "node4")
+                                   for r in (2, 3)]
+    d = sim.transfer_all()
+    assert sim.of(d, Restore) == [Restore("m1", r, "node4", f"/shared/img/m1/r{r}", f"sha-{r}") for r in (2, 3)]
+    d = sim.restore_all()
+    assert sim.of(d, KillSource) == [KillSource("m1", "node2", (2, 3))]
+    assert sim.of(d, Resume) == []  # never resume before the source copies are gone
+    d = sim.kill_source()
+    assert sim.of(d, Resume) == [Resume("m1", 1, "node1")]
+    assert sim.state.ranks[2].node == "node4" and sim.state.ranks[3].node == "node4"
+    d = sim.resume_all()
+    assert sim.of(d, Drain) == [Drain("m1", "node2", "torchpass: gpu0: Xid 63 (row remap pending)")]
+    assert sim.events("migration.resumed")
+    d = sim.tick(0.5, mc.Drained("m1", "node2"))
+    assert sim.of(d, Shrink) == [Shrink("m1", ("node2",))]
+    d = sim.tick(0.5, mc.Shrunk("m1", ("node2",)))
+    (done,) = sim.of(d, Event)
+    assert done.kind == "migration.completed"
+    assert done.data["outcome"] == "completed" and done.data["target"] == "node4"
+    pd = done.data["phase_durations"]
+    expected = {"detect": 0.0, "spare": 0.0, "pause": 0.5, "dump": 0.3, "transfer": 0.1, "restore": 0.2,
+                "kill_source": 0.05, "rebuild": 0.06, "drain": 0.5, "shrink": 0.5}
+    for k, v in expected.items():
+        assert pd[k] == pytest.approx(v, abs=1e-6), k
+    assert pd["paused"] == pytest.approx(0.5 + 0.3 + 0.1 + 0.2 + 0.05 + 0.06)
+    assert pd["total"] == pytest.approx(sum(expected.values()))
+    assert done.data["tool_durations"] == {"dump.criu_dump_s": 0.2, "dump.cuda_checkpoint_s": 0.05,
+                                           "restore.criu_restore_s": 0.15}
+    st = sim.state
+    assert st.migration is None and st.generation == 1 and st.released == {"node2"}
+    assert st.spare("node4").status == "used"
+    assert st.history[-1].outcome == "completed"
+    # node2 is still degraded but no longer in the job: nothing more happens.
+    d = sim.tick(1000)
+    assert d.actions == () and d.reason == "no migration needed"
+
+
+def test_durations_end_when_the_last_outcome_arrives_not_at_the_next_tick():
+    sim = Sim()
+    sim.degrade("node2")
+    m = sim.m
+    sim.now += 0.25
+    sim.feed(*[mc.Quiesced(r, m.generation, m.pause_at) for r in sim.state.ranks])
+    sim.tick(3.0)  # decide runs late
+    assert sim.m.phase == Phase.DUMP and sim.m.phase_durations["pause"] == pytest.approx(0.25)
+
+
+def test_restore_failure_rolls_back_to_the_source_and_says_why():
+    sim = Sim()
+    sim.to_restore()
+    sim.tick(0.1, mc.RestoreDone("m1", 2, "node4"))
+    d = sim.tick(0.1, mc.RestoreFailed("m1", 3, "node4", "criu restore exited 1: can't restore pid 1"))
+    assert sim.of(d, AbortRestore) == [AbortRestore("m1", "node4", (2, 3))]
+    (rip,) = sim.of(d, ResumeInPlace)
+    assert rip.generation == 1 and rip.master == "node1" and "criu restore exited 1" in rip.why
+    assert sim.of(d, KillSource) == []  # the source was never killed
+    (ev,) = sim.events("migration.rollback")
+    assert "restore on node4 failed: rank 3: criu restore exited 1" in ev.message
+    assert sim.m.phase == Phase.ROLLBACK and sim.state.spare("node4").status == "free"
+    assert all(sim.state.ranks[r].node == "node2" for r in (2, 3))
+    d = sim.resume_all(dt=0.1)
+    (rb,) = sim.events("migration.rolled_back")
+    assert rb.data["outcome"] == "rolled_back" and "rollback" in rb.data["phase_durations"]
+    st = sim.state
+    assert st.migration is None and st.generation == 1 and st.failures == {"node2": 1}
+    # node2 is still degraded: tried again only after the back-off, with a fresh generation.
+    assert sim.tick(50).actions == ()
+    d = sim.tick(51)
+    (pause,) = sim.of(d, PauseAt)
+    assert pause.migration == "m2" and pause.generation == 2
+
+
+def test_spare_dies_during_restore_next_spare_is_used():
+    sim = Sim(spares=("node4", "node5"))
+    sim.to_restore()
+    d = sim.tick(0.1, mc.RestoreFailed("m1", 2, "node4", "node4 stopped answering", target_lost=True))
+    assert sim.of(d, AbortRestore) == [AbortRestore("m1", "node4", (2, 3))]
+    assert [a.target for a in sim.of(d, Transfer)] == ["node5", "node5"]
+    assert sim.of(d, ResumeInPlace) == [] and sim.m.target == "node5" and sim.m.phase == Phase.TRANSFER
+    assert sim.state.spare("node4").status == "lost" and sim.state.spare("node5").status == "reserved"
+    (ev,) = sim.events("spare.replaced")
+    assert "node4 lost" in ev.message and "node5" in ev.message
+    # A late answer from the dead spare changes nothing.
+    before = sim.state
+    sim.feed(mc.RestoreDone("m1", 3, "node4"))
+    assert sim.state == before
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    sim.finish()
+    assert sim.state.history[-1].outcome == "completed" and sim.state.history[-1].target == "node5"
+    assert sim.state.ranks[2].node == "node5"
+
+
+def test_spare_health_failing_mid_transfer_is_detected_without_an_outcome():
+    sim = Sim(spares=("node4", "node5"))
+    sim.degrade("node2")
+    sim.quiesce_all()
+    sim.dump_all()
+    d = sim.tick(0.1, mc.NodeHealthChanged("node4", State.FAILED, ("host: kernel panic",), reachable=False))
+    assert [a.target for a in sim.of(d, Transfer)] == ["node5", "node5"]
+    assert sim.of(d, HandToSlurm) == []  # a spare runs no ranks: nothing to hand over
+
+
+def test_spare_dies_and_no_other_spare_rolls_back():
+    sim = Sim(spares=("node4",))
+    sim.to_restore()
+    d = sim.tick(0.1, mc.RestoreFailed("m1", 2, "node4", "node4 gone", target_lost=True))
+    assert len(sim.of(d, ResumeInPlace)) == 1
+    assert "no other spare is free" in sim.events("migration.rollback")[0].message
+
+
+def test_spare_attempts_are_bounded():
+    sim = Sim(spares=("node4", "node5", "node6"), policy=replace(P, max_spare_attempts=2))
+    sim.to_restore()
+    sim.tick(0.1, mc.RestoreFailed("m1", 2, "node4", "gone", target_lost=True))
+    assert sim.m.target == "node5"
+    sim.transfer_all()
+    d = sim.tick(0.1, mc.RestoreFailed("m1", 2, "node5", "gone too", target_lost=True))
+    assert len(sim.of(d, ResumeInPlace)) == 1 and sim.m.phase == Phase.ROLLBACK
+
+
+def test_no_hot_spare_asks_slurmctld_then_runs_unprotected_without_pausing():
+    sim = Sim(spares=())
+    d = sim.degrade("node2")
+    assert sim.of(d, RequestSpare) == [RequestSpare("m1", "expand", "node2")]
+    assert sim.of(d, PauseAt) == []
+    d = sim.tick(2, mc.SpareUnavailable("m1", "expand", "permit_job_expansion is not set"))
+    assert sim.of(d, RequestSpare) == [RequestSpare("m1", "companion", "node2")]
+    d = sim.tick(2, mc.SpareUnavailable("m1", "companion", "partition gpu has no idle node"))
+    (ev,) = sim.of(d, Event)
+    assert ev.kind == "spare.unavailable"
+    assert "permit_job_expansion is not set" in ev.message and "no idle node" in ev.message
+    assert "continues on node2 unprotected" in ev.message
+    assert not any(isinstance(a, (PauseAt, Resume, ResumeInPlace)) for a in sim.actions)
+    assert sim.m is None and "no spare, running unprotected: node2" in d.reason
+    assert sim.tick(100).actions == ()
+    d = sim.tick(101)  # spare_retry_s later it asks again
+    assert sim.of(d, RequestSpare) == [RequestSpare("m2", "expand", "node2")]
+
+
+def test_spare_granted_by_slurmctld_is_used_and_the_strategy_logged():
+    sim = Sim(spares=())
+    sim.degrade("node2")
+    d = sim.tick(3, mc.SpareGranted("m1", "node9", "expand"), mc.NodeHealthChanged("node9", State.HEALTHY))
+    (pause,) = sim.of(d, PauseAt)
+    assert sim.m.target == "node9" and sim.m.target_how == "expand"
+    assert "expand spare" in sim.events("spare.chosen")[0].message
+    assert sim.m.phase_durations["spare"] == pytest.approx(3.0)
+    assert [e.data["strategy"] for e in sim.events("spare.requested")] == ["expand"]
+
+
+def test_spare_request_without_answer_times_out_to_the_next_strategy():
+    sim = Sim(spares=())
+    sim.degrade("node2")
+    assert sim.tick(29).actions == ()
+    d = sim.tick(1)
+    assert sim.of(d, RequestSpare) == [RequestSpare("m1", "companion", "node2")]
+
+
+def test_granted_spare_waits_for_its_first_health_report_until_the_deadline():
+    sim = Sim(spares=())
+    sim.degrade("node2")
+    d = sim.tick(1, mc.SpareGranted("m1", "node9", "companion"))
+    assert d.actions == () and "report healthy" in d.reason
+    d = sim.tick(1, mc.NodeHealthChanged("node9", State.HEALTHY))
+    assert sim.of(d, PauseAt) and sim.m.target == "node9"
+
+
+def test_policy_spare_strategy_order_is_followed():
+    sim = Sim(spares=("node4",), policy=replace(P, spare_strategies=("companion",)))
+    d = sim.degrade("node2")
+    assert sim.of(d, RequestSpare) == [RequestSpare("m1", "companion", "node2")]  # the hot spare is not allowed
+
+
+def test_pause_timeout_resumes_in_place():
+    sim = Sim()
+    sim.degrade("node2")
+    m = sim.m
+    sim.tick(1, *[mc.Quiesced(r, m.generation, m.pause_at) for r in range(5)])
+    assert sim.tick(8.9).actions == ()
+    d = sim.tick(0.2)
+    (rip,) = sim.of(d, ResumeInPlace)
+    assert "pause timed out after 10s: ranks [5] did not quiesce at collective 108" in rip.why
+    assert sim.of(d, Snapshot) == []
+    sim.tick(0.1, *[mc.Resumed(r, 1, cancelled=(r == 5)) for r in range(6)])
+    assert sim.m is None and sim.state.history[-1].outcome == "rolled_back"
+
+
+def test_refused_pause_is_rearmed_later_then_rolled_back():
+    sim = Sim()
+    sim.degrade("node2")
+    d = sim.tick(0.1, mc.Armed(4, 108, 1, False, 130))
+    (pause,) = sim.of(d, PauseAt)
+    assert pause.at == 138 and pause.generation == 1
+    sim.tick(0.1, mc.Armed(4, 138, 1, False, 150))
+    d = sim.tick(0.1, mc.Armed(4, 158, 1, False, 170))
+    assert sim.of(d, PauseAt) == [] and len(sim.of(d, ResumeInPlace)) == 1
+
+
+def test_dump_failure_and_dump_timeout_roll_back():
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    d = sim.tick(0.2, mc.SnapshotFailed("m1", 3, "criu dump: tcp socket in the tree"))
+    assert "dump failed: rank 3: criu dump: tcp socket" in sim.of(d, ResumeInPlace)[0].why
+    assert sim.of(d, AbortRestore) == []
+    sim2 = Sim()
+    sim2.degrade("node2")
+    sim2.quiesce_all()
+    sim2.tick(0.1, mc.SnapshotDone("m1", 2, "/i/2", "c"))
+    d = sim2.tick(20)
+    assert "dump timed out after 20s (ranks [3])" in sim2.of(d, ResumeInPlace)[0].why
+
+
+def test_kill_failure_rolls_back_and_aborts_the_restored_copies():
+    sim = Sim()
+    sim.to_restore()
+    sim.restore_all()
+    d = sim.tick(0.1, mc.KillFailed("m1", "node2", "tpassd: permission denied"))
+    assert sim.of(d, AbortRestore) == [AbortRestore("m1", "node4", (2, 3))]
+    assert len(sim.of(d, ResumeInPlace)) == 1
+
+
+def test_rebuild_timeout_resends_resume_then_hands_stuck_ranks_to_slurm():
+    sim = Sim()
+    sim.to_restore()
+    sim.restore_all()
+    sim.kill_source()
+    sim.tick(1, *[mc.Resumed(r, 1) for r in (0, 1, 2, 3, 4)])
+    d = sim.tick(9)
+    assert sim.of(d, Resume) == [Resume("m1", 1, "node1")] and sim.events("resume.retried")
+    d = sim.tick(10)
+    assert sim.of(d, HandToSlurm) == [HandToSlurm("node3", "torchpass: ranks on node3 did not resume after migration m1")]
+    assert sim.m is None and sim.state.history[-1].outcome == "stuck"
+
+
+def test_node_failed_outright_is_handed_to_slurm_once():
+    sim = Sim()
+    d = sim.tick(1, mc.NodeHealthChanged("node3", State.FAILED, ("tpassd unreachable", "gpu1: Xid 79"), reachable=False))
+    (h,) = sim.of(d, HandToSlurm)
+    assert h.node == "node3" and h.reason.startswith("torchpass: node3 failed outright")
+    (ev,) = sim.of(d, Event)
+    assert ev.kind == "node.lost" and "no clean dump possible" in ev.message
+    assert sim.of(d, PauseAt) == [] and sim.m is None
+    assert sim.tick(5).actions == ()
+    assert "handed to Slurm: node3" in sim.decisions[-1].reason
+
+
+def test_failed_but_reachable_node_is_migrated_unless_the_policy_says_otherwise():
+    sim = Sim()
+    d = sim.tick(1, mc.NodeHealthChanged("node2", State.FAILED, ("gpu0: Xid 48",), reachable=True))
+    assert sim.of(d, PauseAt) and sim.of(d, HandToSlurm) == []
+    sim = Sim(policy=replace(P, migrate_on=("degraded",)))
+    d = sim.tick(1, mc.NodeHealthChanged("node2", State.FAILED, ("gpu0: Xid 48",), reachable=True))
+    assert d.actions == ()
+
+
+def test_source_lost_before_its_ranks_are_saved_is_handed_to_slurm_and_survivors_released():
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    d = sim.tick(0.1, mc.NodeHealthChanged("node2", State.FAILED, ("tpassd unreachable",), reachable=False))
+    assert [h.node for h in sim.of(d, HandToSlurm)] == ["node2"]
+    assert len(sim.of(d, ResumeInPlace)) == 1  # nobody is left paused by torchpass
+    assert sim.m is None and sim.state.history[-1].outcome == "source_lost"
+    assert sim.events("node.lost") and sim.state.spare("node4").status == "free"
+
+
+def test_source_lost_after_the_dump_does_not_stop_the_move():
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    sim.dump_all()
+    d = sim.tick(0.1, mc.NodeHealthChanged("node2", State.FAILED, ("host: unreachable",), reachable=False))
+    assert sim.of(d, HandToSlurm) == [] and sim.m.phase == Phase.TRANSFER
+    sim.transfer_all()
+    d = sim.restore_all()
+    # The source copies died with their node: no kill needed to resume.
+    assert sim.of(d, Resume) == [Resume("m1", 1, "node1")]
+    sim.resume_all()
+    sim.finish()
+    assert sim.state.history[-1].outcome == "completed"
+
+
+def test_unknown_health_never_triggers_a_migration():
+    sim = Sim()
+    d = sim.tick(1, mc.NodeHealthChanged("node2", State.UNKNOWN, ("no heartbeat for 3 intervals",), reachable=False))
+    assert d.actions == ()
+    d = sim.tick(10_000)
+    assert d.actions == () and "health unknown (not a reason to move): node2" in d.reason
+
+
+def test_a_stalled_rank_makes_its_node_migrate():
+    sim = Sim()  # every rank reported collective 100 at t=1000
+    for i in range(4):  # the others advance; rank 4 stays behind them
+        d = sim.tick(7, *[mc.RankProgress(r, 110 + i, 11 + i) for r in (0, 1, 2, 3, 5)])
+        assert sim.of(d, PauseAt) == []
+    d = sim.tick(1.9)  # 29.9 s without progress: not yet (stall_s=30)
+    assert d.actions == ()
+    d = sim.tick(0.1)
+    (pause,) = sim.of(d, PauseAt)
+    assert pause.hold_ranks == (4, 5) and sim.m.reason == "rank 4 stalled" and sim.m.trigger == "stall"
+    assert pause.at == 113 + 8
+    assert sim.m.phase_durations["detect"] == 0.0
+
+
+def test_a_stall_that_clears_before_the_pause_cancels_the_move():
+    sim = Sim(spares=())
+    sim.tick(30, *[mc.RankProgress(r, 110) for r in (0, 1, 2, 3, 5)])
+    assert sim.m is not None and sim.m.phase == Phase.SPARE  # asking slurmctld for a spare
+    sim.tick(1, mc.RankProgress(4, 110))
+    assert sim.events("migration.cancelled") and sim.m is None
+
+
+def test_ranks_that_all_wait_together_are_not_stalled():
+    sim = Sim()
+    assert sim.tick(10_000).actions == ()  # a global hang (data loader, checkpoint on all ranks): not a node fault
+
+
+def test_two_degraded_nodes_are_moved_one_after_the_other():
+    sim = Sim(spares=("node4", "node5"))
+    sim.degrade("node2")
+    d = sim.degrade("node3", why="ib0: link down")
+    assert sim.of(d, PauseAt) == [] and "queued: node3" in d.reason
+    sim.quiesce_all()
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    sim.tick(0.1, mc.Drained("m1", "node2"))
+    d = sim.tick(0.1, mc.Shrunk("m1", ("node2",)))
+    # m1 finished and m2 started in the same decision, never two at once.
+    (pause,) = sim.of(d, PauseAt)
+    assert pause == PauseAt("m2", 108, 2, (4, 5)) and sim.m.target == "node5"
+    assert [e.kind for e in sim.of(d, Event)] == ["migration.completed", "migration.started", "spare.chosen"]
+
+
+def test_operator_migrate_without_and_with_to():
+    sim = Sim(spares=("node4", "node5"))
+    sim.state, mid = mc.accept_operator(sim.state, "node1", None, sim.now)
+    assert mid == "m1"
+    d = sim.tick(1)
+    (pause,) = sim.of(d, PauseAt)
+    assert pause.hold_ranks == (0, 1) and sim.m.target == "node4" and sim.m.trigger == "operator"
+    assert sim.m.phase_durations["detect"] == pytest.approx(1.0)
+    sim2 = Sim(spares=("node4", "node5"))
+    sim2.feed(mc.OperatorMigrate("node3", "node5"))
+    d = sim2.tick(0)
+    assert sim2.m.target == "node5" and sim2.of(d, PauseAt)[0].hold_ranks == (4, 5)
+    # A rank-0 move makes the target the rendezvous master.
+    sim.quiesce_all()
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    d = sim.kill_source()
+    assert sim.of(d, Resume) == [Resume("m1", 1, "node4")]
+
+
+def test_operator_request_queues_behind_the_migration_in_flight():
+    sim = Sim(spares=("node4", "node5"))
+    sim.degrade("node2")
+    sim.state, mid = mc.accept_operator(sim.state, "node3", "node5", sim.now)
+    assert mid == "m2" and "queued: node3" in sim.tick(0).reason
+    sim.quiesce_all()
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    d = sim.finish()
+    assert sim.m.id == "m2" and sim.m.target == "node5" and sim.of(d, PauseAt)
+
+
+def test_operator_target_gone_by_the_time_it_runs_is_rejected_without_pausing():
+    sim = Sim(spares=("node4",))
+    sim.state, _ = mc.accept_operator(sim.state, "node3", "node4", sim.now)
+    sim.feed(mc.NodeHealthChanged("node4", State.DEGRADED, ("ib0 flapping",)))
+    d = sim.tick(1)
+    assert sim.of(d, PauseAt) == [] and sim.events("migration.rejected") and sim.m is None
+
+
+def test_recovery_before_anything_is_paused_cancels_the_move():
+    sim = Sim(spares=())
+    sim.degrade("node2")
+    d = sim.tick(1, mc.NodeHealthChanged("node2", State.HEALTHY))
+    assert sim.events("migration.cancelled") and sim.m is None
+    assert not any(isinstance(a, PauseAt) for a in sim.actions)
+
+
+def test_repeated_failures_give_up_on_a_node():
+    sim = Sim(policy=replace(P, max_attempts_per_node=2))
+    sim.degrade("node2")
+    for attempt in range(2):
+        sim.tick(10)  # pause timeout
+        sim.resume_all(cancelled=True)
+        assert sim.m is None
+        sim.tick(100)  # back-off passes; the second time there is no third try
+    assert sim.events("migration.abandoned") and sim.state.given_up == {"node2"}
+    assert sim.tick(1000).actions == ()
+    assert "given up on: node2" in sim.decisions[-1].reason
+
+
+def test_no_migration_before_every_rank_registered():
+    sim = Sim()
+    sim.state = replace(sim.state, world_size=8)
+    d = sim.degrade("node2")
+    assert d.actions == () and "waiting for ranks to register (6/8)" in d.reason
+
+
+def test_reasons_change_only_when_the_decision_changes():
+    sim = Sim()
+    log = mc.ReasonLog()
+    logged = []
+
+    def tick(dt=0.0, *evs):
+        d = sim.tick(dt, *evs)
+        if log.changed(d.reason):
+            logged.append(d.reason)
+        return d
+
+    tick()
+    tick(1)
+    tick(1)  # nothing happened: the same reason
+    assert logged == ["no migration needed"]
+    tick(1, mc.NodeHealthChanged("node2", State.DEGRADED, ("gpu0: Xid 63",)))
+    for _ in range(5):
+        d = tick(1)  # waiting in the pause: time passes, the reason stays
+        assert d.actions == ()
+    assert len(logged) == 2 and "pausing every rank at collective 108" in logged[-1]
+    m = sim.m
+    tick(0.1, *[mc.Quiesced(r, m.generation, m.pause_at) for r in sim.state.ranks])
+    assert "dumping ranks [2, 3] on node2" in logged[-1] and len(logged) == 3
+
+
+@pytest.mark.parametrize("phase_to", ["pause", "dump", "transfer", "restore", "kill"])
+def test_every_phase_timeout_ends_resumed(phase_to):
+    sim = Sim()
+    sim.degrade("node2")
+    steps = {"pause": [], "dump": [sim.quiesce_all], "transfer": [sim.quiesce_all, sim.dump_all],
+             "restore": [sim.quiesce_all, sim.dump_all, sim.transfer_all],
+             "kill": [sim.quiesce_all, sim.dump_all, sim.transfer_all, sim.restore_all]}[phase_to]
+    for s in steps:
+        s()
+    t0 = sim.now
+    while sim.m is not None and sim.m.phase != Phase.ROLLBACK:
+        sim.tick(1)
+    assert sim.now - t0 <= max(P.pause_timeout_s, P.dump_timeout_s, P.restore_timeout_s) + 1
+    assert isinstance([a for a in sim.actions if isinstance(a, (ResumeInPlace, Resume))][-1], ResumeInPlace)
+
+
+# ============================================================================
+# Invariant: whatever happens, the job is never left paused beyond the
+# timeouts, at most one migration is in flight, and decide is idempotent.
+# ============================================================================
+HP = replace(P, stall_s=20.0)
+NODES = ("node1", "node2", "node3", "node4", "node5")
+
+
+def _completing(sim, m):
+    ranks = sim.state.ranks
+    return {
+        Phase.SPARE: [mc.SpareGranted(m.id, "node6", "companion"), mc.NodeHealthChanged("node6", State.HEALTHY)],
+        Phase.PAUSE: [mc.Quiesced(r, m.generation, m.pause_at or 0) for r in ranks],
+        Phase.DUMP: [mc.SnapshotDone(m.id, r, f"/i/{r}", "c") for r in m.ranks],
+        Phase.TRANSFER: [mc.TransferDone(m.id, r, m.target or "", f"/i/{r}", "c") for r in m.ranks],
+        Phase.RESTORE: [mc.RestoreDone(m.id, r, m.target or "") for r in m.ranks],
+        Phase.KILL_SOURCE: [mc.SourceKilled(m.id, m.node)],
+        Phase.REBUILD: [mc.Resumed(r, m.generation) for r in ranks],
+        Phase.ROLLBACK: [mc.Resumed(r, m.generation) for r in ranks],
+        Phase.DRAIN: [mc.Drained(m.id, m.node)],
+        Phase.SHRINK: [mc.Shrunk(m.id, (m.node,))],
+    }[m.phase]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hs.data())
+def test_never_left_paused_and_one_migration_at_a_time(data):
+    sim = Sim(spares=("node4", "node5"), policy=HP)
+    paused_by: str | None = None  # the migration whose PauseAt has not been answered by a resume command
+    last_paused: str | None = None  # resume commands may be resent
+    paused_since = 0.0
+    max_dt = 3.0
+    bound = HP.max_pause_s() + max_dt
+    for _ in range(data.draw(hs.integers(5, 60), label="steps")):
+        m = sim.m
+        mid = m.id if m else "m1"
+        if data.draw(hs.integers(0, 9)) == 0:
+            mid = "m0"  # a stale outcome
+        gen = m.generation if m else sim.state.generation + 1
+        rank = data.draw(hs.integers(0, 5))
+        mr = data.draw(hs.sampled_from(m.ranks)) if m and m.ranks else rank
+        tgt = m.target if m and m.target else "node4"
+        why = "x"
+        choices = [
+            lambda: None,
+            lambda: mc.NodeHealthChanged(data.draw(hs.sampled_from(NODES)),
+                                         data.draw(hs.sampled_from(list(State))), (why,), data.draw(hs.booleans())),
+            lambda: mc.Quiesced(rank, gen, m.pause_at if m and m.pause_at else 0),
+            lambda: mc.Armed(rank, m.pause_at if m and m.pause_at else 0, gen, False, 500),
+            lambda: mc.SnapshotDone(mid, mr, f"/i/{mr}", "c"),
+            lambda: mc.SnapshotFailed(mid, mr, why),
+            lambda: mc.TransferDone(mid, mr, tgt, f"/i/{mr}", "c"),
+            lambda: mc.TransferFailed(mid, mr, tgt, why, data.draw(hs.booleans())),
+            lambda: mc.RestoreDone(mid, mr, tgt),
+            lambda: mc.RestoreFailed(mid, mr, tgt, why, data.draw(hs.booleans())),
+            lambda: mc.SourceKilled(mid, m.node if m else "node2"),
+            lambda: mc.KillFailed(mid, m.node if m else "node2", why),
+            lambda: mc.Resumed(rank, gen, None, data.draw(hs.booleans())),
+            lambda: mc.Drained(mid, m.node if m else "node2"),
+            lambda: mc.Shrunk(mid, (m.node if m else "node2",)),
+            lambda: mc.SpareGranted(mid, data.draw(hs.sampled_from(("node6", "node7"))), "expand"),
+            lambda: mc.SpareUnavailable(mid, m.spare_requested if m and m.spare_requested else "expand", why),
+            lambda: mc.RankProgress(rank, data.draw(hs.integers(0, 400))),
+            lambda: "operator",
+            *[lambda: "advance"] * 6,  # weighted: the outcomes that complete the current phase
+        ]
+        ev = data.draw(hs.sampled_from(range(len(choices))))
+        out = choices[ev]()
+        events = []
+        if out == "operator":
+            try:
+                sim.state, _ = mc.accept_operator(sim.state, data.draw(hs.sampled_from(NODES)),
+                                                  data.draw(hs.sampled_from((None, *NODES))), sim.now)
+            except mc.OperatorRejected:
+                pass
+        elif out == "advance" and m:
+            events = _completing(sim, m)
+        elif out is not None and not isinstance(out, str):
+            events = [out]
+        before = sim.state
+        d = sim.tick(data.draw(hs.floats(0, max_dt)), *events)
+        st = sim.state
+
+        for a in d.actions:
+            if isinstance(a, PauseAt):
+                assert paused_by in (None, a.migration), "a second migration paused the job"
+                assert a.generation > before.generation or paused_by == a.migration
+                if paused_by is None:
+                    paused_by, paused_since, last_paused = a.migration, sim.now, a.migration
+            elif isinstance(a, (Resume, ResumeInPlace)):
+                assert a.migration in (paused_by, last_paused)
+                paused_by = None
+        if paused_by is not None:
+            assert st.migration is not None and st.migration.id == paused_by and st.migration.paused
+            assert sim.now - paused_since <= bound
+        if st.migration is not None:
+            assert sim.now < st.migration.deadline, "an expired deadline was not acted on"
+            if st.migration.paused:
+                assert sim.now - st.migration.paused_since <= bound
+        reserved = [s for s in st.spares if s.status == "reserved"]
+        assert len(reserved) <= 1 and (not reserved or (st.migration and st.migration.target == reserved[0].node))
+        # decide is idempotent: asked again at once, it does nothing new and says the same.
+        again = decide(sim.now, st, HP)
+        assert again.actions == () and again.reason == d.reason and again.state == st

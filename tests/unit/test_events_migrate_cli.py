@@ -1,0 +1,196 @@
+"""`tpassctl events` and `tpassctl migrate` against a real CoordinatorServer on loopback.
+
+The lead's server does not serve job.migrate yet: ``MigratingServer`` below
+adds the handler exactly as specified for it (munge-authenticated, owner or
+root, accept_operator on the decision state, a job event recorded), and the
+CLI is tested against that. Credentials come from a private munged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from torchpass import auth, wire
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.decide import CoordState
+from torchpass.coordinator.server import CoordinatorServer, write_registration
+from torchpass.coordinator.state import JobState
+from tpassctl.cli import cli
+from tpassctl.events_cmd import events
+from tpassctl.migrate_cmd import auth_target, migrate
+from tpassd.testing import private_munged
+
+for _cmd in (events, migrate):
+    if _cmd.name not in cli.commands:
+        cli.add_command(_cmd)
+
+
+class MigratingServer(CoordinatorServer):
+    """CoordinatorServer + the job.migrate handler the lead is to add."""
+
+    def __init__(self, job, *, decision: CoordState, owner_uid: int, munge_socket: str, **kw):
+        super().__init__(job, **kw)
+        self.decision = decision
+        self.owner_uid = owner_uid
+        self.munge_socket = munge_socket
+        self.handlers["job.migrate"] = self._on_migrate
+
+    def _on_migrate(self, msg: wire.Message):
+        ident = auth.verify(msg.auth, auth.request_digest(msg.type, msg.body, auth_target(self.job.job_id)),
+                            self.munge_socket)
+        if ident.uid not in (0, self.owner_uid):
+            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {self.job.job_id}")
+        node, to = msg.body["node"], msg.body.get("to")
+        # OperatorRejected carries the wire code (not_found / conflict / bad_request).
+        self.decision, mid = mc.accept_operator(self.decision, node, to, self.clock())
+        ahead = ([self.decision.migration.id] if self.decision.migration else []) + [
+            r.id for r in self.decision.operator_requests if r.id != mid]
+        self.job.record(self.wall(), "migration.requested",
+                        f"{mid}: operator (uid {ident.uid}) asked to move {node}" + (f" to {to}" if to else ""),
+                        migration=mid, node=node, to=to, uid=ident.uid)
+        return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
+
+
+@pytest.fixture(scope="module")
+def munge():
+    with private_munged() as m:
+        yield m
+
+
+def _decision_state() -> CoordState:
+    st = CoordState(job_id=12)
+    for rank, node in enumerate(("node1", "node1", "node2", "node2")):
+        st = mc.apply(st, mc.RankRegistered(rank, node, 4), 0.0)
+    for n in ("node1", "node2", "node3", "node4"):
+        st = mc.apply(st, mc.NodeHealthChanged(n, "healthy"), 0.0)
+    for s in ("node3", "node4"):
+        st = mc.apply(st, mc.SpareAdded(s), 0.0)
+    return st
+
+
+@pytest.fixture
+def served(tmp_path, munge, monkeypatch):
+    monkeypatch.setenv("MUNGE_SOCKET", munge.socket)
+    monkeypatch.delenv("TORCHPASS_MUNGE_SOCKET", raising=False)
+    job = JobState(job_id=12, spares=2)
+    server = MigratingServer(job, decision=_decision_state(), owner_uid=os.getuid(), munge_socket=munge.socket,
+                             bind_address="127.0.0.1", wall=lambda: 1_700_000_000.0)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    write_registration(tmp_path, 12, {"job_id": 12, "endpoint": ep, "pid": os.getpid(), "host": "h",
+                                      "uid": os.getuid()})
+    yield server, tmp_path
+    server.stop()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def run(state_dir, *args):
+    return CliRunner().invoke(cli, ["--state-dir", str(state_dir), *args])
+
+
+def last_line(res) -> str:
+    # The server runs in this process, so its own log lines land in the captured output too.
+    return res.output.strip().splitlines()[-1]
+
+
+def test_migrate_queues_and_prints_the_migration_id(served):
+    server, sd = served
+    res = run(sd, "migrate", "12", "--node", "node2")
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == "migration m1 of node2 accepted for job 12; follow it: tpassctl events 12"
+    res = run(sd, "migrate", "12", "--node", "node1", "--to", "node4", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"job_id": 12, "migration": "m2", "node": "node1", "to": "node4",
+                                      "queued_behind": ["m1"]}
+    assert [(r.id, r.node, r.to) for r in server.decision.operator_requests] == [("m1", "node2", None),
+                                                                                ("m2", "node1", "node4")]
+    assert [e.kind for e in server.job.events] == ["migration.requested", "migration.requested"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--node", "node9"], "job 12: node node9 runs no rank of job 12 (its nodes: node1, node2)"),
+    (["--node", "node1", "--to", "node7"], "job 12: node node7 is not a spare of job 12 (spares: node3, node4)"),
+    (["--node", "node1", "--to", "node1"], "job 12: --to node1 is the node being migrated"),
+])
+def test_migrate_errors_are_one_line(served, args, expected):
+    _, sd = served
+    res = run(sd, "migrate", "12", *args)
+    assert res.exit_code == 1
+    assert last_line(res) == f"Error: {expected}"
+
+
+def test_migrate_twice_is_a_conflict(served):
+    _, sd = served
+    assert run(sd, "migrate", "12", "--node", "node2").exit_code == 0
+    res = run(sd, "migrate", "12", "--node", "node2")
+    assert res.exit_code == 1 and "a migration of node2 is already in flight or queued" in res.output
+
+
+def test_migrate_unknown_job_and_unreachable_coordinator(served, tmp_path):
+    _, sd = served
+    res = run(sd, "migrate", "99", "--node", "node1")
+    assert res.exit_code == 1 and "job 99 has no torchpass coordinator registered in" in res.output
+    write_registration(sd, 13, {"job_id": 13, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                "uid": os.getuid()})
+    res = run(sd, "migrate", "13", "--node", "node1", "--timeout", "0.2")
+    assert res.exit_code == 1
+    assert res.output.strip() == ("Error: job 13: coordinator at tcp://127.0.0.1:9 did not answer within 0.2s; "
+                                  "is the job still running? (tpassctl status 13)")
+
+
+def test_migrate_without_munge_says_so(served, monkeypatch, tmp_path):
+    server, sd = served
+    monkeypatch.setenv("MUNGE_SOCKET", str(tmp_path / "no-munged.socket"))
+    res = run(sd, "migrate", "12", "--node", "node2")
+    assert res.exit_code == 1 and "job 12: cannot authenticate to the coordinator:" in res.output
+    assert server.decision.operator_requests == ()
+
+
+def test_migrate_against_a_coordinator_without_the_handler(served):
+    server, sd = served
+    del server.handlers["job.migrate"]
+    res = run(sd, "migrate", "12", "--node", "node2")
+    assert res.exit_code == 1 and "does not support migrate" in res.output
+
+
+def test_events_table_and_json_show_phase_durations(served):
+    server, sd = served
+    assert run(sd, "migrate", "12", "--node", "node2").exit_code == 0
+    server.job.record(1_700_000_100.0, "migration.completed",
+                      "m1: moved ranks [2, 3] from node2 to node3; node2 drained and released",
+                      migration="m1", node="node2", target="node3", outcome="completed",
+                      phase_durations={"total": 3.0, "pause": 0.5, "detect": 0.0, "dump": 0.3, "paused": 1.21})
+    res = run(sd, "events", "12")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(lines) == 3
+    assert lines[0].endswith("migration.requested  m1: operator (uid %d) asked to move node2" % os.getuid())
+    assert "migration.completed  m1: moved ranks [2, 3] from node2 to node3" in lines[1]
+    assert lines[2].strip() == "phases: detect 0.00s  pause 0.50s  dump 0.30s  paused 1.21s  total 3.00s"
+    res = run(sd, "events", "12", "--json")
+    jobs = json.loads(res.output)["jobs"]
+    assert [e["kind"] for e in jobs[0]["events"]] == ["migration.requested", "migration.completed"]
+    assert jobs[0]["events"][1]["data"]["phase_durations"]["pause"] == 0.5
+    res = run(sd, "events", "12", "--since", "1", "--json")
+    assert [e["seq"] for e in json.loads(res.output)["jobs"][0]["events"]] == [2]
+
+
+def test_events_of_every_job_and_errors(served):
+    _, sd = served
+    write_registration(sd, 13, {"job_id": 13, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                "uid": os.getuid()})
+    res = run(sd, "events", "--timeout", "0.1")
+    assert res.exit_code == 0, res.output
+    assert "job 12  coordinator tcp://127.0.0.1:" in res.output and "  no events" in res.output
+    assert "job 13  coordinator tcp://127.0.0.1:9\n  ERROR: coordinator unreachable: no reply" in res.output
+    res = run(sd, "events", "13", "--timeout", "0.1")
+    assert res.exit_code == 1 and res.output.startswith("Error: job 13: coordinator unreachable: no reply from")
+    res = run(sd, "events", "14")
+    assert res.exit_code == 1 and "job 14 has no torchpass coordinator registered" in res.output

@@ -1,0 +1,406 @@
+"""Applying inputs and executor outcomes to the coordinator's decision state.
+
+``apply(state, outcome, now) -> state`` is pure, like ``decide``: it records
+facts (a rank quiesced, a dump finished, a spare was granted, a node's
+health changed) and leaves every phase transition to ``decide``. When an
+outcome completes the current phase it stamps ``ready_at`` so the phase's
+duration ends when its last outcome arrived, not at the next decide call.
+
+Outcomes that name a migration (or a generation, for the rank runtime's
+reports) that is not the one in flight, or that arrive in another phase,
+are stale and ignored: a late SnapshotDone of a rolled-back move can never
+advance the next one.
+
+The driver loop (the lead's executor) is::
+
+    state = apply(state, outcome, clock())      # for every input / outcome
+    d = decide(clock(), state, policy)          # on every input and every tick
+    state = d.state; execute(d.actions)
+    if reasons.changed(d.reason): log.info("decision", reason=d.reason)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Union
+
+from torchpass.coordinator.decide import (
+    CoordState,
+    Failure,
+    Image,
+    Migration,
+    NodeHealth,
+    OperatorRequest,
+    Phase,
+    RankView,
+    SpareView,
+    check_operator_request,
+    phase_complete,
+)
+from torchpass.errors import TorchpassError
+from torchpass.health import State
+
+
+# ============================================================================
+# Inputs from the job (rank runtime) and health subscriber
+# ============================================================================
+@dataclass(frozen=True)
+class RankRegistered:
+    rank: int
+    node: str
+    world_size: int
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    collectives: int
+    step: int = -1
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeHealthChanged:
+    node: str
+    state: State | str
+    reasons: tuple[str, ...] = ()
+    reachable: bool = True
+
+
+@dataclass(frozen=True)
+class SpareAdded:
+    """A hot spare of the allocation (the last N nodes with --torchpass=spares=N)."""
+
+    node: str
+    how: str = "hot"
+
+
+# --- rank runtime reports (wire: rank.armed, rank.quiesced, rank.resumed) ---------
+@dataclass(frozen=True)
+class Armed:
+    rank: int
+    at: int
+    generation: int
+    accepted: bool
+    collectives: int
+
+
+@dataclass(frozen=True)
+class Quiesced:
+    rank: int
+    generation: int
+    collectives: int
+
+
+@dataclass(frozen=True)
+class Resumed:
+    rank: int
+    generation: int
+    node: str | None = None
+    cancelled: bool = False  # armed but never torn down: it simply ran on
+
+
+# --- executor outcomes --------------------------------------------------------------
+@dataclass(frozen=True)
+class SpareGranted:
+    migration: str
+    node: str
+    how: str  # "expand" | "companion"
+
+
+@dataclass(frozen=True)
+class SpareUnavailable:
+    migration: str
+    strategy: str
+    why: str
+
+
+@dataclass(frozen=True)
+class SpareLost:
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class SnapshotDone:
+    migration: str
+    rank: int
+    image: str
+    checksum: str
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SnapshotFailed:
+    migration: str
+    rank: int
+    why: str
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    migration: str
+    rank: int
+    target: str
+    image: str  # the path the target reads
+    checksum: str
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    migration: str
+    rank: int
+    target: str
+    why: str
+    target_lost: bool = False
+
+
+@dataclass(frozen=True)
+class RestoreDone:
+    migration: str
+    rank: int
+    target: str
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoreFailed:
+    migration: str
+    rank: int
+    target: str
+    why: str
+    target_lost: bool = False  # the spare itself died (try the next one) vs. the restore failed
+
+
+@dataclass(frozen=True)
+class SourceKilled:
+    migration: str
+    node: str
+
+
+@dataclass(frozen=True)
+class KillFailed:
+    migration: str
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    migration: str
+    node: str
+
+
+@dataclass(frozen=True)
+class DrainFailed:
+    migration: str
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    migration: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShrinkFailed:
+    migration: str
+    why: str
+
+
+@dataclass(frozen=True)
+class OperatorMigrate:
+    node: str
+    to: str | None = None
+
+
+Outcome = Union[
+    RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, Quiesced, Resumed, SpareGranted,
+    SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
+    RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
+]
+
+
+class OperatorRejected(TorchpassError):
+    """`tpassctl migrate` cannot be accepted; ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# ============================================================================
+def accept_operator(state: CoordState, node: str, to: str | None, now: float) -> tuple[CoordState, str]:
+    """Queue an operator migration; (new state, migration id) or OperatorRejected."""
+    err = check_operator_request(state, node, to)
+    if err is not None:
+        raise OperatorRejected(*err)
+    mid = f"m{state.next_migration}"
+    req = OperatorRequest(mid, node, to, now)
+    return replace(state, operator_requests=state.operator_requests + (req,),
+                   next_migration=state.next_migration + 1), mid
+
+
+def _merge_max(into: dict[str, float], prefix: str, durations: dict[str, Any]) -> dict[str, float]:
+    out = dict(into)
+    for k, v in (durations or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            key = f"{prefix}.{k}"
+            out[key] = max(out.get(key, 0.0), float(v))
+    return out
+
+
+def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
+    return m is not None and m.id == mid and m.phase in phases
+
+
+def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
+    m = st.migration
+    if isinstance(ev, RankRegistered):
+        prev = st.ranks.get(ev.rank)
+        rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
+                      now if prev is None or prev.node != ev.node else prev.last_advance)
+        return replace(st, ranks={**st.ranks, ev.rank: rv}, world_size=ev.world_size)
+    if isinstance(ev, RankProgress):
+        prev = st.ranks.get(ev.rank)
+        if prev is None:
+            return st  # progress of a rank that never registered: nothing to attach it to
+        advanced = ev.collectives != prev.collectives
+        rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
+                     node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance)
+        return replace(st, ranks={**st.ranks, ev.rank: rv})
+    if isinstance(ev, NodeHealthChanged):
+        state = State(ev.state)
+        prev = st.health.get(ev.node)
+        since = prev.since if prev is not None and prev.state == state else now
+        h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since)
+        return replace(st, health={**st.health, ev.node: h})
+    if isinstance(ev, SpareAdded):
+        if st.spare(ev.node) is not None:
+            return st
+        return replace(st, spares=st.spares + (SpareView(ev.node, ev.how),))
+    if isinstance(ev, Armed):
+        if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
+                and not ev.accepted:
+            refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
+            return replace(st, migration=replace(m, refused=refused))
+        return st
+    if isinstance(ev, Quiesced):
+        if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
+                and ev.collectives == m.pause_at:
+            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}))
+        return st
+    if isinstance(ev, Resumed):
+        rv = st.ranks.get(ev.rank)
+        ranks = st.ranks
+        if rv is not None:
+            ranks = {**ranks, ev.rank: replace(rv, last_advance=now, node=ev.node or rv.node)}
+        if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
+            ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
+        ):
+            return replace(st, ranks=ranks, migration=replace(m, resumed=m.resumed | {ev.rank}))
+        return replace(st, ranks=ranks)
+    if isinstance(ev, SpareGranted):
+        spares = st.spares
+        if st.spare(ev.node) is None:
+            spares = spares + (SpareView(ev.node, ev.how),)
+        st = replace(st, spares=spares)
+        if m is not None and m.id == ev.migration and m.phase == Phase.SPARE:
+            st = replace(st, migration=replace(m, spare_requested=None))
+        return st
+    if isinstance(ev, SpareUnavailable):
+        if _for(m, ev.migration, Phase.SPARE) and m.spare_requested == ev.strategy:
+            m2 = replace(m, spare_requested=None, spare_failures=m.spare_failures + ((ev.strategy, ev.why),))
+            return replace(st, migration=m2)
+        return st
+    if isinstance(ev, SpareLost):
+        if st.spare(ev.node) is None:
+            return st
+        return replace(st, spares=tuple(replace(s, status="lost") if s.node == ev.node else s for s in st.spares))
+    if isinstance(ev, SnapshotDone):
+        if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
+            m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
+                         tool_durations=_merge_max(m.tool_durations, "dump", ev.durations))
+            return replace(st, migration=m2)
+        return st
+    if isinstance(ev, SnapshotFailed):
+        if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
+            return replace(st, migration=replace(m, failure=Failure("dump", f"rank {ev.rank}: {ev.why}")))
+        return st
+    if isinstance(ev, TransferDone):
+        if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and ev.rank in m.ranks:
+            m2 = replace(m, transferred={**m.transferred, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
+                         tool_durations=_merge_max(m.tool_durations, "transfer", ev.durations))
+            return replace(st, migration=m2)
+        return st
+    if isinstance(ev, TransferFailed):
+        if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and m.failure is None:
+            f = Failure("transfer", f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
+            return replace(st, migration=replace(m, failure=f))
+        return st
+    if isinstance(ev, RestoreDone):
+        if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and ev.rank in m.ranks:
+            m2 = replace(m, restored=m.restored | {ev.rank},
+                         tool_durations=_merge_max(m.tool_durations, "restore", ev.durations))
+            return replace(st, migration=m2)
+        return st
+    if isinstance(ev, RestoreFailed):
+        if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and m.failure is None:
+            f = Failure("restore", f"rank {ev.rank}: {ev.why}", ev.target_lost)
+            return replace(st, migration=replace(m, failure=f))
+        return st
+    if isinstance(ev, SourceKilled):
+        if _for(m, ev.migration, Phase.KILL_SOURCE):
+            return replace(st, migration=replace(m, source_killed=True))
+        return st
+    if isinstance(ev, KillFailed):
+        if _for(m, ev.migration, Phase.KILL_SOURCE) and m.failure is None:
+            return replace(st, migration=replace(m, failure=Failure("kill", ev.why)))
+        return st
+    if isinstance(ev, (Drained, DrainFailed)):
+        if _for(m, ev.migration, Phase.DRAIN):
+            notes = m.notes + ((f"drain of {ev.node} failed: {ev.why}",) if isinstance(ev, DrainFailed) else ())
+            return replace(st, migration=replace(m, drain_done=True, notes=notes))
+        return st
+    if isinstance(ev, (Shrunk, ShrinkFailed)):
+        if _for(m, ev.migration, Phase.SHRINK):
+            notes = m.notes + ((f"shrink failed: {ev.why}",) if isinstance(ev, ShrinkFailed) else ())
+            return replace(st, migration=replace(m, shrink_done=True, notes=notes))
+        return st
+    if isinstance(ev, OperatorMigrate):
+        return accept_operator(st, ev.node, ev.to, now)[0]
+    raise TypeError(f"not an outcome: {ev!r}")
+
+
+def apply(state: CoordState, outcome: Outcome, now: float) -> CoordState:
+    """The state after ``outcome`` arrived at ``now`` (coordinator clock)."""
+    st = _apply(state, outcome, now)
+    m = st.migration
+    if m is not None and m.ready_at is None and m is not state.migration and phase_complete(st, m):
+        st = replace(st, migration=replace(m, ready_at=now))
+    return st
+
+
+class ReasonLog:
+    """Remembers the last reason so the driver logs a decision only when it changes."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def changed(self, reason: str) -> bool:
+        if reason == self.last:
+            return False
+        self.last = reason
+        return True
+
+
+__all__ = [
+    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "Quiesced", "Resumed",
+    "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
+    "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
+    "ReasonLog",
+]

@@ -1,0 +1,149 @@
+"""The coordinator's policy: when to migrate, how long each phase may take.
+
+One frozen dataclass, loaded with torchpass.config (defaults -> TOML file ->
+flags; unknown keys are rejected by name). The defaults below are the
+documented defaults (docs/coordinator.md repeats them with their reasons).
+
+Named policies: ``sbatch --torchpass=policy=NAME`` makes the coordinator load
+``/etc/torchpass/policies/NAME.toml``. ``default`` is built in: it needs no
+file, but an admin may put a ``default.toml`` there to change site defaults.
+Any other name must have its file; a missing one is an error that lists the
+policies that exist (a typo must never silently fall back to the defaults).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchpass import config as tconfig
+from torchpass.errors import ConfigError
+
+DEFAULT_POLICIES_DIR = Path("/etc/torchpass/policies")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MIGRATE_STATES = ("degraded", "failed")
+SPARE_STRATEGIES = ("hot", "expand", "companion")
+
+
+@dataclass(frozen=True)
+class CoordinatorPolicy:
+    # --- detection -------------------------------------------------------
+    # Node health states that start a planned migration. "unknown" (tpassd
+    # silent, a check that itself failed) is never accepted here: not
+    # knowing is not a fault. A "failed" node that is unreachable cannot be
+    # dumped at all and is handed to Slurm whatever this says.
+    migrate_on: tuple[str, ...] = ("degraded", "failed")
+    # A rank whose collective count is behind another rank's and has not
+    # advanced for this long is "stalled": its node counts as degraded.
+    # Must exceed the longest legitimate one-rank pause (rank 0 writing a
+    # checkpoint while the others wait in the next collective). 0 disables.
+    stall_s: float = 600.0
+
+    # --- spares ------------------------------------------------------------
+    # Order in which spares are sought: "hot" = an idle node inside the
+    # allocation (--torchpass=spares=N), "expand" = grow the job through
+    # slurmctld (needs permit_job_expansion), "companion" = a separate
+    # allocation linked to the job. Remove a strategy to forbid it.
+    spare_strategies: tuple[str, ...] = ("hot", "expand", "companion")
+    # Only a spare whose tpassd reports "healthy" is used (false: any spare
+    # that is not degraded or failed, "unknown" included).
+    spare_requires_healthy: bool = True
+    # How long one slurmctld spare request (or a granted spare's first
+    # health report) may take before the next strategy is tried.
+    spare_timeout_s: float = 300.0
+    # Different spares tried within one migration (a spare that dies
+    # during transfer/restore is replaced by the next free one).
+    max_spare_attempts: int = 2
+    # After "no spare anywhere", the node runs unprotected; ask again after.
+    spare_retry_s: float = 900.0
+
+    # --- the pause -----------------------------------------------------------
+    # T = highest collective count any rank reported + this margin.
+    pause_margin_collectives: int = 64
+    # A rank already past T refuses the pause; re-arm at a later T this often.
+    max_pause_rearms: int = 2
+
+    # --- phase timeouts (seconds); an expired one rolls back ---------------
+    pause_timeout_s: float = 60.0  # every rank quiesced at T
+    dump_timeout_s: float = 600.0  # CUDA checkpoint + CRIU dump of every moved rank
+    transfer_timeout_s: float = 600.0  # images readable on the target
+    restore_timeout_s: float = 600.0  # CRIU restore (+ CUDA restore) on the target
+    kill_timeout_s: float = 30.0  # the source copies are gone
+    rebuild_timeout_s: float = 120.0  # every rank rebuilt its group and resumed (also rollback)
+    finalize_timeout_s: float = 120.0  # drain, then shrink (training already runs)
+    # Resume / resume-in-place commands sent before the job is declared stuck.
+    max_resume_attempts: int = 3
+
+    # --- retries ---------------------------------------------------------------
+    # A node whose migration failed is tried again after this long...
+    retry_backoff_s: float = 600.0
+    # ...at most this many times; then torchpass stops trying (an operator
+    # can still run `tpassctl migrate`).
+    max_attempts_per_node: int = 3
+
+    def validate(self) -> None:
+        bad = sorted(set(self.migrate_on) - set(MIGRATE_STATES))
+        if bad:
+            raise ConfigError(
+                f"migrate_on: {', '.join(bad)} cannot trigger a migration; allowed: {', '.join(MIGRATE_STATES)}"
+                + (" (unknown health is never a reason to migrate)" if "unknown" in bad else "")
+            )
+        bad = sorted(set(self.spare_strategies) - set(SPARE_STRATEGIES))
+        if bad:
+            raise ConfigError(
+                f"spare_strategies: unknown strategy {', '.join(bad)}; allowed: {', '.join(SPARE_STRATEGIES)}"
+            )
+        if len(set(self.spare_strategies)) != len(self.spare_strategies):
+            raise ConfigError(f"spare_strategies: {list(self.spare_strategies)} lists a strategy twice")
+        for name in ("spare_timeout_s", "pause_timeout_s", "dump_timeout_s", "transfer_timeout_s",
+                     "restore_timeout_s", "kill_timeout_s", "rebuild_timeout_s", "finalize_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("stall_s", "spare_retry_s", "retry_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.pause_margin_collectives < 1:
+            raise ConfigError(f"pause_margin_collectives must be >= 1, got {self.pause_margin_collectives}")
+        for name in ("max_spare_attempts", "max_resume_attempts", "max_attempts_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_pause_rearms < 0:
+            raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
+
+    def max_pause_s(self) -> float:
+        """Upper bound on how long one migration can keep training paused.
+
+        Every paused phase has a deadline; re-arming, replacing a spare and
+        resending a resume each restart a bounded number of deadlines.
+        """
+        pause = self.pause_timeout_s * (1 + self.max_pause_rearms)
+        move = (self.transfer_timeout_s + self.restore_timeout_s) * self.max_spare_attempts
+        resume = self.rebuild_timeout_s * self.max_resume_attempts
+        return pause + self.dump_timeout_s + move + self.kill_timeout_s + resume
+
+
+def policy_path(name: str, policies_dir: Path = DEFAULT_POLICIES_DIR) -> Path:
+    if not _NAME.match(name):
+        raise ConfigError(
+            f"policy name {name!r} is invalid: use letters, digits, '.', '_' or '-' (it names "
+            f"{policies_dir}/NAME.toml)"
+        )
+    return Path(policies_dir) / f"{name}.toml"
+
+
+def load_policy(
+    name: str = "default",
+    *,
+    policies_dir: Path = DEFAULT_POLICIES_DIR,
+    flags: dict[str, Any] | None = None,
+) -> CoordinatorPolicy:
+    """The named policy: built-in defaults <- POLICIES_DIR/NAME.toml <- flags."""
+    path = policy_path(name, policies_dir)
+    if name != "default" and not path.exists():
+        have = sorted(p.stem for p in Path(policies_dir).glob("*.toml")) if Path(policies_dir).is_dir() else []
+        raise ConfigError(
+            f"policy {name!r} not found: no {path}; available: {', '.join(['default', *[h for h in have if h != 'default']])}"
+        )
+    return tconfig.load(CoordinatorPolicy, path=path, flags=flags)

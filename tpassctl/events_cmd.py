@@ -1,0 +1,101 @@
+"""`tpassctl events [JOBID]`: a job's torchpass event log (migrations with phase durations)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from torchpass import zmqio
+from torchpass.errors import TorchpassError, UnreachableError
+from tpassctl.status_cmd import discover_coordinators
+
+# The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
+PHASE_ORDER = ("detect", "spare", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "rollback",
+               "drain", "shrink", "paused", "total")
+
+
+def registration(state_dir: Path, job_id: int) -> dict[str, Any]:
+    """The coordinator registration of ``job_id``; a one-line ClickException if there is none."""
+    regs = discover_coordinators(state_dir)
+    if job_id not in regs:
+        raise click.ClickException(
+            f"job {job_id} has no torchpass coordinator registered in {state_dir}"
+            " (not a --torchpass job, not running, or a different --state-dir)"
+        )
+    return regs[job_id]
+
+
+def format_durations(durations: dict[str, Any]) -> str:
+    keys = [k for k in PHASE_ORDER if k in durations] + sorted(k for k in durations if k not in PHASE_ORDER)
+    return "  ".join(f"{k} {float(durations[k]):.2f}s" for k in keys
+                     if isinstance(durations[k], (int, float)) and not isinstance(durations[k], bool))
+
+
+def fetch(job_id: int, info: dict[str, Any], since_seq: int, timeout_s: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"job_id": job_id, "endpoint": info.get("endpoint")}
+    body = {"since_seq": since_seq} if since_seq else {}
+    try:
+        res = zmqio.request(info["endpoint"], "job.events", body, timeout_s=timeout_s, retries=1)
+        row["reachable"] = True
+        row["events"] = res.get("events", [])
+    except UnreachableError as exc:
+        row.update(reachable=False, error=f"coordinator unreachable: {exc}", events=[])
+    except TorchpassError as exc:
+        row.update(reachable=True, error=str(exc), events=[])
+    return row
+
+
+def _when(t: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1), required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--since", "since_seq", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Only events with a sequence number above this.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds to wait for each coordinator.")
+@click.pass_obj
+def events(obj, job_id, as_json, since_seq, timeout_s):
+    """Show the event log of JOB_ID's coordinator (or of every registered job).
+
+    One line per event: time, kind, message; migrations also show how long
+    each phase took (detect, spare, pause, dump, transfer, restore,
+    kill_source, rebuild, drain, shrink; paused = time training stood still).
+    """
+    if job_id is not None:
+        rows = [fetch(job_id, registration(obj.state_dir, job_id), since_seq, timeout_s)]
+        if not rows[0]["reachable"]:
+            raise click.ClickException(f"job {job_id}: {rows[0]['error']}")
+    else:
+        regs = discover_coordinators(obj.state_dir)
+        rows = [fetch(j, regs[j], since_seq, timeout_s) for j in sorted(regs)]
+    if as_json:
+        click.echo(json.dumps({"jobs": rows}, indent=1))
+        return
+    if not rows:
+        click.echo("no torchpass coordinators registered")
+        return
+    for row in rows:
+        if job_id is None:
+            click.echo(f"job {row['job_id']}  coordinator {row['endpoint']}")
+        if row.get("error"):
+            click.echo(f"  ERROR: {row['error']}")
+            continue
+        if not row["events"]:
+            click.echo("  no events")
+            continue
+        width = max(len(str(e.get("kind", ""))) for e in row["events"])
+        for e in row["events"]:
+            click.echo(f"{_when(e.get('time'))}  {str(e.get('kind', '')):<{width}}  {e.get('message', '')}")
+            data = e.get("data") or {}
+            if isinstance(data.get("phase_durations"), dict) and data["phase_durations"]:
+                click.echo(f"{'':19}  {'':<{width}}  phases: {format_durations(data['phase_durations'])}")
