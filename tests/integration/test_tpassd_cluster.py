@@ -1,0 +1,101 @@
+"""tpassd on the devcluster: every node runs a real tpassd (fake NVML, fixture
+IB tree) in its own namespaces; we watch them from the root namespace.
+
+Run with e.g. TORCHPASS_TEST_SUBNET=10.79.0 TORCHPASS_TEST_CLUSTER=t3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from torchpass import auth, zmqio
+from torchpass.health import HealthSubscriber, State
+from tpassd.config import DEFAULT_CONTROL_PORT, DEFAULT_PUB_PORT
+
+pytestmark = pytest.mark.integration
+
+# The installed console script, as an admin runs it.
+TPASSCTL = [os.path.join(os.path.dirname(sys.executable), "tpassctl")]
+
+
+def tpassctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(TPASSCTL + list(args), capture_output=True, text=True, timeout=60, check=check,
+                          env=os.environ)
+
+
+def nodes_json() -> dict:
+    out = tpassctl("nodes", "--json")
+    return {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
+
+
+def wait_for(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        last = pred()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def subscriber(cluster):
+    sock = str(cluster.munge_socket)
+
+    def snap(node, endpoint):
+        return zmqio.request(endpoint, "tpassd.health", {}, timeout_s=1.0, retries=0,
+                             auth=auth.credential_for("tpassd.health", {}, node, sock))
+
+    pubs = {n: (f"tcp://{cluster.node_address(n)}:{DEFAULT_PUB_PORT}",
+                f"tcp://{cluster.node_address(n)}:{DEFAULT_CONTROL_PORT}") for n in cluster.node_names}
+    with HealthSubscriber(pubs, snapshot=snap, missed_heartbeats=3) as sub:
+        yield sub
+
+
+def test_heartbeats_from_all_four(cluster, subscriber):
+    assert len(cluster.node_names) == 4
+    wait_for(lambda: all(subscriber.state(n) is State.HEALTHY for n in cluster.node_names), 20,
+             "all four tpassds healthy")
+    views = subscriber.nodes()
+    assert all(v["last_heartbeat_age_s"] < 2.0 for v in views.values()), views
+
+
+def test_inject_sbe_storm_degrades_node2_and_clear_heals(cluster, subscriber):
+    wait_for(lambda: nodes_json()["node2"]["state"] == "healthy", 20, "node2 healthy")
+    out = tpassctl("inject", "--node", "node2", "--fault", "ecc-sbe-storm", "--gpu", "3")
+    assert "gpu3" in out.stdout
+    row = wait_for(lambda: (r := nodes_json()["node2"])["state"] == "degraded" and r, 10, "node2 degraded")
+    assert any("SBE ECC storm" in r for r in row["reasons"]), row
+    assert row["last_heartbeat_age_s"] is not None and row["last_heartbeat_age_s"] < 2.0
+    others = nodes_json()
+    assert all(others[n]["state"] == "healthy" for n in ("node1", "node3", "node4")), others
+    wait_for(lambda: subscriber.state("node2") is State.DEGRADED, 5, "subscriber sees node2 degraded")
+    tpassctl("inject", "--node", "node2", "--fault", "clear")
+    wait_for(lambda: nodes_json()["node2"]["state"] == "healthy", 10, "node2 healthy after clear")
+    wait_for(lambda: subscriber.state("node2") is State.HEALTHY, 5, "subscriber sees node2 healthy")
+
+
+def test_kill_9_is_unknown_then_healthy_after_restart(cluster, subscriber):
+    wait_for(lambda: subscriber.state("node3") is State.HEALTHY, 20, "node3 healthy")
+    pid = cluster.status()["processes"]["tpassd.node3"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: subscriber.state("node3") is State.UNKNOWN, 10, "node3 unknown")
+    took = time.monotonic() - t0
+    view = subscriber.nodes()["node3"]
+    assert view["state"] == "unknown" and "no heartbeat" in view["reasons"][0], view
+    assert 2.0 <= took <= 5.0, f"unknown after {took:.1f} s; window is 3 x 1 s"
+    assert nodes_json()["node3"]["state"] == "unknown"  # unreachable: unknown, never failed
+    # the others are untouched
+    assert all(subscriber.state(n) is State.HEALTHY for n in ("node1", "node2", "node4"))
+    cluster.tpassd_restart("node3")
+    wait_for(lambda: subscriber.state("node3") is State.HEALTHY, 20, "node3 healthy after restart")
+    assert subscriber.view("node3").incarnation is not None

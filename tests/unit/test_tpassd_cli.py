@@ -1,0 +1,51 @@
+"""tpassctl nodes / inject against an in-process tpassd (CliRunner)."""
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from tpassctl.nodes_cmd import inject, nodes
+from tpassd.daemon import Tpassd
+from tpassd.testing import fake_node_config, private_munged
+
+
+@pytest.fixture(scope="module")
+def munge():
+    with private_munged() as m:
+        yield m
+
+
+def test_nodes_and_inject(tmp_path, munge):
+    d = Tpassd(fake_node_config(tmp_path, "node2", munge.socket, interval_s=0.2, collector_timeout_s=0.1,
+                                metrics_port=-1)).start()
+    try:
+        ep = f"node2=tcp://127.0.0.1:{d.ports()['control_port']}"
+        dead = "node9=tcp://127.0.0.1:1"
+        r = CliRunner()
+        args = ["--endpoint", ep, "--munge-socket", munge.socket]
+        time.sleep(0.5)
+        out = r.invoke(nodes, args + ["--endpoint", dead, "--json", "--timeout", "0.3"])
+        assert out.exit_code == 0, out.output
+        rows = {n["node"]: n for n in json.loads(out.output)["nodes"]}
+        assert rows["node2"]["state"] == "healthy" and rows["node2"]["last_heartbeat_age_s"] < 1.0
+        assert rows["node9"]["state"] == "unknown" and "no reply" in rows["node9"]["reasons"][0]
+        out = r.invoke(inject, args + ["--node", "node2", "--fault", "ecc-sbe-storm", "--gpu", "3"])
+        assert out.exit_code == 0 and "gpu3: 500 correctable ECC errors" in out.output, out.output
+        time.sleep(0.3)
+        out = r.invoke(nodes, args + ["--json"])
+        row = json.loads(out.output)["nodes"][0]
+        assert row["state"] == "degraded" and "SBE ECC storm" in row["reasons"][0]
+        assert row["components"]["gpu3"] == "degraded"
+        text = r.invoke(nodes, args)
+        assert text.exit_code == 0 and "node2" in text.output and "degraded" in text.output
+        assert r.invoke(inject, args + ["--node", "node2", "--fault", "clear"]).exit_code == 0
+        time.sleep(0.5)
+        assert json.loads(r.invoke(nodes, args + ["--json"]).output)["nodes"][0]["state"] == "healthy"
+        bad = r.invoke(inject, args + ["--node", "node2", "--fault", "xid79", "--gpu", "42"])
+        assert bad.exit_code != 0 and "no GPU 42" in bad.output
+        assert r.invoke(inject, args + ["--node", "node2", "--fault", "meteor"]).exit_code == 2
+        assert r.invoke(nodes, ["--endpoint", "garbage"]).exit_code == 2
+    finally:
+        d.stop()

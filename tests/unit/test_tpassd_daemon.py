@@ -1,0 +1,268 @@
+"""An in-process tpassd (fake NVML, fixture IB tree, private munged) seen
+through its real sockets: drills, auth, subscriber, metrics, shutdown."""
+
+import threading
+import time
+import urllib.request
+
+import pytest
+import zmq
+from structlog.testing import capture_logs
+
+from torchpass import auth, wire, zmqio
+from torchpass.errors import RemoteError
+from torchpass.health import HealthSubscriber, State
+from tpassd.collectors.base import Collector
+from tpassd.daemon import Tpassd
+from tpassd.testing import call, credential_as, fake_node_config, private_munged
+
+
+@pytest.fixture(scope="module")
+def munge():
+    with private_munged() as m:
+        yield m
+
+
+@pytest.fixture
+def node(tmp_path, munge):
+    owners = set()
+    d = Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15),
+               job_owner_uids=lambda: owners)
+    d.job_owners = owners
+    d.start()
+    p = d.ports()
+    d.ctl = f"tcp://127.0.0.1:{p['control_port']}"
+    d.pub = f"tcp://127.0.0.1:{p['pub_port']}"
+    yield d
+    d.stop()
+
+
+def subscriber(d, munge, **kw):
+    def snap(node, ep):
+        return call(ep, node, "tpassd.health", munge_socket=munge.socket)
+    return HealthSubscriber({d.node: (d.pub, d.ctl)}, snapshot=snap, **kw).start()
+
+
+def wait_for(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+DRILLS = [
+    ("xid79", {"gpu": 1}, State.FAILED, "Xid 79"),
+    ("xid48", {"gpu": 2}, State.FAILED, "Xid 48"),
+    ("ecc-sbe-storm", {"gpu": 3}, State.DEGRADED, "SBE ECC storm"),
+    ("row-remap-pending", {"gpu": 4}, State.DEGRADED, "row remap pending"),
+    ("nvlink-crc", {"gpu": 5}, State.DEGRADED, "NVLink CRC errors"),
+    ("nvml-error", {"gpu": 6}, State.UNKNOWN, "nvlink check failed"),
+    ("ib-link-down", {"port": "mlx5_1/1"}, State.FAILED, "ib:mlx5_1/1: link state 1: DOWN"),
+    ("ib-link-flap", {"port": "2"}, State.DEGRADED, "ib:mlx5_2/1: link flapping"),
+]
+
+
+def test_every_drill_reaches_a_subscriber_and_clear_heals(node, munge):
+    sub = subscriber(node, munge)
+    try:
+        assert wait_for(lambda: sub.state("node1") is State.HEALTHY)
+        for kind, args, state, reason in DRILLS:
+            res = call(node.ctl, "node1", "tpassd.drill", {"kind": kind, **args}, munge.socket)
+            assert res["kind"] == kind
+            assert wait_for(lambda: sub.state("node1") is state), (kind, sub.nodes()["node1"])
+            assert any(reason in r for r in sub.nodes()["node1"]["reasons"]), sub.nodes()["node1"]["reasons"]
+            call(node.ctl, "node1", "tpassd.drill", {"kind": "clear"}, munge.socket)
+            assert wait_for(lambda: sub.state("node1") is State.HEALTHY), (kind, sub.nodes()["node1"])
+        assert sub.counters["gaps"] == 0 and sub.counters["malformed"] == 0
+    finally:
+        sub.close()
+
+
+def test_unauthenticated_and_forged_requests_are_refused_and_logged(node, munge):
+    with capture_logs() as logs:
+        for cred in (None, "MUNGE:forged:", auth.make_credential(b"wrong payload", munge.socket)):
+            with pytest.raises(RemoteError) as ei:
+                zmqio.request(node.ctl, "tpassd.status", {}, auth=cred, timeout_s=2, retries=0)
+            assert ei.value.code == "unauthenticated"
+    assert sum(1 for e in logs if e["event"] == "unauthenticated request refused") == 3
+    assert node.control.counters["auth_failed"] == 3
+    # a replayed (captured) credential is refused too
+    cred = auth.make_credential(auth.request_digest("tpassd.status", {}, "node1"), munge.socket)
+    zmqio.request(node.ctl, "tpassd.status", {}, auth=cred, timeout_s=2, retries=0)
+    with pytest.raises(RemoteError, match="replayed"):
+        zmqio.request(node.ctl, "tpassd.status", {}, auth=cred, timeout_s=2, retries=0)
+
+
+def test_drills_need_root_or_a_job_owner(node, munge):
+    body = {"kind": "xid48", "gpu": 0}
+
+    def as_nobody(type_, b):
+        return credential_as(65534, 65534, auth.request_digest(type_, b, "node1"), munge.socket)
+
+    # read-only requests: any authenticated user
+    assert zmqio.request(node.ctl, "tpassd.health", {}, auth=as_nobody("tpassd.health", {}))["node"] == "node1"
+    with capture_logs() as logs:
+        with pytest.raises(RemoteError) as ei:
+            zmqio.request(node.ctl, "tpassd.drill", body, auth=as_nobody("tpassd.drill", body), retries=0)
+    assert ei.value.code == "forbidden" and "uid 65534" in ei.value.remote_message
+    assert any(e["event"] == "forbidden request refused" for e in logs)
+    node.job_owners.add(65534)
+    assert zmqio.request(node.ctl, "tpassd.drill", body, auth=as_nobody("tpassd.drill", body))["kind"] == "xid48"
+
+
+def test_drill_errors(node, munge):
+    for body, code in (({"kind": "meteor"}, "not_found"), ({"kind": "xid79", "gpu": 99}, "not_found"),
+                       ({"kind": "ib-link-down", "port": "mlx9_9/1"}, "not_found")):
+        with pytest.raises(RemoteError) as ei:
+            call(node.ctl, "node1", "tpassd.drill", body, munge.socket)
+        assert ei.value.code == code
+
+
+def test_status_and_metrics(node, munge):
+    assert wait_for(lambda: node.ticks >= 2)
+    st = call(node.ctl, "node1", "tpassd.status", munge_socket=munge.socket)
+    assert st["state"] == "healthy" and set(st["collectors"]) == {"nvml", "ib_sysfs", "host"}
+    assert all(c["ok"] for c in st["collectors"].values())
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.ports()['metrics_port']}/metrics", timeout=5).read().decode()
+    for family in ("tpassd_node_health", "tpassd_component_health", "tpassd_gpu_ecc_errors",
+                   "tpassd_gpu_nvlink_errors_total", "tpassd_gpu_temperature_celsius",
+                   "tpassd_infiniband_port_state_id", "tpassd_infiniband_symbol_error_total",
+                   "tpassd_host_memory_available_bytes", "tpassd_scrape_collector_success",
+                   "tpassd_control_auth_failed_total"):
+        assert f"# HELP {family} " in text and f"# TYPE {family} " in text, family
+    assert 'tpassd_node_health{node="node1",state="healthy"} 1' in text
+    assert 'tpassd_gpu_ecc_errors{gpu="0",uuid="GPU-fake-0000-0000-0000-0000-000000000000",type="sbe",counter="volatile"} 0' in text
+
+
+class Hang(Collector):
+    name = "hang"
+    kind = "host"
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def collect(self, now):
+        self.release.wait(10)
+        return {}
+
+
+def test_hung_collector_is_unknown_and_heartbeats_continue(tmp_path, munge):
+    hang = Hang()
+    cfg = fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.1, metrics_port=-1)
+    d = Tpassd(cfg, collectors=[hang]).start()
+    try:
+        p = d.ports()
+        d.ctl, d.pub = f"tcp://127.0.0.1:{p['control_port']}", f"tcp://127.0.0.1:{p['pub_port']}"
+        sub = subscriber(d, munge)
+        try:
+            assert wait_for(lambda: sub.nodes()["node1"]["last_heartbeat_age_s"] is not None)
+            time.sleep(1.0)
+            v = sub.nodes()["node1"]
+            assert v["state"] == "unknown" and v["last_heartbeat_age_s"] < 0.6
+            assert "collector hang failed" in v["reasons"][0]
+        finally:
+            sub.close()
+    finally:
+        hang.release.set()
+        d.stop()
+
+
+def test_stop_leaves_no_threads(tmp_path, munge):
+    before = {t.ident for t in threading.enumerate()}
+    d = Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.1, collector_timeout_s=0.1)).start()
+    time.sleep(0.3)
+    d.stop()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []
+
+
+# --- the subscriber on its own, with crafted publications and an injected clock --------
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def pub(type_, seq, body, sender="n1"):
+    return [type_.encode(), wire.encode(type_, body, seq=seq, sender=sender)]
+
+
+def hb(seq, last_event_seq, inc="a", state="healthy"):
+    return pub("tpassd.heartbeat", seq, {"node": "n1", "incarnation": inc, "t": 0.0, "interval_s": 1.0,
+                                         "state": state, "last_event_seq": last_event_seq, "uptime_s": 1.0})
+
+
+def ev(seq, prev, comp, state, inc="a"):
+    return pub("tpassd.event", seq, {"node": "n1", "incarnation": inc, "t": 0.0, "component": comp, "state": state,
+                                     "previous": "healthy", "reasons": [f"{comp}: bad"], "node_state": state,
+                                     "prev_event_seq": prev})
+
+
+def snapshot_result(seq, last, inc="a", state="healthy"):
+    return {"node": "n1", "incarnation": inc, "seq": seq, "last_event_seq": last, "interval_s": 1.0,
+            "state": state, "reasons": [], "components": {"gpu0": {"state": state, "reasons": []}}}
+
+
+def test_subscriber_expiry_gap_and_restart():
+    clock = Clock()
+    snaps = []
+
+    def snap(node, ep):
+        snaps.append(node)
+        return snapshot_result(5, 4)
+
+    s = HealthSubscriber({"n1": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")}, snapshot=snap, clock=clock,
+                         missed_heartbeats=3)
+    try:
+        assert s.state("n1") is State.UNKNOWN
+        s.ingest(hb(6, 4))
+        s._fetch_snapshots()
+        assert s.state("n1") is State.HEALTHY and snaps == ["n1"]
+        s.ingest(ev(7, 4, "node", "degraded"))
+        assert s.state("n1") is State.DEGRADED and s.nodes()["n1"]["reasons"] == ["node: bad"]
+        s.ingest(ev(6, 3, "node", "failed"))  # older than what we have: ignored
+        assert s.state("n1") is State.DEGRADED
+        # missed heartbeats: unknown (not failed) after 3 intervals, back on the next one
+        clock.t += 3.5
+        s.expire()
+        assert s.state("n1") is State.UNKNOWN and "no heartbeat for 3.5 s" in s.nodes()["n1"]["reasons"][0]
+        s.ingest(hb(8, 7))
+        assert s.state("n1") is State.DEGRADED
+        # a gap (event 9 lost): re-read the snapshot
+        s.ingest(ev(10, 9, "node", "failed"))
+        assert s.counters["gaps"] == 1 and s.state("n1") is State.UNKNOWN
+        clock.t += 2
+        s._fetch_snapshots()
+        assert s.state("n1") is State.HEALTHY and len(snaps) == 2
+        # a restarted publisher (new incarnation, seq from 0): snapshot again
+        s.ingest(hb(0, -1, inc="b"))
+        assert s.state("n1") is State.UNKNOWN
+        clock.t += 2
+        s._views["n1"]  # noqa: B018
+        s._snapshot = lambda n, e: snapshot_result(0, -1, inc="b")
+        s._fetch_snapshots()
+        assert s.state("n1") is State.HEALTHY and s.view("n1").incarnation == "b"
+        # garbage is dropped and counted
+        for bad in ([b"x"], [b"tpassd.event", b"\xff"], hb(1, 0, inc="b")[:1] + [b"{}"],
+                    [b"tpassd.sample", wire.encode("tpassd.heartbeat", hb(1, 0)[1] and {
+                        "node": "n1", "incarnation": "b", "t": 0.0, "interval_s": 1.0, "state": "healthy",
+                        "last_event_seq": -1, "uptime_s": 1.0}, seq=1, sender="n1")],
+                    pub("tpassd.heartbeat", 1, {"node": "zz", "incarnation": "b", "t": 0.0, "interval_s": 1.0,
+                                                "state": "healthy", "last_event_seq": -1, "uptime_s": 1.0},
+                        sender="unknown-node")):
+            s.ingest(bad)
+        assert s.counters["malformed"] == 5 and s.state("n1") is State.HEALTHY
+    finally:
+        s.close()
+
+
+def test_subscriber_socket_closes(tmp_path):
+    ctx = zmq.Context()
+    s = HealthSubscriber({"n1": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")}, snapshot=None, context=ctx).start()
+    s.close()
+    ctx.term()  # would hang if a socket were left open

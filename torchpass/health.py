@@ -1,0 +1,351 @@
+"""Health states shared by tpassd, the coordinator and tpassctl, and the
+subscriber that follows tpassd publishers (the ZeroMQ guide's Clone pattern).
+
+Four states, never a bool. ``UNKNOWN`` means "no data, or the check itself
+failed": an NVML error is not a sick GPU, a missing sysfs file is not a
+healthy link, and a silent publisher is not a failed node.
+
+``HealthSubscriber`` connects one SUB socket to any number of tpassd PUB
+endpoints, asks each for a health snapshot over its (authenticated) request
+socket, applies only events newer than the snapshot's sequence number,
+detects gaps (then re-asks for a snapshot), and marks a publisher UNKNOWN
+after ``missed_heartbeats`` heartbeat intervals without a word.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import zmq
+
+from torchpass import wire
+from torchpass.errors import ProtocolError, TorchpassError
+
+log = structlog.get_logger("torchpass.health")
+
+
+class State(str, enum.Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.value
+
+
+HEALTHY, DEGRADED, FAILED, UNKNOWN = State.HEALTHY, State.DEGRADED, State.FAILED, State.UNKNOWN
+
+# Order used to fold component states into a node state: the worst wins, and
+# "we do not know" ranks above "healthy" but below a known problem.
+_SEVERITY = {State.HEALTHY: 0, State.UNKNOWN: 1, State.DEGRADED: 2, State.FAILED: 3}
+
+
+def worst(states) -> State:
+    states = [State(s) for s in states]
+    if not states:
+        return State.UNKNOWN
+    return max(states, key=_SEVERITY.__getitem__)
+
+
+def severity(state: State | str) -> int:
+    return _SEVERITY[State(state)]
+
+
+# Topics are the first frame of every publication; subscribers filter on them.
+TOPIC_SAMPLE = b"tpassd.sample"
+TOPIC_EVENT = b"tpassd.event"
+TOPIC_HEARTBEAT = b"tpassd.heartbeat"
+
+
+@dataclass
+class NodeView:
+    """What a subscriber currently believes about one tpassd."""
+
+    node: str
+    endpoint: str
+    state: State = State.UNKNOWN
+    reasons: list[str] = field(default_factory=lambda: ["no heartbeat seen yet"])
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    incarnation: str | None = None
+    seq: int = -1  # envelope seq of the last publication applied
+    last_event_seq: int = -1
+    last_heartbeat: float | None = None  # subscriber's clock
+    interval_s: float = 1.0
+    reported_state: State = State.UNKNOWN  # what the publisher says
+    reported_reasons: list[str] = field(default_factory=list)
+    need_snapshot: bool = True
+    gaps: int = 0
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        age = self.heartbeat_age(now)
+        return {
+            "node": self.node,
+            "state": self.state.value,
+            "reasons": list(self.reasons),
+            "last_heartbeat_age_s": None if age is None else round(age, 3),
+            "incarnation": self.incarnation,
+            "seq": self.seq,
+            "components": {k: dict(v) for k, v in self.components.items()},
+        }
+
+
+SnapshotFn = Callable[[str, str], dict[str, Any]]  # (node, endpoint) -> tpassd.health result
+
+
+class HealthSubscriber:
+    """Follow many tpassd publishers. Thread-safe reads; one background thread.
+
+    ``snapshot(node, control_endpoint)`` must return a ``tpassd.health``
+    result (the caller supplies it so that authentication stays outside this
+    module; ``tpassctl`` and the coordinator pass a munge-authenticated
+    request). ``clock`` is injectable; ``poll_once`` lets tests drive the
+    loop by hand without the thread.
+    """
+
+    def __init__(
+        self,
+        publishers: dict[str, tuple[str, str]],
+        *,
+        snapshot: SnapshotFn | None,
+        missed_heartbeats: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+        context: zmq.Context | None = None,
+        on_change: Callable[[NodeView, State], None] | None = None,
+    ):
+        """``publishers``: node -> (pub_endpoint, control_endpoint)."""
+        self._ctx = context or zmq.Context.instance()
+        self._snapshot = snapshot
+        self.missed_heartbeats = missed_heartbeats
+        self._clock = clock
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._views: dict[str, NodeView] = {}
+        self._control: dict[str, str] = {}
+        self.counters = {"malformed": 0, "gaps": 0, "snapshots": 0, "snapshot_failures": 0}
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 100000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 4096)
+        for topic in (TOPIC_EVENT, TOPIC_HEARTBEAT):
+            self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        for node, (pub, ctl) in publishers.items():
+            self._views[node] = NodeView(node=node, endpoint=pub, need_snapshot=snapshot is not None)
+            self._control[node] = ctl
+            self._sock.connect(pub)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_snapshot_try: dict[str, float] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> HealthSubscriber:
+        self._thread = threading.Thread(target=self._run, name="health-subscriber", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> HealthSubscriber:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once(100)
+            except Exception:  # noqa: BLE001 - keep following; log the bug
+                log.exception("health subscriber loop error")
+                self._stop.wait(0.1)
+
+    # -- reading -----------------------------------------------------------
+    def view(self, node: str) -> NodeView:
+        with self._lock:
+            return self._views[node]
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        now = self._clock()
+        with self._lock:
+            return {n: v.as_dict(now) for n, v in self._views.items()}
+
+    def state(self, node: str) -> State:
+        with self._lock:
+            return self._views[node].state
+
+    # -- the loop body -----------------------------------------------------
+    def poll_once(self, timeout_ms: int = 100) -> None:
+        deadline = self._clock() + timeout_ms / 1000.0
+        while True:
+            left = max(0, int((deadline - self._clock()) * 1000))
+            if not self._sock.poll(left, zmq.POLLIN):
+                break
+            parts = self._sock.recv_multipart()
+            self.ingest(parts)
+            if self._clock() >= deadline:
+                break
+        self._fetch_snapshots()
+        self.expire()
+
+    def ingest(self, parts: list[bytes]) -> None:
+        """Apply one publication (topic, frame); bad ones are dropped and counted."""
+        try:
+            if len(parts) != 2:
+                raise ProtocolError(f"publication of {len(parts)} frames, expected 2")
+            msg = wire.decode(parts[1])
+            if parts[0] != msg.type.encode() or msg.type not in ("tpassd.event", "tpassd.heartbeat", "tpassd.sample"):
+                raise ProtocolError(f"topic {parts[0][:40]!r} does not match type {msg.type!r}")
+            if msg.seq is None or msg.sender is None:
+                raise ProtocolError("publication without seq or sender")
+        except ProtocolError as exc:
+            with self._lock:
+                self.counters["malformed"] += 1
+            log.debug("dropped malformed publication", error=str(exc))
+            return
+        with self._lock:
+            view = self._views.get(msg.sender)
+            if view is None:
+                self.counters["malformed"] += 1
+                return
+            before = view.state
+            body = msg.body
+            if body.get("incarnation") != view.incarnation:
+                # A restarted (or first seen) publisher: its seq starts afresh.
+                if view.incarnation is not None:
+                    log.info("publisher restarted", node=view.node)
+                view.incarnation = body.get("incarnation")
+                view.seq = -1
+                view.last_event_seq = -1
+                view.need_snapshot = self._snapshot is not None
+            if msg.type == "tpassd.heartbeat":
+                view.last_heartbeat = self._clock()
+                view.interval_s = float(body["interval_s"])
+                if not view.need_snapshot and body["last_event_seq"] > view.last_event_seq:
+                    self._gap(view, f"heartbeat says last event {body['last_event_seq']}, "
+                                    f"applied {view.last_event_seq}")
+                view.seq = max(view.seq, msg.seq)
+            elif msg.type == "tpassd.event":
+                view.last_heartbeat = self._clock()  # any word from it proves it alive
+                if view.need_snapshot:
+                    pass  # the snapshot will carry it (or a newer state)
+                elif msg.seq <= view.last_event_seq:
+                    pass  # older than what we have
+                elif body["prev_event_seq"] != view.last_event_seq:
+                    self._gap(view, f"event {msg.seq} follows {body['prev_event_seq']}, "
+                                    f"applied {view.last_event_seq}")
+                    if self._snapshot is None:
+                        self._apply_event(view, msg.seq, body)  # best effort: no snapshot source
+                else:
+                    self._apply_event(view, msg.seq, body)
+            self._refresh(view)
+            after = view.state
+        if after != before and self._on_change is not None:
+            self._on_change(view, before)
+
+    def _gap(self, view: NodeView, why: str) -> None:
+        view.gaps += 1
+        self.counters["gaps"] += 1
+        view.need_snapshot = self._snapshot is not None
+        log.info("gap in publisher sequence; re-reading snapshot", node=view.node, why=why)
+
+    @staticmethod
+    def _apply_event(view: NodeView, seq: int, body: dict[str, Any]) -> None:
+        comp = body["component"]
+        if comp == "node":
+            view.reported_state = State(body["state"])
+            view.reported_reasons = list(body["reasons"])
+        else:
+            view.components[comp] = {"state": body["state"], "reasons": list(body["reasons"])}
+        view.seq = max(view.seq, seq)
+        view.last_event_seq = seq
+
+    def apply_snapshot(self, node: str, result: dict[str, Any]) -> None:
+        with self._lock:
+            view = self._views[node]
+            before = view.state
+            try:
+                view.incarnation = str(result["incarnation"])
+                view.seq = int(result["seq"])
+                view.last_event_seq = int(result["last_event_seq"])
+                view.reported_state = State(result["state"])
+                view.reported_reasons = [str(r) for r in result["reasons"]]
+                view.components = {
+                    str(c): {"state": State(v["state"]).value, "reasons": [str(r) for r in v["reasons"]]}
+                    for c, v in result["components"].items()
+                }
+                view.interval_s = float(result["interval_s"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self.counters["malformed"] += 1
+                log.warning("malformed health snapshot", node=node, error=repr(exc))
+                return
+            view.need_snapshot = False
+            if view.last_heartbeat is None:
+                view.last_heartbeat = self._clock()
+            self.counters["snapshots"] += 1
+            self._refresh(view)
+            after = view.state
+        if after != before and self._on_change is not None:
+            self._on_change(view, before)
+
+    def _fetch_snapshots(self) -> None:
+        if self._snapshot is None:
+            return
+        now = self._clock()
+        with self._lock:
+            wanted = [n for n, v in self._views.items() if v.need_snapshot]
+        for node in wanted:
+            # Do not hammer a dead node: one try per heartbeat interval.
+            last = self._last_snapshot_try.get(node, -1e18)
+            if now - last < self._views[node].interval_s:
+                continue
+            self._last_snapshot_try[node] = now
+            try:
+                result = self._snapshot(node, self._control[node])
+            except TorchpassError as exc:
+                with self._lock:
+                    self.counters["snapshot_failures"] += 1
+                log.debug("health snapshot failed", node=node, error=str(exc))
+                continue
+            self.apply_snapshot(node, result)
+
+    def expire(self) -> None:
+        now = self._clock()
+        changed = []
+        with self._lock:
+            for view in self._views.values():
+                before = view.state
+                self._refresh(view, now)
+                if view.state != before:
+                    changed.append((view, before))
+        if self._on_change is not None:
+            for view, before in changed:
+                self._on_change(view, before)
+
+    def _refresh(self, view: NodeView, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        age = view.heartbeat_age(now)
+        window = self.missed_heartbeats * view.interval_s
+        if age is None:
+            view.state, view.reasons = State.UNKNOWN, ["no heartbeat seen yet"]
+        elif age > window:
+            view.state = State.UNKNOWN
+            view.reasons = [f"no heartbeat for {age:.1f} s ({self.missed_heartbeats} intervals of "
+                            f"{view.interval_s:g} s missed)"]
+        elif view.need_snapshot:
+            view.state, view.reasons = State.UNKNOWN, ["waiting for a health snapshot"]
+        else:
+            view.state, view.reasons = view.reported_state, list(view.reported_reasons)

@@ -1,0 +1,77 @@
+"""tpassd's settings: one typed object, defaults -> /etc/torchpass/tpassd.toml
+-> environment (TPASSD_<KEY>) -> command-line flags. Unknown keys are
+rejected by name. Every key is documented in docs/tpassd.md and
+contrib/tpassd.toml.example."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchpass import config as tconfig
+from torchpass.errors import ConfigError
+
+DEFAULT_CONFIG = Path("/etc/torchpass/tpassd.toml")
+ENV_PREFIX = "TPASSD"
+
+DEFAULT_PUB_PORT = 7717
+DEFAULT_CONTROL_PORT = 7718
+DEFAULT_METRICS_PORT = 9818
+
+PROVIDERS = ("auto", "nvml", "fake", "none")
+
+
+@dataclass(frozen=True)
+class TpassdConfig:
+    node_name: str = ""  # "" = this host's short hostname (Slurm's NodeName)
+    bind_address: str = "0.0.0.0"
+    pub_port: int = DEFAULT_PUB_PORT  # 0 = ephemeral (tests); see ports_file
+    control_port: int = DEFAULT_CONTROL_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT  # -1 = no metrics endpoint
+    metrics_address: str = ""  # "" = bind_address
+    interval_s: float = 1.0  # sampling and heartbeat interval
+    collector_timeout_s: float = 0.5  # a collector slower than this is "unknown" for that tick
+    nvml_provider: str = "auto"  # auto | nvml | fake | none (docs/tpassd.md)
+    fake_gpus: int = 8
+    fake_nvlinks: int = 4
+    sysfs_root: Path = Path("/sys")
+    ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
+    state_dir: Path = Path("/var/lib/torchpass")
+    snapshot_dir: Path = Path("/var/lib/torchpass/snapshots")
+    policy: Path | None = None  # health policy TOML; None = the documented defaults
+    munge_socket: str = ""  # "" = $MUNGE_SOCKET or munge's default socket
+    drills: bool = False  # accept fault drills (needs nvml_provider = fake or a non-/sys sysfs_root)
+    ports_file: Path | None = None  # write the bound ports here as JSON (port 0 in tests)
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.nvml_provider not in PROVIDERS:
+            raise ConfigError(f"nvml_provider must be one of {', '.join(PROVIDERS)}, got {self.nvml_provider!r}")
+        if not 0.05 <= self.interval_s <= 3600:
+            raise ConfigError(f"interval_s must be between 0.05 and 3600, got {self.interval_s}")
+        if not 0 < self.collector_timeout_s <= self.interval_s:
+            raise ConfigError(
+                f"collector_timeout_s must be > 0 and <= interval_s ({self.interval_s}), got {self.collector_timeout_s}"
+            )
+        for name in ("pub_port", "control_port"):
+            v = getattr(self, name)
+            if not 0 <= v <= 65535:
+                raise ConfigError(f"{name} must be 0..65535, got {v}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
+        if not 0 <= self.fake_gpus <= 64:
+            raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    @property
+    def node(self) -> str:
+        return self.node_name or socket.gethostname().split(".")[0]
+
+
+def load_config(path: Path | None = None, flags: dict | None = None, environ: dict | None = None,
+                required_file: bool = False) -> TpassdConfig:
+    path = DEFAULT_CONFIG if path is None else Path(path)
+    return tconfig.load(TpassdConfig, path=path, env_prefix=ENV_PREFIX, flags=flags, environ=environ,
+                        required_file=required_file)

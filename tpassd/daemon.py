@@ -1,0 +1,380 @@
+"""The tpassd core: sample every interval, apply the rules, publish.
+
+Threads (each with a stop path; ``stop()`` joins them all):
+  sampler     ticks every ``interval_s`` (or at once when an NVML event or a
+              drill asks), runs the collectors, applies the rules, publishes
+              the sample, one event per changed component and a heartbeat.
+              The only user of the PUB socket.
+  collector   one worker per collector, so a hung NVML call costs that
+              collector an "unknown" for the tick, not the heartbeat.
+  nvml-events the NVML event-set watcher (tpassd/collectors/nvml.py).
+  control     the authenticated ROUTER endpoint (tpassd/control.py).
+  metrics     the Prometheus HTTP endpoint (tpassd/metrics.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+
+from torchpass import wire
+from torchpass.errors import RemoteError
+from torchpass.health import State
+from tpassd.collectors.base import Collector, CollectorResult, run_collector
+from tpassd.collectors.host import HostCollector
+from tpassd.collectors.ib_sysfs import IbSysfsCollector
+from tpassd.collectors.nvml import NvmlCollector
+from tpassd.config import TpassdConfig
+from tpassd.control import OWNER, USER, Authenticator, ControlServer
+from tpassd.drills import Drills
+from tpassd.nvml_provider import select_provider
+from tpassd.policy import Policy, load_policy
+from tpassd.publisher import Publisher
+from tpassd.rules import RuleEngine
+
+log = structlog.get_logger("tpassd")
+
+
+class _Worker:
+    """Runs one collector on its own daemon thread; the sampler waits with a timeout."""
+
+    def __init__(self, collector: Collector):
+        self.collector = collector
+        self._cv = threading.Condition()
+        self._job: float | None = None
+        self._result: CollectorResult | None = None
+        self._busy_since: float | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"collector-{collector.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                now = self._job
+            res = run_collector(self.collector, now)
+            with self._cv:
+                self._job = None
+                self._busy_since = None
+                self._result = res
+                self._cv.notify_all()
+
+    def submit(self, now: float) -> bool:
+        with self._cv:
+            if self._busy_since is not None:
+                return False
+            self._result = None
+            self._job = now
+            self._busy_since = time.monotonic()
+            self._cv.notify_all()
+            return True
+
+    def result(self, deadline: float) -> CollectorResult:
+        with self._cv:
+            while self._result is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = time.monotonic() - (self._busy_since or time.monotonic())
+                    return CollectorResult(self.collector.name, False, busy,
+                                           f"still running after {busy:.2f} s (hung?)", {})
+                self._cv.wait(left)
+            res, self._result = self._result, None
+            return res
+
+    def busy_for(self) -> float:
+        with self._cv:
+            return 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=1)
+
+
+def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
+    """uids owning a running job on ``node``, asked from Slurm at call time."""
+
+    def owners() -> set[int]:
+        try:
+            from torchpass import slurm
+
+            jobs = slurm.client().jobs(states=("RUNNING",))
+        except Exception as exc:  # noqa: BLE001 - no Slurm answer: only root is allowed
+            log.warning("cannot ask Slurm for job owners; only root may do this", error=str(exc))
+            return set()
+        return {j.user_id for j in jobs if node in j.nodes}
+
+    return owners
+
+
+class Tpassd:
+    def __init__(
+        self,
+        cfg: TpassdConfig,
+        *,
+        policy: Policy | None = None,
+        provider: Any = "from-config",
+        collectors: list[Collector] | None = None,
+        clock: Callable[[], float] = time.time,
+        context: zmq.Context | None = None,
+        authenticator: Any = None,
+        job_owner_uids: Callable[[], set[int]] | None = None,
+        on_tick: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.node = cfg.node
+        self.policy = policy if policy is not None else load_policy(cfg.policy)
+        self.clock = clock
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._own_ctx = context is None
+        self.ctx = context or zmq.Context()
+        if provider == "from-config":
+            choice = select_provider(cfg.nvml_provider, fake_gpus=cfg.fake_gpus, fake_nvlinks=cfg.fake_nvlinks)
+            self.provider = choice.provider
+            self.provider_note = choice.why
+        else:
+            self.provider = provider
+            self.provider_note = "provider given by the caller"
+        if collectors is None:
+            collectors = []
+            if self.provider is not None:
+                collectors.append(NvmlCollector(self.provider, clock=clock))
+            collectors.append(IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports))
+            collectors.append(HostCollector([cfg.state_dir, cfg.snapshot_dir]))
+        self.collectors = collectors
+        self.engine = RuleEngine(self.policy)
+        self.drills = Drills(self.provider, cfg.sysfs_root, self.policy, cfg.drills)
+        self._authenticator = authenticator or Authenticator(self.node, cfg.munge_socket)
+        self._job_owner_uids = job_owner_uids or slurm_job_owner_uids(self.node)
+        self._on_tick = on_tick
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._tick_lock = threading.Lock()
+        self._started = 0.0
+        self._workers: list[_Worker] = []
+        self._thread: threading.Thread | None = None
+        self.publisher: Publisher | None = None
+        self.control: ControlServer | None = None
+        self.metrics = None
+        self.last_sample: dict[str, Any] | None = None
+        self.ticks = 0
+        self.xid_counts: dict[tuple[str, int], int] = {}
+        self._components: dict[str, dict[str, Any]] = {}
+        self._node_state = State.UNKNOWN.value
+        self.tick_seconds = 0.0
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> Tpassd:
+        cfg = self.cfg
+        self._started = time.monotonic()
+        self.publisher = Publisher(self.ctx, cfg.bind_address, cfg.pub_port, self.node, self.incarnation,
+                                   cfg.interval_s)
+        self.control = ControlServer(self.ctx, cfg.bind_address, cfg.control_port, self._authenticator,
+                                     self._job_owner_uids)
+        self.control.register("tpassd.health", self._h_health, USER)
+        self.control.register("tpassd.status", self._h_status, USER)
+        self.control.register("tpassd.drill", self._h_drill, OWNER)
+        # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
+        from tpassd.checkpoint_service import register as register_checkpoint
+
+        self.checkpoint = register_checkpoint(self.control, cfg, self.node)
+        if cfg.metrics_port >= 0:
+            from tpassd.metrics import MetricsServer, render
+
+            self.metrics = MetricsServer(cfg.metrics_address or cfg.bind_address, cfg.metrics_port,
+                                         lambda: render(self.last_sample, self.counters(), dict(self.xid_counts)))
+            self.metrics.start()
+        for c in self.collectors:
+            c.start(self._wake.set)
+        self._workers = [_Worker(c) for c in self.collectors]
+        self.control.start()
+        self._thread = threading.Thread(target=self._loop, name="tpassd-sampler", daemon=True)
+        self._thread.start()
+        if cfg.ports_file:
+            tmp = Path(f"{cfg.ports_file}.tmp")
+            tmp.write_text(json.dumps(self.ports()))
+            os.replace(tmp, cfg.ports_file)
+        log.info("tpassd started", node=self.node, incarnation=self.incarnation, gpu=self.provider_note,
+                 **self.ports())
+        return self
+
+    def ports(self) -> dict[str, int]:
+        return {"pub_port": self.publisher.port if self.publisher else -1,
+                "control_port": self.control.port if self.control else -1,
+                "metrics_port": self.metrics.port if self.metrics else -1}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self.control is not None:
+            self.control.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        for c in self.collectors:
+            c.close()
+        for w in self._workers:
+            w.stop()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.provider is not None:
+            self.provider.shutdown()
+        if self._own_ctx:
+            self.ctx.term()
+        log.info("tpassd stopped", node=self.node)
+
+    def __enter__(self) -> Tpassd:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- the sampler -----------------------------------------------------------
+    def _loop(self) -> None:
+        interval = self.cfg.interval_s
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            woken = self._wake.wait(max(0.0, next_tick - time.monotonic()))
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            try:
+                self.tick(heartbeat=not woken or time.monotonic() >= next_tick)
+            except Exception:  # noqa: BLE001 - a bug must not stop the heartbeats
+                log.exception("sampling tick failed")
+            if time.monotonic() >= next_tick:
+                next_tick += interval
+                if next_tick < time.monotonic():  # we fell behind: skip, do not burst
+                    next_tick = time.monotonic() + interval
+
+    def tick(self, heartbeat: bool = True) -> dict[str, Any]:
+        """One sample: collect, evaluate, publish. Runs on the sampler thread."""
+        with self._tick_lock:
+            t0 = time.perf_counter()
+            now = self.clock()
+            deadline = time.monotonic() + self.cfg.collector_timeout_s
+            submitted = [(w, w.submit(now)) for w in self._workers]
+            results = []
+            for w, ok in submitted:
+                if ok:
+                    results.append(w.result(deadline))
+                else:
+                    results.append(CollectorResult(w.collector.name, False, w.busy_for(),
+                                                   f"previous run still going after {w.busy_for():.1f} s", {}))
+            health = self.engine.evaluate(now, results)
+            comps: dict[str, dict[str, Any]] = {}
+            readings = {c: r for res in results for c, r in res.components.items()}
+            for comp, verdict in sorted(health.components.items()):
+                entry = verdict.as_dict()
+                r = readings.get(comp)
+                entry["metrics"] = dict(r.metrics) if r is not None else {}
+                comps[comp] = entry
+                if r is not None:
+                    for ev in r.events:
+                        if ev.get("kind") == "xid":
+                            key = (comp, int(ev["xid"]))
+                            self.xid_counts[key] = self.xid_counts.get(key, 0) + 1
+            sample = {
+                "node": self.node, "incarnation": self.incarnation, "t": now,
+                "interval_s": self.cfg.interval_s, "state": health.state.value,
+                "reasons": list(health.reasons), "components": comps,
+                "collectors": {r.name: {"ok": r.ok, "duration_s": round(r.duration_s, 6), "error": r.error}
+                               for r in results},
+            }
+            pub = self.publisher
+            if pub is not None:
+                pub.sample(sample)
+                self._publish_changes(now, health, comps)
+                if heartbeat:
+                    pub.heartbeat(now, time.monotonic() - self._started)
+            self.last_sample = sample
+            self.ticks += 1
+            self.tick_seconds = time.perf_counter() - t0
+            if self._on_tick is not None:
+                self._on_tick(sample)
+            return sample
+
+    def _publish_changes(self, now: float, health: Any, comps: dict[str, dict[str, Any]]) -> None:
+        pub = self.publisher
+        brief = {c: {"state": v["state"], "reasons": v["reasons"]} for c, v in comps.items()}
+        old = self._components
+        node_state = health.state.value
+        changed = [c for c in sorted(set(brief) | set(old))
+                   if brief.get(c) != old.get(c)]
+        for c in changed:
+            new = brief.get(c, {"state": State.UNKNOWN.value, "reasons": [f"{c}: no longer reported"]})
+            prev = old.get(c, {"state": State.UNKNOWN.value})["state"]
+            if c not in brief:
+                continue  # a vanished component: covered by the node event and the snapshot
+            pub.event(now, c, new["state"], prev, new["reasons"], node_state, list(health.reasons), brief)
+            if new["state"] != prev:
+                log.info("component state changed", component=c, state=new["state"], previous=prev,
+                         reasons=new["reasons"])
+        if node_state != self._node_state or changed:
+            if node_state != self._node_state:
+                log.info("node state changed", state=node_state, previous=self._node_state,
+                         reasons=list(health.reasons))
+            pub.event(now, "node", node_state, self._node_state, list(health.reasons), node_state,
+                      list(health.reasons), brief)
+        self._components = brief
+        self._node_state = node_state
+
+    # -- control handlers ------------------------------------------------------
+    def _h_health(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
+        return self.publisher.snapshot()
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        out = {"control": dict(self.control.counters) if self.control else {}}
+        if self.publisher:
+            out["published"] = {k.split(".")[1]: v for k, v in self.publisher.sent.items()}
+        return out
+
+    def _h_status(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
+        snap = self.publisher.snapshot()
+        s = self.last_sample or {}
+        snap.update({
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "ticks": self.ticks,
+            "last_tick_s": round(self.tick_seconds, 6),
+            "collectors": s.get("collectors", {}),
+            "gpu_provider": self.provider_note,
+            "drills": self.cfg.drills,
+            "counters": self.counters(),
+            "ports": self.ports(),
+        })
+        return snap
+
+    def _h_drill(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
+        b = msg.body
+        res = self.drills.apply(b["kind"], b.get("gpu"), b.get("port"), b.get("count"))
+        if b["kind"] == "clear":
+            with self._tick_lock:
+                self.engine.forget(res.components)
+        log.warning("fault drill applied", kind=b["kind"], uid=ident.uid, what=res.description)
+        t = self.clock()
+        # Drills on polled sources take effect at the next regular sample, as a
+        # real fault would; only NVML events wake the sampler early.
+        return {"node": self.node, "kind": b["kind"], "applied": res.description, "t": t,
+                "components": res.components}
+
+
+__all__ = ["Tpassd", "RemoteError"]

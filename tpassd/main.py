@@ -1,0 +1,87 @@
+"""tpassd: the torchpass node daemon (entry point ``tpassd``).
+
+    tpassd [--config /etc/torchpass/tpassd.toml] [--node-name N] [--bind-address A]
+           [--interval S] [--nvml-provider auto|nvml|fake|none] [--sysfs-root DIR] ...
+    tpassd --check-config [--config FILE]
+
+Settings: defaults -> config file -> TPASSD_* environment -> flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from torchpass import logs
+from torchpass.errors import TorchpassError
+from tpassd.config import DEFAULT_CONFIG, load_config
+from tpassd.policy import load_policy
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpassd", description="torchpass node health daemon")
+    p.add_argument("--config", type=Path, default=None, help=f"config file (default {DEFAULT_CONFIG}; optional there)")
+    p.add_argument("--check-config", action="store_true", help="validate the config and policy, print them, exit")
+    p.add_argument("--node-name")
+    p.add_argument("--bind-address")
+    p.add_argument("--pub-port", type=int)
+    p.add_argument("--control-port", type=int)
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--interval", dest="interval_s", type=float)
+    p.add_argument("--nvml-provider", choices=["auto", "nvml", "fake", "none"])
+    p.add_argument("--fake-gpus", type=int)
+    p.add_argument("--sysfs-root", type=Path)
+    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--snapshot-dir", type=Path)
+    p.add_argument("--policy", type=Path)
+    p.add_argument("--munge-socket")
+    p.add_argument("--ports-file", type=Path)
+    p.add_argument("--drills", action="store_true", default=None, help="accept fault drills (fake provider only)")
+    p.add_argument("--log-level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "check_config") and v is not None}
+    try:
+        cfg = load_config(args.config, flags=flags, required_file=args.config is not None)
+        policy = load_policy(cfg.policy)
+    except TorchpassError as exc:
+        print(f"tpassd: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        from dataclasses import asdict
+
+        def plain(o):
+            return {k: plain(v) for k, v in o.items()} if isinstance(o, dict) else (
+                str(o) if isinstance(o, Path) else o)
+
+        print(json.dumps({"config": plain(asdict(cfg)), "policy": asdict(policy)}, indent=2, default=str))
+        print("tpassd: configuration OK", file=sys.stderr)
+        return 0
+    logs.configure(cfg.log_level)
+    from tpassd.daemon import Tpassd
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        daemon = Tpassd(cfg, policy=policy).start()
+    except TorchpassError as exc:
+        print(f"tpassd: {exc}", file=sys.stderr)
+        return 1
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
