@@ -1,0 +1,97 @@
+"""A plain DDP training script that knows nothing about torchpass.
+
+Reads its place in the job from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or
+from Slurm (SLURM_PROCID, SLURM_NTASKS, the first host of SLURM_NODELIST as
+master). Deterministic: one thread, seeded data, so two runs print the same
+losses bit for bit. Prints one line per step, ``step=N loss=<float.hex>``.
+
+    python examples/train_ddp.py --steps 50 --params 10M --sleep 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def first_host(nodelist: str) -> str:
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        m = re.match(r"([^\[,]+)(?:\[(\d+))?", nodelist)
+        return m.group(1) + (m.group(2) or "")
+
+
+def setup_env() -> None:
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ.setdefault("MASTER_ADDR", first_host(os.environ["SLURM_NODELIST"]))
+        job = int(os.environ.get("SLURM_JOB_ID", "0"))
+        os.environ.setdefault("MASTER_PORT", str(20000 + job % 20000))
+
+
+def parse_params(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def build_model(params: int, width_in: int = 64) -> nn.Module:
+    # Three linear layers: in -> h -> h -> 1 with about `params` weights.
+    h = max(8, int((-(width_in + 2) + ((width_in + 2) ** 2 + 4 * params) ** 0.5) / 2))
+    return nn.Sequential(nn.Linear(width_in, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--params", default="100K", help="model size, e.g. 100K, 10M, 100M")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    setup_env()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)
+    model = build_model(parse_params(args.params))
+    kw = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
+    ddp = DDP(model, **kw)
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+
+    for step in range(args.steps):
+        x = torch.randn(args.batch, 64, generator=gen)
+        y = torch.tanh(x @ w_true)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        # the global mean loss: the same number on every rank
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        print(f"step={step} loss={(t.item() / world).hex()}", flush=True)
+        if args.sleep:
+            time.sleep(args.sleep)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""tpassd.checkpoint: criu detection, image manifests, refusal paths, and
+the CUDA checkpoint wrapper's error paths and call sequence (no GPU here)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchpass.errors import CheckpointError, DependencyError
+from tpassd.checkpoint import criu, cuda
+
+
+def fake_criu(tmp_path: Path, version_line: str) -> Path:
+    p = tmp_path / "criu"
+    log = tmp_path / "criu.calls"
+    p.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\necho '{version_line}'\n")
+    p.chmod(0o755)
+    return p
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [("Version: 4.1.1\n", (4, 1, 1)), ("Version: 3.17\nGitID: v3.17\n", (3, 17)), ("criu 4.1", None), ("", None)],
+)
+def test_parse_version(text, want):
+    assert criu.parse_version(text) == want
+
+
+def test_installed_criu_is_found_and_new_enough():
+    c = criu.find_criu()
+    assert c.version[:2] >= (4, 0) and os.access(c.path, os.X_OK)
+
+
+def test_old_criu_is_one_clear_line(tmp_path):
+    with pytest.raises(DependencyError) as ei:
+        criu.find_criu(str(fake_criu(tmp_path, "Version: 3.17")))
+    msg = str(ei.value)
+    assert "criu 3.17" in msg and "too old" in msg and ">= 4.0" in msg and "\n" not in msg
+
+
+def test_missing_criu_is_one_clear_line(tmp_path):
+    with pytest.raises(DependencyError, match=r"criu not found at .*CRIU >= 4.0"):
+        criu.find_criu(str(tmp_path / "nope"))
+    with pytest.raises(DependencyError, match="criu not found on PATH or in /usr/sbin"):
+        criu.find_criu(which=lambda _n: None, fallbacks=(str(tmp_path / "nope"),))
+
+
+def test_criu_without_version_output(tmp_path):
+    with pytest.raises(DependencyError, match="printed no version"):
+        criu.find_criu(str(fake_criu(tmp_path, "hello")))
+
+
+def make_images(d: Path) -> None:
+    d.mkdir(mode=0o700)
+    (d / "core-1.img").write_bytes(os.urandom(5000))
+    (d / "pages-1.img").write_bytes(os.urandom(70000))
+    (d / "dump.log").write_text("log lines are not part of the manifest\n")
+
+
+def test_manifest_round_trip_and_permissions(tmp_path):
+    d = tmp_path / "snap"
+    make_images(d)
+    m = criu.write_manifest(d, {"job": 1, "rank": 0})
+    assert set(m["files"]) == {"core-1.img", "pages-1.img"}
+    assert stat.S_IMODE((d / "pages-1.img").stat().st_mode) == 0o600
+    assert stat.S_IMODE((d / "manifest.json").stat().st_mode) == 0o600
+    assert criu.verify_manifest(d)["meta"] == {"job": 1, "rank": 0}
+    (d / "restore.log").write_text("later logs do not matter\n")
+    criu.verify_manifest(d)
+
+
+@pytest.mark.parametrize(
+    "damage,pattern",
+    [
+        (lambda d: (d / "manifest.json").unlink(), "no manifest.json: it is incomplete"),
+        (lambda d: (d / "pages-1.img").unlink(), "pages-1.img is missing"),
+        (lambda d: (d / "pages-1.img").write_bytes(b"x"), "pages-1.img has 1 bytes"),
+        (lambda d: _flip_byte(d / "pages-1.img", 12345), "pages-1.img fails its SHA-256 check"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
+    ],
+)
+def test_corrupt_snapshot_is_a_clear_error_and_criu_never_runs(tmp_path, damage, pattern):
+    d = tmp_path / "snap"
+    make_images(d)
+    criu.write_manifest(d)
+    damage(d)
+    fake = criu.Criu(str(fake_criu(tmp_path, "Version: 4.1")), (4, 1))
+    with pytest.raises(CheckpointError, match=pattern) as ei:
+        criu.restore(fake, d, pidfile=tmp_path / "pid")
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "criu.calls").exists()  # no half-restored process: criu was not started
+
+
+def _flip_byte(p: Path, off: int) -> None:
+    b = bytearray(p.read_bytes())
+    b[off] ^= 0x01
+    p.write_bytes(bytes(b))
+
+
+def test_private_dir_is_0700(tmp_path):
+    d = criu.make_private_dir(tmp_path / "a" / "b")
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    os.chmod(d, 0o755)
+    criu.make_private_dir(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_dump_refuses_a_process_holding_a_socket(tmp_path):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import socket,time; s=socket.create_connection(('127.0.0.1',{srv.getsockname()[1]})); "
+                               "print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        fake = criu.Criu(str(fake_criu(tmp_path, "Version: 4.1")), (4, 1))
+        with pytest.raises(CheckpointError, match=rf"process {child.pid} still holds 1 socket"):
+            criu.dump(fake, child.pid, tmp_path / "img", wait_no_sockets_s=0.2)
+        assert not (tmp_path / "criu.calls").exists()
+        assert child.poll() is None  # left running
+    finally:
+        child.kill()
+        child.wait()
+        srv.close()
+
+
+def test_dump_wants_a_fresh_directory(tmp_path):
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "old.img").write_text("x")
+    with pytest.raises(CheckpointError, match="not empty"):
+        criu.dump(criu.Criu("/bin/false", (4, 1)), os.getpid(), d)
+
+
+# -- CUDA -------------------------------------------------------------------------------
+def test_no_libcuda_is_a_dependency_error():
+    def loader():
+        raise DependencyError("libcuda not found (x): GPU ranks cannot be checkpointed on this node")
+
+    with pytest.raises(DependencyError, match="libcuda not found"):
+        cuda.CudaCheckpoint.load(loader)
+
+
+def test_real_loader_on_this_machine_without_a_driver():
+    # This machine has no NVIDIA driver: the real loader must say so clearly.
+    if any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia")):
+        pytest.skip("an NVIDIA driver is present: this test checks the no-driver message")
+    with pytest.raises(DependencyError, match=r"libcuda not found .*driver >= 570"):
+        cuda.CudaCheckpoint.load()
+
+
+class FakeLib:
+    """Stands in for libcuda: records calls, keeps a per-pid state machine."""
+
+    def __init__(self, symbols=cuda.SYMBOLS, fail=None):
+        self.calls = []
+        self.state = cuda.ProcessState.RUNNING
+        self.fail = fail or {}
+        for s in symbols:
+            setattr(self, s, self._fn(s))
+        self.cuInit = self._fn("cuInit")
+
+    def _fn(self, name):
+        def f(*args):
+            self.calls.append(name)
+            if name in self.fail:
+                return self.fail[name]
+            S = cuda.ProcessState
+            nxt = {"cuCheckpointProcessLock": (S.RUNNING, S.LOCKED),
+                   "cuCheckpointProcessCheckpoint": (S.LOCKED, S.CHECKPOINTED),
+                   "cuCheckpointProcessRestore": (S.CHECKPOINTED, S.LOCKED),
+                   "cuCheckpointProcessUnlock": (S.LOCKED, S.RUNNING)}
+            if name == "cuCheckpointProcessGetState":
+                args[1]._obj.value = int(self.state)
+            elif name in nxt:
+                if self.state != nxt[name][0]:
+                    return 401  # CUDA_ERROR_ILLEGAL_STATE
+                self.state = nxt[name][1]
+            return 0
+
+        return f
+
+
+def test_missing_symbols_name_the_driver_requirement():
+    with pytest.raises(DependencyError, match=r"lacks cuCheckpointProcessLock.*driver >= 570"):
+        cuda.CudaCheckpoint(FakeLib(symbols=cuda.SYMBOLS[1:]))
+
+
+def test_suspend_and_resume_follow_the_driver_state_machine():
+    lib = FakeLib()
+    cc = cuda.CudaCheckpoint(lib)
+    cc.suspend(4321)
+    assert lib.state == cuda.ProcessState.CHECKPOINTED
+    cc.resume(4321)
+    assert lib.state == cuda.ProcessState.RUNNING
+    order = [c for c in lib.calls if c not in ("cuInit", "cuCheckpointProcessGetState")]
+    assert order == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                     "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
+
+
+def test_failed_checkpoint_unlocks_and_raises():
+    lib = FakeLib(fail={"cuCheckpointProcessCheckpoint": 2})  # CUDA_ERROR_OUT_OF_MEMORY
+    cc = cuda.CudaCheckpoint(lib)
+    with pytest.raises(CheckpointError, match=r"cuCheckpointProcessCheckpoint\(pid 7\) failed: CUresult 2"):
+        cc.suspend(7)
+    assert lib.state == cuda.ProcessState.RUNNING and lib.calls[-1] == "cuCheckpointProcessUnlock"
+
+
+# -- the snapshot action's hand-off markers -------------------------------------------------
+def test_failed_dump_marks_abort_and_leaves_the_rank_running(tmp_path):
+    from tpassd.checkpoint.actions import Checkpointer
+
+    failing = tmp_path / "criu"
+    failing.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.1.1'; exit 0; fi\n"
+                       "echo 'Error (criu/cr-dump.c:1): simulated failure' > \"$5/dump.log\"; exit 1\n")
+    failing.chmod(0o755)
+    rank = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL)
+    try:
+        ck = Checkpointer(images_root=str(tmp_path / "images"), state_dir=str(tmp_path / "state"),
+                          criu_binary=str(failing))
+        (tmp_path / "state" / "job3").mkdir(parents=True)
+        (tmp_path / "state" / "job3" / "rank1.json").write_text(
+            json.dumps({"pid": rank.pid, "wrapper_pid": os.getpid()}))
+        with pytest.raises(CheckpointError, match=r"criu dump of pid \d+ failed \(exit 1\): .*simulated failure"):
+            ck.snapshot(3, 1, 1, wait_no_sockets_s=0)
+        assert (tmp_path / "state" / "job3" / "rank1.handoff").read_text() == "abort\n"
+        assert rank.poll() is None
+        assert stat.S_IMODE((tmp_path / "images").stat().st_mode) == 0o700
+        with pytest.raises(CheckpointError, match="rank 2 of job 3 does not run under rankwrap"):
+            ck.snapshot(3, 2, 1)
+    finally:
+        rank.kill()
+        rank.wait()

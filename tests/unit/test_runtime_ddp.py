@@ -1,0 +1,190 @@
+"""The rank runtime under real multi-process gloo DDP.
+
+examples/train_ddp.py knows nothing about torchpass; the runtime is loaded
+only through boot/sitecustomize.py on PYTHONPATH, exactly as in a job. The
+pause/resume protocol is driven over ZeroMQ by torchpass.runtime.testing's
+MiniCoordinator. Losses are compared as float.hex against plain gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpass.runtime import boot_dir
+from torchpass.runtime.testing import MiniCoordinator
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train_ddp.py"
+WORLD = 2
+STEPS = 14
+ARGS = ["--steps", str(STEPS), "--params", "20K", "--bucket-mb", "0.02", "--sleep", "0.05"]
+JOB = 4242
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp: Path, tag: str, runtime: bool, coordinator: str | None = None, args=ARGS):
+    port = free_port()
+    procs = []
+    for r in range(WORLD):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
+        env.update(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB), TORCHPASS_DEBUG="1",
+                   TORCHPASS_PROGRESS_INTERVAL="0.05")
+        if not runtime:
+            env["TORCHPASS_RUNTIME"] = "0"
+        if coordinator:
+            env["TORCHPASS_COORDINATOR"] = coordinator
+        out = open(tmp / f"{tag}.{r}.out", "w")
+        err = open(tmp / f"{tag}.{r}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args], env=env, stdout=out, stderr=err,
+                                      stdin=subprocess.DEVNULL, close_fds=True))
+    return procs
+
+
+def finish(procs, tmp: Path, tag: str, timeout: float = 120) -> list[list[str]]:
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, (tmp / f"{tag}.{r}.err").read_text()[-3000:]
+    return [(tmp / f"{tag}.{r}.out").read_text().splitlines() for r in range(WORLD)]
+
+
+def step_counts(err: str) -> dict[int, int]:
+    return {int(s): int(c) for s, c in re.findall(r"torchpass: rank \d+ step (\d+) collectives (\d+)", err)}
+
+
+def sockets_of(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    plain = finish(launch(tmp, "plain", runtime=False), tmp, "plain")
+    assert len(plain[0]) == STEPS and plain[0] == plain[1]
+    # the runtime on, no pause: same losses, and the step -> collectives map
+    on = finish(launch(tmp, "on", runtime=True), tmp, "on")
+    err = (tmp / "on.0.err").read_text()
+    assert "unprotected" not in err
+    return plain[0], on[0], step_counts(err)
+
+
+def test_runtime_loaded_without_pause_is_bit_identical(reference):
+    plain, on, counts = reference
+    assert on == plain
+    assert sorted(counts) == list(range(1, STEPS + 1))
+    per_step = counts[2] - counts[1]
+    assert per_step >= 3  # >= 2 DDP buckets + the loss all_reduce: pauses can fall between buckets
+
+
+def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
+    plain, _on, counts = reference
+    # Pause points: before the first bucket of step 4 (in backward), between
+    # two buckets of step 8 (mid-backward), and at the step boundary
+    # (before the loss all_reduce after step 11).
+    plan = [(3, counts[3] + 1), (7, counts[7] + 2), (11, counts[11])]
+    with MiniCoordinator(WORLD, JOB) as coord:
+        procs = launch(tmp_path, "mig", runtime=True, coordinator=coord.endpoint)
+        try:
+            coord.wait_registered()
+            pids = {r: v.pid for r, v in coord.ranks.items()}
+            for i, (step, at) in enumerate(plan):
+                coord.wait_collectives(counts[max(step - 3, 1)] - 2 if i else 0)
+                hold = {1: str(tmp_path / f"wake.{i}")}
+                got_at, gen = coord.pause(margin=0, at=at, hold_files=hold)
+                assert got_at == at and gen == i + 1
+                q = coord.wait_quiesced()
+                assert {r: q[r]["collectives"] for r in q} == {0: at, 1: at}
+                assert q[1]["hold"] and not q[0]["hold"]
+                # the held rank closes its last socket (the control link): CRIU could dump it now
+                deadline = time.monotonic() + 5
+                while sockets_of(pids[1]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert sockets_of(pids[1]) == 0
+                # rank 0 (the store master) holds only its control link, if anything
+                assert q[0]["sockets"] <= 2
+                Path(hold[1]).touch()
+                coord.resume(gen, "127.0.0.1", free_port())
+                res = coord.wait_resumed(gen)
+                assert all(res[r]["collectives"] == at for r in res)
+            out = finish(procs, tmp_path, "mig")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert out[0] == plain and out[1] == plain
+    err = (tmp_path / "mig.1.err").read_text()
+    assert err.count("(in backward)") == 2, err
+    assert err.count("resumed as generation") == 3
+
+
+def test_rearm_when_a_rank_is_already_past_T(reference, tmp_path):
+    """A rank that refuses T (already past it) makes the coordinator re-arm
+    everyone at a later T; ranks waiting at the old T run on."""
+    plain, _on, counts = reference
+    with MiniCoordinator(WORLD, JOB) as coord:
+        procs = launch(tmp_path, "rearm", runtime=True, coordinator=coord.endpoint)
+        try:
+            coord.wait_registered()
+            coord.wait_collectives(counts[4])
+            # T already behind every rank: both refuse; pause() re-arms above them
+            at, gen = coord.pause(margin=counts[3] - counts[1], at=counts[2])
+            assert at > counts[4]
+            assert any(not a for r, v in coord.ranks.items() for (kind, b) in v.history
+                       if kind == "armed" for a in [b["accepted"]])
+            coord.wait_quiesced()
+            coord.resume(gen, "127.0.0.1", free_port())
+            coord.wait_resumed(gen)
+            out = finish(procs, tmp_path, "rearm")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert out[0] == plain
+
+
+def test_cancel_before_T_leaves_the_group_untouched(reference, tmp_path):
+    plain, _on, counts = reference
+    with MiniCoordinator(WORLD, JOB) as coord:
+        procs = launch(tmp_path, "cancel", runtime=True, coordinator=coord.endpoint)
+        try:
+            coord.wait_registered()
+            at, gen = coord.pause(margin=0, at=counts[STEPS] + 1000)  # never reached
+            coord.resume(gen, "127.0.0.1", 1)  # cancels: no rebuild, the port is not used
+            res = coord.wait_resumed(gen)
+            assert all(r.get("cancelled") for r in res.values())
+            out = finish(procs, tmp_path, "cancel")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert out[0] == plain
+    assert "resumed as generation" not in (tmp_path / "cancel.0.err").read_text()

@@ -1,0 +1,291 @@
+"""Interception without code changes.
+
+``install()`` (called from boot/sitecustomize.py at interpreter start) puts a
+``sys.meta_path`` finder in front that wraps the loader of
+``torch.distributed``; once that module has executed, ``patch()`` registers
+the ``torchpass`` backend and replaces ``init_process_group`` in both
+``torch.distributed`` and ``torch.distributed.distributed_c10d``. Torch is
+never imported by the hook itself.
+
+The patched ``init_process_group`` resolves rank, world size and the
+rendezvous address the way torch would (arguments, ``tcp://`` init method,
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or SLURM_PROCID/SLURM_NTASKS), builds
+the switchable store itself, and calls the real ``init_process_group`` with
+``backend="torchpass"``: torch's own bookkeeping makes the
+``ReconfigurablePG`` the default group. Anything it cannot cover (a user
+store, ``file://``, ``mpi``/``ucc`` backends, an explicit torchpass-disable)
+falls back to the real call with one ``torchpass:`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+TARGET = "torch.distributed"
+_lock = threading.Lock()
+_installed = False
+_patched = False
+_pending: "Plan | None" = None
+state: dict = {}  # "pg": the ReconfigurablePG, "control": the ControlLink, "fallback": reason
+
+
+def say(msg: str) -> None:
+    try:
+        sys.stderr.write(f"torchpass: {msg}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - never break training over a log line
+        pass
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        try:
+            patch()
+        except Exception as exc:  # noqa: BLE001 - training must run, unprotected
+            say(f"runtime not loaded ({type(exc).__name__}: {exc}); training runs unprotected")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Arrange for patch() to run once torch.distributed has loaded (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    if TARGET in sys.modules:
+        patch()
+        return
+    sys.meta_path.insert(0, _Finder())
+
+
+@dataclass
+class Plan:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    use_nccl: bool
+    backend: str  # what dist.get_backend() reports: the backend the script asked for
+    timeout: object
+    pg: object = None
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            return int(v)
+    return None
+
+
+def plan_for(backend, init_method, world_size, rank, store, timeout) -> tuple["Plan | None", str]:
+    """Decide whether the runtime can wrap this init; (None, reason) when not."""
+    import torch
+
+    if os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
+        return None, "TORCHPASS_RUNTIME=0"
+    if store is not None:
+        return None, "init_process_group was given its own store"
+    b = str(backend).lower() if backend is not None else None
+    cuda = torch.cuda.is_available()
+    if b in (None, "undefined"):
+        use_nccl = cuda
+    elif b == "gloo":
+        use_nccl = False
+    elif b == "nccl" or b == "cpu:gloo,cuda:nccl" or b == "cuda:nccl,cpu:gloo":
+        use_nccl = True
+    else:
+        return None, f"backend {backend!r} is not covered (gloo and nccl are)"
+    reported = "nccl" if use_nccl else "gloo"
+    if b is not None and "," in b:
+        reported = b
+    addr = os.environ.get("MASTER_ADDR")
+    port = _env_int("MASTER_PORT")
+    if init_method not in (None, "", "env://"):
+        u = urlparse(str(init_method))
+        if u.scheme != "tcp":
+            return None, f"init_method {init_method!r} is not covered (env:// and tcp:// are)"
+        addr, port = u.hostname, u.port
+        for part in (u.query or "").split("&"):
+            k, _, v = part.partition("=")
+            if k == "rank" and rank in (None, -1):
+                rank = int(v)
+            elif k == "world_size" and world_size in (None, -1):
+                world_size = int(v)
+    if rank in (None, -1):
+        rank = _env_int("RANK", "SLURM_PROCID")
+    if world_size in (None, -1):
+        world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    if rank is None or world_size is None or not addr or not port:
+        return None, "rank, world size or MASTER_ADDR/MASTER_PORT unknown"
+    if timeout is None:
+        from torch.distributed.distributed_c10d import default_pg_timeout
+
+        timeout = default_pg_timeout
+    return Plan(int(rank), int(world_size), addr, int(port), use_nccl, reported, timeout), ""
+
+
+def _creator(store, rank, size, timeout):
+    """Backend creator registered for 'torchpass': returns the ReconfigurablePG."""
+    from torchpass.runtime.pg import ReconfigurablePG, Rendezvous
+
+    plan = _pending
+    if plan is None:
+        raise RuntimeError(
+            "torchpass: the torchpass backend only serves the default process group "
+            "(init_process_group); use a native backend for new_group"
+        )
+    pg = ReconfigurablePG(
+        rank=rank,
+        size=size,
+        timeout=timeout,
+        rendezvous=Rendezvous(plan.master_addr, plan.master_port),
+        use_nccl=plan.use_nccl,
+        on_collective=None,
+    )
+    plan.pg = pg
+    return pg
+
+
+def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name="", pg_options=None, device_id=None, **kw):
+    global _pending
+    call = dict(
+        backend=backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,
+        store=store, group_name=group_name, pg_options=pg_options, device_id=device_id, **kw,
+    )
+    try:
+        plan, why = plan_for(backend, init_method, world_size, rank, store, timeout)
+    except Exception as exc:  # noqa: BLE001
+        plan, why = None, f"{type(exc).__name__}: {exc}"
+    if plan is None:
+        state["fallback"] = why
+        say(f"{why}; training runs unprotected")
+        return orig(**call)
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    with _lock:
+        _pending = plan
+        try:
+            # The creator builds its own store; this placeholder keeps
+            # init_process_group from opening a second one.
+            from torchpass.runtime.store import SwitchableStore
+
+            orig(
+                backend="torchpass", store=SwitchableStore(), rank=plan.rank, world_size=plan.world_size,
+                timeout=plan.timeout, group_name=group_name, **kw,
+            )
+        finally:
+            _pending = None
+    pg = plan.pg
+    # Scripts that check dist.get_backend() see the backend they asked for.
+    entry = c10d._world.pg_map.get(pg)
+    if entry is not None:
+        c10d._world.pg_map[pg] = (plan.backend, entry[1])
+    if device_id is not None:
+        try:
+            pg.bound_device_id = device_id
+        except Exception:  # noqa: BLE001
+            pass
+    state["pg"] = pg
+    state.pop("fallback", None)
+    _count_steps(pg)
+    _start_control(pg, plan)
+    return None
+
+
+def _count_steps(pg) -> None:
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from torchpass.runtime import pg as pgmod
+
+        def _step(*_a, **_k):
+            pg.steps += 1
+            if pgmod.DEBUG:
+                say(f"rank {pg.rank()} step {pg.steps} collectives {pg.collectives}")
+
+        register_optimizer_step_post_hook(_step)
+    except Exception:  # noqa: BLE001 - progress without steps is still progress
+        pass
+
+
+def _start_control(pg, plan: Plan) -> None:
+    if not os.environ.get("TORCHPASS_COORDINATOR"):
+        return
+    try:
+        from torchpass.runtime.control import ControlLink
+
+        link = ControlLink.from_env(pg)
+        link.start()
+        state["control"] = link
+    except Exception as exc:  # noqa: BLE001 - protection lost, training goes on
+        say(f"no link to the coordinator ({type(exc).__name__}: {exc}); the rank cannot be migrated")
+
+
+def patch() -> None:
+    """Register the backend and patch init_process_group (idempotent)."""
+    global _patched
+    if _patched:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    if BACKEND_UPPER not in dist.Backend._plugins:
+        dist.Backend.register_backend("torchpass", _creator, devices=["cpu", "cuda"])
+    orig = c10d.init_process_group
+
+    @functools.wraps(orig)
+    def init_process_group(*args, **kwargs):
+        names = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options", "device_id")
+        kwargs.update(zip(names, args))
+        return _init(orig, **kwargs)
+
+    init_process_group.__torchpass_orig__ = orig
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+    _patched = True
+
+
+BACKEND_UPPER = "TORCHPASS"
+
+
+def unpatch() -> None:
+    """Undo patch() (tests)."""
+    global _patched
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    orig = getattr(c10d.init_process_group, "__torchpass_orig__", None)
+    if orig is not None:
+        c10d.init_process_group = orig
+        dist.init_process_group = orig
+    _patched = False

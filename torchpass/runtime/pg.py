@@ -1,0 +1,516 @@
+"""The reconfigurable default process group.
+
+``ReconfigurablePG`` is a Python subclass of ``torch.distributed.ProcessGroup``
+that ``init_process_group`` installs as the default group (see hook.py). It
+forwards every collective to an *inner* native group (gloo on CPU, plus NCCL
+for CUDA tensors when asked for) built for the current *generation* ``g`` on
+``PrefixStore(f"gen{g}", switchable_store)``, and returns the inner ``Work``
+unchanged. DDP, FSDP and plain ``dist.*`` calls keep the same outer object
+while the inner group is torn down and rebuilt.
+
+Counting and pausing: every collective increments ``collectives`` before it
+is issued. ``arm(at=T, generation=g)`` makes the thread that is about to issue
+collective number ``T + 1`` (that is, with exactly ``T`` issued) stop instead:
+it waits for every outstanding Work, meets the other ranks on the store
+(everyone has drained), destroys the inner group and closes the store, so the
+process holds no socket that belongs to the group. It then reports
+"quiesced" and waits for ``resume(g, master_addr, master_port)``, rebuilds
+generation ``g`` with a fresh rendezvous and issues the collective it stopped
+before. Because every rank issues the same collectives in the same order, all
+ranks stop at the same boundary and the math is unchanged (bit-identical).
+
+Point-to-point calls (send/recv) are forwarded and drained but not counted
+and never a pause point: they run on subsets of ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchpass.runtime.store import SwitchableStore, open_tcp_store
+
+BACKEND_NAME = "torchpass"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    master_addr: str
+    master_port: int
+
+
+class PauseListener:
+    """Callbacks the control link implements (all called from the pausing thread)."""
+
+    def on_quiesced(self, pg: "ReconfigurablePG", info: dict) -> None:  # pragma: no cover - interface
+        pass
+
+    def on_resumed(self, pg: "ReconfigurablePG", info: dict) -> None:  # pragma: no cover - interface
+        pass
+
+
+def count_sockets(pid: int | str = "self") -> int:
+    """Sockets this process holds open, from /proc/<pid>/fd (what CRIU would see)."""
+    n = 0
+    base = f"/proc/{pid}/fd"
+    for fd in os.listdir(base):
+        try:
+            if os.readlink(f"{base}/{fd}").startswith("socket:"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP address the kernel would use to reach ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port or 9))
+        return s.getsockname()[0]
+
+
+DEBUG = os.environ.get("TORCHPASS_DEBUG", "") not in ("", "0")
+
+
+def _say(msg: str) -> None:
+    try:
+        import sys
+
+        sys.stderr.write(f"torchpass: {msg}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_autograd_node() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class ReconfigurablePG(dist.ProcessGroup):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        rendezvous: Rendezvous,
+        use_nccl: bool = False,
+        store: SwitchableStore | None = None,
+        generation: int = 0,
+        on_collective: Callable[[int], None] | None = None,
+    ):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._group_name = ""
+        self._group_desc = ""
+        self._timeout = timeout
+        self._use_nccl = use_nccl
+        self.store = store if store is not None else SwitchableStore()
+        self.generation = generation
+        self.rendezvous = rendezvous
+        self.collectives = 0
+        self.steps = 0  # optimizer steps seen (hook.py counts them)
+        self.listener: PauseListener | None = None
+        self.last_reconfigure_s: float | None = None
+        self._inner: dist.ProcessGroup | None = None
+        self._works: list = []
+        self._cv = threading.Condition()
+        self._armed: tuple[int, int] | None = None  # (at, generation)
+        self._paused = False  # stopped at T (waiting for the others or torn down)
+        self._down = False  # inner group destroyed, waiting for resume
+        self._down_gen: int | None = None
+        self._resume: tuple[int, Rendezvous] | None = None
+        self._closed = False
+        self._on_collective = on_collective
+        self._build(generation, rendezvous)
+
+    # -- identity -------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
+        return BACKEND_NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    # The native ProcessGroup keeps its name on its registered backends; this
+    # one has none (they live on the inner group), so it keeps them itself.
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def armed(self) -> tuple[int, int] | None:
+        return self._armed
+
+    # -- building and tearing down the inner group -----------------------------
+    def _open_store(self, rv: Rendezvous) -> None:
+        tcp = open_tcp_store(rv.master_addr, rv.master_port, self._size, self._rank == 0, self._timeout)
+        self.store.switch(tcp)
+
+    def _gloo_device(self, rv: Rendezvous):
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        if ifname and os.path.exists(f"/sys/class/net/{ifname}"):
+            return dist.ProcessGroupGloo.create_device(interface=ifname)
+        # After a move the interface names and addresses differ: take the
+        # address the kernel routes towards the rendezvous host.
+        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))
+
+    def _build(self, generation: int, rv: Rendezvous) -> None:
+        if not self.store.is_open or rv != self.rendezvous:
+            self._open_store(rv)
+        self.rendezvous = rv
+        st = dist.PrefixStore(f"gen{generation}", self.store)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self._timeout
+        opts._devices = [self._gloo_device(rv)]
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
+        inner = dist.ProcessGroup(st, self._rank, self._size)
+        if self._use_nccl:
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = self._timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", st), self._rank, self._size, nccl_opts)
+            inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+            inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        else:
+            inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        self._inner = inner
+        self.generation = generation
+
+    def _drain(self) -> None:
+        """Wait for every Work this rank issued, then drop the references.
+
+        Collectives: ``wait()`` (some gloo collectives return a Work whose
+        is_completed() never turns true; waiting a finished collective again
+        is harmless), then a CUDA synchronize when NCCL is in use (NCCL's
+        wait() only orders streams). Point-to-point: poll is_completed(),
+        never a second wait() (gloo p2p Work.wait() twice hangs).
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        works, self._works = self._works, []
+        p2p = [w for kind, w in works if kind == "p2p"]
+        for kind, w in works:
+            if kind == "coll" and not w.is_completed():
+                w.wait()
+        if self._use_nccl and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        while p2p:
+            p2p = [w for w in p2p if not w.is_completed()]
+            if p2p and time.monotonic() > deadline:
+                raise RuntimeError("torchpass: outstanding send/recv did not finish before the pause")
+            if p2p:
+                time.sleep(0.0005)
+        del works, p2p
+
+    def _decide(self, armed: tuple[int, int]) -> str:
+        """Agree with every rank on the pause at T: "go" (tear down), or not.
+
+        Each rank adds itself to ``drained.T``; the last to arrive sets
+        ``decision.T`` to "go". A rank whose arm changes while it waits (re-arm
+        to a later T, or a cancel) tries to set it to "cancel". The store's
+        compare_set makes the first writer win, so either every rank tears
+        down or none does. Returns "go", "rearm" or "cancel".
+        """
+        at = armed[0]
+        st = dist.PrefixStore(f"gen{self.generation}/torchpass", self.store)
+        key, decision = f"drained.{at}", f"decision.{at}"
+        if st.add(key, 1) >= self._size:
+            st.compare_set(decision, "", "go")
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            v = st.compare_set(decision, "?", "?")  # read: "?" while undecided
+            if v == b"go":
+                return "go"
+            if v != b"?" or self._armed != armed:
+                if v == b"?":
+                    v = st.compare_set(decision, "", "cancel")
+                    if v == b"go":
+                        return "go"
+                # cancelled: wait for this rank's own new arm / cancel to arrive
+                while self._armed == armed:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"torchpass: pause at {at} was cancelled by another rank, "
+                                           "but this rank never got the new command")
+                    time.sleep(0.001)
+                return "rearm" if self._armed is not None else "cancel"
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"torchpass: not every rank reached collective {at} of generation "
+                                   f"{self.generation} within the timeout")
+            time.sleep(0.001)
+
+    def _teardown(self) -> None:
+        """Destroy the inner group and close the store: no socket left.
+
+        Called once every rank has drained (``_meet`` on "drained.T").
+        """
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            try:
+                inner.shutdown()  # NCCL: destroys communicators; gloo: nothing
+            except Exception:  # noqa: BLE001 - best effort, the refs go anyway
+                pass
+            del inner
+        # Only the master (rank 0) serves the store; it may close only after
+        # every client has done its last store operation.
+        st = dist.PrefixStore(f"gen{self.generation}/torchpass", self.store)
+        st.add("left", 1)
+        if self._rank == 0:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while st.add("left", 0) < self._size and time.monotonic() < deadline:
+                time.sleep(0.001)
+        del st
+        self.store.close()
+        gc.collect()
+
+    # -- pause protocol (called from the control thread) ------------------------
+    def arm(self, at: int, generation: int) -> bool:
+        """Ask to pause with exactly ``at`` collectives issued. False if already past.
+
+        A rank already waiting at an earlier T (the group still intact) may be
+        re-armed to a later T: it leaves the wait and runs on to the new T.
+        """
+        with self._cv:
+            if self._down:
+                return self._down_gen == generation and self._armed == (at, generation)
+            if self.collectives > at or generation <= self.generation:
+                return False
+            self._armed = (at, generation)
+            self._cv.notify_all()
+            return True
+
+    def disarm(self) -> None:
+        with self._cv:
+            if not self._down:
+                self._armed = None
+
+    def resume(self, generation: int, rendezvous: Rendezvous) -> str:
+        """Resume as ``generation`` at ``rendezvous``.
+
+        Returns "resume" (torn down: the pausing thread rebuilds and calls
+        listener.on_resumed), "deferred" (stopped at T but not torn down: the
+        pausing thread settles with the other ranks whether this is a cancel
+        or a rebuild, and calls listener.on_resumed either way),
+        "cancelled" (T not reached: nothing to rebuild; the generation number
+        is adopted so that every rank keeps the same one) or "" (a repeat, or
+        a command that does not apply).
+        """
+        with self._cv:
+            if self._down:
+                if generation != self._down_gen:
+                    return ""
+                self._resume = (generation, rendezvous)
+                self._cv.notify_all()
+                return "resume"
+            if self._armed is not None and self._armed[1] == generation:
+                self._armed = None
+                self._cv.notify_all()
+                if self._paused:
+                    self._resume = (generation, rendezvous)
+                    return "deferred"
+                self.generation = generation
+                return "cancelled"
+            return ""
+
+    def _before_collective(self) -> None:
+        while True:
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError("torchpass: process group was destroyed")
+                armed = self._armed
+                if armed is None or self.collectives < armed[0]:
+                    self.collectives += 1
+                    n = self.collectives
+                    break
+                self._paused = True
+            self._pause_here(armed)
+        if self._on_collective is not None:
+            self._on_collective(n)
+
+    def _pause_here(self, armed: tuple[int, int]) -> None:
+        at, next_gen = armed
+        t0 = time.monotonic()
+        self._drain()
+        # Every rank has drained collectives < T before anyone destroys its
+        # communicator; a re-arm or cancel before that lets every rank go on.
+        verdict = self._decide(armed)
+        if verdict != "go":
+            with self._cv:
+                self._paused = False
+                deferred, self._resume = self._resume, None
+                if verdict == "cancel" and deferred is not None:
+                    self.generation = deferred[0]
+            if verdict == "cancel" and self.listener is not None:
+                self.listener.on_resumed(self, {"generation": self.generation, "collectives": self.collectives,
+                                                "rebuild_s": 0.0, "cancelled": True})
+            return
+        with self._cv:
+            self._down = True  # from here on re-arms are refused
+            self._down_gen = next_gen
+            self._armed = armed
+        old_gen = self.generation
+        self._teardown()
+        info = {
+            "generation": old_gen,
+            "next_generation": next_gen,
+            "collectives": self.collectives,
+            "drain_s": time.monotonic() - t0,
+            "sockets": count_sockets(),
+        }
+        info["in_backward"] = _in_backward()
+        if DEBUG:
+            _say(f"rank {self._rank} paused with {self.collectives} collectives issued"
+                 f"{' (in backward)' if info['in_backward'] else ''}, generation {old_gen} -> {next_gen},"
+                 f" {info['sockets']} sockets")
+        if self.listener is not None:
+            self.listener.on_quiesced(self, info)
+        with self._cv:
+            while self._resume is None:
+                # short timed waits: a restored process must not sleep on an
+                # absolute deadline of another host's clock for long
+                self._cv.wait(0.05)
+            generation, rv = self._resume
+            self._resume = None
+        t1 = time.monotonic()
+        self._build(generation, rv)
+        with self._cv:
+            self._armed = None
+            self._down = False
+            self._down_gen = None
+            self._paused = False
+        self.last_reconfigure_s = time.monotonic() - t1
+        if DEBUG:
+            _say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")
+        if self.listener is not None:
+            self.listener.on_resumed(
+                self, {"generation": generation, "collectives": self.collectives, "rebuild_s": self.last_reconfigure_s}
+            )
+
+    # -- lifecycle ---------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+        self._works = []
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            try:
+                inner.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        self.store.close()
+
+    def abort(self) -> None:
+        inner = self._inner
+        if inner is not None:
+            try:
+                inner.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        self.shutdown()
+
+    def inner(self) -> dist.ProcessGroup:
+        if self._inner is None:
+            raise RuntimeError("torchpass: the process group is paused or destroyed")
+        return self._inner
+
+    # -- forwarding ----------------------------------------------------------------
+    def _collective(self, name: str, args, kwargs):
+        self._before_collective()
+        work = getattr(self._inner, name)(*args, **kwargs)
+        works = self._works
+        if len(works) >= 32:
+            # Drop finished ones. Some Works never report completion (gloo's
+            # reduce_scatter_tensor): past 256, the oldest collectives are
+            # waited for (finished long ago) and dropped, so the list stays bounded.
+            works[:] = [kw for kw in works if not kw[1].is_completed()]
+            while len(works) > 256 and works[0][0] == "coll":
+                works.pop(0)[1].wait()
+        works.append(("coll", work))
+        return work
+
+    def _p2p(self, name: str, args, kwargs):
+        inner = self._inner
+        if inner is None:
+            raise RuntimeError("torchpass: point-to-point call while the process group is paused")
+        work = getattr(inner, name)(*args, **kwargs)
+        self._works.append(("p2p", work))
+        return work
+
+
+def _make_collective(name: str):
+    def method(self, *args, **kwargs):
+        return self._collective(name, args, kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"Counted, pausable forward of ProcessGroup.{name} to the inner group."
+    return method
+
+
+def _make_p2p(name: str):
+    def method(self, *args, **kwargs):
+        return self._p2p(name, args, kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# Both the names torch 2.13 calls first and the older fallbacks: a method not
+# overridden here would raise "no backend for cpu", never bypass the wrapper.
+COLLECTIVES = (
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "allgather_coalesced",
+    "all_gather_single",
+    "_allgather_base",
+    "all_gather_single_coalesced",
+    "allgather_into_tensor_coalesced",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "alltoall",
+    "all_to_all_single",
+    "alltoall_base",
+    "barrier",
+    "monitored_barrier",
+)
+P2P = ("send", "recv", "recv_anysource")
+
+for _n in COLLECTIVES:
+    setattr(ReconfigurablePG, _n, _make_collective(_n))
+for _n in P2P:
+    setattr(ReconfigurablePG, _n, _make_p2p(_n))
+del _n

@@ -1,0 +1,195 @@
+"""A minimal coordinator for the rank runtime: enough of the pause/resume
+protocol to drive real ranks in tests and by hand, and a reference for the
+job coordinator (torchpass/coordinator), which owns the real state machine.
+
+It serves the rank.* messages of torchpass.wire from a ROUTER socket and
+returns each rank's pending command in every reply until the rank
+acknowledges it (rank.armed for pause, rank.resumed for resume).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from torchpass import zmqio
+
+
+@dataclass
+class RankView:
+    rank: int
+    node: str = ""
+    pid: int = 0
+    collectives: int = 0
+    step: int = 0
+    generation: int = 0
+    armed: tuple[int, int, bool] | None = None  # (at, generation, accepted)
+    quiesced: dict | None = None
+    resumed: dict | None = None
+    command: dict | None = None
+    history: list = field(default_factory=list)
+
+
+class MiniCoordinator:
+    def __init__(self, world_size: int, job_id: int, address: str = "127.0.0.1", port: int = 0):
+        self.world_size = world_size
+        self.job_id = job_id
+        self._ctx = zmq.Context()
+        self._sock, self.port = zmqio.bind_router(self._ctx, address, port)
+        self.endpoint = f"tcp://{address}:{self.port}"
+        self.ranks: dict[int, RankView] = {}
+        self._lock = threading.Condition()
+        self._stop = False
+        self.generation = 0
+        self._handlers = {
+            "rank.register": self._register,
+            "rank.progress": self._progress,
+            "rank.armed": self._armed,
+            "rank.quiesced": self._quiesced,
+            "rank.resumed": self._resumed,
+        }
+        self._thread = threading.Thread(target=self._serve, name="mini-coordinator", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- serving ------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop:
+            if self._sock.poll(50, zmq.POLLIN):
+                zmqio.serve_one(self._sock, self._handlers)
+
+    def _view(self, body) -> RankView:
+        if body["job_id"] != self.job_id:
+            from torchpass.errors import TorchpassError
+
+            err = TorchpassError(f"job {body['job_id']} is not served here")
+            err.code = "not_found"
+            raise err
+        return self.ranks.setdefault(body["rank"], RankView(body["rank"]))
+
+    def _reply(self, v: RankView) -> dict:
+        return {"command": v.command} if v.command else {}
+
+    def _register(self, msg):
+        with self._lock:
+            v = self._view(msg.body)
+            v.node, v.pid = msg.body["node"], msg.body["pid"]
+            v.generation = msg.body.get("generation") or 0
+            v.history.append(("register", msg.body))
+            self._lock.notify_all()
+            return self._reply(v)
+
+    def _progress(self, msg):
+        with self._lock:
+            v = self._view(msg.body)
+            v.collectives = max(v.collectives, msg.body["collectives"])
+            v.step = msg.body["step"]
+            v.node = msg.body.get("node") or v.node
+            self._lock.notify_all()
+            return self._reply(v)
+
+    def _armed(self, msg):
+        b = msg.body
+        with self._lock:
+            v = self._view(b)
+            v.collectives = max(v.collectives, b["collectives"])
+            v.armed = (b["at"], b["generation"], b["accepted"])
+            v.history.append(("armed", b))
+            if v.command and v.command.get("command") == "pause" and v.command["at"] == b["at"]:
+                v.command = None
+            self._lock.notify_all()
+            return self._reply(v)
+
+    def _quiesced(self, msg):
+        with self._lock:
+            v = self._view(msg.body)
+            v.quiesced = dict(msg.body)
+            v.history.append(("quiesced", msg.body))
+            self._lock.notify_all()
+            return self._reply(v)
+
+    def _resumed(self, msg):
+        b = msg.body
+        with self._lock:
+            v = self._view(b)
+            v.resumed = dict(b)
+            v.generation = b["generation"]
+            v.node = b["node"]
+            v.history.append(("resumed", b))
+            if v.command and v.command.get("command") == "resume":
+                v.command = None
+            if b.get("cancelled"):
+                self.generation = b["generation"]  # nothing was rebuilt
+            self._lock.notify_all()
+            return self._reply(v)
+
+    # -- driving --------------------------------------------------------------------
+    def _wait(self, pred, timeout: float, what: str):
+        end = time.monotonic() + timeout
+        with self._lock:
+            while not pred():
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"mini coordinator: timed out waiting for {what}: "
+                                       f"{ {r: (v.collectives, v.armed, bool(v.quiesced)) for r, v in self.ranks.items()} }")
+                self._lock.wait(min(left, 0.1))
+
+    def wait_registered(self, timeout: float = 60) -> None:
+        self._wait(lambda: len(self.ranks) == self.world_size, timeout, "all ranks to register")
+
+    def wait_collectives(self, n: int, timeout: float = 60) -> None:
+        self._wait(lambda: all(v.collectives >= n for v in self.ranks.values()), timeout, f"{n} collectives")
+
+    def pause(self, margin: int, hold_files: dict[int, str] | None = None, timeout: float = 60,
+              at: int | None = None) -> tuple[int, int]:
+        """Arm every rank at the same T (``at``, or max(collectives) + margin);
+        re-arm at max(collectives) + margin if some rank was already past it.
+        Returns (T, next generation)."""
+        gen = self.generation + 1
+        with self._lock:
+            if at is None:
+                at = max(v.collectives for v in self.ranks.values()) + margin
+        while True:
+            with self._lock:
+                for r, v in self.ranks.items():
+                    v.armed, v.quiesced, v.resumed = None, None, None
+                    cmd = {"command": "pause", "at": at, "generation": gen}
+                    if hold_files and r in hold_files:
+                        cmd["hold_file"] = hold_files[r]
+                    v.command = cmd
+            self._wait(lambda: all(v.armed and v.armed[0] == at for v in self.ranks.values()), timeout, "arms")
+            with self._lock:
+                if all(v.armed[2] for v in self.ranks.values()):
+                    return at, gen
+                at = max(v.collectives for v in self.ranks.values()) + margin
+
+    def wait_quiesced(self, timeout: float = 60) -> dict[int, dict]:
+        self._wait(lambda: all(v.quiesced for v in self.ranks.values()), timeout, "quiesce")
+        return {r: v.quiesced for r, v in self.ranks.items()}
+
+    def resume(self, gen: int, master_addr: str, master_port: int) -> None:
+        with self._lock:
+            for v in self.ranks.values():
+                v.command = {"command": "resume", "generation": gen, "master_addr": master_addr,
+                             "master_port": master_port}
+            self.generation = gen
+
+    def wait_resumed(self, gen: int, timeout: float = 60) -> dict[int, dict]:
+        self._wait(lambda: all(v.resumed and (v.resumed["generation"] == gen or v.resumed.get("cancelled"))
+                               for v in self.ranks.values()),
+                   timeout, f"resume to generation {gen}")
+        return {r: v.resumed for r, v in self.ranks.items()}

@@ -1,0 +1,319 @@
+"""The task wrapper that makes a rank movable with CRIU.
+
+Launch:   python -m tpassd.checkpoint.rankwrap [--state-dir D] -- python train.py ...
+Restore:  python -m tpassd.checkpoint.rankwrap --restore IMAGES [--wake-file F] [--state-dir D]
+
+Launch mode (what Slurm tracks as the task): ``unshare(CLONE_NEWPID)``, fork;
+the child does ``setsid``, takes /dev/null as stdin and a pipe to the wrapper
+as stdout and as stderr, closes every other fd and execs the program as PID 1
+of its own PID namespace. The wrapper relays the pipes to its own
+stdout/stderr, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 (a namespace
+init ignores signals it has no handler for, so a SIGTERM the program does not
+handle becomes the SIGKILL it would have meant), and writes a record
+``D/job<J>/rank<R>.json`` (wrapper pid, rank pid, pipe inodes) that tpassd's
+snapshot action reads.
+
+Hand-off markers, in ``D/job<J>/rank<R>.handoff`` (written by the snapshot
+action): "moving" before the dump, "moved" after it succeeded, "abort" if it
+failed. When the child dies while the marker says moving/moved, that is a
+hand-off, not a failure: with ``--on-handoff wait`` (default) the wrapper
+waits for ``rank<R>.exit`` (written by the restore wrapper wherever the rank
+now runs; the state dir must then be shared) and exits with that code; with
+``--on-handoff exit0`` it exits 0 at once (the job's batch side must then
+wait for the moved rank).
+
+Restore mode (a step on the target node): becomes a child subreaper, verifies
+the snapshot's manifest, runs ``criu restore -d`` with fresh stdout/stderr
+pipes passed by ``--inherit-fd``, creates the wake file (the rank's runtime
+then reopens its control link), relays output, waits for the restored rank
+and writes its exit code to ``rank<R>.exit``.
+
+Runs as root here (devcluster); for ordinary users the PID-namespace split
+belongs in the SPANK plugin's slurm_spank_task_init_privileged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+CLONE_NEWPID = 0x20000000
+CLONE_NEWTIME = 0x00000080
+PR_SET_CHILD_SUBREAPER = 36
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+DEFAULT_STATE_DIR = "/run/torchpass/ranks"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(f"torchpass: {msg}\n")
+    sys.stderr.flush()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def set_child_subreaper() -> None:
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def identity(env=os.environ) -> tuple[str, str]:
+    job = env.get("TORCHPASS_JOB_ID") or env.get("SLURM_JOB_ID") or "0"
+    rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
+    return job, rank
+
+
+class Paths:
+    def __init__(self, state_dir: str, job: str, rank: str):
+        self.dir = Path(state_dir) / f"job{job}"
+        self.record = self.dir / f"rank{rank}.json"
+        self.handoff = self.dir / f"rank{rank}.handoff"
+        self.exit = self.dir / f"rank{rank}.exit"
+
+    def marker(self) -> str:
+        try:
+            return self.handoff.read_text().strip()
+        except OSError:
+            return ""
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def handles_signal(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (SigCgt in /proc/PID/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class Relay:
+    """Copies child pipes to our stdout/stderr and forwards signals, in one loop (no threads)."""
+
+    def __init__(self, fds: dict[int, int]):
+        self.fds = dict(fds)  # read fd -> our fd
+        self.child: int | None = None
+        self.pending: list[int] = []
+        for s in FORWARDED:
+            signal.signal(s, lambda sig, _f: self.pending.append(sig))
+
+    def forward(self) -> None:
+        while self.pending and self.child:
+            sig = self.pending.pop(0)
+            try:
+                if handles_signal(self.child, sig):
+                    os.kill(self.child, sig)
+                else:  # a namespace init ignores it: do what the default action would
+                    os.kill(self.child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def pump(self, timeout: float) -> None:
+        self.forward()
+        if not self.fds:
+            time.sleep(timeout)
+            return
+        try:
+            ready, _, _ = select.select(list(self.fds), [], [], timeout)
+        except InterruptedError:
+            return
+        for fd in ready:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if not data:
+                os.close(fd)
+                del self.fds[fd]
+                continue
+            out = self.fds[fd]
+            while data:
+                try:
+                    n = os.write(out, data)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    break
+                data = data[n:]
+
+    def wait(self, pid: int) -> int:
+        """Relay until ``pid`` has exited; returns a shell-style exit code."""
+        while True:
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return 255
+            if got == pid:
+                # drain what is left in the pipes
+                end = time.monotonic() + 1.0
+                while self.fds and time.monotonic() < end:
+                    self.pump(0.05)
+                return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            self.pump(0.05)
+
+
+def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> int:
+    job, rank = identity()
+    paths = Paths(state_dir, job, rank)
+    for p in (paths.handoff, paths.exit):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    unshare(CLONE_NEWPID | (CLONE_NEWTIME if newtime else 0))
+    pid = os.fork()
+    if pid == 0:  # PID 1 of the new namespace
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.closerange(3, 65536)
+            for s in FORWARDED:
+                signal.signal(s, signal.SIG_DFL)
+            os.execvp(argv[0], argv)
+        except BaseException as exc:  # noqa: BLE001
+            os.write(2, f"torchpass: cannot start {argv[0]}: {exc}\n".encode())
+        os._exit(127)
+    os.close(out_w)
+    os.close(err_w)
+    relay = Relay({out_r: 1, err_r: 2})
+    relay.child = pid
+    write_json(paths.record, {
+        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "node": socket.gethostname(),
+        "stdout": f"pipe:[{os.fstat(out_r).st_ino}]", "stderr": f"pipe:[{os.fstat(err_r).st_ino}]",
+        "argv": argv, "started": time.time(),
+    })
+    code = relay.wait(pid)
+    marker = paths.marker()
+    if marker in ("moving", "moved"):
+        # the dump killed it: the rank lives on elsewhere
+        if on_handoff == "exit0":
+            return 0
+        while True:
+            try:
+                return int(paths.exit.read_text().strip())
+            except (OSError, ValueError):
+                pass
+            if paths.marker() == "abort":  # dump failed after all, and the rank died
+                return code
+            relay.pump(0.2)
+    return code
+
+
+def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | None, gpu: bool = False) -> int:
+    from torchpass.errors import TorchpassError
+    from tpassd.checkpoint import criu as criu_mod
+
+    set_child_subreaper()
+    try:
+        c = criu_mod.find_criu(criu_bin)
+        manifest = criu_mod.verify_manifest(images)
+    except TorchpassError as exc:
+        say(str(exc))
+        return 1
+    meta = manifest.get("meta", {})
+    job, rank = str(meta.get("job", identity()[0])), str(meta.get("rank", identity()[1]))
+    paths = Paths(state_dir, job, rank)
+    relays, inherit = {}, {}
+    for fd in (1, 2):
+        key = criu_mod.pipe_key(meta.get(f"fd{fd}"))
+        if key:
+            r, w = os.pipe()
+            relays[r] = fd
+            inherit[w] = key
+    pidfile = Path(images) / "restored.pid"
+    try:
+        pidfile.unlink()
+    except FileNotFoundError:
+        pass
+    relay = Relay(relays)
+    try:
+        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit)
+    except TorchpassError as exc:
+        say(str(exc))
+        return 1
+    finally:
+        for w in inherit:
+            os.close(w)
+    relay.child = pid
+    if gpu or meta.get("gpu"):
+        # GPU state back from host memory before the rank may run on (it is
+        # still locked by the driver until then)
+        from tpassd.checkpoint.cuda import CudaCheckpoint
+
+        try:
+            CudaCheckpoint.load().resume(pid)
+        except TorchpassError as exc:
+            say(f"restored rank {rank} but its CUDA state did not come back ({exc}); killing it")
+            os.kill(pid, signal.SIGKILL)
+            relay.wait(pid)
+            return 1
+    write_json(paths.record, {
+        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "node": socket.gethostname(),
+        "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": str(images),
+        "restore_s": round(seconds, 4), "started": time.time(),
+    })
+    if wake_file:
+        Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(wake_file).touch()
+    code = relay.wait(pid)
+    paths.exit.write_text(f"{code}\n")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m tpassd.checkpoint.rankwrap")
+    ap.add_argument("--state-dir", default=os.environ.get("TORCHPASS_RANK_STATE_DIR", DEFAULT_STATE_DIR))
+    ap.add_argument("--on-handoff", choices=("wait", "exit0"), default="wait")
+    ap.add_argument("--timens", action="store_true",
+                    help="also give the rank its own time namespace (clocks continue across hosts)")
+    ap.add_argument("--restore", metavar="IMAGES")
+    ap.add_argument("--wake-file")
+    ap.add_argument("--criu")
+    ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
+    args = ap.parse_args(own)
+    if args.restore:
+        return restore(args.restore, args.state_dir, args.wake_file, args.criu, args.gpu)
+    if not prog:
+        ap.error("give the program after --")
+    try:
+        return launch(prog, args.state_dir, args.on_handoff, args.timens)
+    except OSError as exc:
+        say(f"cannot make the rank's PID namespace ({exc}); needs CAP_SYS_ADMIN (root or the SPANK plugin)")
+        return 126 if exc.errno in (errno.EPERM, errno.EINVAL) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
