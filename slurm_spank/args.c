@@ -100,13 +100,13 @@ static int parse_abs_path(const char *key, const char *val, char *dst,
 
 static const char *const conf_keys[] = {
 	"coordinator", "state_dir", "runtime_path", "policy", "max_spares",
-	"log_level", "ready_timeout", "stop_timeout", NULL,
+	"log_level", "ready_timeout", "stop_timeout", "rank_wrapper", NULL,
 };
 
 #define CONF_ALLOWED \
 	"coordinator=PATH state_dir=PATH [runtime_path=PATH] [policy=NAME] " \
 	"[max_spares=0..64] [log_level=error|info|verbose|debug] " \
-	"[ready_timeout=1..300] [stop_timeout=1..300]"
+	"[ready_timeout=1..300] [stop_timeout=1..300] [rank_wrapper=PATH]"
 
 int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
 		     char *err, size_t errlen)
@@ -208,6 +208,13 @@ int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
 					    conf_keys[k], val);
 			break;
 		}
+		case 8:
+			if (parse_abs_path("rank_wrapper", val,
+					   conf->rank_wrapper,
+					   sizeof(conf->rank_wrapper), err,
+					   errlen) < 0)
+				return -1;
+			break;
 		}
 	}
 	if (!seen[0])

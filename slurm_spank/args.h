@@ -36,6 +36,7 @@ struct tpass_conf {
 	enum tpass_log_level log_level;       /* default info */
 	unsigned ready_timeout_s;             /* 1..300, default 10 */
 	unsigned stop_timeout_s;              /* 1..300, default 5 */
+	char rank_wrapper[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
 };
 
 /* Parsed value of --torchpass[=...]. */
@@ -51,7 +52,7 @@ void tpass_conf_defaults(struct tpass_conf *conf);
 /*
  * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
  * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
- * log_level, ready_timeout, stop_timeout.  Unknown or repeated keys, bad
+ * log_level, ready_timeout, stop_timeout, rank_wrapper.  Unknown or repeated keys, bad
  * values and missing required keys are errors.  On error *conf holds the
  * defaults plus whatever was parsed before the error.
  */

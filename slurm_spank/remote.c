@@ -452,8 +452,24 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 
 	(void)ac;
 	(void)av;
-	if (!tpass.opts.given || tpass.opts.off || !R.launch_failed)
+	if (!tpass.opts.given || tpass.opts.off)
 		return 0;
+	if (!R.launch_failed) {
+		/*
+		 * Every rank of a --torchpass job step (not the batch script)
+		 * runs under the rank wrapper, which makes it movable with
+		 * CRIU (PID 1 of its own PID namespace, hand-off markers).
+		 */
+		const char *wrap[] = { tpass.conf.rank_wrapper, "--" };
+
+		if (R.is_batch || !tpass.conf_ok || !tpass.conf.rank_wrapper[0])
+			return 0;
+		rc = spank_prepend_task_argv(sp, 2, wrap);
+		if (rc != ESPANK_SUCCESS)
+			tpass_error("cannot start the task under rank_wrapper %s: %s; it runs but cannot be migrated",
+				    tpass.conf.rank_wrapper, spank_strerror(rc));
+		return 0;
+	}
 	snprintf(msg, sizeof(msg), "tpass: %s", R.launch_err);
 	rc = spank_prepend_task_argv(sp, 4, argv);
 	if (rc != ESPANK_SUCCESS)

@@ -147,8 +147,10 @@ BODIES: dict[str, dict[str, F]] = {
     #       Acknowledged by rank.armed.
     #   {"command": "resume", "generation": g, "master_addr": A, "master_port": P}
     #       rebuild as generation g with the rendezvous store at A:P (rank 0
-    #       serves it); before T is reached it cancels the pause instead.
-    #       Acknowledged by rank.resumed.
+    #       serves it). Sent before the ranks have torn down, it cancels the
+    #       pause (all ranks agree on cancel-or-go through the store); the
+    #       rank adopts g without a rebuild. Acknowledged by rank.resumed
+    #       (generation g, cancelled true for a cancel).
     # The reports below are rank -> coordinator requests.
     "rank.armed": {
         "job_id": _f(int),
@@ -177,7 +179,7 @@ BODIES: dict[str, dict[str, F]] = {
         "rebuild_s": _f(float, int),
         "node": _f(str),
         "moved": _f(bool),  # its network namespace or hostname changed since start
-        "cancelled": _f(bool, required=False),  # resumed before reaching T: nothing rebuilt
+        "cancelled": _f(bool, required=False),  # the pause was cancelled: nothing rebuilt
     },
     # --- anyone -> coordinator ---------------------------------------------
     "job.status": {},
@@ -189,6 +191,32 @@ BODIES: dict[str, dict[str, F]] = {
     # (already queued or in flight, spare not free, ranks missing),
     # bad_request (to == node).
     "job.migrate": {"node": _f(str), "to": _f(str, required=False)},
+    # --- coordinator -> tpassd (checkpoint; tpassd/checkpoint_service.py) ---------
+    # munge-authenticated for the node; allowed for root or the job's owner
+    # (the uid Slurm records for job_id). rank_dir: the job's rankwrap state
+    # directory (records rank<R>.json, hand-off markers).
+    #   op "dump":  CRIU-dump the quiesced rank, leaving it running (paused);
+    #               result {images, checksum, bytes, criu_dump_s, total_s, pid}
+    #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded)
+    #   op "abort": the move is off: hand-off marker "abort"
+    "tpassd.snapshot": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "op": _f(str),
+        "rank_dir": _f(str),
+        "generation": _f(int, required=False),
+        "pid": _f(int, required=False),
+    },
+    #   op "verify": the target can read `images` and its manifest matches `checksum`
+    #   op "abort":  kill what was restored from `images` on this node (best effort)
+    "tpassd.restore": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "op": _f(str),
+        "images": _f(str),
+        "checksum": _f(str, required=False),
+        "rank_dir": _f(str, required=False),
+    },
 }
 
 

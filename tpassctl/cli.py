@@ -56,9 +56,10 @@ def _register() -> None:
     from tpassctl.events_cmd import events
     from tpassctl.goodput_cmd import goodput
     from tpassctl.migrate_cmd import migrate
+    from tpassctl.nodes_cmd import inject, nodes
     from tpassctl.status_cmd import status
 
-    for command in (devcluster, events, goodput, migrate, status):
+    for command in (devcluster, events, goodput, inject, migrate, nodes, status):
         cli.add_command(command)
 
 

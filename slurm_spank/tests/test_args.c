@@ -258,6 +258,34 @@ static void test_conf(void)
 			       "stop_timeout=301" };
 		CHECK(conf_parse(3, av, &c) < 0);
 	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "rank_wrapper=/opt/tp/bin/tpass-rankwrap" };
+		CHECK(conf_parse(3, av, &c) == 0);
+		CHECK(!strcmp(c.rank_wrapper, "/opt/tp/bin/tpass-rankwrap"));
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s" };
+		CHECK(conf_parse(2, av, &c) == 0);
+		CHECK(c.rank_wrapper[0] == '\0');
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "rank_wrapper=tpass-rankwrap" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "rank_wrapper='tpass-rankwrap' must be an absolute path");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "rank_wrapper=/a", "rank_wrapper=/b" };
+		CHECK(conf_parse(4, av, &c) < 0);
+		CHECK_CONTAINS(err, "'rank_wrapper' given twice");
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "bogus=1" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "[rank_wrapper=PATH]");
+	}
 }
 
 static void test_uint(void)

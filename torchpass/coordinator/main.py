@@ -25,6 +25,74 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
+def slurm_munge_socket(conf: str | None = None) -> str | None:
+    """The munged socket Slurm itself uses (AuthInfo=socket=... in slurm.conf), if it names one."""
+    import re
+
+    path = conf or os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    m = re.search(r"^\s*AuthInfo\s*=.*?\bsocket=([^,\s]+)", text, re.M | re.I)
+    return m.group(1) if m else None
+
+
+def _make_driver(job, state_dir, spares, policy_name, log):
+    """The migration driver: policy, the job's nodes and hot spares, health of their tpassds.
+
+    Without Slurm or a policy the coordinator still serves the job (status,
+    events) but cannot migrate; that is logged, never fatal.
+    """
+    from torchpass import auth
+    from torchpass.coordinator.executor import TPASSD_PUB_PORT, Driver, Executor, TpassdClient
+    from torchpass.coordinator.policy import load_policy
+    from torchpass.health import HealthSubscriber
+
+    try:
+        pol = load_policy(policy_name)
+        from torchpass.slurm import client
+
+        slurm = client()
+        info = slurm.job(job.job_id)
+        nodes = list(info.nodes) if info is not None else []
+        if not nodes and os.environ.get("SLURM_JOB_NODELIST"):
+            nodes = slurm.expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+    except (TorchpassError, OSError) as exc:
+        log.warning("migrations disabled for this job", job_id=job.job_id, error=str(exc))
+        return None
+    hot = tuple(nodes[len(nodes) - spares:]) if 0 < spares < len(nodes) else ()
+    addresses = {}
+    try:
+        addresses = {n.name: n.address for n in slurm.nodes()}
+    except (TorchpassError, OSError):
+        pass
+
+    def address_of(node: str) -> str:
+        a = addresses.get(node)
+        if a and a != node:
+            return a
+        return socket.gethostbyname(node)
+
+    munge_socket = auth.default_socket() or slurm_munge_socket()
+    tp = TpassdClient(address_of, munge_socket=munge_socket)
+
+    def snapshot(node: str, endpoint: str) -> dict:
+        return tp.request(node, "tpassd.health", {}, 2.0)
+
+    health = None
+    try:
+        pubs = {n: (f"tcp://{address_of(n)}:{TPASSD_PUB_PORT}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
+        health = HealthSubscriber(pubs, snapshot=snapshot).start()
+    except (OSError, TorchpassError) as exc:
+        log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
+    driver = Driver(job, pol, health=health, spares=hot)
+    driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
+                               address_of=address_of)
+    log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name)
+    return driver
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
 @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
@@ -45,7 +113,9 @@ def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_
     address = bind_address or _own_address()
     try:
         job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
-        server = CoordinatorServer(job, bind_address=address, port=port)
+        driver = _make_driver(job, state_dir, spares, policy, log)
+        server = CoordinatorServer(job, bind_address=address, port=port, driver=driver,
+                                   munge_socket=driver.executor.tpassd.munge_socket if driver else None)
         endpoint = f"tcp://{address}:{server.port}"
         write_registration(state_dir, job_id, {
             "job_id": job_id, "endpoint": endpoint, "pid": os.getpid(), "host": socket.gethostname(),
@@ -67,7 +137,11 @@ def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     from torchpass.slurm import client
 
-    server.serve(tick=job_liveness_check(client(), job_id), tick_interval_s=slurm_poll_s)
+    try:
+        server.serve(tick=job_liveness_check(client(), job_id), tick_interval_s=slurm_poll_s)
+    finally:
+        if driver is not None and driver.health is not None:
+            driver.health.close()
     try:
         (Path(state_dir) / "jobs" / str(job_id) / "coordinator.json").unlink()
     except OSError:

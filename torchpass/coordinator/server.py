@@ -20,6 +20,12 @@ from torchpass.errors import RemoteError, SlurmError, TorchpassError
 log = structlog.get_logger("torchpass.coordinator")
 
 
+def _mc():
+    from torchpass.coordinator import machine
+
+    return machine
+
+
 class Conflict(TorchpassError):
     code = "conflict"
 
@@ -40,8 +46,14 @@ class CoordinatorServer:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         context: zmq.Context | None = None,
+        driver=None,
+        owner_uid: int | None = None,
+        munge_socket: str | None = None,
     ):
         self.job = job
+        self.driver = driver  # executor.Driver: migration decisions and actions (None: report only)
+        self.owner_uid = os.getuid() if owner_uid is None else owner_uid
+        self.munge_socket = munge_socket
         self.clock = clock
         self.wall = wall
         self.ctx = context or zmq.Context.instance()
@@ -53,6 +65,10 @@ class CoordinatorServer:
             "rank.progress": self._on_progress,
             "job.status": self._on_status,
             "job.events": self._on_events,
+            "rank.armed": self._on_armed,
+            "rank.quiesced": self._on_quiesced,
+            "rank.resumed": self._on_resumed,
+            "job.migrate": self._on_migrate,
         }
 
     # --- handlers ------------------------------------------------------------
@@ -79,7 +95,8 @@ class CoordinatorServer:
             self.job.record(self.wall(), "rank.registered", f"rank {b['rank']} on {b['node']} (pid {b['pid']})",
                             rank=b["rank"], node=b["node"], pid=b["pid"])
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
-        return {"generation": self.job.ranks[b["rank"]].generation}
+        self._feed(_mc().RankRegistered(b["rank"], b["node"], b["world_size"]))
+        return self._with_command(b["rank"], {"generation": self.job.ranks[b["rank"]].generation})
 
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
@@ -92,7 +109,79 @@ class CoordinatorServer:
         if b.get("node"):
             r.node = b["node"]
         r.last_report = self.clock()
-        return {}
+        self._feed(_mc().RankProgress(b["rank"], b["collectives"], b["step"], b.get("node")), decide=False)
+        return self._with_command(b["rank"], {})
+
+    # --- migration (driver) ---------------------------------------------------
+    def _feed(self, outcome, decide: bool = True) -> None:
+        if self.driver is None:
+            return
+        if decide:
+            self.driver.feed(outcome)
+        else:  # frequent progress reports: decided on the next tick
+            self.driver.post(outcome)
+
+    def _with_command(self, rank: int, result: dict[str, Any]) -> dict[str, Any]:
+        ex = self.driver.executor if self.driver is not None else None
+        cmd = ex.command_for(rank) if ex is not None else None
+        if cmd is not None:
+            result = {**result, "command": cmd}
+        return result
+
+    def _rank(self, b: dict[str, Any]) -> RankState:
+        self._check_job(b)
+        r = self.job.ranks.get(b["rank"])
+        if r is None:
+            raise NotFound(f"rank {b['rank']} has not registered with job {self.job.job_id}")
+        r.last_report = self.clock()
+        return r
+
+    def _on_armed(self, msg: wire.Message) -> dict[str, Any]:
+        b = msg.body
+        self._rank(b)
+        if self.driver is not None and self.driver.executor is not None:
+            self.driver.executor.acknowledge(b["rank"], "pause", b["generation"], b["at"])
+        self._feed(_mc().Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"]))
+        return self._with_command(b["rank"], {})
+
+    def _on_quiesced(self, msg: wire.Message) -> dict[str, Any]:
+        b = msg.body
+        self._rank(b).collectives = b["collectives"]
+        log.info("rank quiesced", rank=b["rank"], generation=b["generation"], collectives=b["collectives"],
+                 hold=b["hold"], sockets=b["sockets"], drain_s=b["drain_s"])
+        self._feed(_mc().Quiesced(b["rank"], b["generation"], b["collectives"]))
+        return self._with_command(b["rank"], {})
+
+    def _on_resumed(self, msg: wire.Message) -> dict[str, Any]:
+        b = msg.body
+        r = self._rank(b)
+        r.node, r.generation, r.collectives = b["node"], b["generation"], b["collectives"]
+        if self.driver is not None and self.driver.executor is not None:
+            self.driver.executor.acknowledge(b["rank"], "resume", b["generation"])
+        log.info("rank resumed", rank=b["rank"], generation=b["generation"], node=b["node"], moved=b["moved"],
+                 rebuild_s=b["rebuild_s"], cancelled=b.get("cancelled", False))
+        self._feed(_mc().Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False))))
+        return self._with_command(b["rank"], {})
+
+    def _on_migrate(self, msg: wire.Message) -> dict[str, Any]:
+        from torchpass import auth
+
+        target = f"job:{self.job.job_id}"
+        ident = auth.verify(msg.auth, auth.request_digest(msg.type, msg.body, target),
+                            self.munge_socket or auth.default_socket())
+        if ident.uid not in (0, self.owner_uid):
+            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {self.job.job_id}")
+        if self.driver is None:
+            raise RemoteError("unavailable", f"the coordinator of job {self.job.job_id} runs without migrations")
+        node, to = msg.body["node"], msg.body.get("to")
+        mid = self.driver.accept_operator(node, to)  # OperatorRejected carries the wire code
+        st = self.driver.state
+        ahead = ([st.migration.id] if st.migration else []) + [r.id for r in st.operator_requests if r.id != mid]
+        self.job.record(self.wall(), "migration.requested",
+                        f"{mid}: operator (uid {ident.uid}) asked to move {node}" + (f" to {to}" if to else ""),
+                        migration=mid, node=node, to=to, uid=ident.uid)
+        self.driver.decide()
+        return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
 
     def _on_status(self, msg: wire.Message) -> dict[str, Any]:
         st = self.job.status(self.clock())
@@ -118,9 +207,16 @@ class CoordinatorServer:
                     if not tick():
                         break
                     next_tick = self.clock() + tick_interval_s
-                for sock, _ in poller.poll(100):
+                for sock, _ in poller.poll(100 if self.driver is None else 20):
                     zmqio.serve_one(sock, self.handlers, counters=self.counters)
+                if self.driver is not None:
+                    try:
+                        self.driver.pump()
+                    except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                        log.exception("driver error")
         finally:
+            if self.driver is not None and self.driver.executor is not None:
+                self.driver.executor.close()
             self.sock.close(linger=0)
 
 

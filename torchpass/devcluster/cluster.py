@@ -365,7 +365,7 @@ class Devcluster:
         runtime = REPO_ROOT / "torchpass" / "runtime" / "boot"
         plug_line = (
             f"optional {plugin} coordinator={coordinator} state_dir={self.state_dir}"
-            f" runtime_path={runtime}\n"
+            f" runtime_path={runtime} rank_wrapper={Path(sys.executable).parent / 'tpass-rankwrap'}\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():

@@ -1,0 +1,59 @@
+"""tpassd.snapshot / tpassd.restore authorization and pid checks (no CRIU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchpass import auth, wire
+from torchpass.errors import RemoteError
+from tpassd.checkpoint_service import CheckpointService, pid_in_job
+
+
+def _proc(tmp_path, pid, env):
+    d = tmp_path / "proc" / str(pid)
+    d.mkdir(parents=True)
+    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    return str(tmp_path / "proc")
+
+
+def test_pid_must_carry_the_job_and_rank(tmp_path):
+    proc = _proc(tmp_path, 77, {"SLURM_JOB_ID": "5", "SLURM_PROCID": "1"})
+    assert pid_in_job(77, 5, 1, proc)
+    assert not pid_in_job(77, 6, 1, proc)
+    assert not pid_in_job(77, 5, 0, proc)
+    assert not pid_in_job(78, 5, None, proc)
+
+
+def test_only_root_or_the_jobs_owner(tmp_path):
+    svc = CheckpointService(tmp_path, "n1", job_owner=lambda j: {5: 1000}.get(j))
+    svc.authorize(auth.Identity(uid=0, gid=0), 5)
+    svc.authorize(auth.Identity(uid=1000, gid=1000), 5)
+    with pytest.raises(auth.AuthFailure):
+        svc.authorize(auth.Identity(uid=1001, gid=1001), 5)
+    with pytest.raises(RemoteError, match="not known"):
+        svc.authorize(auth.Identity(uid=1000, gid=1000), 6)
+
+
+def test_kill_refuses_a_pid_outside_the_job(tmp_path):
+    proc = _proc(tmp_path, 77, {"SLURM_JOB_ID": "9", "RANK": "1"})
+    svc = CheckpointService(tmp_path, "n1", job_owner=lambda j: 0, proc=proc)
+    msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": 77,
+                                           "rank_dir": str(tmp_path / "r")})
+    with pytest.raises(RemoteError, match="not rank 1 of job 5"):
+        svc.snapshot(msg, auth.Identity(uid=0, gid=0))
+
+
+def test_verify_checks_the_manifest_checksum(tmp_path):
+    from tpassd.checkpoint import criu
+
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"x" * 100)
+    criu.write_manifest(d, {"job": 5, "rank": 1})
+    svc = CheckpointService(tmp_path, "n4", job_owner=lambda j: 0)
+    ok = wire.Message("tpassd.restore", {"job_id": 5, "rank": 1, "op": "verify", "images": str(d)})
+    assert svc.restore(ok, auth.Identity(uid=0, gid=0))["files"] == 1
+    bad = wire.Message("tpassd.restore", {"job_id": 5, "rank": 1, "op": "verify", "images": str(d),
+                                          "checksum": "0" * 64})
+    with pytest.raises(RemoteError, match="does not match its checksum"):
+        svc.restore(bad, auth.Identity(uid=0, gid=0))

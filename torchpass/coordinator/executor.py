@@ -1,0 +1,468 @@
+"""The coordinator's driver and executor: decisions in, real actions out.
+
+``Driver`` keeps the decision state (``decide.CoordState``), applies every
+input and executor outcome with ``machine.apply``, calls ``decide`` and hands
+the actions to ``Executor``. Everything runs in the coordinator's serve
+thread: handlers call ``Driver.feed``; actions that take time (a CRIU dump
+through tpassd, the restore job step) run in worker threads that only
+``post`` outcomes to a queue, which the serve loop drains (``Driver.pump``).
+So handlers and the decision loop never race.
+
+How each action is performed (docs/coordinator.md, "Migration end to end"):
+
+* PauseAt / Resume / ResumeInPlace: a command per rank, sent in the reply to
+  the rank's next ``rank.*`` request until acknowledged (rank.armed /
+  rank.resumed). Held ranks wait for a hold file in the job's state dir,
+  created by the coordinator only once the source copy is dead (Resume) or
+  the move is off (ResumeInPlace).
+* Snapshot / KillSource: ``tpassd.snapshot`` (op dump / kill) to the source
+  node's tpassd, munge-authenticated. The dump leaves the rank running
+  (paused, holding) so that any later failure resumes it in place.
+* Transfer: ``tpassd.restore`` op verify on the target's tpassd (the image is
+  on a shared filesystem: the target checks its manifest and checksum).
+* Restore: ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
+  <job output> --open-mode=append <python> -m tpassd.checkpoint.rankwrap
+  --restore IMAGES``, from the batch host; done when the restore wrapper has
+  recorded the restored rank.
+* Drain / Shrink: torchpass.slurm client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from torchpass import auth, zmqio
+from torchpass.coordinator import decide as dc
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.state import JobState
+from torchpass.errors import RemoteError, TorchpassError
+
+log = structlog.get_logger("torchpass.coordinator.executor")
+
+TPASSD_CONTROL_PORT = 7718
+TPASSD_PUB_PORT = 7717
+
+
+def rank_state_dir(state_dir: str | os.PathLike, job_id: int) -> Path:
+    """Where rankwrap keeps the job's rank records (shared by every node of the job)."""
+    return Path(state_dir) / "jobs" / str(job_id) / "ranks"
+
+
+def hold_file(state_dir: str | os.PathLike, job_id: int, migration: str, rank: int) -> Path:
+    return Path(state_dir) / "jobs" / str(job_id) / "hold" / f"{migration}.rank{rank}"
+
+
+def resume_port(job_id: int, generation: int) -> int:
+    """The rendezvous port of a generation: away from the job's own MASTER_PORT (20000 + J % 20000)."""
+    return 40000 + (job_id * 131 + generation * 977) % 20000
+
+
+class TpassdClient:
+    """Authenticated requests to a node's tpassd control endpoint."""
+
+    def __init__(self, address_of: Callable[[str], str], *, port: int = TPASSD_CONTROL_PORT,
+                 munge_socket: str | None = None):
+        self.address_of = address_of
+        self.port = port
+        self.munge_socket = munge_socket
+
+    def request(self, node: str, type_: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        ep = f"tcp://{self.address_of(node)}:{self.port}"
+        return zmqio.request(ep, type_, body, timeout_s=timeout_s, retries=0,
+                             auth=auth.credential_for(type_, body, node, self.munge_socket))
+
+
+class Executor:
+    """Performs decide's actions; outcomes go to ``post`` (thread-safe)."""
+
+    def __init__(
+        self,
+        job: JobState,
+        *,
+        state_dir: str | os.PathLike,
+        post: Callable[[Any], None],
+        policy: CoordinatorPolicy,
+        tpassd: TpassdClient | None = None,
+        slurm: Any = None,
+        address_of: Callable[[str], str] = socket.gethostbyname,
+        wall: Callable[[], float] = time.time,
+        python: str = sys.executable,
+        srun: str = "srun",
+    ):
+        self.job = job
+        self.job_id = job.job_id
+        self.state_dir = Path(state_dir)
+        self.post = post
+        self.policy = policy
+        self.tpassd = tpassd
+        self.slurm = slurm
+        self.address_of = address_of
+        self.wall = wall
+        self.python = python
+        self.srun = srun
+        self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
+        self.hold_ranks: dict[str, tuple[int, ...]] = {}  # migration -> ranks told to hold
+        self.source_pids: dict[tuple[str, int], dict[str, Any]] = {}  # (migration, rank) -> dump result
+        self.restores: dict[tuple[str, int], subprocess.Popen] = {}
+        self._output: str | None = None
+
+    # --- rank commands -----------------------------------------------------------------------
+    def command_for(self, rank: int) -> dict[str, Any] | None:
+        return self.commands.get(rank)
+
+    def acknowledge(self, rank: int, kind: str, generation: int, at: int | None = None) -> None:
+        cmd = self.commands.get(rank)
+        if cmd is None or cmd["command"] != kind or cmd["generation"] != generation:
+            return
+        if kind == "pause" and cmd["at"] != at:
+            return
+        del self.commands[rank]
+
+    def _hold(self, migration: str, rank: int) -> Path:
+        return hold_file(self.state_dir, self.job_id, migration, rank)
+
+    def _release(self, migration: str) -> None:
+        for r in self.hold_ranks.get(migration, ()):
+            p = self._hold(migration, r)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.touch()
+
+    def _resume_cmd(self, ranks, generation: int, master: str) -> None:
+        addr = self.address_of(master) if master else "127.0.0.1"
+        cmd = {"command": "resume", "generation": generation, "master_addr": addr,
+               "master_port": resume_port(self.job_id, generation)}
+        for r in ranks:
+            self.commands[r] = dict(cmd)
+
+    # --- dispatch ----------------------------------------------------------------------------
+    def perform(self, action: Any, state: dc.CoordState) -> None:
+        name = type(action).__name__
+        try:
+            getattr(self, f"_do_{name}")(action, state)
+        except Exception as exc:  # noqa: BLE001 - an action that crashed is a failed action
+            log.exception("action failed", action=name)
+            self._fail(action, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, a: Any, why: str) -> None:
+        fails = {
+            dc.Snapshot: lambda: mc.SnapshotFailed(a.migration, a.rank, why),
+            dc.Transfer: lambda: mc.TransferFailed(a.migration, a.rank, a.target, why),
+            dc.Restore: lambda: mc.RestoreFailed(a.migration, a.rank, a.target, why),
+            dc.KillSource: lambda: mc.KillFailed(a.migration, a.node, why),
+            dc.Drain: lambda: mc.DrainFailed(a.migration, a.node, why),
+            dc.Shrink: lambda: mc.ShrinkFailed(a.migration, why),
+            dc.RequestSpare: lambda: mc.SpareUnavailable(a.migration, a.strategy, why),
+        }
+        f = fails.get(type(a))
+        if f is not None:
+            self.post(f())
+
+    def _thread(self, fn: Callable[[], None], name: str) -> None:
+        threading.Thread(target=fn, name=name, daemon=True).start()
+
+    # --- actions -------------------------------------------------------------------------------
+    def _do_Event(self, a: dc.Event, st: dc.CoordState) -> None:
+        self.job.record(self.wall(), a.kind, a.message, **a.data)
+        log.info("event", kind=a.kind, message=a.message)
+        self.save_events()
+
+    def save_events(self) -> None:
+        """STATE_DIR/jobs/J/events.json: the event log outlives the coordinator (tpassctl, tests)."""
+        d = self.state_dir / "jobs" / str(self.job_id)
+        try:
+            tmp = d / f".events.json.{os.getpid()}"
+            tmp.write_text(json.dumps([e.as_dict() for e in self.job.events]))
+            os.replace(tmp, d / "events.json")
+        except OSError as exc:
+            log.warning("cannot save the event log", error=str(exc))
+
+    def _do_RequestSpare(self, a: dc.RequestSpare, st: dc.CoordState) -> None:
+        self.post(mc.SpareUnavailable(a.migration, a.strategy,
+                                      f"strategy {a.strategy} is not implemented by this coordinator"))
+
+    def _do_PauseAt(self, a: dc.PauseAt, st: dc.CoordState) -> None:
+        self.hold_ranks[a.migration] = tuple(a.hold_ranks)
+        for r in st.ranks:
+            cmd = {"command": "pause", "at": a.at, "generation": a.generation}
+            if r in a.hold_ranks:
+                p = self._hold(a.migration, r)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+                cmd["hold_file"] = str(p)
+            self.commands[r] = cmd
+
+    def _do_Snapshot(self, a: dc.Snapshot, st: dc.CoordState) -> None:
+        gen = st.migration.generation if st.migration else st.generation + 1
+        body = {"job_id": self.job_id, "rank": a.rank, "generation": gen, "op": "dump",
+                "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}
+
+        def run() -> None:
+            try:
+                res = self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.dump_timeout_s)
+            except TorchpassError as exc:
+                self.post(mc.SnapshotFailed(a.migration, a.rank, str(exc)))
+                return
+            self.source_pids[(a.migration, a.rank)] = res
+            durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
+            durations["image_mb"] = round(res.get("bytes", 0) / 1e6, 1)
+            self.post(mc.SnapshotDone(a.migration, a.rank, res["images"], res["checksum"], durations))
+
+        self._thread(run, f"snapshot-{a.rank}")
+
+    def _do_Transfer(self, a: dc.Transfer, st: dc.CoordState) -> None:
+        body = {"job_id": self.job_id, "rank": a.rank, "op": "verify", "images": a.image, "checksum": a.checksum}
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                self.tpassd.request(a.target, "tpassd.restore", body, self.policy.transfer_timeout_s)
+            except RemoteError as exc:
+                self.post(mc.TransferFailed(a.migration, a.rank, a.target, str(exc)))
+                return
+            except TorchpassError as exc:  # the target's tpassd does not answer: the target is lost
+                self.post(mc.TransferFailed(a.migration, a.rank, a.target, str(exc), target_lost=True))
+                return
+            self.post(mc.TransferDone(a.migration, a.rank, a.target, a.image, a.checksum,
+                                      {"verify_s": round(time.monotonic() - t0, 4)}))
+
+        self._thread(run, f"transfer-{a.rank}")
+
+    def job_output(self) -> str:
+        """The job's stdout file (where the restored rank's lines go)."""
+        if self._output is None:
+            path = ""
+            try:
+                out = subprocess.run(["scontrol", "show", "job", str(self.job_id), "--json"], capture_output=True,
+                                     text=True, timeout=15)
+                jobs = json.loads(out.stdout or "{}").get("jobs", [])
+                path = jobs[0].get("standard_output", "") if jobs else ""
+            except (OSError, ValueError, subprocess.SubprocessError):
+                path = ""
+            self._output = path or str(self.state_dir / "jobs" / str(self.job_id) / "restored-ranks.out")
+        return self._output
+
+    def restore_argv(self, a: dc.Restore) -> list[str]:
+        return [self.srun, f"--jobid={self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
+                "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"torchpass-restore-{a.rank}",
+                self.python, "-m", "tpassd.checkpoint.rankwrap", "--restore", a.image,
+                "--state-dir", str(rank_state_dir(self.state_dir, self.job_id))]
+
+    def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
+        rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
+        argv = self.restore_argv(a)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
+               or k == "SLURM_CONF"}
+        errf = self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=open(errf, "ab"), start_new_session=True)
+        self.restores[(a.migration, a.rank)] = proc
+        log.info("restore step launched", rank=a.rank, target=a.target, argv=argv)
+
+        def run() -> None:
+            while True:
+                try:
+                    rec = json.loads(rec_path.read_text())
+                except (OSError, ValueError):
+                    rec = {}
+                if rec.get("restored_from") == a.image:
+                    self.post(mc.RestoreDone(a.migration, a.rank, a.target, {
+                        "step_s": round(time.monotonic() - t0, 4), "criu_restore_s": rec.get("restore_s", 0.0)}))
+                    return
+                rc = proc.poll()
+                if rc is not None:
+                    tail = " | ".join(errf.read_text(errors="replace").strip().splitlines()[-4:]) if errf.exists() else ""
+                    self.post(mc.RestoreFailed(a.migration, a.rank, a.target,
+                                               f"restore step exited {rc} before the rank was restored: {tail}"))
+                    return
+                time.sleep(0.01)
+
+        self._thread(run, f"restore-{a.rank}")
+
+    def _do_AbortRestore(self, a: dc.AbortRestore, st: dc.CoordState) -> None:
+        for r in a.ranks:
+            proc = self.restores.pop((a.migration, r), None)
+            res = self.source_pids.get((a.migration, r)) or {}
+
+            def run(proc=proc, r=r, images=res.get("images")) -> None:
+                if images:
+                    try:
+                        self.tpassd.request(a.target, "tpassd.restore",
+                                            {"job_id": self.job_id, "rank": r, "op": "abort", "images": images,
+                                             "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}, 10.0)
+                    except TorchpassError as exc:
+                        log.warning("abort of a restored rank failed", rank=r, target=a.target, error=str(exc))
+                if proc is not None and proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+
+            self._thread(run, f"abort-{r}")
+
+    def _do_KillSource(self, a: dc.KillSource, st: dc.CoordState) -> None:
+        def run() -> None:
+            for r in a.ranks:
+                res = self.source_pids.get((a.migration, r))
+                if res is None:
+                    self.post(mc.KillFailed(a.migration, a.node, f"no dump record of rank {r}"))
+                    return
+                body = {"job_id": self.job_id, "rank": r, "op": "kill", "pid": int(res["pid"]),
+                        "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}
+                try:
+                    self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.kill_timeout_s)
+                except TorchpassError as exc:
+                    self.post(mc.KillFailed(a.migration, a.node, str(exc)))
+                    return
+            self.post(mc.SourceKilled(a.migration, a.node))
+
+        self._thread(run, "kill-source")
+
+    def _do_Resume(self, a: dc.Resume, st: dc.CoordState) -> None:
+        # The source copies are dead: the hold files now wake only the restored ranks.
+        self._resume_cmd(st.ranks, a.generation, a.master)
+        self._release(a.migration)
+
+    def _do_ResumeInPlace(self, a: dc.ResumeInPlace, st: dc.CoordState) -> None:
+        self._resume_cmd(st.ranks, a.generation, a.master)
+        node = st.migration.node if st.migration is not None else None
+        held = self.hold_ranks.get(a.migration, ())
+        if node and held and self.tpassd is not None:
+            for r in held:  # the hand-off is off: a later death of the source copy is a real failure
+                try:
+                    self.tpassd.request(node, "tpassd.snapshot",
+                                        {"job_id": self.job_id, "rank": r, "op": "abort",
+                                         "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}, 5.0)
+                except TorchpassError as exc:
+                    log.warning("could not mark the hand-off aborted", rank=r, node=node, error=str(exc))
+        self._release(a.migration)
+
+    def _do_Drain(self, a: dc.Drain, st: dc.CoordState) -> None:
+        def run() -> None:
+            try:
+                self.slurm.drain(a.node, a.reason)
+            except TorchpassError as exc:
+                self.post(mc.DrainFailed(a.migration, a.node, str(exc)))
+                return
+            self.post(mc.Drained(a.migration, a.node))
+
+        self._thread(run, "drain")
+
+    def _do_Shrink(self, a: dc.Shrink, st: dc.CoordState) -> None:
+        # The source node's task wrapper (rankwrap --on-handoff wait) is what Slurm
+        # tracks for the moved rank: it exits with the moved rank's exit code.
+        # Releasing the node would kill it and fail the job step, so it stays.
+        self.post(mc.ShrinkFailed(a.migration, f"{', '.join(a.nodes)} kept in the job until it ends: its task "
+                                                "wrapper waits for the moved rank's exit code"))
+
+    def _do_HandToSlurm(self, a: dc.HandToSlurm, st: dc.CoordState) -> None:
+        log.warning("node handed to Slurm", node=a.node, reason=a.reason)
+
+    def close(self) -> None:
+        for proc in self.restores.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+
+class Driver:
+    """Owns the decision state; everything here runs in the serve thread."""
+
+    def __init__(self, job: JobState, policy: CoordinatorPolicy, executor: Executor | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, health: Any = None, spares: tuple[str, ...] = ()):
+        self.job = job
+        self.policy = policy
+        self.clock = clock
+        self.state = dc.CoordState(job_id=job.job_id)
+        self.reasons = mc.ReasonLog()
+        self.queue: queue.Queue = queue.Queue()
+        self.executor = executor
+        self.health = health
+        self._fed_health: dict[str, tuple] = {}
+        self._next_decide = 0.0
+        for s in spares:
+            self.state = mc.apply(self.state, mc.SpareAdded(s, "hot"), clock())
+
+    def post(self, outcome: Any) -> None:
+        """Thread-safe: queue an outcome for the serve thread."""
+        self.queue.put(outcome)
+
+    def feed(self, outcome: Any) -> None:
+        self.state = mc.apply(self.state, outcome, self.clock())
+        self.decide()
+
+    def decide(self) -> None:
+        d = dc.decide(self.clock(), self.state, self.policy)
+        self.state = d.state
+        if self.reasons.changed(d.reason):
+            log.info("decision", job_id=self.job.job_id, reason=d.reason)
+        for a in d.actions:
+            if self.executor is not None:
+                self.executor.perform(a, self.state)
+
+    def accept_operator(self, node: str, to: str | None) -> str:
+        self.state, mid = mc.accept_operator(self.state, node, to, self.clock())
+        return mid
+
+    def _poll_health(self) -> None:
+        if self.health is None:
+            return
+        now = time.monotonic()
+        for node, v in self.health.nodes().items():
+            age = v.get("last_heartbeat_age_s")
+            reachable = age is not None and age < 10.0
+            key = (v["state"], tuple(v["reasons"]), reachable)
+            if self._fed_health.get(node) != key:
+                self._fed_health[node] = key
+                self.state = mc.apply(self.state, mc.NodeHealthChanged(node, v["state"], tuple(v["reasons"]),
+                                                                       reachable), self.clock())
+        del now
+
+    def pump(self) -> None:
+        """Drain posted outcomes, follow health, decide on a tick."""
+        fed = False
+        while True:
+            try:
+                outcome = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            self.state = mc.apply(self.state, outcome, self.clock())
+            fed = True
+        now = self.clock()
+        if fed or now >= self._next_decide:
+            self._poll_health()
+            self._next_decide = now + 0.2
+            self.decide()
+
+    def events_data(self) -> dict[str, Any]:
+        m = self.state.migration
+        return {"migration": None if m is None else {"id": m.id, "node": m.node, "target": m.target,
+                                                     "phase": m.phase.value}}
+
+
+def checksum_of(images: str | os.PathLike) -> str:
+    """SHA-256 of a snapshot's manifest (which holds every image file's SHA-256)."""
+    return hashlib.sha256((Path(images) / "manifest.json").read_bytes()).hexdigest()
+
+
+__all__ = ["Driver", "Executor", "TpassdClient", "hold_file", "rank_state_dir", "resume_port", "checksum_of"]
