@@ -49,6 +49,26 @@ def fetch(job_id: int, info: dict[str, Any], since_seq: int, timeout_s: float) -
     return row
 
 
+def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
+    """The event log a finished job's coordinator left in STATE_DIR/jobs/J/events.json.
+
+    Trusted only if the file belongs to the owner of jobs/J (created by the
+    root plugin for the job's user), like registrations in discover_coordinators.
+    """
+    job_dir = state_dir / "jobs" / str(job_id)
+    path = job_dir / "events.json"
+    try:
+        if path.stat().st_uid != job_dir.stat().st_uid:
+            return None
+        events = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(events, list):
+        return None
+    return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(path),
+            "events": [e for e in events if isinstance(e, dict)]}
+
+
 def _when(t: Any) -> str:
     try:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
@@ -67,14 +87,30 @@ def _when(t: Any) -> str:
 def events(obj, job_id, as_json, since_seq, timeout_s):
     """Show the event log of JOB_ID's coordinator (or of every registered job).
 
-    One line per event: time, kind, message; migrations also show how long
+    A job whose coordinator has ended is read from the event log it saved
+    in the state directory. One line per event: time, kind, message; migrations also show how long
     each phase took (detect, spare, pause, dump, transfer, restore,
     kill_source, rebuild, drain, shrink; paused = time training stood still).
     """
     if job_id is not None:
-        rows = [fetch(job_id, registration(obj.state_dir, job_id), since_seq, timeout_s)]
-        if not rows[0]["reachable"]:
-            raise click.ClickException(f"job {job_id}: {rows[0]['error']}")
+        # A running job answers through its coordinator; a finished one (or one
+        # whose coordinator is gone) from the log its coordinator saved.
+        saved = saved_events(obj.state_dir, job_id)
+        regs = discover_coordinators(obj.state_dir)
+        if job_id in regs:
+            rows = [fetch(job_id, regs[job_id], since_seq, timeout_s)]
+            if not rows[0]["reachable"]:
+                if saved is None:
+                    raise click.ClickException(f"job {job_id}: {rows[0]['error']}")
+                rows = [saved]
+        elif saved is not None:
+            rows = [saved]
+        else:
+            registration(obj.state_dir, job_id)  # raises the one-line "no coordinator" error
+            rows = []
+        for row in rows:
+            if row.get("saved"):
+                row["events"] = [e for e in row["events"] if int(e.get("seq", 0) or 0) > since_seq]
     else:
         regs = discover_coordinators(obj.state_dir)
         rows = [fetch(j, regs[j], since_seq, timeout_s) for j in sorted(regs)]
@@ -87,6 +123,8 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
     for row in rows:
         if job_id is None:
             click.echo(f"job {row['job_id']}  coordinator {row['endpoint']}")
+        elif row.get("saved"):
+            click.echo(f"job {row['job_id']} (coordinator gone; saved log {row['saved']})")
         if row.get("error"):
             click.echo(f"  ERROR: {row['error']}")
             continue
