@@ -1,28 +1,92 @@
-"""`make demo`: a local cluster, a 3-node DDP job under sbatch --torchpass, its status live.
+"""`make demo`: a local cluster, a DDP job under sbatch --torchpass, a fault, a live migration.
 
-Brings up (or replaces) the devcluster "dev" on 10.77.0.0/24, submits
-examples/train.sbatch with --torchpass, prints `tpassctl status` while the
-job runs and the job's outcome at the end. The cluster stays up afterwards
-so you can keep using it; `tpassctl devcluster down` removes it.
+1. Brings up (or replaces) the devcluster "dev" on 10.77.0.0/24 (4 nodes).
+2. Runs examples/train.sbatch (an unmodified DDP script, 3 training nodes
+   plus node4 as a hot spare) once without a fault: the reference losses.
+3. Runs the same job again, shows `tpassctl status` while it trains, and at
+   a random step injects an ECC error storm on a random training node with
+   `tpassctl inject`. torchpass pauses every rank at the same collective,
+   moves that node's rank to the spare with CRIU and resumes.
+4. Prints the job's outcome (same job id, no restart), the migration
+   timeline from `tpassctl events`, and checks that every step's loss equals
+   the reference bit for bit.
+
+The cluster stays up afterwards (the faulty node is resumed, the drill
+cleared) so you can keep using it; `tpassctl devcluster down` removes it.
+Options: --no-fault (only the plain job), --seed N (replay a run).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import random
+import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
+TPASSCTL = str(BIN / "tpassctl")
+STEPS = 150
+TRAIN_ARGS = "--params 1M --sleep 0.05"
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
 
 def sh(argv, **kw):
     return subprocess.run(argv, check=True, text=True, **kw)
 
 
+def submit(work: Path, tag: str) -> tuple[int, Path]:
+    env = {**os.environ, "PYTHON": sys.executable, "TRAIN_PY": str(HERE / "train_ddp.py"),
+           "STEPS": str(STEPS), "TRAIN_ARGS": TRAIN_ARGS}
+    argv = ["sbatch", "--parsable", "-N4", "--torchpass=spares=1", "-o", str(work / f"{tag}-%j.out"),
+            "-D", str(work), str(HERE / "train.sbatch")]
+    print("$ " + " ".join(argv[:1] + argv[2:4]) + " examples/train.sbatch", flush=True)
+    job_id = int(sh(argv, capture_output=True, env=env).stdout.strip().split(";")[0])
+    return job_id, work / f"{tag}-{job_id}.out"
+
+
+def wait_end(slurm, job_id: int, timeout_s: float = 300, on_tick=None):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        job = slurm.job(job_id)
+        if job is None or job.state not in ACTIVE:
+            return job
+        if on_tick:
+            on_tick(job)
+        time.sleep(0.2)
+    raise SystemExit(f"demo: job {job_id} did not end within {timeout_s:.0f} s; see `squeue` and its output file")
+
+
+def step_lines(path: Path) -> list[str]:
+    text = path.read_text() if path.exists() else ""
+    return [ln for ln in text.splitlines() if re.fullmatch(r"step=\d+ loss=\S+", ln)]
+
+
+def per_step(lines: list[str]) -> dict[int, Counter]:
+    out: dict[int, Counter] = {}
+    for ln in lines:
+        out.setdefault(int(ln.split()[0].split("=")[1]), Counter())[ln] += 1
+    return out
+
+
+def last_step(path: Path) -> int:
+    lines = step_lines(path)
+    return int(lines[-1].split()[0].split("=")[1]) if lines else -1
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-fault", action="store_true", help="run the job once, without a fault drill")
+    ap.add_argument("--seed", type=int, default=None, help="seed choosing the faulty node and step")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else int(time.time())
+    rng = random.Random(seed)
+
     from torchpass.devcluster import Devcluster, DevclusterSpec
     from torchpass.slurm import client
 
@@ -31,41 +95,78 @@ def main() -> int:
     cluster = Devcluster.up(DevclusterSpec(name="dev"))
     os.environ.update(cluster.env())
     sh(["sinfo"])
-
+    slurm = client()
     work = Path("/tmp/torchpass-demo")
     work.mkdir(exist_ok=True)
     work.chmod(0o777)
-    out = work / "job-%j.out"
-    env = {**os.environ, "PYTHON": sys.executable, "TRAIN_PY": str(HERE / "train_ddp.py"), "STEPS": "40",
-           "TRAIN_ARGS": "--sleep 0.15"}
-    print("\n== sbatch --torchpass examples/train.sbatch (3 nodes, unmodified DDP script)", flush=True)
-    job_id = int(sh(["sbatch", "--parsable", "-o", str(out), "-D", str(work), str(HERE / "train.sbatch")],
-                    capture_output=True, env=env).stdout.strip().split(";")[0])
+
+    ref_lines: list[str] = []
+    if not args.no_fault:
+        print(f"\n== reference run without a fault ({STEPS} steps, 3 ranks, 1M parameters, Adam)", flush=True)
+        ref_id, ref_out = submit(work, "reference")
+        ref = wait_end(slurm, ref_id)
+        ref_lines = step_lines(ref_out)
+        print(f"job {ref_id}: {ref.state if ref else 'unknown'}, {len(ref_lines)} step lines", flush=True)
+        if ref is None or ref.state != "COMPLETED" or len(ref_lines) != 3 * STEPS:
+            print(f"demo: the reference job failed; see {ref_out}", file=sys.stderr)
+            return 1
+
+    # node1 is the batch host, where the job script and the coordinator run.
+    node = rng.choice(["node2", "node3"])
+    fault_step = rng.randrange(10, 40)
+    print("\n== the same job" + ("" if args.no_fault else
+          f"; at step {fault_step} an ECC error storm on {node} (seed {seed})"), flush=True)
+    job_id, out = submit(work, "faulted" if not args.no_fault else "job")
     print(f"submitted job {job_id}", flush=True)
 
-    slurm = client()
-    shown = 0
-    while True:
-        job = slurm.job(job_id)
-        if job is None or job.state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            break
-        if job.state == "RUNNING" and time.monotonic() - shown > 3:
+    injected = args.no_fault
+    shown = 0.0
+
+    def tick(job) -> None:
+        nonlocal injected, shown
+        if job.state != "RUNNING":
+            return
+        if not injected and last_step(out) >= fault_step:
+            print(f"\n$ tpassctl inject --node {node} --fault ecc-sbe-storm   (training is at step {last_step(out)})",
+                  flush=True)
+            subprocess.run([TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"], text=True)
+            injected = True
+            time.sleep(0.5)
+            print("$ tpassctl nodes", flush=True)
+            subprocess.run([TPASSCTL, "nodes"], text=True)
+            shown = 0.0
+        elif time.monotonic() - shown > 4:
             print(f"\n$ tpassctl status {job_id}", flush=True)
-            subprocess.run([str(BIN / "tpassctl"), "status", str(job_id)], text=True)
+            subprocess.run([TPASSCTL, "status", str(job_id)], text=True)
             shown = time.monotonic()
-        time.sleep(0.5)
-    job = slurm.job(job_id)
-    log = Path(str(out).replace("%j", str(job_id)))
-    lines = log.read_text().splitlines() if log.exists() else []
+
+    try:
+        job = wait_end(slurm, job_id, on_tick=tick)
+    finally:
+        if not args.no_fault:
+            subprocess.run([TPASSCTL, "inject", "--node", node, "--fault", "clear"], capture_output=True)
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+
+    lines = step_lines(out)
     print(f"\n== job {job_id}: {job.state if job else 'unknown'}, exit code {job.exit_code if job else '?'},"
-          f" restarts {job.restarts if job else '?'}", flush=True)
-    print("last lines of its output:")
-    for line in lines[-5:]:
-        print("  " + line)
-    print(f"\n(demo took {time.monotonic() - t0:.0f} s; the cluster is still up)")
+          f" restarts {job.restarts if job else '?'} (same job id throughout)", flush=True)
+    ok = job is not None and job.state == "COMPLETED"
+    if not args.no_fault:
+        print(f"\n$ tpassctl events {job_id}", flush=True)
+        subprocess.run([TPASSCTL, "events", str(job_id)], text=True)
+        same = per_step(lines) == per_step(ref_lines)
+        print(f"\n== losses: {len(lines)} step lines vs {len(ref_lines)} in the reference; "
+              + ("every step bit-identical (float.hex), no step lost or repeated" if same else
+                 "DIFFERENT from the reference"), flush=True)
+        ok = ok and same
+    else:
+        print("last lines of its output:")
+        for line in lines[-3:]:
+            print("  " + line)
+    print(f"\n(demo took {time.monotonic() - t0:.0f} s; output in {work}; the cluster is still up)")
     print('use it:     eval "$(.venv/bin/tpassctl devcluster env)"; sinfo; .venv/bin/tpassctl nodes')
     print("remove it:  .venv/bin/tpassctl devcluster down")
-    return 0 if job is not None and job.state == "COMPLETED" else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
