@@ -57,17 +57,22 @@ def _ask(node: str, endpoint: str, type_: str, body: dict[str, Any], munge_socke
                          auth=auth.credential_for(type_, body, node, munge_socket))
 
 
+_UNKNOWN_CHECKPOINT = {"state": "unknown", "detail": "tpassd unreachable"}
+
+
 def node_health(node: str, info: dict[str, Any], munge_socket: str | None, timeout_s: float) -> dict[str, Any]:
     row: dict[str, Any] = {"node": node, "endpoint": info["endpoint"], "slurm_state": info.get("slurm_state")}
     try:
         h = _ask(node, info["endpoint"], "tpassd.health", {}, munge_socket, timeout_s)
     except RemoteError as exc:
         return {**row, "state": "unknown", "reasons": [f"tpassd refused the request: {exc}"],
-                "last_heartbeat_age_s": None, "components": {}}
+                "last_heartbeat_age_s": None, "components": {}, "checkpoint": _UNKNOWN_CHECKPOINT}
     except TorchpassError as exc:
-        return {**row, "state": "unknown", "reasons": [str(exc)], "last_heartbeat_age_s": None, "components": {}}
+        return {**row, "state": "unknown", "reasons": [str(exc)], "last_heartbeat_age_s": None, "components": {},
+                "checkpoint": _UNKNOWN_CHECKPOINT}
     return {**row, "state": h.get("state", "unknown"), "reasons": list(h.get("reasons", [])),
             "last_heartbeat_age_s": h.get("heartbeat_age_s"), "incarnation": h.get("incarnation"),
+            "checkpoint": h.get("checkpoint") or {"state": "unknown", "detail": "tpassd did not say"},
             "components": {c: v.get("state") for c, v in h.get("components", {}).items()}}
 
 
@@ -94,7 +99,11 @@ def common(fn):
 @click.option("--node", "only", multiple=True, help="Only this node (repeatable).")
 @common
 def nodes(only, endpoints, control_port, munge_socket, timeout_s, as_json):
-    """Health of every node's tpassd: state, reasons, last heartbeat age."""
+    """Health of every node's tpassd: state, reasons, last heartbeat age.
+
+    MIGRATION says whether the node can dump and restore ranks (ready: a
+    usable CRIU >= 4.0; unavailable: why not, e.g. criu missing or too old).
+    """
     found = discover(endpoints, only, control_port)
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(found)))) as pool:
         rows = list(pool.map(lambda n: node_health(n, found[n], munge_socket, timeout_s), sorted(found)))
@@ -105,12 +114,14 @@ def nodes(only, endpoints, control_port, munge_socket, timeout_s, as_json):
         click.echo("no nodes")
         return
     w = max(len(r["node"]) for r in rows)
-    click.echo(f"{'NODE':<{w}}  {'STATE':<8}  {'HEARTBEAT':>9}  REASONS")
+    click.echo(f"{'NODE':<{w}}  {'STATE':<8}  {'HEARTBEAT':>9}  {'MIGRATION':<11}  REASONS")
     for r in rows:
         age = r["last_heartbeat_age_s"]
         age_s = "-" if age is None else f"{age:.1f}s"
-        reasons = "; ".join(r["reasons"]) or "-"
-        click.echo(f"{r['node']:<{w}}  {r['state']:<8}  {age_s:>9}  {reasons}")
+        reasons = r["reasons"] + ([f"migration unavailable: {r['checkpoint']['detail']}"]
+                                  if r["checkpoint"]["state"] == "unavailable" else [])
+        click.echo(f"{r['node']:<{w}}  {r['state']:<8}  {age_s:>9}  {r['checkpoint']['state']:<11}  "
+                   f"{'; '.join(reasons) or '-'}")
 
 
 @click.command("inject")

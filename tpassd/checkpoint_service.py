@@ -70,12 +70,15 @@ def manifest_checksum(images: str | os.PathLike) -> str:
 
 class CheckpointService:
     def __init__(self, snapshot_dir: str | os.PathLike, node: str, *, criu_binary: str | None = None,
-                 job_owner: Callable[[int], int | None] = _job_owner, proc: str = "/proc"):
+                 job_owner: Callable[[int], int | None] = _job_owner, proc: str = "/proc",
+                 restore_fault: Callable[[], bool] | None = None):
         self.snapshot_dir = Path(snapshot_dir)
         self.node = node
         self.criu_binary = criu_binary
         self.job_owner = job_owner
         self.proc = proc
+        # The restore-fail fault drill (tpassd/drills.py): True once when armed.
+        self.restore_fault = restore_fault or (lambda: False)
 
     # -- authorization ---------------------------------------------------------
     def authorize(self, ident: auth.Identity, job_id: int) -> None:
@@ -172,6 +175,28 @@ class CheckpointService:
         log.info("source copy killed", job_id=job_id, rank=rank, pid=pid)
         return {"node": self.node, "rank": rank, "pid": pid, "killed": True}
 
+    def _corrupt_for_drill(self, images: Path, manifest: dict[str, Any]) -> None:
+        """The restore-fail drill: flip one byte in the middle of the largest image file.
+
+        Done after the verify passed (it checks sizes and the manifest, not every
+        file's SHA-256), so the coordinator goes on to the restore, whose full
+        check refuses the image: the real failed-restore path, CRIU never starts.
+        """
+        files = {n: f.get("size", 0) for n, f in manifest.get("files", {}).items() if f.get("size", 0) > 0}
+        if not files:
+            log.warning("restore-fail drill: snapshot has no image data to corrupt", images=str(images))
+            return
+        name = max(files, key=lambda n: (files[n], n))
+        fd = os.open(images / name, os.O_RDWR)
+        try:
+            off = files[name] // 2
+            b = os.pread(fd, 1, off)
+            os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
+        log.warning("fault drill restore-fail: corrupted a verified snapshot; its restore will fail",
+                    images=str(images), file=name, offset=off)
+
     # -- tpassd.restore ----------------------------------------------------------
     def restore(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
         b = msg.body
@@ -190,6 +215,8 @@ class CheckpointService:
                 raise RemoteError("failed", f"snapshot {images} on {self.node}: {missing[0]} missing or incomplete")
             if manifest.get("meta", {}).get("job") != job_id:
                 raise RemoteError("forbidden", f"snapshot {images} is not one of job {job_id}")
+            if self.restore_fault():
+                self._corrupt_for_drill(images, manifest)
             return {"node": self.node, "rank": rank, "files": len(manifest.get("files", {}))}
         if op == "abort":
             record, _ = self._paths(b.get("rank_dir") or "/", job_id, rank)
@@ -203,11 +230,12 @@ class CheckpointService:
         raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort")
 
 
-def register(control, cfg, node: str) -> CheckpointService:
+def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None) -> CheckpointService:
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
     from tpassd.control import USER
 
-    svc = CheckpointService(cfg.snapshot_dir, node)
+    svc = CheckpointService(cfg.snapshot_dir, node, criu_binary=cfg.criu_binary or None,
+                            restore_fault=restore_fault)
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc

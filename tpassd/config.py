@@ -39,6 +39,7 @@ class TpassdConfig:
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
     state_dir: Path = Path("/var/lib/torchpass")
     snapshot_dir: Path = Path("/var/lib/torchpass/snapshots")
+    criu_binary: str = ""  # "" = criu on PATH, else /usr/sbin/criu; must be >= 4.0
     policy: Path | None = None  # health policy TOML; None = the documented defaults
     munge_socket: str = ""  # "" = $MUNGE_SOCKET or munge's default socket
     drills: bool = False  # accept fault drills (needs nvml_provider = fake or a non-/sys sysfs_root)

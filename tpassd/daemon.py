@@ -27,7 +27,8 @@ import structlog
 import zmq
 
 from torchpass import wire
-from torchpass.errors import RemoteError
+from torchpass.auth import AuthFailure
+from torchpass.errors import RemoteError, TorchpassError
 from torchpass.health import State
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
 from tpassd.collectors.host import HostCollector
@@ -35,7 +36,7 @@ from tpassd.collectors.ib_sysfs import IbSysfsCollector
 from tpassd.collectors.nvml import NvmlCollector
 from tpassd.config import TpassdConfig
 from tpassd.control import OWNER, USER, Authenticator, ControlServer
-from tpassd.drills import Drills
+from tpassd.drills import ROOT_KINDS, Drills
 from tpassd.nvml_provider import select_provider
 from tpassd.policy import Policy, load_policy
 from tpassd.publisher import Publisher
@@ -103,6 +104,23 @@ class _Worker:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=1)
+
+
+def probe_checkpoint(criu_binary: str | None = None) -> dict[str, str]:
+    """Can this node dump and restore ranks? Checked once at start.
+
+    A node without a usable CRIU still reports health (its main job), so this
+    is not a health component: a failed one would make the coordinator move
+    every rank off a perfectly good node. It is shown by `tpassctl nodes`.
+    """
+    from tpassd.checkpoint import criu as criu_mod
+
+    try:
+        c = criu_mod.find_criu(criu_binary)
+    except TorchpassError as exc:
+        log.error("live migration unavailable on this node", reason=str(exc))
+        return {"state": "unavailable", "detail": str(exc)}
+    return {"state": "ready", "detail": f"criu {c.version_text} at {c.path}"}
 
 
 def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
@@ -191,7 +209,9 @@ class Tpassd:
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         from tpassd.checkpoint_service import register as register_checkpoint
 
-        self.checkpoint = register_checkpoint(self.control, cfg, self.node)
+        self.checkpoint = register_checkpoint(self.control, cfg, self.node,
+                                              restore_fault=self.drills.take_restore_fault)
+        self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
         if cfg.metrics_port >= 0:
             from tpassd.metrics import MetricsServer, render
 
@@ -340,7 +360,7 @@ class Tpassd:
 
     # -- control handlers ------------------------------------------------------
     def _h_health(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
-        return self.publisher.snapshot()
+        return {**self.publisher.snapshot(), "checkpoint": self.checkpoint_capability}
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = {"control": dict(self.control.counters) if self.control else {}}
@@ -358,6 +378,7 @@ class Tpassd:
             "collectors": s.get("collectors", {}),
             "gpu_provider": self.provider_note,
             "drills": self.cfg.drills,
+            "checkpoint": self.checkpoint_capability,
             "counters": self.counters(),
             "ports": self.ports(),
         })
@@ -365,6 +386,10 @@ class Tpassd:
 
     def _h_drill(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
         b = msg.body
+        if b["kind"] in ROOT_KINDS and ident.uid != 0:
+            # A job owner may drill health readings, not damage a (maybe another user's) snapshot.
+            log.warning("forbidden request refused", type=msg.type, kind=b["kind"], uid=ident.uid, gid=ident.gid)
+            raise AuthFailure("forbidden", f"drill {b['kind']} needs root; uid {ident.uid} is not")
         res = self.drills.apply(b["kind"], b.get("gpu"), b.get("port"), b.get("count"))
         if b["kind"] == "clear":
             with self._tick_lock:

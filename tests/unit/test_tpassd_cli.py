@@ -49,3 +49,34 @@ def test_nodes_and_inject(tmp_path, munge):
         assert r.invoke(nodes, ["--endpoint", "garbage"]).exit_code == 2
     finally:
         d.stop()
+
+
+def test_missing_criu_is_shown_as_migration_unavailable_not_as_ill_health(tmp_path, munge):
+    from dataclasses import replace
+
+    cfg = fake_node_config(tmp_path, "node3", munge.socket, interval_s=0.2, collector_timeout_s=0.1, metrics_port=-1)
+    d = Tpassd(replace(cfg, criu_binary=str(tmp_path / "no-such-criu"))).start()
+    try:
+        args = ["--endpoint", f"node3=tcp://127.0.0.1:{d.ports()['control_port']}", "--munge-socket", munge.socket]
+        time.sleep(0.4)
+        r = CliRunner()
+        row = json.loads(r.invoke(nodes, args + ["--json"]).output)["nodes"][0]
+        assert row["state"] == "healthy", row
+        assert row["checkpoint"]["state"] == "unavailable"
+        assert row["checkpoint"]["detail"].startswith(f"criu not found at {tmp_path / 'no-such-criu'}: live migration")
+        text = r.invoke(nodes, args).output
+        assert "unavailable" in text and "migration unavailable: criu not found" in text
+    finally:
+        d.stop()
+
+
+def test_installed_criu_is_ready(tmp_path, munge):
+    d = Tpassd(fake_node_config(tmp_path, "node4", munge.socket, interval_s=0.2, collector_timeout_s=0.1,
+                                metrics_port=-1)).start()
+    try:
+        args = ["--endpoint", f"node4=tcp://127.0.0.1:{d.ports()['control_port']}", "--munge-socket", munge.socket]
+        time.sleep(0.4)  # the in-process daemon's first-tick log lines would land in the captured output
+        row = json.loads(CliRunner().invoke(nodes, args + ["--json"]).output)["nodes"][0]
+        assert row["checkpoint"]["state"] == "ready" and row["checkpoint"]["detail"].startswith("criu 4."), row
+    finally:
+        d.stop()
