@@ -3,12 +3,22 @@ show a fault, so the whole path (collector -> rules -> event -> subscriber)
 runs exactly as for a real one. Never touches real hardware: a drill needs
 the fake provider (GPU kinds) or a sysfs root other than /sys (IB kinds).
 
+One drill exercises the checkpoint path instead: ``restore-fail`` arms this
+node's tpassd so that the next snapshot it verifies for a restore here
+(``tpassd.restore op=verify``, the coordinator's transfer check) has one
+byte of its largest image file flipped *after* the check passed, as bit rot
+on the target's copy would. The restore step's own SHA-256 check then
+refuses the image (CRIU never starts), so the coordinator sees a real failed
+restore and rolls back. It is one-shot, root-only (it damages a job's
+image), and ``clear`` disarms it.
+
 Also builds fixture sysfs trees for tests and the devcluster.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +30,10 @@ from tpassd.policy import Policy
 
 GPU_KINDS = ("xid79", "xid48", "ecc-sbe-storm", "row-remap-pending", "nvlink-crc", "nvml-error")
 IB_KINDS = ("ib-link-down", "ib-link-flap")
-KINDS = GPU_KINDS + IB_KINDS + ("clear",)
+CHECKPOINT_KINDS = ("restore-fail",)
+KINDS = GPU_KINDS + IB_KINDS + CHECKPOINT_KINDS + ("clear",)
+# Kinds only root may run: they damage a job's data, not just a health reading.
+ROOT_KINDS = CHECKPOINT_KINDS
 
 ACTIVE = ("4: ACTIVE", "5: LinkUp")
 DOWN = ("1: DOWN", "3: Disabled")
@@ -67,6 +80,15 @@ class Drills:
         self.root = Path(sysfs_root)
         self.policy = policy
         self.enabled = enabled
+        # restore-fail: armed until the checkpoint service takes it (one-shot).
+        self._restore_fault = threading.Lock()
+        self.restore_fail_armed = False
+
+    def take_restore_fault(self) -> bool:
+        """True once after ``restore-fail`` was armed (the checkpoint service asks at each verify)."""
+        with self._restore_fault:
+            armed, self.restore_fail_armed = self.restore_fail_armed, False
+            return armed
 
     def _fake(self) -> FakeNvmlProvider:
         if not isinstance(self.provider, FakeNvmlProvider):
@@ -110,6 +132,11 @@ class Drills:
         if kind not in KINDS:
             _fail("not_found", f"unknown drill {kind!r}; kinds: {', '.join(KINDS)}")
         g = 0 if gpu is None else gpu
+        if kind == "restore-fail":
+            with self._restore_fault:
+                self.restore_fail_armed = True
+            return DrillResult("armed: the next snapshot verified here for a restore gets a corrupted image "
+                               "(the restore step refuses it)", [])
         if kind in GPU_KINDS:
             fake = self._fake()
             if not 0 <= g < fake.device_count():
@@ -148,6 +175,9 @@ class Drills:
             return DrillResult(f"{comp}: link went down and up {n} times", [comp])
         # clear: everything back to pristine
         touched = []
+        with self._restore_fault:
+            disarmed = self.restore_fail_armed
+            self.restore_fail_armed = False
         if isinstance(self.provider, FakeNvmlProvider):
             gpus = range(self.provider.device_count()) if gpu is None else [g]
             for i in gpus:
@@ -163,4 +193,5 @@ class Drills:
                 for c in COUNTERS:
                     _write(pdir / "counters" / c, "0\n")
                 touched.append(component_name(dev, p))
-        return DrillResult(f"cleared {len(touched)} component(s)", touched)
+        return DrillResult(f"cleared {len(touched)} component(s)" + ("; restore-fail disarmed" if disarmed else ""),
+                           touched)

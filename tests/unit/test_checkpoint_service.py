@@ -57,3 +57,41 @@ def test_verify_checks_the_manifest_checksum(tmp_path):
                                           "checksum": "0" * 64})
     with pytest.raises(RemoteError, match="does not match its checksum"):
         svc.restore(bad, auth.Identity(uid=0, gid=0))
+
+
+def test_restore_fail_drill_corrupts_a_verified_snapshot_once(tmp_path):
+    """The restore-fail drill: verify still passes, the restore's own SHA-256 check then refuses."""
+    from torchpass.errors import CheckpointError
+    from tpassd.checkpoint import criu
+
+    d = tmp_path / "img"
+    d.mkdir()
+    (d / "core-1.img").write_bytes(b"c" * 10)
+    (d / "pages-1.img").write_bytes(bytes(range(256)) * 4)
+    criu.write_manifest(d, {"job": 5, "rank": 1})
+    armed = [True]
+
+    def take() -> bool:
+        was, armed[0] = armed[0], False
+        return was
+
+    svc = CheckpointService(tmp_path, "n4", job_owner=lambda j: 0, restore_fault=take)
+    msg = wire.Message("tpassd.restore", {"job_id": 5, "rank": 1, "op": "verify", "images": str(d),
+                                          "checksum": criu_checksum(d)})
+    assert svc.restore(msg, auth.Identity(uid=0, gid=0))["files"] == 2
+    with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check"):
+        criu.verify_manifest(d)
+    # One-shot: a second snapshot verified here is left alone.
+    d2 = tmp_path / "img2"
+    d2.mkdir()
+    (d2 / "pages-1.img").write_bytes(b"p" * 64)
+    criu.write_manifest(d2, {"job": 5, "rank": 1})
+    msg2 = wire.Message("tpassd.restore", {"job_id": 5, "rank": 1, "op": "verify", "images": str(d2)})
+    svc.restore(msg2, auth.Identity(uid=0, gid=0))
+    criu.verify_manifest(d2)
+
+
+def criu_checksum(d):
+    from tpassd.checkpoint_service import manifest_checksum
+
+    return manifest_checksum(d)

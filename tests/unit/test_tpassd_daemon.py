@@ -112,6 +112,27 @@ def test_drills_need_root_or_a_job_owner(node, munge):
     assert zmqio.request(node.ctl, "tpassd.drill", body, auth=as_nobody("tpassd.drill", body))["kind"] == "xid48"
 
 
+def test_restore_fail_drill_is_root_only_one_shot_and_cleared(node, munge):
+    body = {"kind": "restore-fail"}
+
+    def as_nobody(type_, b):
+        return credential_as(65534, 65534, auth.request_digest(type_, b, "node1"), munge.socket)
+
+    node.job_owners.add(65534)  # a job owner may drill health, not corrupt a snapshot
+    with pytest.raises(RemoteError) as ei:
+        zmqio.request(node.ctl, "tpassd.drill", body, auth=as_nobody("tpassd.drill", body), retries=0)
+    assert ei.value.code == "forbidden" and "needs root" in ei.value.remote_message
+    assert not node.drills.restore_fail_armed
+    res = call(node.ctl, "node1", "tpassd.drill", body, munge.socket)
+    assert res["kind"] == "restore-fail" and "armed" in res["applied"]
+    assert node.checkpoint.restore_fault() is True   # the checkpoint service takes it ...
+    assert node.checkpoint.restore_fault() is False  # ... once
+    call(node.ctl, "node1", "tpassd.drill", body, munge.socket)
+    cleared = call(node.ctl, "node1", "tpassd.drill", {"kind": "clear"}, munge.socket)
+    assert "restore-fail disarmed" in cleared["applied"]
+    assert node.checkpoint.restore_fault() is False
+
+
 def test_drill_errors(node, munge):
     for body, code in (({"kind": "meteor"}, "not_found"), ({"kind": "xid79", "gpu": 99}, "not_found"),
                        ({"kind": "ib-link-down", "port": "mlx9_9/1"}, "not_found")):
