@@ -145,6 +145,21 @@ class HealthSubscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_snapshot_try: dict[str, float] = {}
+        self._to_connect: list[str] = []  # endpoints added by follow(), connected by the loop's thread
+
+    def follow(self, node: str, pub: str, ctl: str) -> None:
+        """Also follow ``node`` from now on (a spare obtained while the job runs).
+
+        Thread-safe: the view appears at once (state unknown until the first
+        snapshot or publication); the socket is connected by the thread that
+        polls it, as ZeroMQ sockets must not be shared between threads.
+        """
+        with self._lock:
+            if node in self._views:
+                return
+            self._views[node] = NodeView(node=node, endpoint=pub, need_snapshot=self._snapshot is not None)
+            self._control[node] = ctl
+            self._to_connect.append(pub)
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> HealthSubscriber:
@@ -189,6 +204,10 @@ class HealthSubscriber:
 
     # -- the loop body -----------------------------------------------------
     def poll_once(self, timeout_ms: int = 100) -> None:
+        with self._lock:
+            connect, self._to_connect = self._to_connect, []
+        for pub in connect:
+            self._sock.connect(pub)
         deadline = self._clock() + timeout_ms / 1000.0
         while True:
             left = max(0, int((deadline - self._clock()) * 1000))

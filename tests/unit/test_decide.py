@@ -301,6 +301,83 @@ def test_spare_granted_by_slurmctld_is_used_and_the_strategy_logged():
     assert [e.data["strategy"] for e in sim.events("spare.requested")] == ["expand"]
 
 
+def test_second_fault_moves_the_hot_spare_rank_on_to_a_slurmctld_spare():
+    """Two faults one after the other: node2 -> node4 (hot), then node4 -> node9 (expand, from slurmctld)."""
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    sim.finish()
+    assert sim.m is None and sim.state.spare("node4").status == "used"
+    assert sim.state.rank_nodes()["node4"] == (2, 3)
+    # The former hot spare now runs ranks 2 and 3 and degrades in its turn.
+    d = sim.degrade("node4")
+    assert sim.of(d, RequestSpare) == [RequestSpare("m2", "expand", "node4")]
+    assert sim.of(d, PauseAt) == []  # nothing paused while slurmctld is asked
+    d = sim.tick(0.4, mc.SpareGranted("m2", "node9", "expand", allocation=31))
+    assert d.actions == ()  # its tpassd has not reported yet
+    d = sim.tick(0.3, mc.NodeHealthChanged("node9", State.HEALTHY))
+    (pause,) = sim.of(d, PauseAt)
+    assert pause.hold_ranks == (2, 3) and pause.generation == 2
+    (chosen,) = [e for e in sim.events("spare.chosen") if e.data["migration"] == "m2"]
+    assert chosen.data == {"migration": "m2", "node": "node4", "target": "node9", "how": "expand",
+                           "allocation": 31}
+    assert "allocation 31 merged into job 7" in chosen.message
+    sim.quiesce_all()
+    assert sim.of(sim.decisions[-1], Snapshot) == [Snapshot("m2", 2, "node4"), Snapshot("m2", 3, "node4")]
+    sim.dump_all()
+    sim.transfer_all()
+    d = sim.restore_all()
+    assert sim.of(d, KillSource) == [KillSource("m2", "node4", (2, 3))]
+    sim.kill_source()
+    sim.resume_all()
+    d = sim.tick(0.5, mc.Drained("m2", "node4"))
+    assert sim.of(d, Shrink) == [Shrink("m2", ("node4",))]
+    d = sim.tick(0.5, mc.Shrunk("m2", ("node4",)))
+    (done,) = [e for e in sim.events("migration.completed") if e.data["migration"] == "m2"]
+    assert done.data["target"] == "node9" and sim.state.rank_nodes()["node9"] == (2, 3)
+    assert sim.state.released >= {"node2", "node4"} and sim.state.spare("node9").status == "used"
+    assert done.message.endswith("node4 drained and released")
+    assert [e.data["strategy"] for e in sim.events("spare.requested")] == ["expand"]
+
+
+def test_failed_shrink_says_the_node_stays_in_the_job():
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    sim.tick(0.5, mc.Drained("m1", "node2"))
+    sim.tick(0.5, mc.ShrinkFailed("m1", "step 7.0 still has a task on node2"))
+    (done,) = sim.events("migration.completed")
+    assert "node2 drained and kept in the job (shrink failed: step 7.0 still has a task on node2)" in done.message
+    assert sim.m is None and "node2" in sim.state.released  # no rank left there: never a candidate again
+
+
+def test_companion_spare_event_names_its_allocation():
+    sim = Sim(spares=(), policy=replace(P, spare_strategies=("hot", "companion")))
+    d = sim.degrade("node2")
+    assert sim.of(d, RequestSpare) == [RequestSpare("m1", "companion", "node2")]
+    sim.tick(1, mc.SpareGranted("m1", "node9", "companion", allocation=55), mc.NodeHealthChanged("node9", State.HEALTHY))
+    assert sim.state.spare("node9").allocation == 55 and sim.m.target_how == "companion"
+    (chosen,) = sim.events("spare.chosen")
+    assert chosen.data["allocation"] == 55 and "companion allocation 55" in chosen.message
+
+
+def test_hot_spare_event_carries_no_allocation():
+    sim = Sim()
+    sim.degrade("node2")
+    (chosen,) = sim.events("spare.chosen")
+    assert "allocation" not in chosen.data and chosen.message.endswith("(hot spare)")
+
+
 def test_spare_request_without_answer_times_out_to_the_next_strategy():
     sim = Sim(spares=())
     sim.degrade("node2")

@@ -125,6 +125,9 @@ def test_spare_granted_and_unavailable():
     # A grant that arrives after its migration ended still adds the node as a spare.
     st4 = mc.apply(replace(st, migration=None), mc.SpareGranted("m1", "node7", "expand"), 1.0)
     assert st4.spare("node7") is not None
+    assert st3.spare("node7").allocation is None
+    st6 = mc.apply(st, mc.SpareGranted("m1", "node7", "companion", allocation=12), 1.0)
+    assert st6.spare("node7").allocation == 12 and st6.spare("node7").how == "companion"
     st5 = mc.apply(st3, mc.SpareLost("node7", "gone"), 2.0)
     assert st5.spare("node7").status == "lost"
 

@@ -87,6 +87,9 @@ class SpareView:
     node: str
     how: str  # "hot" | "expand" | "companion"
     status: str = "free"  # "free" | "reserved" (target of the migration) | "used" | "lost"
+    # The slurmctld allocation it came from: the donor job merged into this one
+    # ("expand"), or the companion job that holds it and runs its restore step.
+    allocation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -664,8 +667,11 @@ def _advance_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: 
         chosen = _pick_spare(st, m, policy)
     if chosen is not None:
         st = _set_spare(st, chosen.node, "reserved")
-        out.event("spare.chosen", f"{m.id}: moving {m.node} to {chosen.node} ({chosen.how} spare)",
-                  migration=m.id, node=m.node, target=chosen.node, how=chosen.how)
+        origin = {"expand": f", allocation {chosen.allocation} merged into job {st.job_id}",
+                  "companion": f", companion allocation {chosen.allocation}"}.get(chosen.how, "")
+        out.event("spare.chosen", f"{m.id}: moving {m.node} to {chosen.node} ({chosen.how} spare{origin})",
+                  migration=m.id, node=m.node, target=chosen.node, how=chosen.how,
+                  **({"allocation": chosen.allocation} if chosen.allocation is not None else {}))
         m = replace(m, target=chosen.node, target_how=chosen.how, spare_requested=None)
         return _start_pause(out, st, m, now, policy)
     if m.spare_requested is not None:
@@ -874,9 +880,11 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
             st = replace(st, released=st.released | {m.node},
                          unprotected=st.unprotected - {m.node})
             notes = f" ({'; '.join(m.notes)})" if m.notes else ""
+            # Say what happened to the node: a shrink that failed leaves it in the job.
+            kept = any(n.startswith(("shrink failed", "shrink not confirmed")) for n in m.notes)
             return _finish(out, st, m, now, "completed", policy,
                            f"{m.id}: moved ranks {list(m.ranks)} from {m.node} to {m.target}; {m.node} drained and "
-                           f"released{notes}", "migration.completed")
+                           f"{'kept in the job' if kept else 'released'}{notes}", "migration.completed")
         return st
     raise AssertionError(f"unhandled phase {ph}")  # pragma: no cover
 

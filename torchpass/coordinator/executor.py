@@ -24,7 +24,18 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   <job output> --open-mode=append <python> -m tpassd.checkpoint.rankwrap
   --restore IMAGES``, from the batch host; done when the restore wrapper has
   recorded the restored rank.
-* Drain / Shrink: torchpass.slurm client.
+* RequestSpare: one node from slurmctld (``salloc --no-shell --exclusive``
+  on the job's partition/account/QOS, the job's nodes excluded). "expand":
+  allocated with ``--dependency=expand:J`` and merged into the job
+  (``scontrol update JobId=DONOR NumNodes=0``); "companion": kept as a
+  one-node job of its own, named ``torchpass-spare-J``, whose only step is
+  the restore; cancelled when the coordinator exits. The new node's tpassd is
+  followed from then on.
+* Drain: torchpass.slurm client. Shrink: ``scontrol update JobId=J
+  NodeList=<the rest>`` only when no step of the job still runs on the node
+  (the source's task wrapper waits for the moved rank's exit code: releasing
+  its node would kill it and fail the step); a companion node is released by
+  cancelling its allocation.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
-from torchpass.errors import RemoteError, TorchpassError
+from torchpass.errors import RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -103,6 +114,7 @@ class Executor:
         wall: Callable[[], float] = time.time,
         python: str = sys.executable,
         srun: str = "srun",
+        follow: Callable[[str], None] | None = None,
     ):
         self.job = job
         self.job_id = job.job_id
@@ -120,6 +132,9 @@ class Executor:
         self.source_pids: dict[tuple[str, int], dict[str, Any]] = {}  # (migration, rank) -> dump result
         self.restores: dict[tuple[str, int], subprocess.Popen] = {}
         self._output: str | None = None
+        self.follow = follow  # (node) -> None: follow a new spare's tpassd
+        self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
+        self._lock = threading.Lock()
 
     # --- rank commands -----------------------------------------------------------------------
     def command_for(self, rank: int) -> dict[str, Any] | None:
@@ -191,9 +206,69 @@ class Executor:
         except OSError as exc:
             log.warning("cannot save the event log", error=str(exc))
 
+    def spare_request(self, a: dc.RequestSpare, st: dc.CoordState) -> Any:
+        """The salloc request for a spare: same partition/account/QOS as the job, none of its nodes."""
+        from torchpass.slurm import SpareRequest
+
+        info = self.slurm.job(self.job_id)
+        if info is None or not info.active:
+            raise SlurmError(f"job {self.job_id} is {'gone' if info is None else info.state}")
+        with self._lock:
+            companions = set(self.companions.values())
+        exclude = sorted(set(info.nodes) | {s.node for s in st.spares} | companions)
+        limit = None
+        if info.end_time is not None:
+            limit = max(1, int((info.end_time - self.wall()) // 60) + 1)  # never outlive the job
+        return SpareRequest(
+            job_id=self.job_id, name=f"torchpass-spare-{self.job_id}",
+            comment=f"torchpass: {a.strategy} spare for job {self.job_id} ({a.migration}, replacing {a.for_node})",
+            exclude=tuple(exclude), partition=info.partition, account=info.account, qos=info.qos,
+            time_limit_min=limit, immediate_s=max(1, int(min(self.policy.spare_timeout_s, 60.0))),
+            expand=a.strategy == "expand",
+        )
+
     def _do_RequestSpare(self, a: dc.RequestSpare, st: dc.CoordState) -> None:
-        self.post(mc.SpareUnavailable(a.migration, a.strategy,
-                                      f"strategy {a.strategy} is not implemented by this coordinator"))
+        if a.strategy not in ("expand", "companion"):
+            self.post(mc.SpareUnavailable(a.migration, a.strategy, f"unknown spare strategy {a.strategy!r}"))
+            return
+        if self.slurm is None:
+            self.post(mc.SpareUnavailable(a.migration, a.strategy, "no Slurm client"))
+            return
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                req = self.spare_request(a, st)
+                alloc, node = self.slurm.allocate(req)
+                if a.strategy == "expand":
+                    try:
+                        self.slurm.merge_into(alloc, self.job_id)
+                    except TorchpassError:
+                        self._cancel(alloc)
+                        raise
+                else:
+                    with self._lock:
+                        self.companions[alloc] = node
+            except TorchpassError as exc:
+                log.warning("no spare from slurmctld", strategy=a.strategy, migration=a.migration, error=str(exc))
+                self.post(mc.SpareUnavailable(a.migration, a.strategy, str(exc)))
+                return
+            log.info("spare obtained from slurmctld", strategy=a.strategy, node=node, allocation=alloc,
+                     job_id=self.job_id, seconds=round(time.monotonic() - t0, 3))
+            if self.follow is not None:
+                try:
+                    self.follow(node)
+                except (OSError, TorchpassError) as exc:
+                    log.warning("cannot follow the new spare's health", node=node, error=str(exc))
+            self.post(mc.SpareGranted(a.migration, node, a.strategy, allocation=alloc))
+
+        self._thread(run, f"spare-{a.strategy}")
+
+    def _cancel(self, alloc: int) -> None:
+        try:
+            self.slurm.cancel(alloc)
+        except TorchpassError as exc:
+            log.warning("could not cancel a spare allocation", allocation=alloc, error=str(exc))
 
     def _do_PauseAt(self, a: dc.PauseAt, st: dc.CoordState) -> None:
         self.hold_ranks[a.migration] = tuple(a.hold_ranks)
@@ -259,15 +334,17 @@ class Executor:
             self._output = path or str(self.state_dir / "jobs" / str(self.job_id) / "restored-ranks.out")
         return self._output
 
-    def restore_argv(self, a: dc.Restore) -> list[str]:
-        return [self.srun, f"--jobid={self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
+    def restore_argv(self, a: dc.Restore, jobid: int | None = None) -> list[str]:
+        """The restore step: in the job itself, or in the companion allocation that holds the target."""
+        return [self.srun, f"--jobid={jobid or self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
                 "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"torchpass-restore-{a.rank}",
                 self.python, "-m", "tpassd.checkpoint.rankwrap", "--restore", a.image,
                 "--state-dir", str(rank_state_dir(self.state_dir, self.job_id))]
 
     def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
         rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
-        argv = self.restore_argv(a)
+        sp = st.spare(a.target)
+        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == "companion" else None)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
         errf = self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
@@ -366,12 +443,61 @@ class Executor:
 
         self._thread(run, "drain")
 
+    def shrink_blocker(self, node: str) -> str | None:
+        """Why ``node`` cannot leave the job now (None: it can)."""
+        info = self.slurm.job(self.job_id)
+        if info is None or not info.active:
+            return f"job {self.job_id} is {'gone' if info is None else info.state}"
+        if node not in info.nodes:
+            return None
+        if node == info.batch_host:
+            return f"{node} is the batch host (the batch script and the coordinator run there)"
+        if set(info.nodes) <= {node}:
+            return f"{node} is the job's last node"
+        for step in self.slurm.steps(self.job_id):
+            if step.user_step and node in step.nodes:
+                # A launch wrapper (rankwrap) of the moved rank is what Slurm tracks
+                # for it: it waits for the moved rank's exit code, and Slurm kills a
+                # step's tasks on a node removed from the job (srun then exits 137).
+                return (f"step {step.step_id} ({step.name}) still has a task on {node} (the moved rank's task "
+                        "wrapper, which waits for its exit code); releasing the node would kill it and fail "
+                        "the step, so it stays in the job until the step ends")
+        return None
+
     def _do_Shrink(self, a: dc.Shrink, st: dc.CoordState) -> None:
-        # The source node's task wrapper (rankwrap --on-handoff wait) is what Slurm
-        # tracks for the moved rank: it exits with the moved rank's exit code.
-        # Releasing the node would kill it and fail the job step, so it stays.
-        self.post(mc.ShrinkFailed(a.migration, f"{', '.join(a.nodes)} kept in the job until it ends: its task "
-                                                "wrapper waits for the moved rank's exit code"))
+        spares = {n: st.spare(n) for n in a.nodes}
+
+        def run() -> None:
+            released: list[str] = []
+            why: list[str] = []
+            try:
+                for node in a.nodes:
+                    sp = spares[node]
+                    if sp is not None and sp.how == "companion" and sp.allocation is not None:
+                        # A companion's only step was the restore, which ended when the rank moved on.
+                        self._cancel(sp.allocation)
+                        with self._lock:
+                            self.companions.pop(sp.allocation, None)
+                        released.append(node)
+                        continue
+                    blocker = self.shrink_blocker(node)
+                    if blocker is not None:
+                        why.append(blocker)
+                        continue
+                    info = self.slurm.job(self.job_id)
+                    if info is not None and node in info.nodes:
+                        self.slurm.shrink(self.job_id, [n for n in info.nodes if n != node])
+                    released.append(node)
+            except TorchpassError as exc:
+                why.append(str(exc))
+            if why:
+                log.info("node kept in the job", nodes=list(a.nodes), why="; ".join(why))
+                self.post(mc.ShrinkFailed(a.migration, "; ".join(why)))
+            else:
+                log.info("node released from the job", nodes=released, job_id=self.job_id)
+                self.post(mc.Shrunk(a.migration, tuple(released)))
+
+        self._thread(run, "shrink")
 
     def _do_HandToSlurm(self, a: dc.HandToSlurm, st: dc.CoordState) -> None:
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
@@ -383,6 +509,12 @@ class Executor:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        # Companion allocations live only as long as the coordinator (the job).
+        with self._lock:
+            companions, self.companions = dict(self.companions), {}
+        for alloc, node in companions.items():
+            log.info("cancelling companion spare allocation", allocation=alloc, node=node)
+            self._cancel(alloc)
 
 
 class Driver:

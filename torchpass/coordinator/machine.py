@@ -106,6 +106,7 @@ class SpareGranted:
     migration: str
     node: str
     how: str  # "expand" | "companion"
+    allocation: int | None = None  # the slurmctld job id it came from (donor or companion)
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     if isinstance(ev, SpareGranted):
         spares = st.spares
         if st.spare(ev.node) is None:
-            spares = spares + (SpareView(ev.node, ev.how),)
+            spares = spares + (SpareView(ev.node, ev.how, allocation=ev.allocation),)
         st = replace(st, spares=spares)
         if m is not None and m.id == ev.migration and m.phase == Phase.SPARE:
             st = replace(st, migration=replace(m, spare_requested=None))

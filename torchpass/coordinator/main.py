@@ -87,8 +87,12 @@ def _make_driver(job, state_dir, spares, policy_name, log):
     except (OSError, TorchpassError) as exc:
         log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
     driver = Driver(job, pol, health=health, spares=hot)
+    def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too
+        if health is not None:
+            health.follow(node, f"tcp://{address_of(node)}:{TPASSD_PUB_PORT}", f"tcp://{address_of(node)}:{tp.port}")
+
     driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
-                               address_of=address_of)
+                               address_of=address_of, follow=follow)
     log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name)
     return driver
 

@@ -30,11 +30,52 @@ class JobInfo:
     exit_code: int | None = None
     restarts: int = 0
     comment: str = ""
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    end_time: int | None = None  # epoch seconds the job's time limit ends (None: unlimited/unknown)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def active(self) -> bool:
         return self.state in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step_id: str  # "J.0", "J.batch", "J.extern"
+    name: str
+    nodes: tuple[str, ...]
+    state: str
+
+    @property
+    def user_step(self) -> bool:
+        """A step the job launched (not the batch script's or the extern step)."""
+        return not self.step_id.endswith((".batch", ".extern", ".interactive"))
+
+
+@dataclass(frozen=True)
+class SpareRequest:
+    """One node from slurmctld for a running job's torchpass coordinator.
+
+    ``expand``: allocate it as a donor for ``--dependency=expand:JOB`` (then
+    ``merge_into`` the job); otherwise a companion allocation of its own.
+    The allocation is made with ``salloc --no-shell`` (step-less: a donor
+    must be, and a companion runs only the restore step), ``--exclusive``
+    (a spare shares nothing with other jobs), on the job's partition,
+    account and QOS, excluding ``exclude`` (the job's own nodes), and gives
+    up after ``immediate_s`` when no node is free."""
+
+    job_id: int
+    name: str
+    comment: str
+    exclude: tuple[str, ...] = ()
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time_limit_min: int | None = None
+    immediate_s: int = 30
+    expand: bool = False
 
 
 class SlurmClient(ABC):
@@ -62,3 +103,18 @@ class SlurmClient(ABC):
     @abstractmethod
     def shrink(self, job_id: int, keep_nodes: list[str]) -> None:
         """Release every node of the job but ``keep_nodes`` (their tasks die)."""
+
+    @abstractmethod
+    def steps(self, job_id: int) -> list[StepInfo]:
+        """The job's running steps (batch and extern included)."""
+
+    @abstractmethod
+    def allocate(self, req: SpareRequest) -> tuple[int, str]:
+        """A one-node allocation for ``req``: (its job id, its node). SlurmError if none."""
+
+    @abstractmethod
+    def merge_into(self, donor_id: int, job_id: int) -> None:
+        """Job expansion: hand the donor's nodes to ``job_id`` (the donor ends)."""
+
+    @abstractmethod
+    def cancel(self, job_id: int) -> None: ...

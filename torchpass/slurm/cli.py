@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
 from torchpass.errors import DependencyError, SlurmError
-from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient
+from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, StepInfo
 
 
 def _number(v) -> int | None:
@@ -25,7 +26,7 @@ class CliSlurmClient(SlurmClient):
         self.environ = dict(os.environ if environ is None else environ)
         self.timeout_s = timeout_s
 
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], timeout_s: float | None = None) -> str:
         conf = self.environ.get("SLURM_CONF")
         if conf and not os.path.exists(conf):
             # Slurm's commands would retry for 60 s before saying so.
@@ -34,10 +35,11 @@ class CliSlurmClient(SlurmClient):
             raise DependencyError(f"{argv[0]} not found on PATH; install the Slurm client (slurm-client)")
         try:
             proc = subprocess.run(
-                argv, capture_output=True, text=True, env=self.environ, timeout=self.timeout_s
+                argv, capture_output=True, text=True, env=self.environ, timeout=timeout_s or self.timeout_s
             )
         except subprocess.TimeoutExpired:
-            raise SlurmError(f"'{' '.join(argv)}' did not finish in {self.timeout_s:g} s; is slurmctld up?") from None
+            raise SlurmError(f"'{' '.join(argv)}' did not finish in {timeout_s or self.timeout_s:g} s; "
+                             "is slurmctld up?") from None
         if proc.returncode != 0:
             err = " ".join((proc.stderr or proc.stdout).split())[:300]
             raise SlurmError(f"'{' '.join(argv[:3])}' failed: {err}")
@@ -83,6 +85,10 @@ class CliSlurmClient(SlurmClient):
             exit_code=rc,
             restarts=int(j.get("restart_cnt", 0) or 0),
             comment=j.get("comment", "") or "",
+            partition=j.get("partition", "") or "",
+            account=j.get("account", "") or "",
+            qos=j.get("qos", "") or "",
+            end_time=_number(j.get("end_time")),
             extra={"raw_nodes": nodes},
         )
 
@@ -120,3 +126,82 @@ class CliSlurmClient(SlurmClient):
         if not keep_nodes:
             raise SlurmError("shrink would leave the job without nodes")
         self._run(["scontrol", "update", f"JobId={int(job_id)}", f"NodeList={','.join(keep_nodes)}"])
+
+    def steps(self, job_id: int) -> list[StepInfo]:
+        # squeue 24.11 ignores --jobs with --json (it prints every step): filter here.
+        data = self._json(["squeue", "--steps", "--jobs", str(int(job_id)), "--json"])
+        out = []
+        for st in data.get("steps", []):
+            sid = str(st.get("id") or "")
+            if not sid.startswith(f"{int(job_id)}."):
+                continue
+            state = st.get("state") or ["UNKNOWN"]
+            nodes = st.get("nodes") or ""
+            out.append(StepInfo(step_id=sid, name=st.get("name", "") or "",
+                                nodes=tuple(self.expand_nodelist(nodes)) if nodes else (),
+                                state=state[0] if isinstance(state, list) and state else str(state)))
+        return out
+
+    def allocate(self, req: SpareRequest) -> tuple[int, str]:
+        argv = ["salloc", "--no-shell", "-N1", "-n1", "--exclusive", f"--immediate={max(1, int(req.immediate_s))}",
+                "-J", req.name, f"--comment={req.comment}"]
+        if req.exclude:
+            argv.append(f"--exclude={','.join(req.exclude)}")
+        for flag, value in (("--partition", req.partition), ("--account", req.account), ("--qos", req.qos)):
+            if value:
+                argv.append(f"{flag}={value}")
+        if req.time_limit_min is not None:
+            argv.append(f"--time={max(1, int(req.time_limit_min))}")
+        if req.expand:
+            argv.append(f"--dependency=expand:{int(req.job_id)}")
+        conf = self.environ.get("SLURM_CONF")
+        if conf and not os.path.exists(conf):
+            raise SlurmError(f"SLURM_CONF={conf} does not exist; fix SLURM_CONF or unset it")
+        if shutil.which("salloc", path=self.environ.get("PATH")) is None:
+            raise DependencyError("salloc not found on PATH; install the Slurm client (slurm-client)")
+        # Called from inside the job: its SLURM_*/SPANK_*/TORCHPASS_* variables
+        # would make salloc a nested allocation of the job (and the plugin a
+        # torchpass one); the spare is an allocation of its own.
+        env = {k: v for k, v in self.environ.items()
+               if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_", "SALLOC_", "SBATCH_")) or k == "SLURM_CONF"}
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
+                                  timeout=req.immediate_s + self.timeout_s)
+            out = (proc.stderr or "") + (proc.stdout or "")
+        except subprocess.TimeoutExpired as exc:
+            proc = None
+            out = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        m = re.search(r"Granted job allocation (\d+)", out)
+        if proc is None or proc.returncode != 0 or m is None:
+            if m is not None:  # granted, then something failed: never leave it behind
+                try:
+                    self.cancel(int(m.group(1)))
+                except SlurmError:
+                    pass
+            why = " ".join(out.split())[:300] or "no output"
+            raise SlurmError(f"salloc of a spare for job {req.job_id} failed: {why}")
+        alloc = int(m.group(1))
+        info = self.job(alloc)
+        if info is None or len(info.nodes) != 1:
+            self.cancel(alloc)
+            raise SlurmError(f"spare allocation {alloc} has nodes {info.nodes if info else '?'}, expected one")
+        return alloc, info.nodes[0]
+
+    def merge_into(self, donor_id: int, job_id: int) -> None:
+        donor = self.job(donor_id)
+        if donor is None or not donor.nodes:
+            raise SlurmError(f"donor job {donor_id} is gone or has no nodes")
+        want = set(donor.nodes)
+        # Slurm's FAQ flow: the donor gives its nodes up (NumNodes=0), the job
+        # takes them (NumNodes=ALL). Slurm 24.11 moves them at the first step.
+        self._run(["scontrol", "update", f"JobId={int(donor_id)}", "NumNodes=0"])
+        job = self.job(job_id)
+        if job is None or not want <= set(job.nodes):
+            self._run(["scontrol", "update", f"JobId={int(job_id)}", "NumNodes=ALL"])
+            job = self.job(job_id)
+        if job is None or not want <= set(job.nodes):
+            raise SlurmError(f"job {job_id} did not take the nodes of donor {donor_id} "
+                             f"({', '.join(sorted(want))}); is SchedulerParameters=permit_job_expansion set?")
+
+    def cancel(self, job_id: int) -> None:
+        self._run(["scancel", str(int(job_id))])

@@ -40,8 +40,9 @@ def pyslurm_matches() -> tuple[bool, str]:
 class PyslurmClient(CliSlurmClient):
     """Reads the hot paths (job and node state) through pyslurm's API.
 
-    Updates (drain, shrink) stay on scontrol: they are rare and scontrol's
-    behaviour is what admins know. Not exercised in CI: the test cluster runs
+    Updates (drain, shrink) and spare allocations (salloc, job expansion,
+    scancel) and step listings stay on the commands (inherited from the CLI
+    backend): they are rare and their behaviour is what admins know. Not exercised in CI: the test cluster runs
     Slurm 24.11, for which PyPI has no pyslurm.
     """
 
@@ -73,6 +74,10 @@ class PyslurmClient(CliSlurmClient):
             exit_code=j.exit_code,
             restarts=int(j.requeue_count or 0) if hasattr(j, "requeue_count") else 0,
             comment=j.comment or "",
+            partition=getattr(j, "partition", "") or "",
+            account=getattr(j, "account", "") or "",
+            qos=getattr(j, "qos", "") or "",
+            end_time=int(j.end_time) if getattr(j, "end_time", None) else None,
         )
 
     def nodes(self) -> list[NodeInfo]:

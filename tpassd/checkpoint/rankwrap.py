@@ -26,7 +26,10 @@ Restore mode (a step on the target node): becomes a child subreaper, verifies
 the snapshot's manifest, runs ``criu restore -d`` with fresh stdout/stderr
 pipes passed by ``--inherit-fd``, creates the wake file (the rank's runtime
 then reopens its control link), relays output, waits for the restored rank
-and writes its exit code to ``rank<R>.exit``.
+and writes its exit code to ``rank<R>.exit``, unless the rank was moved on
+again (marker moving/moved and the record names a newer restore): then the
+newer restore wrapper owns the exit code and this one exits 0, which ends its
+step (the node can then be released from the job).
 
 Runs as root here (devcluster); for ordinary users the PID-namespace split
 belongs in the SPANK plugin's slurm_spank_task_init_privileged.
@@ -86,6 +89,18 @@ class Paths:
         self.record = self.dir / f"rank{rank}.json"
         self.handoff = self.dir / f"rank{rank}.handoff"
         self.exit = self.dir / f"rank{rank}.exit"
+
+    def read_record(self) -> dict:
+        try:
+            return json.loads(self.record.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def names(self, wrapper_pid: int, restored_from: str | None) -> bool:
+        """Whether the rank record still names this copy (no later restore took the rank over)."""
+        rec = self.read_record()
+        return (rec.get("wrapper_pid") == wrapper_pid and rec.get("node") == socket.gethostname()
+                and rec.get("restored_from") == restored_from)
 
     def marker(self) -> str:
         try:
@@ -223,7 +238,9 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
                 return int(paths.exit.read_text().strip())
             except (OSError, ValueError):
                 pass
-            if paths.marker() == "abort":  # dump failed after all, and the rank died
+            # dump failed after all, and the rank died; an abort of a later move
+            # (the rank then runs on elsewhere, its record names that copy) is not ours
+            if paths.marker() == "abort" and paths.names(os.getpid(), None):
                 return code
             relay.pump(0.2)
     return code
@@ -277,15 +294,22 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
             os.kill(pid, signal.SIGKILL)
             relay.wait(pid)
             return 1
+    previous = paths.read_record()
+    previous.pop("previous", None)
     write_json(paths.record, {
         "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "node": socket.gethostname(),
         "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": str(images),
-        "restore_s": round(seconds, 4), "started": time.time(),
+        "restore_s": round(seconds, 4), "started": time.time(), "previous": previous,
     })
     if wake_file:
         Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
         Path(wake_file).touch()
     code = relay.wait(pid)
+    if paths.marker() in ("moving", "moved") and not paths.names(os.getpid(), str(images)):
+        # Moved on again (a second fault): a later restore wrapper now holds the
+        # rank and writes its exit code; this step ends, so the node can be released.
+        say(f"rank {rank} moved on from {socket.gethostname()}; this restore step ends")
+        return 0
     paths.exit.write_text(f"{code}\n")
     return code
 

@@ -1,0 +1,174 @@
+"""Two faults on two different nodes of one job, handled one after the other (issue 4).
+
+``sbatch -N3 --torchpass=spares=1`` of a 2-rank gloo DDP job
+(examples/train_ddp.py, unchanged): node1 and node2 train, node3 is the hot
+spare, node4 is idle in the cluster. A fault drill on node2 moves its rank to
+node3 (the hot spare). A second drill on node3 then finds no hot spare left:
+the coordinator asks slurmctld for one (job expansion: a step-less donor
+allocation ``--dependency=expand:J`` merged into the job; the devcluster sets
+``SchedulerParameters=permit_job_expansion``), follows node4's tpassd, and
+moves the rank on to node4 with a restore step of the same job there.
+
+The job keeps its id, Restarts=0, COMPLETED 0:0, and its per-step losses
+equal a fault-free run of the same job (float.hex, every step exactly once
+per rank); both bad nodes are drained with the torchpass reason; no spare
+allocation is left behind. Shrink: node2 stays in the job (the training
+step's task wrapper there waits for the moved rank's exit code, so releasing
+it would fail the step; the completion event says so), node3 is released
+(its restore step ended when the rank moved on).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train_ddp.py"
+# Each move pauses at T = max + 64 collectives (2 per step), ~32 steps after
+# detection; two moves one after the other need ~90 steps after the first drill.
+STEPS = 220
+FIRST_FAULT_AT_STEP = 10
+TPASSCTL = [str(Path(sys.executable).parent / "tpassctl")]
+
+
+def _run(argv, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
+
+
+def _submit(job_dir: Path, tag: str) -> int:
+    script = job_dir / f"{tag}.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"srun {sys.executable} {TRAIN} --steps {STEPS} --params 1M --sleep 0.05\n"
+    )
+    proc = _run(["sbatch", "--parsable", "-N3", "--ntasks-per-node=1", "--torchpass=spares=1",
+                 "-o", str(job_dir / f"{tag}.%j.out"), str(script)], cwd=job_dir)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().split(";")[0])
+
+
+def _job(job_id: int) -> dict:
+    out = _run(["scontrol", "show", "job", str(job_id), "--json"])
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["jobs"][0]
+
+
+def _wait_end(job_id: int, timeout_s: float = 240) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        j = _job(job_id)
+        if not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
+            return j
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still {j['job_state']} after {timeout_s}s")
+
+
+def _steps(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if re.fullmatch(r"step=\d+ loss=\S+", ln)]
+
+
+def _per_step(lines: list[str]) -> dict[int, Counter]:
+    out: dict[int, Counter] = {}
+    for ln in lines:
+        n = int(ln.split()[0].split("=")[1])
+        out.setdefault(n, Counter())[ln] += 1
+    return out
+
+
+def _events(state_dir: Path, job_id: int) -> list[dict]:
+    try:
+        return json.loads((state_dir / "jobs" / str(job_id) / "events.json").read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _wait(pred, timeout_s: float, what: str, diag) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout_s:g}s\n{diag()}")
+
+
+def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, plugin_built, job_dir):
+    t_start = time.monotonic()
+    ref_id = _submit(job_dir, "ref")
+    ref = _wait_end(ref_id)
+    ref_out = (job_dir / f"ref.{ref_id}.out").read_text()
+    assert ref["job_state"][0] == "COMPLETED", ref_out[-3000:]
+    ref_lines = _steps(ref_out)
+    assert len(ref_lines) == 2 * STEPS, ref_out[-3000:]
+
+    job_id = _submit(job_dir, "two")
+    out_path = job_dir / f"two.{job_id}.out"
+    coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
+
+    def diag() -> str:
+        text = out_path.read_text()[-2500:] if out_path.exists() else "no output"
+        kinds = [(e["kind"], e["message"]) for e in _events(cluster.state_dir, job_id)]
+        return (f"{text}\n--- events ---\n" + "\n".join(f"{k}: {m}" for k, m in kinds)
+                + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-5000:] if coord_log.exists() else ""))
+
+    def completed(n: int) -> bool:
+        return len([e for e in _events(cluster.state_dir, job_id) if e["kind"] == "migration.completed"]) >= n
+
+    try:
+        _wait(lambda: out_path.exists() and f"step={FIRST_FAULT_AT_STEP} " in out_path.read_text(), 120,
+              f"step {FIRST_FAULT_AT_STEP}", diag)
+        assert _run([*TPASSCTL, "inject", "--node", "node2", "--fault", "ecc-sbe-storm"]).returncode == 0
+        _wait(lambda: completed(1), 90, "the first migration (node2 -> node3)", diag)
+        step_at_second = max((int(ln.split()[0][5:]) for ln in _steps(out_path.read_text())), default=-1)
+        assert step_at_second < STEPS - 60, f"training nearly done before the second fault\n{diag()}"
+        assert _run([*TPASSCTL, "inject", "--node", "node3", "--fault", "ecc-sbe-storm"]).returncode == 0
+        final = _wait_end(job_id)
+        text = out_path.read_text()
+        assert final["job_id"] == job_id
+        assert final["job_state"][0] == "COMPLETED", diag()
+        assert final["exit_code"]["return_code"]["number"] == 0, diag()
+        assert int(final.get("restart_cnt", 0)) == 0, diag()
+        # Same losses, every step, exactly once per rank: no gap, no duplicate.
+        assert _per_step(_steps(text)) == _per_step(ref_lines), diag()
+
+        events = _events(cluster.state_dir, job_id)
+        done = [e for e in events if e["kind"] == "migration.completed"]
+        assert [(e["data"]["node"], e["data"]["target"]) for e in done] == [("node2", "node3"), ("node3", "node4")], \
+            diag()
+        chosen = {e["data"]["migration"]: e["data"] for e in events if e["kind"] == "spare.chosen"}
+        m1, m2 = done[0]["data"]["migration"], done[1]["data"]["migration"]
+        assert chosen[m1]["how"] == "hot"
+        assert chosen[m2]["how"] == "expand" and isinstance(chosen[m2].get("allocation"), int), chosen
+        assert [e["data"]["strategy"] for e in events if e["kind"] == "spare.requested"] == ["expand"]
+        # Shrink: node2 still runs the training step's task wrapper for the moved
+        # rank (kept, with the reason); node3 ran only the restore step (released).
+        assert "shrink failed" in done[0]["message"] and "task wrapper" in done[0]["message"], done[0]["message"]
+        assert "shrink failed" not in done[1]["message"], done[1]["message"]
+        assert "node3" not in _run(["scontrol", "show", "hostnames", final["nodes"]]).stdout.split(), final["nodes"]
+
+        for node in ("node2", "node3"):
+            n = json.loads(_run(["scontrol", "show", "node", node, "--json"]).stdout)["nodes"][0]
+            assert "DRAIN" in n["state"], (node, n["state"])
+            assert n["reason"].startswith("torchpass: "), (node, n["reason"])
+        # No spare allocation is left (the donor merged into the job and ended).
+        left = _run(["squeue", "--noheader", "--name", f"torchpass-spare-{job_id}", "--format", "%i %T"]).stdout
+        assert left.strip() == "", left
+        for e in done:
+            print(f"\n{e['data']['migration']} {e['data']['node']} -> {e['data']['target']}: "
+                  f"phases {e['data']['phase_durations']}")
+        print(f"spare from slurmctld: {chosen[m2]}; test took {time.monotonic() - t_start:.1f}s")
+    finally:
+        _run(["scancel", str(job_id)])
+        _run(["scancel", "--name", f"torchpass-spare-{job_id}"])
+        for node in ("node2", "node3"):
+            _run([*TPASSCTL, "inject", "--node", node, "--fault", "clear"])
+            _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])

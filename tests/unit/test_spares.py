@@ -1,0 +1,177 @@
+"""Spares from slurmctld and shrink, in the executor (the Slurm side is recorded; the CLI backend runs for
+real in tests/integration/test_second_fault.py), and following a new spare's health."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from torchpass.coordinator import decide as dc
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.executor import Executor
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.state import JobState
+from torchpass.errors import SlurmError
+from torchpass.health import HealthSubscriber
+from torchpass.slurm.base import JobInfo, StepInfo
+
+
+class RecordingSlurm:
+    """Answers like slurmctld would for one running job (42 on n1..n3, batch host n1)."""
+
+    def __init__(self, *, grant="n4", merge_fails=False, steps=()):
+        self.nodes = ["n1", "n2", "n3"]
+        self.grant = grant
+        self.merge_fails = merge_fails
+        self.step_list = list(steps)
+        self.calls: list = []
+
+    def job(self, job_id):
+        return JobInfo(job_id, "train", "u", 1000, "RUNNING", tuple(self.nodes), batch_host="n1",
+                       partition="gpu", account="proj", qos="normal", end_time=int(time.time()) + 600)
+
+    def allocate(self, req):
+        self.calls.append(("allocate", req))
+        if self.grant is None:
+            raise SlurmError("salloc of a spare for job 42 failed: Immediate execution impossible")
+        return 77, self.grant
+
+    def merge_into(self, donor, job_id):
+        self.calls.append(("merge", donor, job_id))
+        if self.merge_fails:
+            raise SlurmError("job 42 did not take the nodes of donor 77")
+        self.nodes.append(self.grant)
+
+    def cancel(self, job_id):
+        self.calls.append(("cancel", job_id))
+
+    def steps(self, job_id):
+        return self.step_list
+
+    def shrink(self, job_id, keep):
+        self.calls.append(("shrink", job_id, tuple(keep)))
+        self.nodes = list(keep)
+
+
+def _executor(tmp_path, slurm, followed=None):
+    posted: list = []
+    ex = Executor(JobState(job_id=42), state_dir=tmp_path, post=posted.append, policy=CoordinatorPolicy(),
+                  slurm=slurm, follow=(followed.append if followed is not None else None))
+    return ex, posted
+
+
+def _wait(posted, n=1):
+    end = time.monotonic() + 5
+    while len(posted) < n and time.monotonic() < end:
+        time.sleep(0.01)
+    return posted
+
+
+def _state(*spares):
+    return dc.CoordState(job_id=42, spares=tuple(spares))
+
+
+def test_expand_allocates_a_donor_like_the_job_and_merges_it(tmp_path):
+    slurm, followed = RecordingSlurm(), []
+    ex, posted = _executor(tmp_path, slurm, followed)
+    ex.perform(dc.RequestSpare("m2", "expand", "n3"), _state(dc.SpareView("n3", "hot", "used")))
+    assert _wait(posted) == [mc.SpareGranted("m2", "n4", "expand", allocation=77)]
+    (_, req), merge = slurm.calls
+    assert merge == ("merge", 77, 42)
+    assert req.expand and req.exclude == ("n1", "n2", "n3")
+    assert (req.partition, req.account, req.qos) == ("gpu", "proj", "normal")
+    assert req.name == "torchpass-spare-42" and "expand spare for job 42 (m2, replacing n3)" in req.comment
+    assert 1 <= req.time_limit_min <= 11  # never outlives the job
+    assert followed == ["n4"] and ex.companions == {}
+
+
+def test_failed_merge_cancels_the_donor_and_reports_unavailable(tmp_path):
+    slurm = RecordingSlurm(merge_fails=True)
+    ex, posted = _executor(tmp_path, slurm)
+    ex.perform(dc.RequestSpare("m1", "expand", "n2"), _state())
+    (out,) = _wait(posted)
+    assert isinstance(out, mc.SpareUnavailable) and out.strategy == "expand" and "did not take" in out.why
+    assert ("cancel", 77) in slurm.calls
+
+
+def test_no_free_node_is_unavailable_with_slurms_words(tmp_path):
+    ex, posted = _executor(tmp_path, RecordingSlurm(grant=None))
+    ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
+    (out,) = _wait(posted)
+    assert out == mc.SpareUnavailable("m1", "companion", "salloc of a spare for job 42 failed: "
+                                                       "Immediate execution impossible")
+
+
+def test_companion_runs_the_restore_step_and_is_cancelled_at_close(tmp_path):
+    slurm = RecordingSlurm()
+    ex, posted = _executor(tmp_path, slurm)
+    ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
+    assert _wait(posted) == [mc.SpareGranted("m1", "n4", "companion", allocation=77)]
+    assert not slurm.calls[0][1].expand and ex.companions == {77: "n4"}
+    st = _state(dc.SpareView("n4", "companion", "reserved", allocation=77))
+    argv = ex.restore_argv(dc.Restore("m1", 1, "n4", "/img", "sha"),
+                           st.spare("n4").allocation)
+    assert "--jobid=77" in argv and argv[argv.index("-w") + 1] == "n4"
+    ex.close()
+    assert ("cancel", 77) in slurm.calls and ex.companions == {}
+
+
+def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
+    slurm = RecordingSlurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+                                  StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
+    ex, posted = _executor(tmp_path, slurm)
+    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    (out,) = _wait(posted)
+    assert isinstance(out, mc.ShrinkFailed)
+    assert "step 42.0 (python) still has a task on n2" in out.why and "task wrapper" in out.why
+    assert not any(c[0] == "shrink" for c in slurm.calls)
+
+
+def test_shrink_releases_a_node_no_step_runs_on(tmp_path):
+    slurm = RecordingSlurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+                                  StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
+    ex, posted = _executor(tmp_path, slurm)
+    ex.perform(dc.Shrink("m2", ("n3",)), _state())
+    assert _wait(posted) == [mc.Shrunk("m2", ("n3",))]
+    assert ("shrink", 42, ("n1", "n2")) in slurm.calls
+
+
+def test_shrink_never_releases_the_batch_host(tmp_path):
+    ex, posted = _executor(tmp_path, RecordingSlurm())
+    ex.perform(dc.Shrink("m1", ("n1",)), _state())
+    (out,) = _wait(posted)
+    assert isinstance(out, mc.ShrinkFailed) and "batch host" in out.why
+
+
+def test_shrink_of_a_companion_node_cancels_its_allocation(tmp_path):
+    slurm = RecordingSlurm()
+    ex, posted = _executor(tmp_path, slurm)
+    ex.companions[77] = "n4"
+    ex.perform(dc.Shrink("m3", ("n4",)), _state(dc.SpareView("n4", "companion", "used", allocation=77)))
+    assert _wait(posted) == [mc.Shrunk("m3", ("n4",))]
+    assert ("cancel", 77) in slurm.calls and ex.companions == {}
+
+
+def test_subscriber_follows_a_node_added_while_running():
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    asked = []
+
+    def snap(node, endpoint):
+        asked.append((node, endpoint))
+        return {"incarnation": "i1", "seq": 3, "last_event_seq": 2, "state": "healthy", "reasons": [],
+                "components": {}, "interval_s": 1.0}
+
+    s = HealthSubscriber({}, snapshot=snap)
+    try:
+        s.follow("n9", f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1")
+        assert s.nodes()["n9"]["state"] == "unknown"  # visible at once, unknown until it reports
+        s.follow("n9", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")  # a second follow changes nothing
+        s.poll_once(50)
+        assert asked == [("n9", "tcp://127.0.0.1:1")]
+        assert s.nodes()["n9"]["state"] == "healthy"
+    finally:
+        s.close()
+        pub.close(linger=0)
