@@ -1,19 +1,32 @@
 """Live migration end to end on the devcluster (issue 4).
 
-``sbatch -N4 --torchpass=spares=1`` of a 3-rank gloo DDP job
-(examples/train_ddp.py, unchanged); a fault drill makes a training node's
-tpassd publish ``degraded``; the coordinator pauses every rank at the same
-collective, CRIU-dumps the rank on that node (tpassd.snapshot), restores it
-on the hot spare inside a job step of the same job, kills the source copy,
-rebuilds the process group and resumes. The job keeps its id, is never
-requeued, ends COMPLETED 0:0, and its per-step losses equal a fault-free run
-of the same job bit for bit; the node is drained with a torchpass reason and
-the events carry the phase durations.
+Every job is ``sbatch -N4 --torchpass=spares=1`` of a 3-rank gloo DDP job
+(examples/train_ddp.py, unchanged): node1..node3 train, node4 is the hot
+spare. One fault-free run of the same job (module fixture) is the reference
+every test compares with: per-step losses as float.hex, every step exactly
+once per rank.
+
+* a fault drill on a random training node at a random step: the rank there
+  is paused, CRIU-dumped, restored on the spare inside a job step of the
+  same job, the source copy killed, the group rebuilt; the job keeps its id,
+  Restarts=0, COMPLETED 0:0, the reference's losses; the node is drained
+  with a torchpass reason and the events carry the phase durations;
+* the restore made to fail on the spare (the ``restore-fail`` drill corrupts
+  the verified image, the restore step's SHA-256 check refuses it): the
+  coordinator rolls back, training resumes on the source, the job finishes
+  unchanged, the events say why, the node is neither drained nor retried;
+* ``tpassctl migrate`` moves a healthy rank on request, and refuses bad
+  requests with a clear message.
+
+Randomness: the node and step come from one seed, printed at the start and
+in every assertion message; ``TORCHPASS_TEST_SEED=N`` replays a run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 import subprocess
 import sys
@@ -28,8 +41,18 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
 STEPS = 150
-FAULT_AT_STEP = 12
+TRAINING_NODES = ("node1", "node2", "node3")  # node1 is the batch host (the coordinator runs there)
+SPARE = "node4"
+# The drill must come early enough for the move to finish before training does:
+# detection (~1 tpassd interval) + T = max + 64 collectives (2 per step) ~ 40 steps.
+FAULT_STEPS = (2, 80)
 TPASSCTL = [str(Path(sys.executable).parent / "tpassctl")]
+SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
+
+
+def _rng(name: str) -> random.Random:
+    """One generator per test, so a test's draw does not depend on which tests ran before it."""
+    return random.Random(f"{SEED}:{name}")
 
 
 def _run(argv, **kw) -> subprocess.CompletedProcess:
@@ -61,7 +84,17 @@ def _wait_end(job_id: int, timeout_s: float = 240) -> dict:
         if not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
             return j
         time.sleep(0.5)
-    raise AssertionError(f"job {job_id} still {j['job_state']} after {timeout_s}s")
+    raise AssertionError(f"seed={SEED}: job {job_id} still {j['job_state']} after {timeout_s}s")
+
+
+def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if out_path.exists() and f"step={step} " in out_path.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"seed={SEED}: {out_path.name} did not reach step {step}: "
+                         + (out_path.read_text()[-3000:] if out_path.exists() else "no output"))
 
 
 def _steps(text: str) -> list[str]:
@@ -76,52 +109,178 @@ def _per_step(lines: list[str]) -> dict[int, Counter]:
     return out
 
 
-def test_degraded_node_rank_migrates_to_hot_spare_bit_identical(cluster, plugin_built, job_dir):
-    node = "node2"
-    # The fault-free run of the same job (every rank prints the global mean loss).
-    ref_id = _submit(job_dir, "ref")
-    ref = _wait_end(ref_id)
-    ref_out = (job_dir / f"ref.{ref_id}.out").read_text()
-    assert ref["job_state"][0] == "COMPLETED", ref_out[-3000:]
-    ref_lines = _steps(ref_out)
-    assert len(ref_lines) == 3 * STEPS, ref_out[-3000:]
+def _node(name: str) -> dict:
+    return json.loads(_run(["scontrol", "show", "node", name, "--json"]).stdout)["nodes"][0]
 
+
+def _events(cluster, job_id: int) -> list[dict]:
+    p = cluster.state_dir / "jobs" / str(job_id) / "events.json"
+    return json.loads(p.read_text()) if p.exists() else []
+
+
+def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
+    coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
+    return (f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})\n"
+            + (out_path.read_text()[-3000:] if out_path.exists() else "no job output")
+            + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))
+            + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-6000:] if coord_log.exists() else ""))
+
+
+def _assert_finished_unchanged(cluster, job_id: int, out_path: Path, reference: dict, what: str) -> str:
+    """COMPLETED 0:0, never requeued, the reference's losses: every step exactly once per rank."""
+    final = _wait_end(job_id)
+    diag = _diag(cluster, job_id, out_path, what)
+    assert final["job_id"] == job_id, diag
+    assert final["job_state"][0] == "COMPLETED", diag
+    assert final["exit_code"]["return_code"]["number"] == 0, diag
+    assert int(final.get("restart_cnt", 0)) == 0, diag
+    assert _per_step(_steps(out_path.read_text())) == reference["per_step"], diag
+    return diag
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, plugin_built, tmp_path_factory) -> dict:
+    """The fault-free run of the job, once for every test of this module."""
+    print(f"\ntest_migration seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
+    d = tmp_path_factory.mktemp("ref")
+    d.chmod(0o777)
+    ref_id = _submit(d, "ref")
+    ref = _wait_end(ref_id)
+    text = (d / f"ref.{ref_id}.out").read_text()
+    assert ref["job_state"][0] == "COMPLETED", text[-3000:]
+    lines = _steps(text)
+    assert len(lines) == 3 * STEPS, text[-3000:]
+    return {"job_id": ref_id, "per_step": _per_step(lines)}
+
+
+@pytest.fixture
+def clean(cluster):
+    """Leaves the cluster as the next test expects it: no job of ours, no drill
+    armed, no torchpass drain, every tpassd healthy, every node idle."""
+    jobs: list[int] = []
+    yield jobs
+    for j in jobs:
+        _run(["scancel", str(j)])
+    for n in (*TRAINING_NODES, SPARE):
+        _run([*TPASSCTL, "inject", "--node", n, "--fault", "clear"])
+        st = _node(n)
+        if "DRAIN" in st["state"] and st.get("reason", "").startswith("torchpass"):
+            _run(["scontrol", "update", f"NodeName={n}", "State=RESUME"])
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        health = json.loads(_run([*TPASSCTL, "nodes", "--json"]).stdout or "{}").get("nodes", [])
+        idle = all(_node(n)["state"] == ["IDLE"] for n in (*TRAINING_NODES, SPARE))
+        if idle and health and all(r["state"] == "healthy" for r in health):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"cluster not clean after the test: {[(n, _node(n)['state']) for n in (*TRAINING_NODES, SPARE)]}"
+                         f" health {health}")
+
+
+def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluster, reference, job_dir, clean):
+    rng = _rng("drill")
+    node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
+    what = f"ecc-sbe-storm on {node} at step {at}"
+    print(f"\n{what} (seed={SEED})")
     job_id = _submit(job_dir, "mig")
+    clean.append(job_id)
     out_path = job_dir / f"mig.{job_id}.out"
-    try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            if out_path.exists() and f"step={FAULT_AT_STEP} " in out_path.read_text():
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"job {job_id} did not reach step {FAULT_AT_STEP}: "
-                                 + (out_path.read_text()[-3000:] if out_path.exists() else "no output"))
-        inj = _run([*TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
-        assert inj.returncode == 0, inj.stderr
-        final = _wait_end(job_id)
-        text = out_path.read_text()
-        coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
-        diag = text[-3000:] + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-6000:] if coord_log.exists() else "")
-        assert final["job_state"][0] == "COMPLETED", diag
-        assert final["exit_code"]["return_code"]["number"] == 0, diag
-        assert int(final.get("restart_cnt", 0)) == 0, diag
-        # Same losses, every step, exactly once per rank: no gap, no duplicate.
-        assert _per_step(_steps(text)) == _per_step(ref_lines), diag
-        # The node was drained with the torchpass reason.
-        n = json.loads(_run(["scontrol", "show", "node", node, "--json"]).stdout)["nodes"][0]
-        assert "DRAIN" in n["state"], n["state"]
-        assert n["reason"].startswith("torchpass: "), n["reason"]
-        # The events name the phases and their durations.
-        events = json.loads((cluster.state_dir / "jobs" / str(job_id) / "events.json").read_text())
-        done = [e for e in events if e["kind"] == "migration.completed"]
-        assert done, ([e['kind'] for e in events], diag)
-        pd = done[0]["data"]["phase_durations"]
-        for ph in ("detect", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "paused", "total"):
-            assert ph in pd, pd
-        assert done[0]["data"]["target"] == "node4"
-        print(f"\nmigration {node} -> node4: phases {pd} tools {done[0]['data'].get('tool_durations')}")
-    finally:
-        _run(["scancel", str(job_id)])
-        _run([*TPASSCTL, "inject", "--node", node, "--fault", "clear"])
-        _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+    _wait_step(out_path, at)
+    inj = _run([*TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
+    assert inj.returncode == 0, (SEED, inj.stderr)
+
+    diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
+    # The node was drained with the torchpass reason.
+    n = _node(node)
+    assert "DRAIN" in n["state"], (n["state"], diag)
+    assert n["reason"].startswith("torchpass: "), (n["reason"], diag)
+    # The events name the phases and their durations.
+    events = _events(cluster, job_id)
+    done = [e for e in events if e["kind"] == "migration.completed"]
+    assert len(done) == 1, diag
+    assert done[0]["data"]["node"] == node and done[0]["data"]["target"] == SPARE, diag
+    pd = done[0]["data"]["phase_durations"]
+    for ph in ("detect", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "paused", "total"):
+        assert ph in pd, (pd, diag)
+    print(f"migration {node} -> {SPARE} (drill at step {at}): phases {pd} tools {done[0]['data'].get('tool_durations')}")
+
+
+def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_dir, clean):
+    rng = _rng("rollback")
+    node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
+    what = f"restore-fail armed on {SPARE}, ecc-sbe-storm on {node} at step {at}"
+    print(f"\n{what} (seed={SEED})")
+    job_id = _submit(job_dir, "rb")
+    clean.append(job_id)
+    out_path = job_dir / f"rb.{job_id}.out"
+    arm = _run([*TPASSCTL, "inject", "--node", SPARE, "--fault", "restore-fail"])
+    assert arm.returncode == 0, (SEED, arm.stderr)
+    _wait_step(out_path, at)
+    inj = _run([*TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
+    assert inj.returncode == 0, (SEED, inj.stderr)
+
+    diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
+    events = _events(cluster, job_id)
+    kinds = [e["kind"] for e in events]
+    rolled = [e for e in events if e["kind"] == "migration.rolled_back"]
+    assert len(rolled) == 1 and "migration.completed" not in kinds, diag
+    # The event says why: the restore on the spare failed, because the image is corrupt.
+    msg = rolled[0]["message"]
+    assert f"restore on {SPARE} failed" in msg and "fails its SHA-256 check" in msg, diag
+    assert rolled[0]["data"]["node"] == node and "paused" in rolled[0]["data"]["phase_durations"], diag
+    # No retry storm: the node is backed off (retry_backoff_s), so one attempt in this job.
+    assert kinds.count("migration.started") == 1, diag
+    # A rolled-back node is not drained by torchpass (docs/coordinator.md, "After a rollback").
+    n = _node(node)
+    assert "DRAIN" not in n["state"], (n["state"], n.get("reason"), diag)
+    print(f"rolled back: {msg}; phases {rolled[0]['data']['phase_durations']}")
+
+
+def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster, reference, job_dir, clean):
+    rng = _rng("migrate")
+    node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
+    what = f"tpassctl migrate {node} --to {SPARE} at step {at}"
+    print(f"\n{what} (seed={SEED})")
+
+    # Not a torchpass job: no coordinator to ask.
+    plain = _run(["sbatch", "--parsable", "-N1", "-w", "node1", "-o", "/dev/null", "--wrap", "sleep 30"])
+    assert plain.returncode == 0, plain.stderr
+    plain_id = int(plain.stdout.strip().split(";")[0])
+    clean.append(plain_id)
+    r = _run([*TPASSCTL, "migrate", str(plain_id), "--node", "node1"])
+    _run(["scancel", str(plain_id)])
+    assert r.returncode == 1 and "no torchpass coordinator registered" in r.stderr, (r.stdout, r.stderr)
+
+    job_id = _submit(job_dir, "op")
+    clean.append(job_id)
+    out_path = job_dir / f"op.{job_id}.out"
+    _wait_step(out_path, 1)  # every rank registered before its first step
+
+    def migrate(*args: str, as_nobody: bool = False) -> subprocess.CompletedProcess:
+        pre = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_nobody else []
+        return _run([*pre, *TPASSCTL, "migrate", str(job_id), *args])
+
+    for args, want in ((("--node", "node9"), "node node9 runs no rank of job"),
+                       (("--node", SPARE), f"node {SPARE} runs no rank of job"),
+                       (("--node", node, "--to", "node9"), "node node9 is not a spare of job"),
+                       (("--node", node, "--to", node), f"--to {node} is the node being migrated")):
+        r = migrate(*args)
+        assert r.returncode == 1 and want in r.stderr, (args, r.stdout, r.stderr, SEED)
+    r = migrate("--node", node, as_nobody=True)
+    assert r.returncode == 1 and "uid 65534 does not own job" in r.stderr, (r.stdout, r.stderr)
+
+    _wait_step(out_path, at)
+    r = migrate("--node", node, "--to", SPARE, "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr, SEED)
+    mid = json.loads(r.stdout)["migration"]
+
+    diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
+    events = _events(cluster, job_id)
+    done = [e for e in events if e["kind"] == "migration.completed"]
+    assert len(done) == 1 and done[0]["data"]["migration"] == mid, diag
+    assert done[0]["data"]["node"] == node and done[0]["data"]["target"] == SPARE, diag
+    started = [e for e in events if e["kind"] == "migration.started"]
+    assert [e["data"].get("trigger") for e in started] == ["operator"], diag
+    n = _node(node)
+    assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (n["state"], n.get("reason"), diag)
+    print(f"operator migration {mid} {node} -> {SPARE}: phases {done[0]['data']['phase_durations']}")

@@ -334,12 +334,18 @@ class Executor:
             self._output = path or str(self.state_dir / "jobs" / str(self.job_id) / "restored-ranks.out")
         return self._output
 
+    def restore_err(self, a: dc.Restore) -> Path:
+        """srun's stderr plus the restore wrapper's reason for failing: the rollback event quotes its
+        tail (the wrapper's own stderr goes to the job's output with the restored rank's)."""
+        return self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
+
     def restore_argv(self, a: dc.Restore, jobid: int | None = None) -> list[str]:
         """The restore step: in the job itself, or in the companion allocation that holds the target."""
         return [self.srun, f"--jobid={jobid or self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
                 "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"torchpass-restore-{a.rank}",
                 self.python, "-m", "tpassd.checkpoint.rankwrap", "--restore", a.image,
-                "--state-dir", str(rank_state_dir(self.state_dir, self.job_id))]
+                "--state-dir", str(rank_state_dir(self.state_dir, self.job_id)),
+                "--error-file", str(self.restore_err(a))]
 
     def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
         rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
@@ -347,7 +353,7 @@ class Executor:
         argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == "companion" else None)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
-        errf = self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
+        errf = self.restore_err(a)
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=open(errf, "ab"), start_new_session=True)

@@ -58,9 +58,21 @@ DEFAULT_STATE_DIR = "/run/torchpass/ranks"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+# Restore mode: a file that also gets every message. The restore step's own
+# stderr goes to the job's output (srun -o), so without it the coordinator's
+# rollback event could only say "exited 1", not why.
+_error_file: str | None = None
+
+
 def say(msg: str) -> None:
     sys.stderr.write(f"torchpass: {msg}\n")
     sys.stderr.flush()
+    if _error_file:
+        try:
+            with open(_error_file, "a") as f:
+                f.write(f"torchpass: {msg}\n")
+        except OSError:
+            pass
 
 
 def _check(rc: int, what: str) -> None:
@@ -327,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wake-file")
     ap.add_argument("--criu")
     ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
+    ap.add_argument("--error-file", help="restore: also append why a restore failed to this file")
     args = ap.parse_args(own)
     if args.restore:
+        global _error_file
+        _error_file = args.error_file
         return restore(args.restore, args.state_dir, args.wake_file, args.criu, args.gpu)
     if not prog:
         ap.error("give the program after --")
