@@ -16,6 +16,13 @@ allocation is left behind. Shrink: node2 stays in the job (the training
 step's task wrapper there waits for the moved rank's exit code, so releasing
 it would fail the step; the completion event says so), node3 is released
 (its restore step ended when the rank moved on).
+
+The companion path (a site without job expansion: policy
+``spare_strategies = ["hot", "companion"]``): ``sbatch -N2 --torchpass`` with
+no hot spare; a drill on node2 gets a one-node companion allocation from
+slurmctld, the rank is restored in a step of the companion (its output still
+goes to the job's output file), and the companion is cancelled when the job
+ends. Both tests compare with one fault-free run (2 ranks in both shapes).
 """
 
 from __future__ import annotations
@@ -41,17 +48,20 @@ FIRST_FAULT_AT_STEP = 10
 TPASSCTL = [str(Path(sys.executable).parent / "tpassctl")]
 
 
+COMPANION_POLICY = "tpcompanion-bc"  # a file name no other test uses (/etc/torchpass/policies is global)
+
+
 def _run(argv, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
 
 
-def _submit(job_dir: Path, tag: str) -> int:
+def _submit(job_dir: Path, tag: str, nodes: int = 3, torchpass: str = "spares=1") -> int:
     script = job_dir / f"{tag}.sbatch"
     script.write_text(
         "#!/bin/bash\n"
         f"srun {sys.executable} {TRAIN} --steps {STEPS} --params 1M --sleep 0.05\n"
     )
-    proc = _run(["sbatch", "--parsable", "-N3", "--ntasks-per-node=1", "--torchpass=spares=1",
+    proc = _run(["sbatch", "--parsable", f"-N{nodes}", "--ntasks-per-node=1", f"--torchpass={torchpass}",
                  "-o", str(job_dir / f"{tag}.%j.out"), str(script)], cwd=job_dir)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.strip().split(";")[0])
@@ -101,17 +111,21 @@ def _wait(pred, timeout_s: float, what: str, diag) -> None:
     raise AssertionError(f"{what} not reached in {timeout_s:g}s\n{diag()}")
 
 
-def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, plugin_built, job_dir):
-    t_start = time.monotonic()
+@pytest.fixture(scope="module")
+def reference(cluster, plugin_built, tmp_path_factory) -> list[str]:
+    """The fault-free run: the loss lines of 2 ranks (the same with or without a hot spare)."""
+    job_dir = tmp_path_factory.mktemp("ref")
+    job_dir.chmod(0o777)
     ref_id = _submit(job_dir, "ref")
     ref = _wait_end(ref_id)
     ref_out = (job_dir / f"ref.{ref_id}.out").read_text()
     assert ref["job_state"][0] == "COMPLETED", ref_out[-3000:]
     ref_lines = _steps(ref_out)
     assert len(ref_lines) == 2 * STEPS, ref_out[-3000:]
+    return ref_lines
 
-    job_id = _submit(job_dir, "two")
-    out_path = job_dir / f"two.{job_id}.out"
+
+def _diag(cluster, job_id: int, out_path: Path):
     coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
 
     def diag() -> str:
@@ -119,6 +133,16 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, plugi
         kinds = [(e["kind"], e["message"]) for e in _events(cluster.state_dir, job_id)]
         return (f"{text}\n--- events ---\n" + "\n".join(f"{k}: {m}" for k, m in kinds)
                 + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-5000:] if coord_log.exists() else ""))
+
+    return diag
+
+
+def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, reference, job_dir):
+    t_start = time.monotonic()
+    ref_lines = reference
+    job_id = _submit(job_dir, "two")
+    out_path = job_dir / f"two.{job_id}.out"
+    diag = _diag(cluster, job_id, out_path)
 
     def completed(n: int) -> bool:
         return len([e for e in _events(cluster.state_dir, job_id) if e["kind"] == "migration.completed"]) >= n
@@ -172,3 +196,46 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, plugi
         for node in ("node2", "node3"):
             _run([*TPASSCTL, "inject", "--node", node, "--fault", "clear"])
             _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+
+
+def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir):
+    t_start = time.monotonic()
+    policy = Path("/etc/torchpass/policies") / f"{COMPANION_POLICY}.toml"
+    policy.parent.mkdir(parents=True, exist_ok=True)
+    policy.write_text('spare_strategies = ["hot", "companion"]\n')
+    job_id = _submit(job_dir, "comp", nodes=2, torchpass=f"spares=0,policy={COMPANION_POLICY}")
+    out_path = job_dir / f"comp.{job_id}.out"
+    diag = _diag(cluster, job_id, out_path)
+    try:
+        _wait(lambda: out_path.exists() and f"step={FIRST_FAULT_AT_STEP} " in out_path.read_text(), 120,
+              f"step {FIRST_FAULT_AT_STEP}", diag)
+        assert _run([*TPASSCTL, "inject", "--node", "node2", "--fault", "ecc-sbe-storm"]).returncode == 0
+        final = _wait_end(job_id)
+        text = out_path.read_text()
+        assert final["job_state"][0] == "COMPLETED", diag()
+        assert final["exit_code"]["return_code"]["number"] == 0, diag()
+        assert int(final.get("restart_cnt", 0)) == 0, diag()
+        # The moved rank's lines, printed from the companion's step, are in the job's output.
+        assert _per_step(_steps(text)) == _per_step(reference), diag()
+        events = _events(cluster.state_dir, job_id)
+        (done,) = [e for e in events if e["kind"] == "migration.completed"]
+        (chosen,) = [e["data"] for e in events if e["kind"] == "spare.chosen"]
+        assert chosen["how"] == "companion" and done["data"]["target"] == chosen["target"], diag()
+        assert [e["data"]["strategy"] for e in events if e["kind"] == "spare.requested"] == ["companion"]
+        companion = chosen["allocation"]
+        comp = _job(companion)
+        assert comp["name"] == f"torchpass-spare-{job_id}" and f"job {job_id}" in comp["comment"], comp
+        # The coordinator cancels the companion once the job has ended (it polls every few seconds).
+        _wait(lambda: not set(_job(companion)["job_state"]) & {"RUNNING", "PENDING", "CONFIGURING"}, 30,
+              f"companion {companion} ended", diag)
+        assert _job(companion)["job_state"][0] == "CANCELLED", _job(companion)["job_state"]
+        n = json.loads(_run(["scontrol", "show", "node", "node2", "--json"]).stdout)["nodes"][0]
+        assert "DRAIN" in n["state"] and n["reason"].startswith("torchpass: "), n
+        print(f"\ncompanion {companion} on {chosen['target']}: phases {done['data']['phase_durations']}; "
+              f"test took {time.monotonic() - t_start:.1f}s")
+    finally:
+        policy.unlink(missing_ok=True)
+        _run(["scancel", str(job_id)])
+        _run(["scancel", "--name", f"torchpass-spare-{job_id}"])
+        _run([*TPASSCTL, "inject", "--node", "node2", "--fault", "clear"])
+        _run(["scontrol", "update", "NodeName=node2", "State=RESUME"])
