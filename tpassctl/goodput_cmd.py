@@ -242,7 +242,11 @@ def _layers(
     if config is not None:
         layers.append((f"config {config}", read_toml(config)))
     if measured is not None:
-        layers.append((f"measured {measured.source}", dict(measured.values)))
+        by_source: dict[str, dict[str, Any]] = {}  # merged results: name each input's own file
+        for name, value in measured.values.items():
+            by_source.setdefault(measured.source_of(name), {})[name] = value
+        for source, values in by_source.items():
+            layers.append((f"measured {source}", values))
     layers.append(("flags", {k: v for k, v in flags.items() if v is not None}))
     return layers
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,25 @@ def test_measured_auto_discovers_results_and_falls_back(tmp_path):
         doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
         assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.8, 4.0)
         assert doc["measured_source"].endswith("migration.json")
+
+
+def test_measured_merges_each_benchmarks_newest_figures(tmp_path):
+    # bench_tpassd writes only detection, bench_migration the pause (and its own
+    # detection): re-running one benchmark must not hide the other's figure.
+    runner = CliRunner()
+    with runner.isolated_filesystem(temp_dir=tmp_path) as cwd:
+        res = Path(cwd, "bench/results")
+        res.mkdir(parents=True)
+        mig, det = res / "migration.json", res / "tpassd.json"
+        mig.write_text('{"detection_latency_s": 0.9, "migration_pause_s": {"mean": 1.2, "n": 1}}')
+        det.write_text('{"detection_latency_s": {"p50": 0.03}}')
+        now = time.time()
+        os.utime(mig, (now - 60, now - 60))  # tpassd.json is the newer file
+        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.03, 1.2)
+        assert doc["input_sources"]["lm_detect_s"] == f"measured {det}"
+        assert doc["input_sources"]["lm_migrate_s"] == f"measured {mig}"
+        assert doc["measured_source"] == f"{det}, {mig}"
 
 
 def test_bad_measured_figures_are_named(tmp_path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,12 @@ class Measured:
     source: str
     values: dict[str, float]  # goodput input name -> value
     statistics: dict[str, str]  # goodput input name -> "mean" | "p50" | "value"
+    # goodput input name -> the file it came from, where figures were merged
+    # from several results files (empty: all from ``source``)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def source_of(self, name: str) -> str:
+        return self.sources.get(name, self.source)
 
 
 def _figure(where: str, key: str, raw: Any) -> tuple[float, str]:
@@ -113,12 +119,19 @@ def _from_markdown(text: str, where: str) -> Measured | None:
 
 
 def discover(root: Path) -> tuple[Measured | None, list[str]]:
-    """The newest results under ``root``, else docs/benchmarks.md; and where it looked.
+    """The newest figure of each key under ``root``'s results, else docs/benchmarks.md; and where it looked.
 
-    Results files without the keys (other benchmarks) are skipped, not errors.
+    Each benchmark writes its own results file (bench_tpassd the detection
+    latency, bench_migration the pause and the end-to-end detection), so each
+    key is taken from the newest results file that has it: re-running one
+    benchmark does not hide another's figures. Results files without the keys
+    (other benchmarks) are skipped, not errors.
     """
     looked = [str(root / RESULTS_GLOB), str(root / BENCHMARKS_DOC)]
     files = sorted(root.glob(RESULTS_GLOB), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+    values: dict[str, float] = {}
+    stats: dict[str, str] = {}
+    sources: dict[str, str] = {}
     for path in files:
         try:
             data = json.loads(path.read_text())
@@ -126,8 +139,15 @@ def discover(root: Path) -> tuple[Measured | None, list[str]]:
             continue
         if isinstance(data, dict):
             found = parse(data, str(path))
-            if found is not None:
-                return found, looked
+            if found is None:
+                continue
+            for name, value in found.values.items():
+                if name not in values:
+                    values[name], stats[name], sources[name] = value, found.statistics[name], found.source
+    if values:
+        used = list(dict.fromkeys(sources.values()))  # newest first
+        return Measured(source=", ".join(used), values=values, statistics=stats,
+                        sources=sources if len(used) > 1 else {}), looked
     doc = root / BENCHMARKS_DOC
     if doc.is_file():
         found = _from_markdown(doc.read_text(), str(doc))

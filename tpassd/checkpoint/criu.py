@@ -275,8 +275,14 @@ def restore(
     pidfile: str | os.PathLike,
     inherit: dict[int, str] | None = None,
     extra_args: Sequence[str] = (),
+    verified: dict | None = None,
 ) -> tuple[int, float]:
     """Verify the manifest, then ``criu restore -d`` the tree; returns (host pid, seconds).
+
+    ``verified``: the manifest the caller has just checked with
+    ``verify_manifest`` (rankwrap does, to read the snapshot's meta): it is
+    not hashed a second time. Measured: each pass over a 10M-parameter
+    rank's 440 MB image costs ~0.34 s here, while every rank stands still.
 
     ``inherit`` maps a file descriptor of this process to the resource the
     dumped task had (``'pipe:[INODE]'``, from the manifest's fd1/fd2): the
@@ -286,7 +292,8 @@ def restore(
     about the restored tree.
     """
     d = Path(images)
-    verify_manifest(d)
+    if verified is None:
+        verify_manifest(d)
     argv = [criu.path, "restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2"]
     for fd, key in sorted((inherit or {}).items()):
         argv += ["--inherit-fd", f"fd[{fd}]:{key}"]

@@ -286,7 +286,7 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
         pass
     relay = Relay(relays)
     try:
-        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit)
+        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit, verified=manifest)
     except TorchpassError as exc:
         say(str(exc))
         return 1

@@ -1,0 +1,489 @@
+"""Live migration against checkpoint-restart, in the same run, on the devcluster.
+
+    .venv/bin/python bench/bench_migration.py [--sizes 10M,100M] [--out bench/results/migration.json]
+
+For each model size (examples/train_ddp.py, 3-layer MLP + Adam, gloo, one
+thread per rank) it runs three jobs on one devcluster (4 nodes, each in its
+own network namespace, a tpassd per node):
+
+1. **reference**: ``sbatch -N3`` of train_ddp.py, fault-free: the losses
+   every faulty run must reproduce.
+2. **live migration**: ``sbatch -N4 --torchpass=spares=1`` of the same
+   script (3 training nodes, 1 hot spare). At step F a fault drill
+   (ecc-sbe-storm) makes node2's tpassd publish ``degraded``; the
+   coordinator pauses every rank at one collective, CRIU-dumps node2's rank,
+   restores it on node4 and resumes. Phase durations come from the
+   coordinator's ``migration.completed`` event (state dir
+   ``jobs/J/events.json``).
+3. **checkpoint-restart**: ``sbatch -N3 --requeue`` of bench/train_ckpt.py
+   (the same training plus a ``torch.save`` checkpoint every K steps). At
+   step F the same drill, and at that instant the reaction Slurm offers
+   without torchpass: drain node2 and ``scontrol requeue`` the job. Slurm
+   kills it, starts it again on node1,3,4 (node4 stands for the node a
+   requeued job lands on), it reloads the last checkpoint
+   and recomputes the steps since. Slurm holds a requeued job for about two
+   minutes before it may start again (EligibleTime); the bench lifts that
+   hold 2 s after the job is pending again (``scontrol update
+   StartTime=now``; sooner, the launch is refused because the killed run's
+   credential was revoked in the same second), so the baseline is close to
+   the fastest restart Slurm can do, and records the hold it would have had.
+
+Time is read from the job's own output: the bench tails the output file
+every 5 ms and stamps the first arrival of each ``step=N`` line. The lost
+time of a run is how much later the steps after the fault arrive than the
+run's own step period says they should: for migration the stall seen by
+the healthy ranks (the largest step gap minus the median gap), for
+checkpoint-restart the time from the requeue until the job prints the step
+after the last one it had finished (restart + recompute), minus one period.
+Steps lost: for migration, every step must appear exactly once per rank with
+the reference's loss (float.hex, bit for bit); for checkpoint-restart the
+steps printed twice (recomputed) are counted and their losses checked too.
+
+Writes bench/results/migration.json (with ``migration_pause_s`` and
+``detection_latency_s`` for ``tpassctl goodput --measured``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
+
+TRAIN = REPO / "examples" / "train_ddp.py"
+TRAIN_CKPT = REPO / "bench" / "train_ckpt.py"
+PY = sys.executable
+TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
+STEP_RE = re.compile(r"^step=(\d+) loss=(\S+)$")
+BAD_NODE = "node2"
+
+# size -> (steps, fault at step, checkpoint every K steps, sleep per step).
+# F is mid-way between two checkpoints, so checkpoint-restart recomputes about
+# K/2 steps (the expected loss for a fault at a random time); for migration
+# the steps after F leave room for the pause margin (64 collectives).
+PLANS = {
+    "10M": {"steps": 50, "fault_at": 12, "ckpt_every": 10, "sleep": 0.0},
+    "100M": {"steps": 22, "fault_at": 7, "ckpt_every": 5, "sleep": 0.0},
+}
+
+
+def run(argv, timeout=120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def log(msg: str) -> None:
+    print(f"[bench_migration {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Tail(threading.Thread):
+    """Stamps the first arrival (time.monotonic) of every line of a growing file."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path = path
+        self.lines: list[tuple[float, str]] = []
+        self._halt = False
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        pos, buf = 0, b""
+        while not self._halt:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(0, 2)
+                    if f.tell() < pos:  # truncated (a requeued job may reopen it): start over
+                        pos, buf = 0, b""
+                    f.seek(pos)
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
+            if data:
+                now = time.monotonic()
+                pos += len(data)
+                buf += data
+                *whole, buf = buf.split(b"\n")
+                with self._lock:
+                    self.lines.extend((now, ln.decode(errors="replace")) for ln in whole)
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._halt = True
+        self.join(timeout=2)
+
+    def steps(self) -> list[tuple[float, int, str]]:
+        with self._lock:
+            out = []
+            for t, ln in self.lines:
+                m = STEP_RE.match(ln.strip())
+                if m:
+                    out.append((t, int(m.group(1)), ln.strip()))
+            return out
+
+    def max_step(self) -> int:
+        s = self.steps()
+        return max((n for _, n, _ in s), default=-1)
+
+
+class Bench:
+    def __init__(self, cluster: Devcluster, work: Path):
+        self.c = cluster
+        self.work = work
+
+    # --- Slurm helpers ---------------------------------------------------------------
+    def submit(self, tag: str, cmd: str, sbatch_args: list[str]) -> tuple[int, Path]:
+        script = self.work / f"{tag}.sbatch"
+        script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
+        out = self.work / f"{tag}.out"
+        p = run(["sbatch", "--parsable", "--ntasks-per-node=1", "--open-mode=append", "-o", str(out),
+                 *sbatch_args, str(script)], cwd=self.work)
+        if p.returncode != 0:
+            raise RuntimeError(f"sbatch {tag}: {p.stderr.strip()}")
+        return int(p.stdout.strip().split(";")[0]), out
+
+    def job(self, job_id: int) -> dict:
+        p = run(["scontrol", "show", "job", str(job_id), "--json"])
+        return json.loads(p.stdout)["jobs"][0] if p.returncode == 0 else {}
+
+    def wait_end(self, job_id: int, timeout_s: float) -> dict:
+        end = time.monotonic() + timeout_s
+        j: dict = {}
+        while time.monotonic() < end:
+            j = self.job(job_id)
+            if j and not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING",
+                                                 "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}:
+                return j
+            time.sleep(0.25)
+        raise RuntimeError(f"job {job_id} still {j.get('job_state')} after {timeout_s:.0f}s")
+
+    def wait_step(self, tail: Tail, step: int, job_id: int, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if tail.max_step() >= step:
+                return
+            time.sleep(0.005)
+        raise RuntimeError(f"job {job_id} did not reach step {step} in {timeout_s:.0f}s: "
+                           + "\n".join(ln for _, ln in tail.lines[-20:]))
+
+    def release_requeued(self, job_id: int, timeout_s: float = 120) -> float | None:
+        """Slurm holds a requeued batch job (EligibleTime = requeue + ~2 min); lift that at once.
+
+        Returns how long Slurm would have held it (s), for the record. This
+        makes the baseline as fast as Slurm can restart a job, not Slurm's
+        default. Slurm sets the hold once the killed job has completed, so
+        this repeats until the job runs again.
+        """
+        end = time.monotonic() + timeout_s
+        hold = None
+        while time.monotonic() < end:
+            j = self.job(job_id)
+            states = set(j.get("job_state", []))
+            if "RUNNING" in states and int(j.get("restart_cnt", 0)) > 0:
+                return hold
+            if "PENDING" in states and j.get("state_reason") == "BeginTime":
+                try:
+                    hold = round(float(j["eligible_time"]["number"]) - time.time(), 1)
+                except (KeyError, TypeError, ValueError):
+                    pass
+                # Not at once: the killed run's job credential is revoked with a
+                # 1 s resolution, and a launch in the same second is refused
+                # ("Job credential revoked": the job fails). 2 s is safe here.
+                time.sleep(2.0)
+                run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+                time.sleep(1.0)
+            time.sleep(0.05)
+        raise RuntimeError(f"requeued job {job_id} did not start again within {timeout_s:.0f}s")
+
+    def inject(self, fault: str) -> None:
+        p = run([TPASSCTL, "inject", "--node", BAD_NODE, "--fault", fault], timeout=30)
+        if p.returncode != 0:
+            raise RuntimeError(f"tpassctl inject {fault}: {p.stderr.strip()}")
+
+    def heal(self) -> None:
+        run([TPASSCTL, "inject", "--node", BAD_NODE, "--fault", "clear"], timeout=30)
+        run(["scontrol", "update", f"NodeName={BAD_NODE}", "State=RESUME"])
+        time.sleep(1.5)  # tpassd publishes healthy again before the next job
+
+    # --- the three runs ----------------------------------------------------------------
+    def reference(self, size: str, plan: dict) -> dict:
+        cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
+        job_id, out = self.submit(f"ref-{size}", cmd, ["-N3"])
+        tail = Tail(out)
+        tail.start()
+        try:
+            j = self.wait_end(job_id, 900)
+        finally:
+            time.sleep(0.2)
+            tail.stop()
+        if j["job_state"][0] != "COMPLETED":
+            raise RuntimeError(f"reference job {job_id} ended {j['job_state']}: {out.read_text()[-2000:]}")
+        steps = tail.steps()
+        first = first_arrivals(steps)
+        gaps = [first[n + 1] - first[n] for n in sorted(first) if n + 1 in first]
+        return {"job_id": job_id, "lines": [ln for _, _, ln in steps], "step_period_s": statistics.median(gaps)}
+
+    def migration(self, size: str, plan: dict, ref: dict) -> dict:
+        cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
+        job_id, out = self.submit(f"mig-{size}", cmd, ["-N4", "--torchpass=spares=1"])
+        tail = Tail(out)
+        tail.start()
+        try:
+            self.wait_step(tail, plan["fault_at"], job_id, 600)
+            t_fault = time.monotonic()
+            wall_fault = time.time()
+            self.inject("ecc-sbe-storm")
+            j = self.wait_end(job_id, 900)
+        finally:
+            time.sleep(0.2)
+            tail.stop()
+            run(["scancel", str(job_id)])
+            self.heal()
+        text = out.read_text()
+        events_path = self.c.state_dir / "jobs" / str(job_id) / "events.json"
+        events = json.loads(events_path.read_text()) if events_path.exists() else []
+        done = [e for e in events if e["kind"] == "migration.completed"]
+        ok = j["job_state"][0] == "COMPLETED" and j["exit_code"]["return_code"]["number"] == 0
+        steps = tail.steps()
+        identical = per_step(ln for _, _, ln in steps) == per_step(ref["lines"])
+        first = first_arrivals(steps)
+        gaps = {n: first[n + 1] - first[n] for n in sorted(first) if n + 1 in first}
+        period = statistics.median(gaps.values())
+        worst = max(gaps, key=gaps.get)
+        res = {
+            "job_id": job_id, "completed": ok, "restart_cnt": int(j.get("restart_cnt", 0)),
+            "bit_identical_to_reference": identical,
+            "steps_lost": 0 if identical else None,
+            "step_period_s": round(period, 4),
+            "stall_s": round(gaps[worst] - period, 4),
+            "stall_between_steps": [worst, worst + 1],
+            "fault_at_step": plan["fault_at"],
+        }
+        if not ok or not done:
+            coord = self.c.state_dir / "jobs" / str(job_id) / "coordinator.log"
+            raise RuntimeError(f"migration job {job_id} ended {j['job_state']} "
+                               f"(events {[e['kind'] for e in events]}): {text[-1500:]}\n"
+                               + (coord.read_text()[-3000:] if coord.exists() else ""))
+        ev = done[0]
+        pd = ev["data"]["phase_durations"]
+        started = [e for e in events if e["kind"] == "migration.started"]
+        res["phase_durations_s"] = pd
+        res["tool_durations"] = ev["data"].get("tool_durations", {})
+        # The standstill the coordinator drove (the ranks stand still from the
+        # quiesce at T, i.e. the end of PAUSE, until every rank rebuilt).
+        res["coordinator_standstill_s"] = round(sum(pd.get(k, 0.0) for k in (
+            "dump", "transfer", "restore", "kill_source", "rebuild")), 4)
+        if started:
+            res["detection_latency_s"] = round(started[0]["time"] - wall_fault, 4)
+        del t_fault
+        return res
+
+    def checkpoint_restart(self, size: str, plan: dict, ref: dict) -> dict:
+        ckpt = self.work / f"ckpt-{size}"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt.mkdir()
+        cmd = (f"{PY} {TRAIN_CKPT} --steps {plan['steps']} --params {size} --sleep {plan['sleep']} "
+               f"--ckpt-dir {ckpt} --ckpt-every {plan['ckpt_every']}")
+        job_id, out = self.submit(f"ckpt-{size}", cmd, ["-N3", "--requeue"])
+        tail = Tail(out)
+        tail.start()
+        try:
+            fault = plan["fault_at"]
+            self.wait_step(tail, fault, job_id, 600)
+            t_detect = time.monotonic()
+            self.inject("ecc-sbe-storm")
+            # What a site does without torchpass: take the node out, requeue the job.
+            run(["scontrol", "update", f"NodeName={BAD_NODE}", "State=DRAIN", "Reason=bench: ecc storm"])
+            p = run(["scontrol", "requeue", str(job_id)])
+            if p.returncode != 0:
+                raise RuntimeError(f"scontrol requeue {job_id}: {p.stderr.strip()}")
+            t_requeued = time.monotonic()
+            hold = self.release_requeued(job_id)
+            j = self.wait_end(job_id, 1200)
+        finally:
+            time.sleep(0.2)
+            tail.stop()
+            run(["scancel", str(job_id)])
+            self.heal()
+        ok = j["job_state"][0] == "COMPLETED" and j["exit_code"]["return_code"]["number"] == 0
+        if not ok:
+            raise RuntimeError(f"checkpoint-restart job {job_id} ended {j['job_state']}: {out.read_text()[-2000:]}")
+        steps = tail.steps()
+        before = [(t, n, ln) for t, n, ln in steps if t < t_detect]
+        after = [(t, n, ln) for t, n, ln in steps if t >= t_requeued]
+        last_done = max(n for _, n, _ in before)
+        # Lines of steps that finished between the detection and the kill belong to the first run too.
+        first_run = [(t, n, ln) for t, n, ln in steps if t_detect <= t < t_requeued]
+        last_done = max([last_done] + [n for _, n, _ in first_run])
+        t_last = max(t for t, n, _ in before + first_run if n == last_done)
+        resumed_at = min(n for _, n, _ in after)
+        t_resumed = min(t for t, n, _ in after if n == resumed_at)
+        t_caught_up = min(t for t, n, _ in after if n == last_done + 1)
+        pre_gaps = first_arrivals(before)
+        post = first_arrivals(after)
+        gaps = [b - a for n, a in pre_gaps.items() if n + 1 in pre_gaps for b in [pre_gaps[n + 1]]]
+        gaps += [post[n + 1] - post[n] for n in post if n + 1 in post]
+        period = statistics.median(gaps)
+        # Every step's final line (the restarted run's) must equal the reference.
+        final: dict[int, Counter] = {}
+        for t, n, ln in steps:
+            if t >= t_requeued or n < resumed_at:
+                final.setdefault(n, Counter())[ln] += 1
+        identical = final == per_step(ref["lines"])
+        ckpt_saves = [float(m.group(1)) for m in re.finditer(r"ckpt saved step=\d+ seconds=(\S+)", out.read_text())]
+        ckpt_loads = [float(m.group(1)) for m in re.finditer(r"ckpt loaded step=\d+ seconds=(\S+)", out.read_text())]
+        return {
+            "job_id": job_id, "completed": ok, "restart_cnt": int(j.get("restart_cnt", 0)),
+            "step_period_s": round(period, 4),
+            "last_step_done_before_fault": last_done,
+            "resumed_from_step": resumed_at,
+            "steps_recomputed": last_done + 1 - resumed_at,
+            "detection_to_training_resumed_s": round(t_resumed - t_detect, 4),
+            "detection_to_caught_up_s": round(t_caught_up - t_detect, 4),
+            # Lost: how much later step last_done+1 came than one period after last_done.
+            "lost_s": round(t_caught_up - t_last - period, 4),
+            "final_losses_bit_identical_to_reference": identical,
+            "checkpoint_save_s": round(statistics.mean(ckpt_saves), 4) if ckpt_saves else None,
+            "checkpoint_load_s": round(statistics.mean(ckpt_loads), 4) if ckpt_loads else None,
+            "fault_at_step": plan["fault_at"], "ckpt_every": plan["ckpt_every"],
+            "slurm_requeue_hold_s": hold,
+        }
+
+
+def first_arrivals(steps) -> dict[int, float]:
+    first: dict[int, float] = {}
+    for t, n, _ in steps:
+        first.setdefault(n, t)
+    return first
+
+
+def per_step(lines) -> dict[int, Counter]:
+    out: dict[int, Counter] = {}
+    for ln in lines:
+        m = STEP_RE.match(ln)
+        if m:
+            out.setdefault(int(m.group(1)), Counter())[ln] += 1
+    return out
+
+
+def machine() -> dict:
+    mem = 0
+    try:
+        for ln in Path("/proc/meminfo").read_text().splitlines():
+            if ln.startswith("MemTotal:"):
+                mem = int(ln.split()[1]) // 1024
+    except OSError:
+        pass
+    cpu = ""
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    criu = run(["criu", "--version"]).stdout.split("\n")[0]
+    import torch
+
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_mb": mem, "kernel": platform.release(),
+            "criu": criu, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="10M,100M")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "migration.json")
+    ap.add_argument("--cluster", default=os.environ.get("TORCHPASS_TEST_CLUSTER", "bench"))
+    ap.add_argument("--subnet", default=os.environ.get("TORCHPASS_TEST_SUBNET", "10.76.0"))
+    args = ap.parse_args()
+    sizes = [s.strip().upper() for s in args.sizes.split(",") if s.strip()]
+    for s in sizes:
+        if s not in PLANS:
+            ap.error(f"no plan for size {s}; known: {', '.join(PLANS)}")
+    if os.geteuid() != 0:
+        ap.error("needs root (the devcluster: network namespaces, slurmd, CRIU)")
+    t_all = time.monotonic()
+    c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=4))
+    saved = dict(os.environ)
+    os.environ.update(c.env())
+    results: dict[str, dict] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
+            work = Path(tmp)
+            work.chmod(0o777)
+            b = Bench(c, work)
+            time.sleep(2.0)  # every tpassd has published its first sample
+            for size in sizes:
+                plan = PLANS[size]
+                log(f"{size}: reference run")
+                ref = b.reference(size, plan)
+                log(f"{size}: live migration run")
+                mig = b.migration(size, plan, ref)
+                log(f"{size}: migration stall {mig['stall_s']}s, phases {mig['phase_durations_s']}")
+                log(f"{size}: checkpoint-restart run")
+                cr = b.checkpoint_restart(size, plan, ref)
+                log(f"{size}: checkpoint-restart lost {cr['lost_s']}s, {cr['steps_recomputed']} steps recomputed")
+                results[size] = {
+                    "plan": plan, "reference_step_period_s": round(ref["step_period_s"], 4),
+                    "migration": mig, "checkpoint_restart": cr,
+                    "lost_time_ratio": round(cr["lost_s"] / max(mig["stall_s"], 1e-3), 1),
+                }
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        c.down()
+    # For tpassctl goodput --measured (docs/goodput.md): the largest model measured is
+    # the conservative figure for the pause; detection is the drill-to-migration start.
+    big = max(results, key=lambda s: PLANS_ORDER.index(s))
+    data = {
+        "migration_pause_s": {"mean": results[big]["migration"]["stall_s"], "n": 1, "model": big,
+                              "by_model": {s: r["migration"]["stall_s"] for s, r in results.items()}},
+        "detection_latency_s": {"mean": round(statistics.mean(
+            r["migration"]["detection_latency_s"] for r in results.values()), 4), "n": len(results),
+            "what": "fault drill sent to migration.started (tpassd detection + coordinator decision)"},
+        "checkpoint_restart_lost_s": {s: r["checkpoint_restart"]["lost_s"] for s, r in results.items()},
+        "models": results,
+        "machine": machine(),
+        "bench_seconds": round(time.monotonic() - t_all, 1),
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    print_table(results)
+    print(f"wrote {args.out} in {data['bench_seconds']} s")
+    return 0
+
+
+PLANS_ORDER = list(PLANS)
+
+
+def print_table(results: dict) -> None:
+    hdr = (f"{'model':>6} {'step':>6} | {'mig stall':>9} {'lost':>4} {'bitid':>5} | {'ckpt lost':>9} "
+           f"{'restart':>7} {'recomp':>6} | {'ratio':>6} | phases (s)")
+    print(hdr)
+    print("-" * len(hdr))
+    for size, r in results.items():
+        m, cr = r["migration"], r["checkpoint_restart"]
+        pd = m["phase_durations_s"]
+        phases = " ".join(f"{k}={pd[k]}" for k in ("pause", "dump", "transfer", "restore", "kill_source", "rebuild")
+                          if k in pd)
+        print(f"{size:>6} {r['reference_step_period_s']:>6.3f} | {m['stall_s']:>9.3f} {m['steps_lost']!s:>4} "
+              f"{m['bit_identical_to_reference']!s:>5} | {cr['lost_s']:>9.2f} {cr['detection_to_training_resumed_s']:>7.2f} "
+              f"{cr['steps_recomputed']:>6} | {r['lost_time_ratio']:>5.1f}x | {phases}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Run every benchmark in bench/ (what `make bench` does).
+
+    .venv/bin/python bench/run_all.py [--full] [--only tpassd,migration]
+
+Each benchmark writes its own bench/results/<name>.json; docs/benchmarks.md
+describes them. By default the tpassd benchmark runs with fewer drills and a
+shorter CPU window than its own defaults, so that the whole run stays under
+about 10 minutes on the 2-core development VM (the migration benchmark alone
+takes 5-7 minutes there); ``--full`` runs every benchmark with its own
+defaults (the figures in docs/benchmarks.md). The migration benchmark brings
+up its own devcluster (TORCHPASS_TEST_CLUSTER / TORCHPASS_TEST_SUBNET name
+it; default "bench" on 10.76.0) and needs root.
+
+bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
+from the newest results file that has it, and bench_migration's end-to-end
+detection latency (drill to migration start) is the one a migration sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+
+# name -> (script, quick arguments, full arguments)
+BENCHES = {
+    "tpassd": ("bench_tpassd.py", ["--drills", "10", "--fast-drills", "8", "--cpu-seconds", "30"], []),
+    "migration": ("bench_migration.py", [], []),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Run every torchpass benchmark.")
+    ap.add_argument("--full", action="store_true", help="each benchmark with its own default (longer) settings")
+    ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {', '.join(BENCHES)}")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        ap.error(f"unknown benchmark {', '.join(unknown)}; known: {', '.join(BENCHES)}")
+    failed: list[str] = []
+    t0 = time.monotonic()
+    for name in names:
+        script, quick, full = BENCHES[name]
+        argv = [sys.executable, str(BENCH / script), *(full if args.full else quick)]
+        print(f"=== {name}: {' '.join(argv[1:])}", flush=True)
+        t = time.monotonic()
+        rc = subprocess.call(argv)
+        print(f"=== {name}: exit {rc} after {time.monotonic() - t:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+    print(f"=== all benchmarks: {time.monotonic() - t0:.0f} s"
+          + (f"; FAILED: {', '.join(failed)}" if failed else "; results in bench/results/"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
