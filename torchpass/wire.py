@@ -197,8 +197,9 @@ BODIES: dict[str, dict[str, F]] = {
     # directory (records rank<R>.json, hand-off markers).
     #   op "dump":  CRIU-dump the quiesced rank, leaving it running (paused);
     #               result {images, checksum, bytes, criu_dump_s, total_s, pid}
-    #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded)
-    #   op "abort": the move is off: hand-off marker "abort"
+    #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded), discard
+    #               the rank's images on this node; result {killed, discarded_mb}
+    #   op "abort": the move is off: hand-off marker "abort", images discarded
     "tpassd.snapshot": {
         "job_id": _f(int),
         "rank": _f(int),

@@ -118,12 +118,36 @@ class CheckpointService:
             pid = b.get("pid")
             if not isinstance(pid, int) or pid <= 1:
                 raise RemoteError("bad_request", "op kill needs the source copy's pid")
-            return self._kill(job_id, rank, pid)
+            out = self._kill(job_id, rank, pid)
+            # Every restore succeeded before the coordinator asks for this kill:
+            # the images are not needed any more.
+            out["discarded_mb"] = self._discard(job_id, rank)
+            return out
         if op == "abort":
             if marker.parent.is_dir():
                 self._mark(marker, "abort")
-            return {"node": self.node, "rank": rank, "marker": "abort"}
+            # The move is off and the rank resumes here: a later move dumps anew.
+            return {"node": self.node, "rank": rank, "marker": "abort", "discarded_mb": self._discard(job_id, rank)}
         raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.snapshot; allowed: dump, kill, abort")
+
+    def _discard(self, job_id: int, rank: int) -> float:
+        """Remove this node's snapshots of the rank (MB freed). Without this every
+        move left its images (hundreds of MB to GB per rank) in snapshot_dir for good."""
+        import shutil
+
+        freed = 0
+        job_dir = self.snapshot_dir / f"job{job_id}"
+        for d in sorted(job_dir.glob(f"rank{rank}.gen*")):
+            if d.is_dir() and not d.is_symlink():
+                freed += sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
+                shutil.rmtree(d, ignore_errors=True)
+        try:
+            job_dir.rmdir()  # only when empty: other ranks of the job may still have images here
+        except OSError:
+            pass
+        if freed:
+            log.info("snapshot images discarded", job_id=job_id, rank=rank, mb=round(freed / 1e6, 1))
+        return round(freed / 1e6, 1)
 
     def _dump(self, job_id: int, rank: int, generation: int, record: Path, marker: Path) -> dict[str, Any]:
         from tpassd.checkpoint import criu as criu_mod
@@ -163,7 +187,10 @@ class CheckpointService:
             return {"node": self.node, "rank": rank, "pid": pid, "killed": False}
         if not pid_in_job(pid, job_id, rank, self.proc):
             raise RemoteError("forbidden", f"pid {pid} is not rank {rank} of job {job_id}")
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it died since the check: what the kill wanted
+            return {"node": self.node, "rank": rank, "pid": pid, "killed": False}
         deadline = time.monotonic() + 5.0
         while Path(f"{self.proc}/{pid}").exists() and time.monotonic() < deadline:
             try:  # a zombie awaiting its wrapper counts as gone

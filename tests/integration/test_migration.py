@@ -118,6 +118,12 @@ def _events(cluster, job_id: int) -> list[dict]:
     return json.loads(p.read_text()) if p.exists() else []
 
 
+def _images_left(cluster, job_id: int) -> list[str]:
+    """Snapshot directories of the job still in any tpassd's snapshot_dir (each move discards its own)."""
+    return [str(p) for n in (*TRAINING_NODES, SPARE)
+            for p in (cluster.run_dir / n / "tpassd" / "snapshots" / f"job{job_id}").glob("rank*")]
+
+
 def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
     coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
     return (f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})\n"
@@ -199,6 +205,7 @@ def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluste
     done = [e for e in events if e["kind"] == "migration.completed"]
     assert len(done) == 1, diag
     assert done[0]["data"]["node"] == node and done[0]["data"]["target"] == SPARE, diag
+    assert _images_left(cluster, job_id) == [], diag
     pd = done[0]["data"]["phase_durations"]
     for ph in ("detect", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "paused", "total"):
         assert ph in pd, (pd, diag)
@@ -230,6 +237,7 @@ def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_d
     assert rolled[0]["data"]["node"] == node and "paused" in rolled[0]["data"]["phase_durations"], diag
     # No retry storm: the node is backed off (retry_backoff_s), so one attempt in this job.
     assert kinds.count("migration.started") == 1, diag
+    assert _images_left(cluster, job_id) == [], diag  # the refused image went with the rollback
     # A rolled-back node is not drained by torchpass (docs/coordinator.md, "After a rollback").
     n = _node(node)
     assert "DRAIN" not in n["state"], (n["state"], n.get("reason"), diag)

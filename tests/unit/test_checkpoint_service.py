@@ -95,3 +95,22 @@ def criu_checksum(d):
     from tpassd.checkpoint_service import manifest_checksum
 
     return manifest_checksum(d)
+
+
+def test_kill_and_abort_discard_the_ranks_images(tmp_path):
+    """After a move (kill) or a rollback (abort) a rank's snapshots on this node are removed."""
+    # A pid above any pid_max (2**22): never a real process, so the SIGKILL cannot hit one.
+    gone = 5_000_000
+    proc = _proc(tmp_path, gone, {"SLURM_JOB_ID": "5", "RANK": "1"})
+    svc = CheckpointService(tmp_path / "snap", "n1", job_owner=lambda j: 0, proc=proc)
+    for name in ("rank1.gen1", "rank1.gen2", "rank2.gen1"):
+        d = tmp_path / "snap" / "job5" / name
+        d.mkdir(parents=True)
+        (d / "pages-1.img").write_bytes(b"x" * 1_000_000)
+    root = auth.Identity(uid=0, gid=0)
+    body = {"job_id": 5, "rank": 1, "rank_dir": str(tmp_path / "r")}
+    res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "kill", "pid": gone}), root)
+    assert res["discarded_mb"] == 2.0 and res["killed"] is False  # it was already gone
+    assert sorted(p.name for p in (tmp_path / "snap" / "job5").iterdir()) == ["rank2.gen1"]
+    res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "rank": 2, "op": "abort"}), root)
+    assert res["discarded_mb"] == 1.0 and not (tmp_path / "snap" / "job5").exists()
