@@ -71,7 +71,7 @@ def manifest_checksum(images: str | os.PathLike) -> str:
 class CheckpointService:
     def __init__(self, snapshot_dir: str | os.PathLike, node: str, *, criu_binary: str | None = None,
                  job_owner: Callable[[int], int | None] = _job_owner, proc: str = "/proc",
-                 restore_fault: Callable[[], bool] | None = None):
+                 restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None):
         self.snapshot_dir = Path(snapshot_dir)
         self.node = node
         self.criu_binary = criu_binary
@@ -79,6 +79,8 @@ class CheckpointService:
         self.proc = proc
         # The restore-fail fault drill (tpassd/drills.py): True once when armed.
         self.restore_fault = restore_fault or (lambda: False)
+        # The kill-fail drill: True once when armed; the next op=kill is refused.
+        self.kill_fault = kill_fault or (lambda: False)
 
     # -- authorization ---------------------------------------------------------
     def authorize(self, ident: auth.Identity, job_id: int) -> None:
@@ -101,6 +103,12 @@ class CheckpointService:
         return d / f"rank{rank}.json", d / f"rank{rank}.handoff"
 
     @staticmethod
+    def _put_record(path: Path, rec: dict[str, Any]) -> None:
+        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")  # not rankwrap's tmp name
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, path)
+
+    @staticmethod
     def _mark(path: Path, text: str) -> None:
         tmp = path.with_suffix(".handoff.tmp")
         tmp.write_text(text + "\n")
@@ -118,6 +126,11 @@ class CheckpointService:
             pid = b.get("pid")
             if not isinstance(pid, int) or pid <= 1:
                 raise RemoteError("bad_request", "op kill needs the source copy's pid")
+            if self.kill_fault():
+                log.warning("fault drill kill-fail: refusing to kill the source copy", job_id=job_id, rank=rank,
+                            pid=pid)
+                raise RemoteError("failed", f"fault drill kill-fail on {self.node}: the source copy of rank {rank} "
+                                            f"(pid {pid}) was not killed")
             out = self._kill(job_id, rank, pid)
             # Every restore succeeded before the coordinator asks for this kill:
             # the images are not needed any more.
@@ -253,16 +266,31 @@ class CheckpointService:
                 return {"node": self.node, "rank": rank, "killed": False}
             if rec.get("restored_from") != str(images) or rec.get("node") != self.node:
                 return {"node": self.node, "rank": rank, "killed": False}
-            return self._kill(job_id, rank, int(rec["pid"]))
+            # The rank is the copy this move started from again: put its record back
+            # *before* the kill, so that the aborted copy's wrapper, when its rank dies,
+            # sees it is no longer the rank and writes no exit code (the rank's first
+            # task wrapper would report that 137 to srun), and a later move finds the
+            # rank where it runs. No saved record (a wrapper older than "previous"):
+            # the record says the copy was aborted, which the wrapper also honours.
+            prev = rec.get("previous")
+            self._put_record(record, prev if isinstance(prev, dict) and prev.get("wrapper_pid")
+                             else {**rec, "aborted": True})
+            out = self._kill(job_id, rank, int(rec["pid"]))
+            out["record"] = "previous" if isinstance(prev, dict) and prev.get("wrapper_pid") else "aborted"
+            log.info("restored copy aborted; rank record back to the copy the move started from",
+                     job_id=job_id, rank=rank, images=str(images), record_now=out["record"],
+                     node_now=(prev or {}).get("node"))
+            return out
         raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort")
 
 
-def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None) -> CheckpointService:
+def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None,
+             kill_fault: Callable[[], bool] | None = None) -> CheckpointService:
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
     from tpassd.control import USER
 
     svc = CheckpointService(cfg.snapshot_dir, node, criu_binary=cfg.criu_binary or None,
-                            restore_fault=restore_fault)
+                            restore_fault=restore_fault, kill_fault=kill_fault)
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc

@@ -210,7 +210,8 @@ class Tpassd:
         from tpassd.checkpoint_service import register as register_checkpoint
 
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
-                                              restore_fault=self.drills.take_restore_fault)
+                                              restore_fault=self.drills.take_restore_fault,
+                                              kill_fault=self.drills.take_kill_fault)
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
         if cfg.metrics_port >= 0:
             from tpassd.metrics import MetricsServer, render

@@ -12,6 +12,13 @@ refuses the image (CRIU never starts), so the coordinator sees a real failed
 restore and rolls back. It is one-shot, root-only (it damages a job's
 image), and ``clear`` disarms it.
 
+``kill-fail`` (also one-shot, root-only, cleared by ``clear``) arms this
+node's tpassd to refuse the next ``tpassd.snapshot op=kill``: the move of a
+rank *from* this node fails after its restore on the target succeeded (the
+source copy is still there, paused), so the coordinator calls the restored
+copy off (``tpassd.restore op=abort``) and resumes on this node: the one
+rollback that starts from a running restored copy.
+
 Also builds fixture sysfs trees for tests and the devcluster.
 """
 
@@ -30,7 +37,7 @@ from tpassd.policy import Policy
 
 GPU_KINDS = ("xid79", "xid48", "ecc-sbe-storm", "row-remap-pending", "nvlink-crc", "nvml-error")
 IB_KINDS = ("ib-link-down", "ib-link-flap")
-CHECKPOINT_KINDS = ("restore-fail",)
+CHECKPOINT_KINDS = ("restore-fail", "kill-fail")
 KINDS = GPU_KINDS + IB_KINDS + CHECKPOINT_KINDS + ("clear",)
 # Kinds only root may run: they damage a job's data, not just a health reading.
 ROOT_KINDS = CHECKPOINT_KINDS
@@ -83,6 +90,13 @@ class Drills:
         # restore-fail: armed until the checkpoint service takes it (one-shot).
         self._restore_fault = threading.Lock()
         self.restore_fail_armed = False
+        self.kill_fail_armed = False  # kill-fail, under the same lock
+
+    def take_kill_fault(self) -> bool:
+        """True once after ``kill-fail`` was armed (the checkpoint service asks at each op=kill)."""
+        with self._restore_fault:
+            armed, self.kill_fail_armed = self.kill_fail_armed, False
+            return armed
 
     def take_restore_fault(self) -> bool:
         """True once after ``restore-fail`` was armed (the checkpoint service asks at each verify)."""
@@ -137,6 +151,11 @@ class Drills:
                 self.restore_fail_armed = True
             return DrillResult("armed: the next snapshot verified here for a restore gets a corrupted image "
                                "(the restore step refuses it)", [])
+        if kind == "kill-fail":
+            with self._restore_fault:
+                self.kill_fail_armed = True
+            return DrillResult("armed: the next kill of a moved rank's source copy here is refused "
+                               "(the move rolls back after its restore)", [])
         if kind in GPU_KINDS:
             fake = self._fake()
             if not 0 <= g < fake.device_count():
@@ -176,8 +195,9 @@ class Drills:
         # clear: everything back to pristine
         touched = []
         with self._restore_fault:
-            disarmed = self.restore_fail_armed
-            self.restore_fail_armed = False
+            disarmed = [k for k, armed in (("restore-fail", self.restore_fail_armed),
+                                           ("kill-fail", self.kill_fail_armed)) if armed]
+            self.restore_fail_armed = self.kill_fail_armed = False
         if isinstance(self.provider, FakeNvmlProvider):
             gpus = range(self.provider.device_count()) if gpu is None else [g]
             for i in gpus:
@@ -193,5 +213,5 @@ class Drills:
                 for c in COUNTERS:
                     _write(pdir / "counters" / c, "0\n")
                 touched.append(component_name(dev, p))
-        return DrillResult(f"cleared {len(touched)} component(s)" + ("; restore-fail disarmed" if disarmed else ""),
+        return DrillResult(f"cleared {len(touched)} component(s)" + "".join(f"; {k} disarmed" for k in disarmed),
                            touched)

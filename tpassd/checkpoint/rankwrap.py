@@ -26,10 +26,13 @@ Restore mode (a step on the target node): becomes a child subreaper, verifies
 the snapshot's manifest, runs ``criu restore -d`` with fresh stdout/stderr
 pipes passed by ``--inherit-fd``, creates the wake file (the rank's runtime
 then reopens its control link), relays output, waits for the restored rank
-and writes its exit code to ``rank<R>.exit``, unless the rank was moved on
-again (marker moving/moved and the record names a newer restore): then the
-newer restore wrapper owns the exit code and this one exits 0, which ends its
-step (the node can then be released from the job).
+and writes its exit code to ``rank<R>.exit``, unless the rank record no
+longer names this copy: the rank was moved on again (a newer restore wrapper
+owns the exit code), or this move was called off after the restore (tpassd's
+``tpassd.restore op=abort`` put the previous copy's record back, then killed
+this one: its 137 is not the rank's exit). Then this one exits 0, which ends
+its step (the node can then be released from the job). The launch-mode
+wrapper likewise takes an exit code only from the copy the record names.
 
 Runs as root here (devcluster); for ordinary users the PID-namespace split
 belongs in the SPANK plugin's slurm_spank_task_init_privileged.
@@ -109,10 +112,36 @@ class Paths:
             return {}
 
     def names(self, wrapper_pid: int, restored_from: str | None) -> bool:
-        """Whether the rank record still names this copy (no later restore took the rank over)."""
+        """Whether the rank record still names this copy: no later restore took the rank
+        over, and no rollback gave it back to the copy the move started from (tpassd's
+        ``tpassd.restore op=abort`` puts that copy's record back before it kills this one)."""
         rec = self.read_record()
         return (rec.get("wrapper_pid") == wrapper_pid and rec.get("node") == socket.gethostname()
-                and rec.get("restored_from") == restored_from)
+                and rec.get("restored_from") == restored_from and not rec.get("aborted"))
+
+    def write_exit(self, code: int, restored_from: str) -> None:
+        """The moved rank's exit code, with the copy that reports it (see read_exit)."""
+        write_json(self.exit, {"code": code, "wrapper_pid": os.getpid(), "node": socket.gethostname(),
+                               "restored_from": restored_from})
+
+    def read_exit(self) -> int | None:
+        """The moved rank's exit code, or None while there is none from the copy the record
+        names. A copy whose move was called off after its restore (rollback: the record
+        names the copy that kept running) must never decide the rank's exit: the task
+        wrapper Slurm tracks would report its 137 to srun while training goes on."""
+        try:
+            got = json.loads(self.exit.read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(got, int) and not isinstance(got, bool):  # "CODE\n": a wrapper without the writer
+            return got
+        if not isinstance(got, dict) or not isinstance(got.get("code"), int):
+            return None
+        rec = self.read_record()
+        if (rec.get("aborted") or rec.get("wrapper_pid") != got.get("wrapper_pid")
+                or rec.get("node") != got.get("node") or rec.get("restored_from") != got.get("restored_from")):
+            return None
+        return got["code"]
 
     def marker(self) -> str:
         try:
@@ -246,10 +275,9 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
         if on_handoff == "exit0":
             return 0
         while True:
-            try:
-                return int(paths.exit.read_text().strip())
-            except (OSError, ValueError):
-                pass
+            got = paths.read_exit()
+            if got is not None:
+                return got
             # dump failed after all, and the rank died; an abort of a later move
             # (the rank then runs on elsewhere, its record names that copy) is not ours
             if paths.marker() == "abort" and paths.names(os.getpid(), None):
@@ -306,23 +334,46 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
             os.kill(pid, signal.SIGKILL)
             relay.wait(pid)
             return 1
-    previous = paths.read_record()
-    previous.pop("previous", None)
-    write_json(paths.record, {
-        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "node": socket.gethostname(),
-        "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": str(images),
-        "restore_s": round(seconds, 4), "started": time.time(), "previous": previous,
-    })
+    take_over(paths, job, rank, pid, str(images), meta, seconds)
     if wake_file:
         Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
         Path(wake_file).touch()
     code = relay.wait(pid)
-    if paths.marker() in ("moving", "moved") and not paths.names(os.getpid(), str(images)):
-        # Moved on again (a second fault): a later restore wrapper now holds the
-        # rank and writes its exit code; this step ends, so the node can be released.
-        say(f"rank {rank} moved on from {socket.gethostname()}; this restore step ends")
+    return finish_restored(paths, str(images), code)
+
+
+def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float) -> None:
+    """The rank record now names this restored copy. The record it replaces is kept as
+    ``previous``: if this move is called off after the restore, tpassd puts it back."""
+    previous = paths.read_record()
+    previous.pop("previous", None)
+    write_json(paths.record, {
+        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid,
+        "node": socket.gethostname(), "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": images,
+        "restore_s": round(seconds, 4), "started": time.time(), "previous": previous,
+    })
+
+
+def finish_restored(paths: Paths, images: str, code: int) -> int:
+    """After the restored rank ended with ``code``: report it as the rank's exit code,
+    unless the rank record no longer names this copy. Then either the rank moved on
+    (a later restore wrapper holds it and reports its exit), or this copy's move was
+    rolled back after the restore (tpassd put the previous copy's record back and
+    killed this one; training goes on there). Either way this step ends with 0, so
+    the node can be released, and writes nothing: the 137 of an aborted copy is not
+    the rank's exit."""
+    rank = paths.record.stem.removeprefix("rank")
+    if not paths.names(os.getpid(), images):
+        rec = paths.read_record()
+        prev = rec.get("previous") or {}
+        if prev.get("wrapper_pid") == os.getpid() and prev.get("restored_from") == images:
+            say(f"rank {rank} moved on from {socket.gethostname()} to {rec.get('node', '?')}; this restore step ends")
+        else:
+            where = "" if rec.get("aborted") else f"; it runs on {rec.get('node', '?')}"
+            say(f"rank {rank}: its move to {socket.gethostname()} was called off{where}; "
+                f"this copy ends (its exit {code} is not the rank's)")
         return 0
-    paths.exit.write_text(f"{code}\n")
+    paths.write_exit(code, images)
     return code
 
 

@@ -1,0 +1,236 @@
+"""A move rolled back after its restore succeeded (issue 4, second move of a rank).
+
+The rank moved node2 -> node3 once (its first task wrapper, the one Slurm
+tracks, waits for the moved rank's exit code); it is moved again node3 ->
+node4 and that move is called off after node4's restore succeeded (the kill
+of the source failed). Real processes and the real shared files: the first
+task wrapper runs `python -m tpassd.checkpoint.rankwrap` (its own PID
+namespace: needs root), the restored copies run rankwrap's own take_over /
+finish_restored around a real child process, and tpassd's CheckpointService
+does the kill, the abort and the hand-off markers as the coordinator asks
+for them. Only CRIU is left out (the markers the dump sets are set the same
+way by hand; tests/integration covers the dump itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpass import auth, wire
+from torchpass.errors import RemoteError
+from tpassd.checkpoint import rankwrap as rw
+from tpassd.checkpoint_service import CheckpointService
+
+ROOT = auth.Identity(uid=0, gid=0)
+JOB, RANK = 5, 1
+ENV = {**os.environ, "TORCHPASS_JOB_ID": str(JOB), "RANK": str(RANK)}
+
+# A restored copy: what `rankwrap --restore` does once CRIU has brought the rank
+# back (take over the record, wait for the rank, report or not), with a plain
+# child process as the rank.
+COPY = """
+import subprocess, sys
+from tpassd.checkpoint import rankwrap as rw
+state_dir, images, go = sys.argv[1:4]
+paths = rw.Paths(state_dir, "5", "1")
+rank = subprocess.Popen(["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done"])
+rw.take_over(paths, "5", "1", rank.pid, images, {"job": 5, "rank": 1}, 0.1)
+sys.exit(rw.finish_restored(paths, images, rw.Relay({}).wait(rank.pid)))
+"""
+
+
+def _until(pred, what: str, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout:g}s")
+
+
+def _copy(state_dir: Path, images: str, go: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", COPY, str(state_dir), images, str(go)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _mark(svc: CheckpointService, rank_dir: Path, text: str) -> None:
+    svc._mark(rank_dir / f"job{JOB}" / f"rank{RANK}.handoff", text)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the task wrapper's PID namespace needs root")
+def test_rolled_back_second_move_gives_the_rank_back_and_its_137_is_never_the_ranks_exit(tmp_path):
+    rd = tmp_path / "ranks"
+    paths = rw.Paths(str(rd), str(JOB), str(RANK))
+    svc = CheckpointService(tmp_path / "snap", socket.gethostname(), job_owner=lambda j: 0)
+    body = {"job_id": JOB, "rank": RANK, "rank_dir": str(rd)}
+    go1, go3, go4 = tmp_path / "go1", tmp_path / "go3", tmp_path / "go4"
+    img1, img2 = str(tmp_path / "snap/job5/rank1.gen1"), str(tmp_path / "snap/job5/rank1.gen2")
+    procs: list[subprocess.Popen] = []
+    try:
+        # The training step's task wrapper on "node2".
+        w1 = subprocess.Popen([sys.executable, "-m", "tpassd.checkpoint.rankwrap", "--state-dir", str(rd), "--",
+                               "sh", "-c", f"while [ ! -e {go1} ]; do sleep 0.05; done"], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(w1)
+        first = _until(lambda: paths.read_record().get("wrapper_pid") == w1.pid and paths.read_record(),
+                       "the task wrapper's record")
+
+        # Move 1 (node2 -> node3) succeeds: dumped, restored, source killed.
+        _mark(svc, rd, "moving")
+        _mark(svc, rd, "moved")
+        c3 = _copy(rd, img1, go3)
+        procs.append(c3)
+        _until(lambda: paths.read_record().get("restored_from") == img1, "the first restore's record")
+        res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "kill", "pid": first["pid"]}), ROOT)
+        assert res["killed"] is True
+        time.sleep(0.5)
+        assert w1.poll() is None, "the task wrapper must wait for the moved rank's exit code"
+        third = paths.read_record()
+
+        # Move 2 (node3 -> node4): restored on node4, then called off (the kill of the
+        # node3 copy failed): tpassd.restore op=abort on node4, then the hand-off is
+        # marked aborted on node3 (ResumeInPlace).
+        _mark(svc, rd, "moving")
+        _mark(svc, rd, "moved")
+        c4 = _copy(rd, img2, go4)
+        procs.append(c4)
+        fourth = _until(lambda: paths.read_record().get("restored_from") == img2 and paths.read_record(),
+                        "the second restore's record")
+        assert fourth["previous"]["wrapper_pid"] == c3.pid
+        res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort", "images": img2}), ROOT)
+        assert res["killed"] is True and res["record"] == "previous"
+        assert c4.wait(timeout=30) == 0
+        assert "was called off" in c4.stderr.read()
+        svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "abort"}), ROOT)
+
+        # (b) The record names the node3 copy again: a later move finds the rank there.
+        rec = paths.read_record()
+        assert (rec["wrapper_pid"], rec["pid"], rec["restored_from"]) == (c3.pid, third["pid"], img1)
+        # (a) The aborted copy's 137 reached nobody: no exit code, the task wrapper waits on.
+        assert not paths.exit.exists()
+        time.sleep(0.5)
+        assert w1.poll() is None
+
+        # Training ends on node3: its exit code (0) is the rank's, and the task wrapper's.
+        go3.touch()
+        assert c3.wait(timeout=30) == 0
+        assert json.loads(paths.exit.read_text())["wrapper_pid"] == c3.pid
+        assert w1.wait(timeout=30) == 0, w1.stderr.read()
+    finally:
+        for p in (go1, go3, go4):
+            p.touch()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the task wrapper's PID namespace needs root")
+def test_rolled_back_first_move_gives_the_rank_back_to_its_task_wrapper(tmp_path):
+    """The first move called off after its restore: the record is the task wrapper's again, and
+    the rank's own exit (here 3) is what the task wrapper reports, not the aborted copy's 137."""
+    rd = tmp_path / "ranks"
+    paths = rw.Paths(str(rd), str(JOB), str(RANK))
+    svc = CheckpointService(tmp_path / "snap", socket.gethostname(), job_owner=lambda j: 0)
+    body = {"job_id": JOB, "rank": RANK, "rank_dir": str(rd)}
+    go1, go3 = tmp_path / "go1", tmp_path / "go3"
+    img1 = str(tmp_path / "snap/job5/rank1.gen1")
+    procs: list[subprocess.Popen] = []
+    try:
+        w1 = subprocess.Popen([sys.executable, "-m", "tpassd.checkpoint.rankwrap", "--state-dir", str(rd), "--",
+                               "sh", "-c", f"while [ ! -e {go1} ]; do sleep 0.05; done; exit 3"], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(w1)
+        first = _until(lambda: paths.read_record().get("wrapper_pid") == w1.pid and paths.read_record(),
+                       "the task wrapper's record")
+        _mark(svc, rd, "moving")
+        _mark(svc, rd, "moved")
+        c3 = _copy(rd, img1, go3)
+        procs.append(c3)
+        _until(lambda: paths.read_record().get("restored_from") == img1, "the restore's record")
+        res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort", "images": img1}), ROOT)
+        assert res["killed"] is True
+        assert c3.wait(timeout=30) == 0 and not paths.exit.exists()
+        svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "abort"}), ROOT)
+        rec = paths.read_record()
+        assert (rec["wrapper_pid"], rec["pid"], rec.get("restored_from")) == (w1.pid, first["pid"], None)
+        go1.touch()
+        assert w1.wait(timeout=30) == 3
+    finally:
+        for p in (go1, go3):
+            p.touch()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def test_exit_code_counts_only_from_the_copy_the_record_names(tmp_path):
+    paths = rw.Paths(str(tmp_path), "5", "1")
+    host = socket.gethostname()
+    rw.write_json(paths.record, {"wrapper_pid": 11, "node": host, "restored_from": "/i/gen1"})
+    assert paths.read_exit() is None
+    paths.exit.parent.mkdir(parents=True, exist_ok=True)
+    paths.exit.write_text(json.dumps({"code": 137, "wrapper_pid": 22, "node": host, "restored_from": "/i/gen2"}))
+    assert paths.read_exit() is None  # an aborted copy's
+    paths.exit.write_text(json.dumps({"code": 0, "wrapper_pid": 11, "node": host, "restored_from": "/i/gen1"}))
+    assert paths.read_exit() == 0
+    rw.write_json(paths.record, {"wrapper_pid": 11, "node": host, "restored_from": "/i/gen1", "aborted": True})
+    assert paths.read_exit() is None
+    paths.exit.write_text("7\n")  # the plain form (a wrapper that does not name itself)
+    assert paths.read_exit() == 7
+
+
+def _proc(tmp_path, pid, env):
+    d = tmp_path / "proc" / str(pid)
+    d.mkdir(parents=True)
+    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    return str(tmp_path / "proc")
+
+
+def test_abort_without_a_saved_record_marks_the_copy_aborted(tmp_path):
+    gone = 5_000_000  # above any pid_max: never a real process
+    proc = _proc(tmp_path, gone, {"SLURM_JOB_ID": "5", "RANK": "1"})
+    svc = CheckpointService(tmp_path / "snap", "n4", job_owner=lambda j: 0, proc=proc)
+    rec_path = tmp_path / "r" / "job5" / "rank1.json"
+    rec_path.parent.mkdir(parents=True)
+    rec_path.write_text(json.dumps({"wrapper_pid": 9, "pid": gone, "node": "n4", "restored_from": "/img"}))
+    body = {"job_id": 5, "rank": 1, "rank_dir": str(tmp_path / "r"), "images": "/img"}
+    # Another copy's images: nothing is touched.
+    res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort", "images": "/other"}), ROOT)
+    assert res["killed"] is False and "aborted" not in json.loads(rec_path.read_text())
+    res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort"}), ROOT)
+    assert res["record"] == "aborted" and json.loads(rec_path.read_text())["aborted"] is True
+
+
+def test_kill_fail_drill_refuses_one_kill(tmp_path):
+    from tpassd.drills import Drills
+    from tpassd.policy import Policy
+
+    drills = Drills(None, tmp_path / "sys", Policy(), enabled=True)
+    gone = 5_000_000
+    proc = _proc(tmp_path, gone, {"SLURM_JOB_ID": "5", "RANK": "1"})
+    svc = CheckpointService(tmp_path / "snap", "n3", job_owner=lambda j: 0, proc=proc,
+                            kill_fault=drills.take_kill_fault)
+    msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": gone,
+                                           "rank_dir": str(tmp_path / "r")})
+    assert "refused" in drills.apply("kill-fail").description
+    with pytest.raises(RemoteError, match="kill-fail"):
+        svc.snapshot(msg, ROOT)
+    assert svc.snapshot(msg, ROOT)["killed"] is False  # one-shot: the next kill goes through
+    drills.apply("kill-fail")
+    assert "kill-fail disarmed" in drills.apply("clear").description
+    assert svc.snapshot(msg, ROOT)["killed"] is False
