@@ -234,3 +234,17 @@ def test_kill_fail_drill_refuses_one_kill(tmp_path):
     drills.apply("kill-fail")
     assert "kill-fail disarmed" in drills.apply("clear").description
     assert svc.snapshot(msg, ROOT)["killed"] is False
+
+
+def test_a_second_restore_of_the_same_snapshot_keeps_the_copy_the_move_started_from(tmp_path):
+    """The first target was lost before its copy could be called off (its record stayed): the
+    restore on the next spare must still remember the source copy, not the lost one."""
+    paths = rw.Paths(str(tmp_path), "5", "1")
+    source = {"wrapper_pid": 30, "pid": 31, "node": "node3", "restored_from": "/s/rank1.gen1"}
+    rw.write_json(paths.record, {"wrapper_pid": 40, "pid": 41, "node": "node4", "restored_from": "/s/rank1.gen2",
+                                 "previous": source})
+    rw.take_over(paths, "5", "1", 51, "/s/rank1.gen2", {}, 0.1)
+    rec = paths.read_record()
+    assert (rec["pid"], rec["previous"]) == (51, source)
+    rw.take_over(paths, "5", "1", 61, "/s/rank1.gen3", {}, 0.1)  # a later move: the previous is this copy
+    assert paths.read_record()["previous"]["pid"] == 51

@@ -346,6 +346,10 @@ def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: di
     """The rank record now names this restored copy. The record it replaces is kept as
     ``previous``: if this move is called off after the restore, tpassd puts it back."""
     previous = paths.read_record()
+    if previous.get("restored_from") == images and isinstance(previous.get("previous"), dict):
+        # An earlier restore of this same snapshot on a target that was lost (so its
+        # abort could not put the record back): the move started from *its* previous.
+        previous = previous["previous"]
     previous.pop("previous", None)
     write_json(paths.record, {
         "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid,
