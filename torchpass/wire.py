@@ -85,6 +85,10 @@ BODIES: dict[str, dict[str, F]] = {
         "collectives": _f(int),
         "node": _f(str, required=False),
         "loss": _f(float, int, required=False),
+        # collectives issued when optimizer step boundary_step ended (the
+        # coordinator aligns the pause point T to step boundaries)
+        "boundary": _f(int, required=False),
+        "boundary_step": _f(int, required=False),
     },
     # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
     # Publications on tpassd's PUB socket, multipart [topic, frame] with the

@@ -90,7 +90,10 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
     A job whose coordinator has ended is read from the event log it saved
     in the state directory. One line per event: time, kind, message; migrations also show how long
     each phase took (detect, spare, pause, dump, transfer, restore,
-    kill_source, rebuild, drain, shrink; paused = time training stood still).
+    kill_source, rebuild, drain, shrink). "pause" runs from the pause
+    command until the last rank reached the pause point T: the ranks train
+    on meanwhile. "paused" is the time training stood still: from the last
+    rank reaching T to the end of the rebuild (or rollback).
     """
     if job_id is not None:
         # A running job answers through its coordinator; a finished one (or one

@@ -6,6 +6,7 @@ so far; it plays the executor by feeding outcomes through machine.apply.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -35,7 +36,7 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health import State
 
 P = CoordinatorPolicy(
-    stall_s=30.0, pause_margin_collectives=8, spare_timeout_s=30.0, pause_timeout_s=10.0, dump_timeout_s=20.0,
+    stall_s=30.0, pause_margin_collectives=8, pause_fallback_collectives=8, spare_timeout_s=30.0, pause_timeout_s=10.0, dump_timeout_s=20.0,
     transfer_timeout_s=10.0, restore_timeout_s=20.0, kill_timeout_s=5.0, rebuild_timeout_s=10.0,
     finalize_timeout_s=10.0, max_spare_attempts=2, max_resume_attempts=2, retry_backoff_s=100.0,
     spare_retry_s=200.0, max_attempts_per_node=3,
@@ -172,7 +173,9 @@ def test_happy_path_through_every_phase_with_durations():
                 "kill_source": 0.05, "rebuild": 0.06, "drain": 0.5, "shrink": 0.5}
     for k, v in expected.items():
         assert pd[k] == pytest.approx(v, abs=1e-6), k
-    assert pd["paused"] == pytest.approx(0.5 + 0.3 + 0.1 + 0.2 + 0.05 + 0.06)
+    # paused = training standing still: from the last rank reaching T (the ranks trained
+    # on during the 0.5 s "pause" phase) to the end of the rebuild.
+    assert pd["paused"] == pytest.approx(0.3 + 0.1 + 0.2 + 0.05 + 0.06)
     assert pd["total"] == pytest.approx(sum(expected.values()))
     assert done.data["tool_durations"] == {"dump.criu_dump_s": 0.2, "dump.cuda_checkpoint_s": 0.05,
                                            "restore.criu_restore_s": 0.15}
@@ -529,7 +532,11 @@ def test_a_stalled_rank_makes_its_node_migrate():
     d = sim.tick(0.1)
     (pause,) = sim.of(d, PauseAt)
     assert pause.hold_ranks == (4, 5) and sim.m.reason == "rank 4 stalled" and sim.m.trigger == "stall"
-    assert pause.at == 113 + 8
+    # T: the top count 113 + what the ranks can issue before their next report (7 s apart
+    # here, + pause_slack_s) at the measured rate, + pause_margin_collectives.
+    rate = max(r.rate for r in sim.state.ranks.values())
+    assert 0 < rate < 1.5
+    assert pause.at == 113 + math.ceil(rate * (7 + P.pause_slack_s)) + 8
     assert sim.m.phase_durations["detect"] == 0.0
 
 
@@ -782,3 +789,109 @@ def test_never_left_paused_and_one_migration_at_a_time(data):
         # decide is idempotent: asked again at once, it does nothing new and says the same.
         again = decide(sim.now, st, HP)
         assert again.actions == () and again.reason == d.reason and again.state == st
+
+
+# ============================================================================
+# The pause point T and the standstill ("paused")
+# ============================================================================
+from torchpass.coordinator.decide import RankView, pause_point  # noqa: E402
+
+TP = replace(P, pause_margin_collectives=2, pause_slack_s=0.5, pause_fallback_collectives=64)
+
+
+def _train(sim, seconds, per_report=3, per_step=2, interval=0.5):
+    """Every rank reports every ``interval``: ``per_report`` more collectives, a step boundary
+    every ``per_step`` collectives (the last one before the report)."""
+    for _ in range(int(seconds / interval)):
+        top = max(r.collectives for r in sim.state.ranks.values()) + per_report
+        b = top - (top - 100) % per_step  # boundaries at 100, 102, 104, ...
+        sim.tick(interval, *[mc.RankProgress(r, top, 10 + (b - 100) // per_step, None, b, 10 + (b - 100) // per_step)
+                             for r in sim.state.ranks])
+
+
+def test_pause_point_comes_from_the_measured_rate_and_lands_on_a_step_boundary():
+    sim = Sim(policy=TP)
+    _train(sim, 3.0)  # 6 collectives/s, reports 0.5 s apart, 2 collectives per step
+    views = sim.state.ranks
+    assert all(v.rate == pytest.approx(6.0) and v.report_gap == pytest.approx(0.5) and v.per_step == 2
+               for v in views.values())
+    top = max(v.collectives for v in views.values())
+    d = sim.degrade("node2", dt=0.1)
+    (pause,) = sim.of(d, PauseAt)
+    # reachable: top + 6/s x (0.5 s to the next report + 0.5 s slack) = top + 6; + margin 2;
+    # top + 8 is a step boundary (collectives 100 + 2k).
+    assert pause.at == top + 8 and (pause.at - 100) % 2 == 0
+    assert "collectives/s" in sim.m.pause_estimate and "step boundary" in sim.m.pause_estimate
+    # The old fixed margin would have asked for top + 64: ~10 s more of training before the move.
+
+
+def test_pause_point_rounds_up_to_the_next_step_boundary():
+    base = dict(collectives=100, reported_at=10.0, report_gap=0.5, rate=4.0, boundary=97, boundary_step=32)
+    ranks = {r: RankView(r, "n", per_step=5, **base) for r in range(3)}
+    at, how = pause_point(10.0, ranks, TP)
+    # reach 100 + ceil(4 x 1.0) = 104, + 2 = 106 -> next boundary 97 + 5k >= 106 is 107
+    assert at == 107 and "5 collectives/step" in how
+    # Ranks that disagree on the collectives per step: no rounding.
+    ranks[1] = replace(ranks[1], per_step=0)
+    assert pause_point(10.0, ranks, TP)[0] == 106
+    # A report that is overdue counts from the time since it, not the usual gap.
+    assert pause_point(12.0, {0: RankView(0, "n", **base)}, TP)[0] == 100 + 10 + 2
+    # No rate yet: the fallback margin.
+    at, how = pause_point(10.0, {0: RankView(0, "n", collectives=100)}, TP)
+    assert at == 164 and "no rate" in how
+    # A re-arm after a refusal at 130 seen just now: 130 + what that rank issues before it hears.
+    assert pause_point(10.0, {0: RankView(0, "n", **base)}, TP, floor=130)[0] == 130 + 4 + 2
+
+
+def test_rank_pace_from_progress_reports():
+    st = CoordState(job_id=1)
+    st = mc.apply(st, mc.RankRegistered(0, "n1", 1), 0.0)
+    st = mc.apply(st, mc.RankProgress(0, 10, 1, None, 9, 1), 1.0)
+    assert st.ranks[0].rate == 0.0 and st.ranks[0].rate_base == (1.0, 10)
+    st = mc.apply(st, mc.RankProgress(0, 12, 1), 1.05)  # too close to measure a rate (a paused rank's poll)
+    assert st.ranks[0].rate == 0.0 and st.ranks[0].report_gap == pytest.approx(0.05)
+    st = mc.apply(st, mc.RankProgress(0, 20, 4, None, 18, 4), 2.0)
+    v = st.ranks[0]
+    assert v.rate == pytest.approx(10.0) and v.per_step == 3 and (v.boundary, v.boundary_step) == (18, 4)
+    st = mc.apply(st, mc.RankProgress(0, 22, 5, None, 22, 5), 3.0)  # 4 collectives in that step, not 3
+    assert st.ranks[0].rate == pytest.approx(6.0) and st.ranks[0].per_step == 0
+    st = mc.apply(st, mc.RankProgress(0, 27, 6, None, 26, 6), 3.5)  # 4 again
+    assert st.ranks[0].per_step == 4 and st.ranks[0].report_gap == pytest.approx(0.625)
+    st = mc.apply(st, mc.RankProgress(0, 5, 1), 4.0)  # went backwards: measure afresh
+    assert st.ranks[0].rate == 0.0 and st.ranks[0].rate_base == (4.0, 5)
+
+
+def test_paused_is_the_standstill_from_the_last_rank_at_T():
+    sim = Sim()
+    sim.degrade("node2")
+    m = sim.m
+    sim.tick(0.4, *[mc.Quiesced(r, m.generation, m.pause_at) for r in range(5)])
+    sim.tick(1.0, mc.Quiesced(5, m.generation, m.pause_at))  # the last rank gets there 1 s later
+    assert sim.m.phase == Phase.DUMP and sim.m.stood_still_since == sim.now
+    sim.dump_all()
+    sim.transfer_all()
+    sim.restore_all()
+    sim.kill_source()
+    sim.resume_all()
+    pd = sim.events("migration.resumed")[-1].data["phase_durations"]
+    assert pd["pause"] == pytest.approx(1.4)
+    assert pd["paused"] == pytest.approx(0.3 + 0.1 + 0.2 + 0.05 + 0.06)
+
+
+def test_a_rollback_before_every_rank_stopped_counts_from_the_first_one():
+    sim = Sim()
+    sim.degrade("node2")
+    m = sim.m
+    sim.tick(1.0, mc.Quiesced(0, m.generation, m.pause_at))
+    d = sim.tick(P.pause_timeout_s)  # the others never get there
+    assert sim.of(d, ResumeInPlace)
+    sim.resume_all(dt=0.2, cancelled=True)
+    rec = sim.state.history[-1]
+    assert rec.outcome == "rolled_back"
+    assert rec.phase_durations["paused"] == pytest.approx(P.pause_timeout_s + 0.2)
+    # Nobody stopped at all: nothing stood still.
+    sim2 = Sim()
+    sim2.degrade("node2")
+    sim2.tick(P.pause_timeout_s)
+    sim2.resume_all(dt=0.2, cancelled=True)
+    assert sim2.state.history[-1].phase_durations["paused"] == 0.0

@@ -105,8 +105,9 @@ def test_runtime_loaded_without_pause_is_bit_identical(reference):
 def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
     plain, _on, counts = reference
     # Pause points: before the first bucket of step 4 (in backward), between
-    # two buckets of step 8 (mid-backward), and at the step boundary
-    # (before the loss all_reduce after step 11).
+    # two buckets of step 8 (mid-backward), and at the step boundary (T = the
+    # count when step 11 ended: the rank stops in the optimizer-step hook,
+    # before the loss all_reduce that follows, with nothing in flight).
     plan = [(3, counts[3] + 1), (7, counts[7] + 2), (11, counts[11])]
     with MiniCoordinator(WORLD, JOB) as coord:
         procs = launch(tmp_path, "mig", runtime=True, coordinator=coord.endpoint)
@@ -141,6 +142,7 @@ def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
     assert out[0] == plain and out[1] == plain
     err = (tmp_path / "mig.1.err").read_text()
     assert err.count("(in backward)") == 2, err
+    assert err.count("(at a step end)") == 1, err
     assert err.count("resumed as generation") == 3
 
 

@@ -80,6 +80,14 @@ class RankView:
     collectives: int = 0
     step: int = -1
     last_advance: float = 0.0  # coordinator clock when ``collectives`` last grew
+    # For choosing T (see pause_point); set by machine from progress reports.
+    reported_at: float | None = None  # coordinator clock of the last progress report
+    report_gap: float = 0.0  # seconds between its progress reports (smoothed)
+    rate: float = 0.0  # collectives per second (smoothed; 0: not known yet)
+    rate_base: tuple[float, int] | None = None  # (time, collectives) the next rate sample starts from
+    boundary: int = -1  # collectives issued when its last optimizer step ended (-1: not reported)
+    boundary_step: int = -1  # the step that ended there
+    per_step: int = 0  # collectives per optimizer step, from two boundaries (0: not known)
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class Migration:
     spare_requested: str | None = None  # strategy of the outstanding RequestSpare
     spare_failures: tuple[tuple[str, str], ...] = ()  # (strategy, why)
     pause_at: int | None = None
+    pause_estimate: str = ""  # how T was chosen (for the event)
     rearms: int = 0
     refused: tuple[tuple[int, int], ...] = ()  # (rank, collectives) that refused PauseAt(T)
     quiesced: frozenset[int] = frozenset()
@@ -147,7 +156,11 @@ class Migration:
     failure: Failure | None = None
     rollback_reason: str | None = None
     resume_attempts: int = 0
-    paused_since: float | None = None
+    paused_since: float | None = None  # PauseAt sent (ranks train on until they reach T)
+    # Training stands still: the last rank reached T (or, for a rollback before
+    # every rank did, the first one). "paused" in phase_durations runs from here.
+    first_quiesced: float | None = None
+    stood_still_since: float | None = None
     ready_at: float | None = None  # when the phase's completion condition became true (set by machine)
     notes: tuple[str, ...] = ()  # drain/shrink problems (training already runs)
     drain_done: bool = False
@@ -530,6 +543,12 @@ def phase_complete(st: CoordState, m: Migration) -> bool:
     return False
 
 
+def _stood_still(m: Migration) -> float | None:
+    """When training stood still: every rank at T, else (rolled back before they all got
+    there) the first rank that stopped; None if no rank ever stopped."""
+    return m.stood_still_since if m.stood_still_since is not None else m.first_quiesced
+
+
 def _close_phase(m: Migration, now: float) -> dict[str, float]:
     d = dict(m.phase_durations)
     end = m.ready_at if m.ready_at is not None else now
@@ -546,8 +565,9 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: str, p
             message: str, kind: str) -> CoordState:
     durations = _close_phase(m, now)
     durations["total"] = _r(now - m.started)
-    if m.paused_since is not None and "paused" not in durations and m.paused:
-        durations["paused"] = _r(now - m.paused_since)
+    if "paused" not in durations and m.paused:
+        since = _stood_still(m)
+        durations["paused"] = _r(now - since) if since is not None else 0.0
     m = replace(m, phase_durations=durations)
     if m.target is not None:
         sp = st.spare(m.target)
@@ -559,6 +579,9 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: str, p
                             "phase_durations": durations}
     if m.tool_durations:
         data["tool_durations"] = dict(m.tool_durations)
+    if m.pause_at is not None:
+        data["pause_at"] = m.pause_at
+        data["pause_estimate"] = m.pause_estimate
     out.event(kind, message, **data)
     if outcome in ("completed", "cancelled", "source_lost", "rejected"):
         return st
@@ -635,12 +658,53 @@ def _replace_target(out: _Out, st: CoordState, m: Migration, policy: Coordinator
 # ============================================================================
 # The phases
 # ============================================================================
+def pause_point(now: float, ranks: dict[int, RankView], policy: CoordinatorPolicy,
+                floor: int = 0) -> tuple[int, str]:
+    """T: the smallest collective count every rank can still reach, and how it was chosen.
+
+    A rank learns of the pause in the reply to its next progress report:
+    ``report_gap`` after its last one (or at once if that is already
+    overdue), plus ``pause_slack_s`` for the decision and the reply. Until
+    then it keeps issuing collectives at the job's rate (every rank issues
+    the same collectives, so the fastest measured rate is the job's). T =
+    max over ranks of that estimate + ``pause_margin_collectives``. When the
+    ranks report optimizer-step boundaries a fixed number of collectives
+    apart, T is rounded up to the next boundary: the ranks then stop between
+    two steps, with no gradient all-reduce in flight. Without a rate (too few
+    reports) T = max reported + ``pause_fallback_collectives``. ``floor``:
+    T is at least this (a re-arm after refusals).
+    """
+    views = list(ranks.values())
+    top = max([r.collectives for r in views] + [floor, 0])
+    rate = max((r.rate for r in views), default=0.0)
+    if rate <= 0:
+        return top + policy.pause_fallback_collectives, (
+            f"no rate measured yet: max reported {top} + {policy.pause_fallback_collectives}")
+    reach = top
+    if floor > 0:  # a count seen just now (a refusal): that rank learns of the new T one report later
+        reach = floor + int(-(-rate * (max((r.report_gap for r in views), default=0.0) + policy.pause_slack_s) // 1))
+    for r in views:
+        since = now - r.reported_at if r.reported_at is not None else 0.0
+        horizon = max(since, r.report_gap) + policy.pause_slack_s
+        reach = max(reach, r.collectives + int(-(-rate * horizon // 1)))  # ceil
+    at = reach + policy.pause_margin_collectives
+    how = f"max reported {top}, {rate:.1f} collectives/s, reachable {reach}, + {policy.pause_margin_collectives}"
+    per = {r.per_step for r in views}
+    b = max(views, key=lambda r: r.boundary) if views else None
+    if len(per) == 1 and b is not None and b.boundary >= 0 and b.per_step > 0:
+        k = -(-(at - b.boundary) // b.per_step)
+        aligned = b.boundary + max(0, k) * b.per_step
+        if aligned >= at:
+            how += f", rounded up to a step boundary ({b.per_step} collectives/step)"
+            at = aligned
+    return at, how
+
+
 def _start_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy) -> CoordState:
-    top = max((r.collectives for r in st.ranks.values()), default=0)
-    at = top + policy.pause_margin_collectives
+    at, how = pause_point(now, st.ranks, policy)
     out.add(PauseAt(m.id, at, m.generation, m.ranks))
-    m = _enter(m, Phase.PAUSE, now, now + policy.pause_timeout_s, pause_at=at, paused_since=now,
-               quiesced=frozenset(), refused=())
+    m = _enter(m, Phase.PAUSE, now, now + policy.pause_timeout_s, pause_at=at, pause_estimate=how,
+               paused_since=now, first_quiesced=None, stood_still_since=None, quiesced=frozenset(), refused=())
     return replace(st, migration=m)
 
 
@@ -754,16 +818,18 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
         if done:
             for r in m.ranks:
                 out.add(Snapshot(m.id, r, m.node))
+            # Training stands still from the moment the last rank reached T.
+            m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
             return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))
         if m.refused:
             if m.rearms < policy.max_pause_rearms:
-                top = max([c for _, c in m.refused] + [r.collectives for r in st.ranks.values()] + [m.pause_at or 0])
-                at = top + policy.pause_margin_collectives
+                top = max([c for _, c in m.refused] + [m.pause_at or 0])
+                at, how = pause_point(now, st.ranks, policy, floor=top)
                 out.add(PauseAt(m.id, at, m.generation, m.ranks))
                 out.event("pause.rearmed", f"{m.id}: rank(s) {[r for r, _ in m.refused]} were past collective "
                           f"{m.pause_at}; pausing at {at} instead", migration=m.id, at=at)
-                m = replace(m, pause_at=at, refused=(), quiesced=frozenset(), rearms=m.rearms + 1,
-                            deadline=now + policy.pause_timeout_s)
+                m = replace(m, pause_at=at, pause_estimate=how, refused=(), quiesced=frozenset(),
+                            first_quiesced=None, rearms=m.rearms + 1, deadline=now + policy.pause_timeout_s)
                 return replace(st, migration=m)
             return _rollback(out, st, m, now, policy,
                              f"ranks {[r for r, _ in m.refused]} were past the pause point {m.rearms + 1} times")
@@ -831,7 +897,8 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
     if ph in (Phase.REBUILD, Phase.ROLLBACK):
         if done:
             end = m.ready_at if m.ready_at is not None else now
-            durations = {**m.phase_durations, "paused": _r(end - (m.paused_since or end))}
+            since = _stood_still(m)
+            durations = {**m.phase_durations, "paused": _r(max(0.0, end - since)) if since is not None else 0.0}
             m = replace(m, phase_durations=durations)
             st = replace(st, generation=max(st.generation, m.generation))
             if ph == Phase.ROLLBACK:
@@ -1042,5 +1109,5 @@ __all__ = [
     "Migration", "MigrationRecord", "CoordState", "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore",
     "AbortRestore", "KillSource", "Resume", "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event",
     "Action", "Decision", "decide", "candidates", "stalled_ranks", "check_operator_request", "phase_complete",
-    "spare_usable",
+    "spare_usable", "pause_point",
 ]

@@ -57,6 +57,9 @@ class RankProgress:
     collectives: int
     step: int = -1
     node: str | None = None
+    # collectives issued when optimizer step ``boundary_step`` ended (-1: not reported)
+    boundary: int = -1
+    boundary_step: int = -1
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,45 @@ def _merge_max(into: dict[str, float], prefix: str, durations: dict[str, Any]) -
     return out
 
 
+# A rate sample needs this much time between its two reports: paused ranks poll
+# every 20 ms, and one collective over 20 ms would read as 50 per second.
+RATE_MIN_SPAN_S = 0.2
+
+
+def _pace(prev: RankView, ev: RankProgress, now: float) -> dict[str, Any]:
+    """Report interval, collective rate and step boundaries of a rank (inputs of decide.pause_point).
+
+    Smoothed (half old, half new) so that one slow interval (a checkpoint
+    write, a loaded node) does not halve the estimate; a count that went
+    backwards (a restored copy reporting) restarts the measurement.
+    """
+    out: dict[str, Any] = {"reported_at": now}
+    if prev.reported_at is not None and now > prev.reported_at:
+        gap = now - prev.reported_at
+        out["report_gap"] = gap if prev.report_gap <= 0 else 0.5 * prev.report_gap + 0.5 * gap
+    base = prev.rate_base
+    if base is None or ev.collectives < base[1]:
+        out["rate_base"] = (now, ev.collectives)
+        if base is not None:
+            out["rate"] = 0.0
+    elif now - base[0] >= RATE_MIN_SPAN_S:
+        sample = (ev.collectives - base[1]) / (now - base[0])
+        out["rate"] = sample if prev.rate <= 0 else 0.5 * prev.rate + 0.5 * sample
+        out["rate_base"] = (now, ev.collectives)
+    if ev.boundary >= 0 and ev.boundary_step >= 0 and (ev.boundary, ev.boundary_step) != (prev.boundary,
+                                                                                         prev.boundary_step):
+        out["boundary"], out["boundary_step"] = ev.boundary, ev.boundary_step
+        steps = ev.boundary_step - prev.boundary_step
+        if prev.boundary >= 0 and steps > 0 and ev.boundary > prev.boundary:
+            n, rest = divmod(ev.boundary - prev.boundary, steps)
+            # Not a whole number per step, or not the number measured before: the
+            # steps differ; do not align to them until two measurements agree.
+            out["per_step"] = n if rest == 0 and prev.per_step in (0, n) else 0
+        elif prev.boundary >= 0 and (steps <= 0 or ev.boundary <= prev.boundary):
+            out["per_step"] = 0
+    return out
+
+
 def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
     return m is not None and m.id == mid and m.phase in phases
 
@@ -271,7 +313,8 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
             return st  # progress of a rank that never registered: nothing to attach it to
         advanced = ev.collectives != prev.collectives
         rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
-                     node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance)
+                     node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
+                     **_pace(prev, ev, now))
         return replace(st, ranks={**st.ranks, ev.rank: rv})
     if isinstance(ev, NodeHealthChanged):
         state = State(ev.state)
@@ -292,7 +335,8 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     if isinstance(ev, Quiesced):
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
                 and ev.collectives == m.pause_at:
-            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}))
+            first = m.first_quiesced if m.first_quiesced is not None else now
+            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}, first_quiesced=first))
         return st
     if isinstance(ev, Resumed):
         rv = st.ranks.get(ev.rank)

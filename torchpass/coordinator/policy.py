@@ -60,8 +60,20 @@ class CoordinatorPolicy:
     spare_retry_s: float = 900.0
 
     # --- the pause -----------------------------------------------------------
-    # T = highest collective count any rank reported + this margin.
-    pause_margin_collectives: int = 64
+    # T is the smallest collective count every rank can still reach before it
+    # stops: a rank learns of the pause in the reply to its next progress
+    # report, so T = max over ranks of (reported collectives + the job's
+    # measured rate x (time until that rank's next report + pause_slack_s))
+    # + pause_margin_collectives, then rounded up to the next optimizer-step
+    # boundary when the ranks report one (decide.pause_point). The pause then
+    # costs about one step of waiting, not ~30 (the old fixed margin of 64).
+    pause_margin_collectives: int = 2
+    # Covers the coordinator's decision delay and the reply's round trip
+    # (and jitter of the report interval on a loaded node).
+    pause_slack_s: float = 0.5
+    # T = max reported + this while no rate is known yet (fewer than two
+    # progress reports, or no collective between them).
+    pause_fallback_collectives: int = 64
     # A rank already past T refuses the pause; re-arm at a later T this often.
     max_pause_rearms: int = 2
 
@@ -106,6 +118,10 @@ class CoordinatorPolicy:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.pause_margin_collectives < 1:
             raise ConfigError(f"pause_margin_collectives must be >= 1, got {self.pause_margin_collectives}")
+        if self.pause_fallback_collectives < 1:
+            raise ConfigError(f"pause_fallback_collectives must be >= 1, got {self.pause_fallback_collectives}")
+        if self.pause_slack_s < 0:
+            raise ConfigError(f"pause_slack_s must be >= 0, got {self.pause_slack_s!r}")
         for name in ("max_spare_attempts", "max_resume_attempts", "max_attempts_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -109,7 +109,8 @@ class CoordinatorServer:
         if b.get("node"):
             r.node = b["node"]
         r.last_report = self.clock()
-        self._feed(_mc().RankProgress(b["rank"], b["collectives"], b["step"], b.get("node")), decide=False)
+        self._feed(_mc().RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
+                                      b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
         return self._with_command(b["rank"], {})
 
     # --- migration (driver) ---------------------------------------------------

@@ -183,10 +183,11 @@ class ControlLink(PauseListener):
                     if type_ == "rank.quiesced" and body["hold"]:
                         self._hold()
                     continue
-                res = self._request(
-                    "rank.progress",
-                    {**self._base(), "step": self.pg.steps, "collectives": self.pg.collectives, "node": self.node},
-                )
+                bstep, bcoll = getattr(self.pg, "boundary", (-1, -1))
+                body = {**self._base(), "step": self.pg.steps, "collectives": self.pg.collectives, "node": self.node}
+                if bstep >= 0:
+                    body.update(boundary=bcoll, boundary_step=bstep)
+                res = self._request("rank.progress", body)
                 if res is not None:
                     self._handle(res)
                 # A paused rank (quiesced at T, waiting for its resume) asks often:

@@ -226,7 +226,7 @@ def _count_steps(pg) -> None:
         from torchpass.runtime import pg as pgmod
 
         def _step(*_a, **_k):
-            pg.steps += 1
+            pg.step_ended()  # counts the step; pauses here when T is this step's end
             if pgmod.DEBUG:
                 say(f"rank {pg.rank()} step {pg.steps} collectives {pg.collectives}")
 

@@ -123,6 +123,9 @@ class ReconfigurablePG(dist.ProcessGroup):
         self.rendezvous = rendezvous
         self.collectives = 0
         self.steps = 0  # optimizer steps seen (hook.py counts them)
+        # (step, collectives issued when it ended): reported so that the
+        # coordinator can put T on a step boundary
+        self.boundary: tuple[int, int] = (-1, -1)
         self.listener: PauseListener | None = None
         self.last_reconfigure_s: float | None = None
         self._inner: dist.ProcessGroup | None = None
@@ -354,7 +357,28 @@ class ReconfigurablePG(dist.ProcessGroup):
         if self._on_collective is not None:
             self._on_collective(n)
 
-    def _pause_here(self, armed: tuple[int, int]) -> None:
+    def step_ended(self) -> None:
+        """An optimizer step finished (hook.py; training thread): a pause point.
+
+        When T falls here (exactly T collectives issued, the last one the
+        step's final gradient all-reduce) the rank stops now, between two
+        steps: DDP has already waited for every bucket, so nothing is in
+        flight and the drain is immediate. Otherwise it would stop only at
+        the next step's first collective, in the middle of its backward pass,
+        after a forward pass and waiting there for the all-reduce it had in
+        flight. Either way exactly T collectives are issued, so the ranks
+        agree and the math is unchanged.
+        """
+        with self._cv:
+            self.steps += 1
+            self.boundary = (self.steps, self.collectives)
+            armed = self._armed
+            if self._closed or self._down or armed is None or self.collectives != armed[0]:
+                return
+            self._paused = True
+        self._pause_here(armed, at_step_end=True)
+
+    def _pause_here(self, armed: tuple[int, int], at_step_end: bool = False) -> None:
         at, next_gen = armed
         t0 = time.monotonic()
         self._drain()
@@ -385,9 +409,11 @@ class ReconfigurablePG(dist.ProcessGroup):
             "sockets": count_sockets(),
         }
         info["in_backward"] = _in_backward()
+        info["at_step_end"] = at_step_end
         if DEBUG:
             _say(f"rank {self._rank} paused with {self.collectives} collectives issued"
-                 f"{' (in backward)' if info['in_backward'] else ''}, generation {old_gen} -> {next_gen},"
+                 f"{' (in backward)' if info['in_backward'] else ''}{' (at a step end)' if at_step_end else ''},"
+                 f" generation {old_gen} -> {next_gen},"
                  f" {info['sockets']} sockets")
         if self.listener is not None:
             self.listener.on_quiesced(self, info)
