@@ -4,12 +4,14 @@ the CUDA checkpoint wrapper's error paths and call sequence (no GPU here)."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,3 +243,48 @@ def test_failed_dump_marks_abort_and_leaves_the_rank_running(tmp_path):
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_tail_hasher_follows_a_file_being_written(tmp_path):
+    d = tmp_path / "snap"
+    d.mkdir(mode=0o700)
+    data = os.urandom(6 << 20)
+    with criu.TailHasher(d, min_bytes=1 << 20, chunk=1 << 18) as hasher:
+        with open(d / "pages-1.img", "wb") as f:  # written front to back, like CRIU does
+            for i in range(0, len(data), 1 << 19):
+                f.write(data[i:i + (1 << 19)])
+                f.flush()
+                time.sleep(0.002)
+        (d / "core-1.img").write_bytes(b"small")
+        hashed = hasher.finish()
+    assert hashed == {"pages-1.img": (len(data), hashlib.sha256(data).hexdigest())}  # small files: at the end
+    m = criu.write_manifest(d, {"job": 1}, hashed)
+    assert m["files"]["core-1.img"]["sha256"] == hashlib.sha256(b"small").hexdigest()
+    criu.verify_manifest(d)
+    # A digest that no longer covers the file (size changed) is not trusted: hashed afresh.
+    with open(d / "pages-1.img", "ab") as f:
+        f.write(b"more")
+    m = criu.write_manifest(d, None, hashed)
+    assert m["files"]["pages-1.img"]["sha256"] == hashlib.sha256(data + b"more").hexdigest()
+
+
+def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
+    """CRIU really writes its images front to back: the digests taken while it
+    wrote match the files (the restore side's check would refuse them otherwise)."""
+    c = criu.find_criu()
+    out = open(tmp_path / "out", "w")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(48 << 20); b[::4096] = b'x' * (48 << 8); "
+                             "time.sleep(60)"],
+                            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    try:
+        time.sleep(1.0)
+        res = criu.dump(c, proc.pid, tmp_path / "snap", leave_running=True)
+        assert res.bytes > 48 << 20
+        big = [n for n, f in res.manifest["files"].items() if f["size"] >= 1 << 20]
+        assert big, res.manifest["files"]
+        criu.verify_manifest(res.images)  # every digest, the ones taken during the dump included
+        assert proc.poll() is None  # left running
+    finally:
+        proc.kill()
+        proc.wait()
+        out.close()

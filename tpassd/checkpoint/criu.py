@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,13 +106,88 @@ def _image_files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST and not p.name.endswith(_LOG_SUFFIX))
 
 
-def write_manifest(d: str | os.PathLike, meta: dict | None = None) -> dict:
-    """Checksum every image file of ``d`` into d/manifest.json (files 0600)."""
+class TailHasher:
+    """SHA-256 of the image files of a directory, computed while CRIU writes them.
+
+    CRIU writes every image file once, front to back (a fresh directory per
+    dump). A thread follows each file's end and hashes what has been
+    written so far; when CRIU has exited, ``finish`` hashes the rest. The
+    dump then costs max(CRIU, hashing), not their sum (measured at 10M
+    parameters: CRIU 0.40 s + a separate SHA-256 pass 0.39 s over 440 MB,
+    while every rank of the job stood still). Only files of at least
+    ``min_bytes`` are followed (the pages); the small ones are hashed at the
+    end. If a file were ever rewritten in place the digest would not match
+    its content, and the restore side's check refuses the snapshot: the
+    failure is safe (a rollback), never a corrupt rank.
+    """
+
+    def __init__(self, d: str | os.PathLike, *, min_bytes: int = 1 << 20, chunk: int = 4 << 20):
+        self.d = Path(d)
+        self.min_bytes = min_bytes
+        self.chunk = chunk
+        self._files: dict[str, tuple] = {}  # name -> (file object, hash, bytes hashed)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tail-hasher", daemon=True)
+
+    def __enter__(self) -> "TailHasher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for f, _h, _n in self._files.values():
+            f.close()
+
+    def _pass(self) -> None:
+        for p in _image_files(self.d):
+            ent = self._files.get(p.name)
+            if ent is None:
+                try:
+                    if p.stat().st_size < self.min_bytes:
+                        continue
+                    ent = (open(p, "rb"), hashlib.sha256(), 0)
+                except OSError:
+                    continue
+                self._files[p.name] = ent
+            f, h, n = ent
+            while chunk := f.read(self.chunk):
+                h.update(chunk)
+                n += len(chunk)
+            self._files[p.name] = (f, h, n)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(0.005):
+                self._pass()
+        except BaseException as exc:  # noqa: BLE001 - reported by finish(); the manifest then hashes afresh
+            self._error = exc
+
+    def finish(self) -> dict[str, tuple[int, str]]:
+        """Stop following; hash what is left. {name: (bytes hashed, sha256 hex)}."""
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:
+            return {}
+        self._pass()
+        return {name: (n, h.hexdigest()) for name, (_f, h, n) in self._files.items()}
+
+
+def write_manifest(d: str | os.PathLike, meta: dict | None = None,
+                   hashed: dict[str, tuple[int, str]] | None = None) -> dict:
+    """Checksum every image file of ``d`` into d/manifest.json (files 0600).
+
+    ``hashed``: digests already computed (TailHasher), used for a file whose
+    size is exactly the number of bytes they covered.
+    """
     d = Path(d)
     files = {}
     for p in _image_files(d):
         os.chmod(p, 0o600)
-        files[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        size = p.stat().st_size
+        known = (hashed or {}).get(p.name)
+        files[p.name] = {"size": size, "sha256": known[1] if known and known[0] == size else _sha256(p)}
     if not files:
         raise CheckpointError(f"snapshot {d} holds no image files")
     manifest = {"format": MANIFEST_FORMAT, "files": files, "meta": meta or {}}
@@ -207,6 +283,7 @@ class DumpResult:
     seconds: float
     bytes: int
     manifest: dict = field(repr=False)
+    hash_s: float = 0.0  # what checksumming added after CRIU exited (TailHasher hashes during the dump)
 
 
 def dump(
@@ -251,15 +328,18 @@ def dump(
     if ns_pid is not None:
         argv = ["nsenter", "-t", str(ns_pid), "--net", "--uts", "--mount", "--", *argv]
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    seconds = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
-                              f"{_log_tail(d / 'dump.log')}; the rank was left running")
+    with TailHasher(d) as hasher:
+        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        t1 = time.monotonic()
+        seconds = t1 - t0
+        if proc.returncode != 0:
+            raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
+                                  f"{_log_tail(d / 'dump.log')}; the rank was left running")
+        hashed = hasher.finish()
     info["dump_s"] = round(seconds, 4)
-    manifest = write_manifest(d, info)
+    manifest = write_manifest(d, info, hashed)
     size = sum(f["size"] for f in manifest["files"].values())
-    return DumpResult(d, seconds, size, manifest)
+    return DumpResult(d, seconds, size, manifest, hash_s=time.monotonic() - t1)
 
 
 # -- restore ------------------------------------------------------------------------------------
