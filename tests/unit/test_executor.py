@@ -7,7 +7,9 @@ place), the source node is not drained, and the job's events say so.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Driver, Executor, hold_file, resume_port
@@ -36,6 +38,18 @@ class FakeSlurm:
         self.drained.append((node, reason))
 
 
+def fake_srun(tmp_path) -> Path:
+    """An srun that logs its argv and runs the step's program here (from the python on)."""
+    p = tmp_path / "srun"
+    p.write_text(f"""#!/bin/sh
+echo "$@" >> {tmp_path}/srun.calls
+while [ "$#" -gt 0 ] && [ "$1" != "{sys.executable}" ]; do shift; done
+exec "$@"
+""")
+    p.chmod(0o755)
+    return p
+
+
 def _driver(tmp_path, tp):
     job = JobState(job_id=42, spares=1)
     pol = CoordinatorPolicy()
@@ -43,7 +57,8 @@ def _driver(tmp_path, tp):
     slurm = FakeSlurm()
     d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=slurm,
                           address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3",
-                                                "n4": "10.0.0.4"}[n])
+                                                "n4": "10.0.0.4"}[n], srun=str(fake_srun(tmp_path)))
+    d.executor._output = str(tmp_path / "job.out")
     for r, n in enumerate(("n1", "n2", "n3")):
         d.feed(mc.RankRegistered(r, n, 3))
     for n in ("n1", "n2", "n3", "n4"):
@@ -105,3 +120,48 @@ def test_rank_commands_repeat_until_acknowledged_and_stale_acks_are_ignored(tmp_
     assert ex.command_for(2) == cmd
     ex.acknowledge(2, "pause", cmd["generation"], cmd["at"])
     assert ex.command_for(2) is None
+
+
+def test_restore_step_starts_at_the_pause_and_a_rollback_cancels_it(tmp_path):
+    """The restore step is launched when the pause is armed (its srun start overlaps the
+    ranks' way to T and the dump) and waits at its gate; a rollback calls it off."""
+    tp = FakeTpassd(fail_dump=True)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
+    (key,) = ex.gates
+    assert key == ("m1", 1)
+    target, proc, go, _t = ex.gates[key]
+    assert target == "n4" and proc.poll() is None and not go.exists()
+    end = time.monotonic() + 10
+    while not (tmp_path / "srun.calls").exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    calls = (tmp_path / "srun.calls").read_text()
+    assert "-w n4" in calls and "torchpass.coordinator.restore_gate" in calls and "--restore" not in calls
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+    _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
+    assert ex.gates == {} and go.read_text().strip() == "cancel"
+    assert proc.wait(10) == 0  # it left its gate without restoring anything
+
+
+def test_restore_is_released_at_the_gate_with_the_image(tmp_path):
+    tp = FakeTpassd(fail_dump=False)
+    tp.request = lambda node, type_, body, timeout_s: (  # a dump result, then verify answers
+        {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        if type_ == "tpassd.snapshot" else {})
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+    _t, proc, go, _s = ex.gates[("m1", 1)]
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+    # dump -> transfer -> restore: the waiting step gets the image and runs the restore wrapper,
+    # which refuses a snapshot without a manifest: the restore fails with its reason, and rolls back.
+    _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
+    assert go.read_text().strip() == f"restore {tmp_path / 'img'}"
+    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    assert "restore on n4 failed" in rb.message and "manifest.json" in rb.message, rb.message
+    assert (tmp_path / "srun.calls").read_text().count("\n") == 1  # one step, launched at the pause

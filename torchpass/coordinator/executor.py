@@ -23,7 +23,11 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
 * Restore: ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
   <job output> --open-mode=append <python> -m tpassd.checkpoint.rankwrap
   --restore IMAGES``, from the batch host; done when the restore wrapper has
-  recorded the restored rank.
+  recorded the restored rank. The step is started already at PauseAt (the
+  target is known then) behind torchpass.coordinator.restore_gate, which
+  waits for the image path: the step launch overlaps the ranks' way to T and
+  the dump instead of adding to the standstill. A move called off (or sent
+  to another target) cancels the gate.
 * RequestSpare: one node from slurmctld (``salloc --no-shell --exclusive``
   on the job's partition/account/QOS, the job's nodes excluded). "expand":
   allocated with ``--dependency=expand:J`` and merged into the job
@@ -60,6 +64,7 @@ from torchpass import auth, zmqio
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.restore_gate import write_gate
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
 
@@ -115,6 +120,7 @@ class Executor:
         python: str = sys.executable,
         srun: str = "srun",
         follow: Callable[[str], None] | None = None,
+        prelaunch_restore: bool = True,
     ):
         self.job = job
         self.job_id = job.job_id
@@ -131,6 +137,10 @@ class Executor:
         self.hold_ranks: dict[str, tuple[int, ...]] = {}  # migration -> ranks told to hold
         self.source_pids: dict[tuple[str, int], dict[str, Any]] = {}  # (migration, rank) -> dump result
         self.restores: dict[tuple[str, int], subprocess.Popen] = {}
+        # Restore steps started at PauseAt, waiting at their gate: (migration, rank) ->
+        # (target, process, gate file, started at)
+        self.prelaunch_restore = prelaunch_restore
+        self.gates: dict[tuple[str, int], tuple[str, subprocess.Popen, Path, float]] = {}
         self._output: str | None = None
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
@@ -283,6 +293,10 @@ class Executor:
                     pass
                 cmd["hold_file"] = str(p)
             self.commands[r] = cmd
+        m = st.migration
+        if self.prelaunch_restore and m is not None and m.id == a.migration and m.target:
+            for r in a.hold_ranks:
+                self._prelaunch(a.migration, r, m.target, st)
 
     def _do_Snapshot(self, a: dc.Snapshot, st: dc.CoordState) -> None:
         gen = st.migration.generation if st.migration else st.generation + 1
@@ -339,26 +353,92 @@ class Executor:
         tail (the wrapper's own stderr goes to the job's output with the restored rank's)."""
         return self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
 
-    def restore_argv(self, a: dc.Restore, jobid: int | None = None) -> list[str]:
-        """The restore step: in the job itself, or in the companion allocation that holds the target."""
+    def restore_argv(self, a: dc.Restore, jobid: int | None = None, gate: Path | None = None) -> list[str]:
+        """The restore step: in the job itself, or in the companion allocation that holds the target.
+        With ``gate``: the step waits for the image path in that file (restore_gate)."""
+        if gate is None:
+            prog = ["-m", "tpassd.checkpoint.rankwrap", "--restore", a.image]
+        else:
+            p = self.policy
+            wait = (p.pause_timeout_s * (1 + p.max_pause_rearms) + p.dump_timeout_s
+                    + p.transfer_timeout_s * p.max_spare_attempts + 60.0)
+            prog = ["-m", "torchpass.coordinator.restore_gate", str(gate), f"{wait:g}", "--"]
         return [self.srun, f"--jobid={jobid or self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
                 "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"torchpass-restore-{a.rank}",
-                self.python, "-m", "tpassd.checkpoint.rankwrap", "--restore", a.image,
+                self.python, *prog,
                 "--state-dir", str(rank_state_dir(self.state_dir, self.job_id)),
                 "--error-file", str(self.restore_err(a))]
 
-    def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
-        rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
+    def gate_file(self, migration: str, rank: int) -> Path:
+        return self.state_dir / "jobs" / str(self.job_id) / f"restore-{migration}-rank{rank}.go"
+
+    def _spawn_restore(self, a: dc.Restore, st: dc.CoordState, gate: Path | None = None) -> subprocess.Popen:
         sp = st.spare(a.target)
-        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == "companion" else None)
+        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == "companion" else None, gate)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
         errf = self.restore_err(a)
-        t0 = time.monotonic()
+        errf.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=open(errf, "ab"), start_new_session=True)
+        log.info("restore step launched", rank=a.rank, target=a.target, argv=argv, gated=gate is not None)
+        return proc
+
+    def _prelaunch(self, migration: str, rank: int, target: str, st: dc.CoordState) -> None:
+        """Start ``rank``'s restore step on ``target`` now; it waits at its gate for the images."""
+        old = self.gates.get((migration, rank))
+        if old is not None:
+            if old[0] == target and old[1].poll() is None:
+                return  # a re-arm: the step already waits
+            self._stop_gate(self.gates.pop((migration, rank)))
+        go = self.gate_file(migration, rank)
+        go.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            go.unlink()
+        except FileNotFoundError:
+            pass
+        proc = self._spawn_restore(dc.Restore(migration, rank, target, "", ""), st, gate=go)
+        self.gates[(migration, rank)] = (target, proc, go, time.monotonic())
+
+    def _stop_gate(self, gate: tuple[str, subprocess.Popen, Path, float]) -> None:
+        """Call off a waiting restore step: it exits 0 at its gate (killed if it does not)."""
+        _target, proc, go, _t = gate
+        try:
+            write_gate(go, "cancel")
+        except OSError:
+            pass
+
+        def run() -> None:
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
+        self._thread(run, "gate-cancel")
+
+    def _cancel_gates(self, migration: str | None = None) -> None:
+        for key in [k for k in self.gates if migration is None or k[0] == migration]:
+            self._stop_gate(self.gates.pop(key))
+
+    def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
+        rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
+        errf = self.restore_err(a)
+        gate = self.gates.pop((a.migration, a.rank), None)
+        t0 = time.monotonic()
+        if gate is not None and gate[0] == a.target and gate[1].poll() is None:
+            proc = gate[1]
+            write_gate(gate[2], f"restore {a.image}")
+            log.info("restore step released at its gate", rank=a.rank, target=a.target,
+                     waited_s=round(t0 - gate[3], 3))
+        else:
+            if gate is not None:
+                self._stop_gate(gate)
+            proc = self._spawn_restore(a, st)
         self.restores[(a.migration, a.rank)] = proc
-        log.info("restore step launched", rank=a.rank, target=a.target, argv=argv)
 
         def run() -> None:
             while True:
@@ -381,6 +461,7 @@ class Executor:
         self._thread(run, f"restore-{a.rank}")
 
     def _do_AbortRestore(self, a: dc.AbortRestore, st: dc.CoordState) -> None:
+        self._cancel_gates(a.migration)
         for r in a.ranks:
             proc = self.restores.pop((a.migration, r), None)
             res = self.source_pids.get((a.migration, r)) or {}
@@ -423,9 +504,11 @@ class Executor:
         # The source copies are dead: the hold files now wake only the restored ranks.
         self._resume_cmd(st.ranks, a.generation, a.master)
         self._release(a.migration)
+        self._cancel_gates(a.migration)
 
     def _do_ResumeInPlace(self, a: dc.ResumeInPlace, st: dc.CoordState) -> None:
         self._resume_cmd(st.ranks, a.generation, a.master)
+        self._cancel_gates(a.migration)
         node = st.migration.node if st.migration is not None else None
         held = self.hold_ranks.get(a.migration, ())
         if node and held and self.tpassd is not None:
@@ -509,6 +592,13 @@ class Executor:
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
 
     def close(self) -> None:
+        for _target, proc, go, _t in self.gates.values():
+            try:
+                write_gate(go, "cancel")
+            except OSError:
+                pass
+            self.restores.setdefault(("gate", proc.pid), proc)
+        self.gates = {}
         for proc in self.restores.values():
             if proc.poll() is None:
                 try:
