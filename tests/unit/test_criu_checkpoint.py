@@ -288,3 +288,49 @@ def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
         proc.kill()
         proc.wait()
         out.close()
+
+
+def _restoring_criu(tmp_path: Path) -> criu.Criu:
+    """A criu whose "restore" starts a sleeping process and writes its pid to --pidfile."""
+    p = tmp_path / "criu"
+    p.write_text("#!/bin/sh\nwhile [ \"$1\" != --pidfile ]; do shift; done\n"
+                 "setsid sleep 60 </dev/null >/dev/null 2>&1 &\necho $! > \"$2\"\n")
+    p.chmod(0o755)
+    return criu.Criu(str(p), (4, 1))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_restore_hashes_while_criu_restores(tmp_path):
+    d = tmp_path / "snap"
+    make_images(d)
+    criu.write_manifest(d, {"job": 1, "rank": 0})
+    m = criu.read_manifest(d)
+    pid, _s = criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
+    try:
+        assert not _gone(pid)  # the check passed: the restored process lives
+    finally:
+        os.kill(pid, 9)
+
+
+def test_corrupt_snapshot_found_during_the_restore_kills_the_restored_tree(tmp_path):
+    """read_manifest checks presence and sizes only; the flipped byte is found by the hash
+    that runs while CRIU restores, and the restored process is killed before restore returns."""
+    d = tmp_path / "snap"
+    make_images(d)
+    criu.write_manifest(d, {"job": 1, "rank": 0})
+    m = criu.read_manifest(d)
+    _flip_byte(d / "pages-1.img", 12345)
+    with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check") as ei:
+        criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
+    assert "\n" not in str(ei.value)
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _gone(pid)

@@ -200,6 +200,22 @@ def write_manifest(d: str | os.PathLike, meta: dict | None = None,
 
 def verify_manifest(d: str | os.PathLike) -> dict:
     """Check every image file against the manifest; CheckpointError naming the first problem."""
+    manifest = read_manifest(d)
+    check_hashes(d, manifest)
+    return manifest
+
+
+def check_hashes(d: str | os.PathLike, manifest: dict) -> None:
+    """The SHA-256 of every image file against ``manifest`` (from read_manifest)."""
+    d = Path(d)
+    for name, want in sorted(manifest["files"].items()):
+        if _sha256(d / name) != want.get("sha256"):
+            raise CheckpointError(f"snapshot {d} is corrupt: {name} fails its SHA-256 check; take a new snapshot")
+
+
+def read_manifest(d: str | os.PathLike) -> dict:
+    """The manifest, with every image file present at its size (contents not hashed:
+    check_hashes, or restore(checked=...) which hashes while CRIU restores)."""
     d = Path(d)
     mpath = d / MANIFEST
     try:
@@ -221,8 +237,6 @@ def verify_manifest(d: str | os.PathLike) -> dict:
         if size != want.get("size"):
             raise CheckpointError(f"snapshot {d} is corrupt: {name} has {size} bytes, the manifest says "
                                   f"{want.get('size')}; take a new snapshot")
-        if _sha256(p) != want.get("sha256"):
-            raise CheckpointError(f"snapshot {d} is corrupt: {name} fails its SHA-256 check; take a new snapshot")
     return manifest
 
 
@@ -356,13 +370,23 @@ def restore(
     inherit: dict[int, str] | None = None,
     extra_args: Sequence[str] = (),
     verified: dict | None = None,
+    checked: dict | None = None,
 ) -> tuple[int, float]:
     """Verify the manifest, then ``criu restore -d`` the tree; returns (host pid, seconds).
 
     ``verified``: the manifest the caller has just checked with
-    ``verify_manifest`` (rankwrap does, to read the snapshot's meta): it is
-    not hashed a second time. Measured: each pass over a 10M-parameter
-    rank's 440 MB image costs ~0.34 s here, while every rank stands still.
+    ``verify_manifest``: it is not hashed a second time. Measured: each
+    pass over a 10M-parameter rank's 440 MB image costs ~0.34 s here, while
+    every rank stands still.
+
+    ``checked``: the manifest from ``read_manifest`` (files present, sizes
+    right, contents not hashed yet): the images are hashed *while* CRIU
+    restores, and a snapshot that fails the check is still refused: the
+    restored tree is killed before this returns, so it never gets past its
+    hold (the rank waits for a wake file its restore wrapper creates only
+    after this returned), and the error is the same "is corrupt" one. The
+    restore then costs max(CRIU, hashing) instead of their sum. A CRIU
+    failure on a corrupt snapshot is reported as the corruption (the cause).
 
     ``inherit`` maps a file descriptor of this process to the resource the
     dumped task had (``'pipe:[INODE]'``, from the manifest's fd1/fd2): the
@@ -372,21 +396,61 @@ def restore(
     about the restored tree.
     """
     d = Path(images)
-    if verified is None:
+    if verified is None and checked is None:
         verify_manifest(d)
     argv = [criu.path, "restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2"]
     for fd, key in sorted((inherit or {}).items()):
         argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
     argv += list(extra_args)
+    hashing: list[BaseException | None] = []
+    hasher = None
+    if verified is None and checked is not None:
+        def _hash() -> None:
+            try:
+                check_hashes(d, checked)
+                hashing.append(None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+                hashing.append(exc)
+
+        hasher = threading.Thread(target=_hash, name="restore-verify", daemon=True)
+        hasher.start()
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           pass_fds=tuple((inherit or {}).keys()))
     seconds = time.monotonic() - t0
+    if hasher is not None:
+        hasher.join()
+    corrupt = hashing[0] if hashing and hashing[0] is not None else None
+    if hasher is not None and not hashing:
+        corrupt = CheckpointError(f"snapshot {d}: the SHA-256 check did not finish; take a new snapshot")
     if proc.returncode != 0:
+        if corrupt is not None:
+            raise corrupt
         raise CheckpointError(f"criu restore from {d} failed (exit {proc.returncode}): "
                               f"{_log_tail(d / 'restore.log')}")
     try:
         pid = int(Path(pidfile).read_text().strip())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc})") from None
+        pid = None
+        if corrupt is None:
+            raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc})") from None
+    if corrupt is not None:
+        if pid is not None:
+            _kill_restored(pid)
+        raise corrupt
     return pid, seconds
+
+
+def _kill_restored(pid: int) -> None:
+    """Kill a restored tree that must not run (its snapshot failed the check) and reap it
+    (the caller is its subreaper); the root is PID 1 of its namespace: the rest dies with it."""
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.01)
