@@ -74,10 +74,11 @@ BAD_NODE = "node2"
 
 # size -> (steps, fault at step, checkpoint every K steps, sleep per step).
 # F is mid-way between two checkpoints, so checkpoint-restart recomputes about
-# K/2 steps (the expected loss for a fault at a random time); for migration
-# the steps after F leave room for the pause margin (64 collectives: at 100M
-# about 4 collectives a step, so T lies ~16 steps after F; with 22 steps the
-# job ended before T and the pause timed out).
+# K/2 steps (the expected loss for a fault at a random time). For migration
+# the pause point T now lies 1-3 steps after the decision (decide.pause_point:
+# measured collective rate, rounded up to a step boundary); with the old fixed
+# margin of 64 collectives it lay ~30 steps after F at 10M, and at 100M the
+# job ended before T (the pause timed out and the job resumed in place).
 PLANS = {
     "10M": {"steps": 50, "fault_at": 12, "ckpt_every": 10, "sleep": 0.0},
     "100M": {"steps": 32, "fault_at": 6, "ckpt_every": 5, "sleep": 0.0},
@@ -284,6 +285,8 @@ class Bench:
         started = [e for e in events if e["kind"] == "migration.started"]
         res["phase_durations_s"] = pd
         res["tool_durations"] = ev["data"].get("tool_durations", {})
+        res["pause_at"] = ev["data"].get("pause_at")
+        res["pause_estimate"] = ev["data"].get("pause_estimate")
         # The standstill the coordinator drove (the ranks stand still from the
         # quiesce at T, i.e. the end of PAUSE, until every rank rebuilt).
         res["coordinator_standstill_s"] = round(sum(pd.get(k, 0.0) for k in (
