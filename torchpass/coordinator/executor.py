@@ -72,6 +72,8 @@ log = structlog.get_logger("torchpass.coordinator.executor")
 
 TPASSD_CONTROL_PORT = 7718
 TPASSD_PUB_PORT = 7717
+RESTORE_STEP_NAME = "torchpass-restore-"  # job name of restore steps (-J torchpass-restore-RANK)
+RESTORE_STEP_END_GRACE_S = 10.0
 
 
 def rank_state_dir(state_dir: str | os.PathLike, job_id: int) -> Path:
@@ -364,7 +366,7 @@ class Executor:
                     + p.transfer_timeout_s * p.max_spare_attempts + 60.0)
             prog = ["-m", "torchpass.coordinator.restore_gate", str(gate), f"{wait:g}", "--"]
         return [self.srun, f"--jobid={jobid or self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
-                "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"torchpass-restore-{a.rank}",
+                "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"{RESTORE_STEP_NAME}{a.rank}",
                 self.python, *prog,
                 "--state-dir", str(rank_state_dir(self.state_dir, self.job_id)),
                 "--error-file", str(self.restore_err(a))]
@@ -570,6 +572,13 @@ class Executor:
                         released.append(node)
                         continue
                     blocker = self.shrink_blocker(node)
+                    # A restore step whose rank moved on ends by itself right after the
+                    # hand-off (its wrapper exits 0), but Slurm may still list it for a
+                    # moment: give it a few seconds before keeping the node.
+                    deadline = time.monotonic() + RESTORE_STEP_END_GRACE_S
+                    while blocker is not None and RESTORE_STEP_NAME in blocker and time.monotonic() < deadline:
+                        time.sleep(0.5)
+                        blocker = self.shrink_blocker(node)
                     if blocker is not None:
                         why.append(blocker)
                         continue
