@@ -64,6 +64,15 @@ def pid_in_job(pid: int, job_id: int, rank: int | None = None, proc: str = "/pro
     return True
 
 
+def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
+    """True if ``pid`` maps an NVIDIA device file (a CUDA context): its GPU state must be checkpointed."""
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            return any("/dev/nvidia" in line for line in f)
+    except OSError:
+        return False
+
+
 def manifest_checksum(images: str | os.PathLike) -> str:
     return hashlib.sha256((Path(images) / "manifest.json").read_bytes()).hexdigest()
 
@@ -71,8 +80,13 @@ def manifest_checksum(images: str | os.PathLike) -> str:
 class CheckpointService:
     def __init__(self, snapshot_dir: str | os.PathLike, node: str, *, criu_binary: str | None = None,
                  job_owner: Callable[[int], int | None] = _job_owner, proc: str = "/proc",
-                 restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None):
+                 restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None,
+                 gpu_in_use: Callable[[int], bool] | None = None, cuda_loader: Callable[[], Any] | None = None):
         self.snapshot_dir = Path(snapshot_dir)
+        # Does the rank hold GPU state (then the driver must move it to host
+        # memory before CRIU can dump)? Injectable for tests on GPU-less machines.
+        self.gpu_in_use = gpu_in_use or (lambda pid: maps_nvidia_device(pid, self.proc))
+        self.cuda_loader = cuda_loader
         self.node = node
         self.criu_binary = criu_binary
         self.job_owner = job_owner
@@ -179,14 +193,36 @@ class CheckpointService:
             raise RemoteError("unavailable", str(exc)) from None
         images = self.snapshot_dir / f"job{job_id}" / f"rank{rank}.gen{generation}"
         criu_mod.make_private_dir(self.snapshot_dir / f"job{job_id}")
+        gpu = self.gpu_in_use(pid)
+        cuda = None
+        if gpu:
+            from tpassd.checkpoint.cuda import CudaCheckpoint
+
+            try:
+                cuda = (self.cuda_loader or CudaCheckpoint.load)()
+            except TorchpassError as exc:
+                raise RemoteError("unavailable", f"rank {rank} of job {job_id} holds GPU state but this node "
+                                                 f"cannot checkpoint CUDA: {exc}") from None
         t0 = time.monotonic()
         self._mark(marker, "moving")
+        suspended = False
         try:
+            if cuda is not None:
+                # The runtime destroyed its NCCL communicators at the pause; the driver
+                # now moves the GPU state into host memory so CRIU dumps it with the rest.
+                cuda.suspend(pid)
+                suspended = True
             res = criu_mod.dump(c, pid, images, ns_pid=wrapper, extra_args=["--leave-running"],
-                                meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node})
+                                meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
+                                      "gpu": gpu})
         except CheckpointError:
             self._mark(marker, "abort")
             raise
+        finally:
+            if suspended:
+                # The source copy stays alive (held) until the move commits: give it
+                # its GPU state back so a rollback can resume it in place.
+                cuda.resume(pid)
         self._mark(marker, "moved")
         out = {"images": str(res.images), "checksum": manifest_checksum(res.images), "bytes": res.bytes,
                "criu_dump_s": round(res.seconds, 4), "total_s": round(time.monotonic() - t0, 4), "pid": pid,

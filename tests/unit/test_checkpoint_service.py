@@ -1,11 +1,15 @@
-"""tpassd.snapshot / tpassd.restore authorization and pid checks (no CRIU needed)."""
+"""tpassd.snapshot / tpassd.restore: authorization, pid checks, and the CUDA step around a real CRIU dump."""
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 
 from torchpass import auth, wire
-from torchpass.errors import RemoteError
+from torchpass.errors import CheckpointError, RemoteError
 from tpassd.checkpoint_service import CheckpointService, pid_in_job
 
 
@@ -114,3 +118,103 @@ def test_kill_and_abort_discard_the_ranks_images(tmp_path):
     assert sorted(p.name for p in (tmp_path / "snap" / "job5").iterdir()) == ["rank2.gen1"]
     res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "rank": 2, "op": "abort"}), root)
     assert res["discarded_mb"] == 1.0 and not (tmp_path / "snap" / "job5").exists()
+
+
+class _CudaRecorder:
+    """Stands in for the driver's checkpoint API (no GPU here): records the calls."""
+
+    def __init__(self, fail_suspend: bool = False):
+        self.calls: list[tuple[str, int]] = []
+        self.fail_suspend = fail_suspend
+
+    def suspend(self, pid):
+        self.calls.append(("suspend", pid))
+        if self.fail_suspend:
+            from torchpass.errors import CheckpointError
+
+            raise CheckpointError(f"cuCheckpointProcessCheckpoint(pid {pid}) failed: CUresult 2")
+
+    def resume(self, pid):
+        self.calls.append(("resume", pid))
+
+
+def _gpu_rank(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SLURM_JOB_ID": "5", "RANK": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    rank_dir = tmp_path / "ranks" / "job5"
+    rank_dir.mkdir(parents=True)
+    record = rank_dir / "rank1.json"
+    record.write_text(json.dumps({"pid": proc.pid, "wrapper_pid": os.getpid()}))
+    return proc, record, rank_dir / "rank1.handoff"
+
+
+def test_dump_of_a_gpu_rank_suspends_cuda_around_a_real_criu_dump(tmp_path):
+    # Real CRIU, real process; only the GPU (absent here) is stood in for.
+    import time
+
+    cuda = _CudaRecorder()
+    proc, record, marker = _gpu_rank(tmp_path)
+    try:
+        time.sleep(0.5)
+        svc = CheckpointService(tmp_path / "snap", "n1", job_owner=lambda j: 0,
+                                gpu_in_use=lambda pid: True, cuda_loader=lambda: cuda)
+        out = svc._dump(5, 1, 1, record, marker)
+        assert cuda.calls == [("suspend", proc.pid), ("resume", proc.pid)]
+        manifest = json.loads((Path(out["images"]) / "manifest.json").read_text())
+        assert manifest["meta"]["gpu"] is True  # the restore wrapper resumes CUDA on the target
+        assert marker.read_text() == "moved\n"
+        assert proc.poll() is None  # left running: a rollback resumes it in place
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_failed_cuda_checkpoint_aborts_the_move_and_leaves_the_rank_running(tmp_path):
+    cuda = _CudaRecorder(fail_suspend=True)
+    proc, record, marker = _gpu_rank(tmp_path)
+    try:
+        svc = CheckpointService(tmp_path / "snap", "n1", job_owner=lambda j: 0,
+                                gpu_in_use=lambda pid: True, cuda_loader=lambda: cuda)
+        with pytest.raises(CheckpointError, match=r"cuCheckpointProcessCheckpoint\(pid \d+\) failed"):
+            svc._dump(5, 1, 1, record, marker)
+        assert cuda.calls == [("suspend", proc.pid)]  # never dumped, nothing to give back
+        assert marker.read_text() == "abort\n" and proc.poll() is None
+        assert not (tmp_path / "snap" / "job5" / "rank1.gen1").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_gpu_rank_on_a_node_without_cuda_checkpoint_is_refused_before_anything_moves(tmp_path):
+    from torchpass.errors import DependencyError
+
+    def no_driver():
+        raise DependencyError("libcuda not found (x): GPU ranks cannot be checkpointed on this node")
+
+    proc, record, marker = _gpu_rank(tmp_path)
+    try:
+        svc = CheckpointService(tmp_path / "snap", "n1", job_owner=lambda j: 0,
+                                gpu_in_use=lambda pid: True, cuda_loader=no_driver)
+        with pytest.raises(RemoteError, match="holds GPU state but this node cannot checkpoint CUDA: libcuda"):
+            svc._dump(5, 1, 1, record, marker)
+        assert not marker.exists() and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_gpu_detection_reads_the_process_maps(tmp_path):
+    from tpassd.checkpoint_service import maps_nvidia_device
+
+    (tmp_path / "proc" / "10").mkdir(parents=True)
+    (tmp_path / "proc" / "10" / "maps").write_text("7f00-7f01 rw-s 00000000 00:05 12 /dev/nvidia0\n")
+    (tmp_path / "proc" / "11").mkdir(parents=True)
+    (tmp_path / "proc" / "11" / "maps").write_text("7f00-7f01 r-xp 00000000 08:01 99 /usr/lib/libc.so.6\n")
+    proc = str(tmp_path / "proc")
+    assert maps_nvidia_device(10, proc) and not maps_nvidia_device(11, proc) and not maps_nvidia_device(12, proc)
+    assert not maps_nvidia_device(os.getpid())  # no GPU on this machine
