@@ -93,6 +93,7 @@ class Quiesced:
     rank: int
     generation: int
     collectives: int
+    drain_s: float = 0.0  # the rank's pause to torn down (wait for in-flight work, meet the others, close)
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,10 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
                 and ev.collectives == m.pause_at:
             first = m.first_quiesced if m.first_quiesced is not None else now
-            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}, first_quiesced=first))
+            tools = _merge_max(m.tool_durations, "quiesce", {"drain_s": round(ev.drain_s, 4)}) \
+                if ev.drain_s > 0 else m.tool_durations
+            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}, first_quiesced=first,
+                                                 tool_durations=tools))
         return st
     if isinstance(ev, Resumed):
         rv = st.ranks.get(ev.rank)

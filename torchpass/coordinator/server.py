@@ -150,7 +150,7 @@ class CoordinatorServer:
         self._rank(b).collectives = b["collectives"]
         log.info("rank quiesced", rank=b["rank"], generation=b["generation"], collectives=b["collectives"],
                  hold=b["hold"], sockets=b["sockets"], drain_s=b["drain_s"])
-        self._feed(_mc().Quiesced(b["rank"], b["generation"], b["collectives"]))
+        self._feed(_mc().Quiesced(b["rank"], b["generation"], b["collectives"], float(b.get("drain_s") or 0.0)))
         return self._with_command(b["rank"], {})
 
     def _on_resumed(self, msg: wire.Message) -> dict[str, Any]:
