@@ -68,14 +68,19 @@ _error_file: str | None = None
 
 
 def say(msg: str) -> None:
-    sys.stderr.write(f"torchpass: {msg}\n")
-    sys.stderr.flush()
+    # The file first: when the step is being cancelled (a called-off move), its
+    # stderr may already be gone.
     if _error_file:
         try:
             with open(_error_file, "a") as f:
                 f.write(f"torchpass: {msg}\n")
         except OSError:
             pass
+    try:
+        sys.stderr.write(f"torchpass: {msg}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _check(rc: int, what: str) -> None:
