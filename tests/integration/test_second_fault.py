@@ -261,16 +261,22 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
     def events(kind: str) -> list[dict]:
         return [e for e in _events(cluster.state_dir, job_id) if e["kind"] == kind]
 
+    # The job's nodes in order (rank 0, rank 1, the hot spare); usually node1-3, but an earlier
+    # test may leave a node drained for a while.
+    nodes: list[str] = []
     try:
         _wait(lambda: out_path.exists() and f"step={FIRST_FAULT_AT_STEP} " in out_path.read_text(), 120,
               f"step {FIRST_FAULT_AT_STEP}", diag)
-        assert _run([*TPASSCTL, "inject", "--node", "node2", "--fault", "ecc-sbe-storm"]).returncode == 0
-        _wait(lambda: len(events("migration.completed")) >= 1, 90, "the first migration (node2 -> node3)", diag)
+        nodes = _run(["scontrol", "show", "hostnames", _job(job_id)["nodes"]]).stdout.split()
+        assert len(nodes) == 3, nodes
+        first, second = nodes[1], nodes[2]  # rank 1's node, then the hot spare it moves to
+        assert _run([*TPASSCTL, "inject", "--node", first, "--fault", "ecc-sbe-storm"]).returncode == 0
+        _wait(lambda: len(events("migration.completed")) >= 1, 90, f"the first migration ({first} -> {second})", diag)
         step_at_second = max((int(ln.split()[0][5:]) for ln in _steps(out_path.read_text())), default=-1)
         assert step_at_second < STEPS - 60, f"training nearly done before the second fault\n{diag()}"
-        armed = _run([*TPASSCTL, "inject", "--node", "node3", "--fault", "kill-fail"])
+        armed = _run([*TPASSCTL, "inject", "--node", second, "--fault", "kill-fail"])
         assert armed.returncode == 0, armed.stderr
-        assert _run([*TPASSCTL, "inject", "--node", "node3", "--fault", "ecc-sbe-storm"]).returncode == 0
+        assert _run([*TPASSCTL, "inject", "--node", second, "--fault", "ecc-sbe-storm"]).returncode == 0
         _wait(lambda: events("migration.rollback"), 120, "the second move's rollback", diag)
         final = _wait_end(job_id)
         text = out_path.read_text()
@@ -281,27 +287,27 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
         assert _per_step(_steps(text)) == _per_step(reference), diag()
 
         done = events("migration.completed")
-        assert [(e["data"]["node"], e["data"]["target"]) for e in done] == [("node2", "node3")], diag()
+        assert [(e["data"]["node"], e["data"]["target"]) for e in done] == [(first, second)], diag()
         (rb,) = events("migration.rollback")
-        assert rb["data"]["node"] == "node3" and "kill-fail" in rb["message"], rb
+        assert rb["data"]["node"] == second and "kill-fail" in rb["message"], rb
         # The restore on node4 had succeeded: the move failed at the kill of the source.
         assert rb["data"]["phase"] == "kill_source", rb
         m2 = rb["data"]["migration"]
         # The rank ended on node3: the record names it, and the exit code came from it.
         rec = json.loads((ranks / "rank1.json").read_text())
-        assert rec["node"] == "node3" and rec["restored_from"].endswith("rank1.gen1"), rec
+        assert rec["node"] == second and rec["restored_from"].endswith("rank1.gen1"), rec
         ex = json.loads((ranks / "rank1.exit").read_text())
-        assert ex["code"] == 0 and ex["node"] == "node3", ex
+        assert ex["code"] == 0 and ex["node"] == second, ex
         # node4's restore wrapper either said why it reports nothing or was killed with its step
         # before it could (srun's forced termination; a race): never did it report the 137.
         errf = cluster.state_dir / "jobs" / str(job_id) / f"restore-{m2}-rank1.err"
         said = errf.read_text() if errf.exists() else ""
-        print("\nnode4's restore step:", " | ".join(ln for ln in said.splitlines() if "torchpass" in ln
+        print("\nthe called-off restore step:", " | ".join(ln for ln in said.splitlines() if "torchpass" in ln
                                                      or "srun" in ln) or "(nothing)")
-        # Rolled back: node3 keeps the rank and is not drained; node2 is.
-        n3 = json.loads(_run(["scontrol", "show", "node", "node3", "--json"]).stdout)["nodes"][0]
+        # Rolled back: the first spare keeps the rank and is not drained; the first bad node is.
+        n3 = json.loads(_run(["scontrol", "show", "node", second, "--json"]).stdout)["nodes"][0]
         assert "DRAIN" not in n3["state"], n3["state"]
-        n2 = json.loads(_run(["scontrol", "show", "node", "node2", "--json"]).stdout)["nodes"][0]
+        n2 = json.loads(_run(["scontrol", "show", "node", first, "--json"]).stdout)["nodes"][0]
         assert "DRAIN" in n2["state"] and n2["reason"].startswith("torchpass: "), n2
         left = _run(["squeue", "--noheader", "--name", f"torchpass-spare-{job_id}", "--format", "%i %T"]).stdout
         assert left.strip() == "", left
@@ -309,6 +315,6 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
     finally:
         _run(["scancel", str(job_id)])
         _run(["scancel", "--name", f"torchpass-spare-{job_id}"])
-        for node in ("node2", "node3"):
+        for node in nodes[1:]:
             _run([*TPASSCTL, "inject", "--node", node, "--fault", "clear"])
             _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
