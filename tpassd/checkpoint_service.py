@@ -256,7 +256,8 @@ class CheckpointService:
 
         Done after the verify passed (it checks sizes and the manifest, not every
         file's SHA-256), so the coordinator goes on to the restore, whose full
-        check refuses the image: the real failed-restore path, CRIU never starts.
+        check (run while CRIU restores) refuses the image and kills the restored copy
+        before it may run: the real failed-restore path.
         """
         files = {n: f.get("size", 0) for n, f in manifest.get("files", {}).items() if f.get("size", 0) > 0}
         if not files:

@@ -8,7 +8,8 @@ node's tpassd so that the next snapshot it verifies for a restore here
 (``tpassd.restore op=verify``, the coordinator's transfer check) has one
 byte of its largest image file flipped *after* the check passed, as bit rot
 on the target's copy would. The restore step's own SHA-256 check then
-refuses the image (CRIU never starts), so the coordinator sees a real failed
+refuses the image (checked while CRIU restores; the restored copy is killed
+before it may run), so the coordinator sees a real failed
 restore and rolls back. It is one-shot, root-only (it damages a job's
 image), and ``clear`` disarms it.
 
