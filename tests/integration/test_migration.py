@@ -27,26 +27,26 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
-import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
+import training_jobs as tj
+from training_jobs import TPASSCTL
+from training_jobs import job as _job
+from training_jobs import per_step as _per_step
+from training_jobs import run as _run
+from training_jobs import steps as _steps
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "examples" / "train_ddp.py"
 STEPS = 150
 TRAINING_NODES = ("node1", "node2", "node3")  # node1 is the batch host (the coordinator runs there)
 SPARE = "node4"
 # The drill must come early enough for the move to finish before training does:
 # detection (~1 tpassd interval) + T = max + 64 collectives (2 per step) ~ 40 steps.
 FAULT_STEPS = (2, 80)
-TPASSCTL = [str(Path(sys.executable).parent / "tpassctl")]
 SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 
 
@@ -55,36 +55,12 @@ def _rng(name: str) -> random.Random:
     return random.Random(f"{SEED}:{name}")
 
 
-def _run(argv, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
-
-
 def _submit(job_dir: Path, tag: str) -> int:
-    script = job_dir / f"{tag}.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"srun {sys.executable} {TRAIN} --steps {STEPS} --params 1M --sleep 0.05\n"
-    )
-    proc = _run(["sbatch", "--parsable", "-N4", "--ntasks-per-node=1", "--torchpass=spares=1",
-                 "-o", str(job_dir / f"{tag}.%j.out"), str(script)], cwd=job_dir)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.strip().split(";")[0])
-
-
-def _job(job_id: int) -> dict:
-    out = _run(["scontrol", "show", "job", str(job_id), "--json"])
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["jobs"][0]
+    return tj.submit(job_dir, tag, STEPS, nodes=4)
 
 
 def _wait_end(job_id: int, timeout_s: float = 240) -> dict:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        j = _job(job_id)
-        if not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
-            return j
-        time.sleep(0.5)
-    raise AssertionError(f"seed={SEED}: job {job_id} still {j['job_state']} after {timeout_s}s")
+    return tj.wait_end(job_id, timeout_s, context=f"seed={SEED}: ")
 
 
 def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
@@ -95,18 +71,6 @@ def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
     raise AssertionError(f"seed={SEED}: {out_path.name} did not reach step {step}: "
                          + (out_path.read_text()[-3000:] if out_path.exists() else "no output"))
-
-
-def _steps(text: str) -> list[str]:
-    return [ln for ln in text.splitlines() if re.fullmatch(r"step=\d+ loss=\S+", ln)]
-
-
-def _per_step(lines: list[str]) -> dict[int, Counter]:
-    out: dict[int, Counter] = {}
-    for ln in lines:
-        n = int(ln.split()[0].split("=")[1])
-        out.setdefault(n, Counter())[ln] += 1
-    return out
 
 
 def _node(name: str) -> dict:

@@ -33,71 +33,30 @@ ends. Both tests compare with one fault-free run (2 ranks in both shapes).
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
+import training_jobs as tj
+from training_jobs import TPASSCTL
+from training_jobs import job as _job
+from training_jobs import per_step as _per_step
+from training_jobs import run as _run
+from training_jobs import steps as _steps
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "examples" / "train_ddp.py"
 # Each move pauses at T = max + 64 collectives (2 per step), ~32 steps after
 # detection; two moves one after the other need ~90 steps after the first drill.
 STEPS = 220
 FIRST_FAULT_AT_STEP = 10
-TPASSCTL = [str(Path(sys.executable).parent / "tpassctl")]
 
 
 COMPANION_POLICY = "tpcompanion-bc"  # a file name no other test uses (/etc/torchpass/policies is global)
 
 
-def _run(argv, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
-
-
 def _submit(job_dir: Path, tag: str, nodes: int = 3, torchpass: str = "spares=1") -> int:
-    script = job_dir / f"{tag}.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"srun {sys.executable} {TRAIN} --steps {STEPS} --params 1M --sleep 0.05\n"
-    )
-    proc = _run(["sbatch", "--parsable", f"-N{nodes}", "--ntasks-per-node=1", f"--torchpass={torchpass}",
-                 "-o", str(job_dir / f"{tag}.%j.out"), str(script)], cwd=job_dir)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.strip().split(";")[0])
-
-
-def _job(job_id: int) -> dict:
-    out = _run(["scontrol", "show", "job", str(job_id), "--json"])
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["jobs"][0]
-
-
-def _wait_end(job_id: int, timeout_s: float = 240) -> dict:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        j = _job(job_id)
-        if not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
-            return j
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} still {j['job_state']} after {timeout_s}s")
-
-
-def _steps(text: str) -> list[str]:
-    return [ln for ln in text.splitlines() if re.fullmatch(r"step=\d+ loss=\S+", ln)]
-
-
-def _per_step(lines: list[str]) -> dict[int, Counter]:
-    out: dict[int, Counter] = {}
-    for ln in lines:
-        n = int(ln.split()[0].split("=")[1])
-        out.setdefault(n, Counter())[ln] += 1
-    return out
+    return tj.submit(job_dir, tag, STEPS, nodes=nodes, torchpass=torchpass)
 
 
 def _events(state_dir: Path, job_id: int) -> list[dict]:
