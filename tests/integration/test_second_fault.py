@@ -43,6 +43,7 @@ from training_jobs import job as _job
 from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
+from training_jobs import wait_end as _wait_end
 
 pytestmark = pytest.mark.integration
 
