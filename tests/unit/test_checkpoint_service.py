@@ -146,6 +146,12 @@ def _gpu_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    # Until the child has exec'd, /proc/PID/environ is still the test's own (no SLURM_JOB_ID).
+    import time
+
+    deadline = time.monotonic() + 10
+    while b"SLURM_JOB_ID=5" not in Path(f"/proc/{proc.pid}/environ").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
     rank_dir = tmp_path / "ranks" / "job5"
     rank_dir.mkdir(parents=True)
     record = rank_dir / "rank1.json"
