@@ -165,3 +165,40 @@ def test_restore_is_released_at_the_gate_with_the_image(tmp_path):
     rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
     assert "restore on n4 failed" in rb.message and "manifest.json" in rb.message, rb.message
     assert (tmp_path / "srun.calls").read_text().count("\n") == 1  # one step, launched at the pause
+
+
+def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy_is_gone(tmp_path):
+    """The restored copy on the target waits at the same hold file as the source copy (it is
+    the same process image): releasing the hold, or sending the resume, before the abort of
+    that copy finished would let both copies rejoin as the rank and hang the group."""
+    import threading
+
+    from torchpass.coordinator import decide as dc
+
+    release = threading.Event()
+
+    class SlowAbortTpassd(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            super().request(node, type_, body, timeout_s)
+            if type_ == "tpassd.restore" and body["op"] == "abort":
+                assert release.wait(10), "abort never released"
+            return {}
+
+    tp = SlowAbortTpassd(fail_dump=False)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    st = d.state
+    ex.hold_ranks["m1"] = (1,)
+    ex.source_pids[("m1", 1)] = {"images": str(tmp_path / "img"), "pid": 7}
+    ex.perform(dc.AbortRestore("m1", "n4", (1,)), st)
+    ex.perform(dc.ResumeInPlace("m1", 2, "n1", "kill of the source failed"), st)
+    time.sleep(0.3)
+    hold = hold_file(tmp_path, 42, "m1", 1)
+    assert not hold.exists() and ex.command_for(0) is None and ex.command_for(1) is None
+    release.set()
+    end = time.monotonic() + 5
+    while not hold.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert hold.exists()
+    assert all(ex.command_for(r)["command"] == "resume" and ex.command_for(r)["generation"] == 2 for r in range(3))
+    assert [(n, t, b["op"]) for n, t, b in tp.calls] == [("n4", "tpassd.restore", "abort")]

@@ -74,6 +74,8 @@ TPASSD_CONTROL_PORT = 7718
 TPASSD_PUB_PORT = 7717
 RESTORE_STEP_NAME = "torchpass-restore-"  # job name of restore steps (-J torchpass-restore-RANK)
 RESTORE_STEP_END_GRACE_S = 10.0
+# How long a rollback waits for a called-off restore step (srun ending it, with the copy)
+ABORT_WAIT_S = 15.0
 
 
 def rank_state_dir(state_dir: str | os.PathLike, job_id: int) -> Path:
@@ -146,6 +148,7 @@ class Executor:
         self._output: str | None = None
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
+        self.aborting: dict[str, list[threading.Thread]] = {}  # migration -> abort threads of restored copies
         self._lock = threading.Lock()
 
     # --- rank commands -----------------------------------------------------------------------
@@ -199,8 +202,10 @@ class Executor:
         if f is not None:
             self.post(f())
 
-    def _thread(self, fn: Callable[[], None], name: str) -> None:
-        threading.Thread(target=fn, name=name, daemon=True).start()
+    def _thread(self, fn: Callable[[], None], name: str) -> threading.Thread:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        return t
 
     # --- actions -------------------------------------------------------------------------------
     def _do_Event(self, a: dc.Event, st: dc.CoordState) -> None:
@@ -464,6 +469,7 @@ class Executor:
 
     def _do_AbortRestore(self, a: dc.AbortRestore, st: dc.CoordState) -> None:
         self._cancel_gates(a.migration)
+        aborts = self.aborting.setdefault(a.migration, [])
         for r in a.ranks:
             proc = self.restores.pop((a.migration, r), None)
             res = self.source_pids.get((a.migration, r)) or {}
@@ -481,8 +487,13 @@ class Executor:
                         os.killpg(proc.pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
+                    try:  # srun has ended the step, and the copy with it
+                        proc.wait(ABORT_WAIT_S)
+                    except subprocess.TimeoutExpired:
+                        log.warning("the called-off restore step did not end", rank=r, target=a.target,
+                                    waited_s=ABORT_WAIT_S)
 
-            self._thread(run, f"abort-{r}")
+            aborts.append(self._thread(run, f"abort-{r}"))
 
     def _do_KillSource(self, a: dc.KillSource, st: dc.CoordState) -> None:
         def run() -> None:
@@ -509,9 +520,26 @@ class Executor:
         self._cancel_gates(a.migration)
 
     def _do_ResumeInPlace(self, a: dc.ResumeInPlace, st: dc.CoordState) -> None:
-        self._resume_cmd(st.ranks, a.generation, a.master)
         self._cancel_gates(a.migration)
         node = st.migration.node if st.migration is not None else None
+        aborts = self.aborting.get(a.migration, [])
+        if any(t.is_alive() for t in aborts):
+            # A restored copy on the target also waits at the rank's hold file (it is
+            # the same process image). Releasing the hold and sending the resume before
+            # that copy is dead would let it rejoin the rendezvous as the rank alongside
+            # the source copy (and then die): the group would hang. So the source copy
+            # resumes only once every abort of this migration has finished.
+            def later() -> None:
+                for t in aborts:
+                    t.join(ABORT_WAIT_S + 15.0)
+                self._resume_in_place(a, st, node)
+
+            self._thread(later, f"rollback-{a.migration}")
+            return
+        self._resume_in_place(a, st, node)
+
+    def _resume_in_place(self, a: dc.ResumeInPlace, st: dc.CoordState, node: str | None) -> None:
+        self._resume_cmd(st.ranks, a.generation, a.master)
         held = self.hold_ranks.get(a.migration, ())
         if node and held and self.tpassd is not None:
             for r in held:  # the hand-off is off: a later death of the source copy is a real failure
