@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Driver, Executor, hold_file, resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
@@ -50,6 +52,26 @@ exec "$@"
     return p
 
 
+_open_executors: list[Executor] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_executors():
+    """Every test's executor is closed: its restore steps started at a pause (restore_gate
+    processes waiting at their gate) are called off, so no test leaves a process behind."""
+    yield
+    while _open_executors:
+        ex = _open_executors.pop()
+        procs = [g[1] for g in ex.gates.values()] + list(ex.restores.values())
+        ex.close()
+        for p in procs:
+            try:
+                p.wait(10)
+            except Exception:  # noqa: BLE001
+                p.kill()
+                p.wait()
+
+
 def _driver(tmp_path, tp):
     job = JobState(job_id=42, spares=1)
     pol = CoordinatorPolicy()
@@ -59,6 +81,7 @@ def _driver(tmp_path, tp):
                           address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3",
                                                 "n4": "10.0.0.4"}[n], srun=str(fake_srun(tmp_path)))
     d.executor._output = str(tmp_path / "job.out")
+    _open_executors.append(d.executor)
     for r, n in enumerate(("n1", "n2", "n3")):
         d.feed(mc.RankRegistered(r, n, 3))
     for n in ("n1", "n2", "n3", "n4"):
