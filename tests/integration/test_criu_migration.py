@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from torchpass.runtime import boot_dir
-from torchpass.runtime.testing import MiniCoordinator
+from torchpass.runtime.testing import MiniCoordinator, free_port
 from tpassd.checkpoint import criu
 from tpassd.checkpoint.actions import Checkpointer
 
@@ -100,12 +99,6 @@ def rank_env(rank: int, port: int, runtime: bool, coordinator: str | None, maste
     if coordinator:
         env["TORCHPASS_COORDINATOR"] = coordinator
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference(tmp: Path) -> list[str]:

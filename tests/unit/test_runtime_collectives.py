@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import textwrap
 import pytest
 
 from torchpass.runtime import boot_dir
+from torchpass.runtime.testing import free_port
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -86,12 +86,6 @@ SCRIPT = textwrap.dedent(
                       "cancelled": cancelled}))
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(runtime: bool, pause_before: int = -1, cancel: bool = False) -> list[dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from torchpass.runtime import boot_dir
-from torchpass.runtime.testing import MiniCoordinator
+from torchpass.runtime.testing import MiniCoordinator, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -27,12 +26,6 @@ WORLD = 2
 STEPS = 14
 ARGS = ["--steps", str(STEPS), "--params", "20K", "--bucket-mb", "0.02", "--sleep", "0.05"]
 JOB = 4242
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp: Path, tag: str, runtime: bool, coordinator: str | None = None, args=ARGS):
@@ -102,11 +95,6 @@ def test_runtime_loaded_without_pause_is_bit_identical(reference):
     assert per_step >= 3  # >= 2 DDP buckets + the loss all_reduce: pauses can fall between buckets
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known intermittent hang: failed in both clean-clone CI runs of 2026-12-03 (full suite) and in 1 of 2 runs of "
-    "this file, passed 9 of 9 runs alone: after the third pause, at a step boundary (T = counts[11]), both ranks "
-    "report quiesced but neither reports resumed within 60 s; cause not found yet (step-end pause vs the held "
-    "rank's resume); see the closing note of stop 6"))
 def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
     plain, _on, counts = reference
     # Pause points: before the first bucket of step 4 (in backward), between

@@ -5,7 +5,6 @@ step leave the losses bit-identical. (FSDP1 needs an accelerator.)"""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import textwrap
 import pytest
 
 from torchpass.runtime import boot_dir
+from torchpass.runtime.testing import free_port
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -48,12 +48,6 @@ SCRIPT = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(runtime: bool, pause: int = -1) -> list[str]:

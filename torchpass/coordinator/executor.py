@@ -87,9 +87,11 @@ def hold_file(state_dir: str | os.PathLike, job_id: int, migration: str, rank: i
     return Path(state_dir) / "jobs" / str(job_id) / "hold" / f"{migration}.rank{rank}"
 
 
-def resume_port(job_id: int, generation: int) -> int:
-    """The rendezvous port of a generation: away from the job's own MASTER_PORT (20000 + J % 20000)."""
-    return 40000 + (job_id * 131 + generation * 977) % 20000
+def resume_port(job_id: int, generation: int, ports: tuple[int, int] = (30000, 32767)) -> int:
+    """The rendezvous port of a generation, within ``ports`` (policy ``rendezvous_ports``):
+    spread by job and generation, so that jobs sharing rank 0's node rarely pick the same."""
+    lo, hi = ports
+    return lo + (job_id * 131 + generation * 977) % (hi - lo + 1)
 
 
 class TpassdClient:
@@ -175,7 +177,7 @@ class Executor:
     def _resume_cmd(self, ranks, generation: int, master: str) -> None:
         addr = self.address_of(master) if master else "127.0.0.1"
         cmd = {"command": "resume", "generation": generation, "master_addr": addr,
-               "master_port": resume_port(self.job_id, generation)}
+               "master_port": resume_port(self.job_id, generation, self.policy.rendezvous_port_range())}
         for r in ranks:
             self.commands[r] = dict(cmd)
 

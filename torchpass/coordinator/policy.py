@@ -87,6 +87,12 @@ class CoordinatorPolicy:
     finalize_timeout_s: float = 120.0  # drain, then shrink (training already runs)
     # Resume / resume-in-place commands sent before the job is declared stuck.
     max_resume_attempts: int = 3
+    # Ports (inclusive range) of each generation's rendezvous store on rank 0's
+    # node. Below Linux's default ephemeral range (ip_local_port_range
+    # 32768-60999): a port in it can be held by any outgoing connection on that
+    # node (the control link opens one per report) when rank 0 binds it, and a
+    # failed bind there would stop the rebuild.
+    rendezvous_ports: str = "30000-32767"
 
     # --- retries ---------------------------------------------------------------
     # A node whose migration failed is tried again after this long...
@@ -94,6 +100,14 @@ class CoordinatorPolicy:
     # ...at most this many times; then torchpass stops trying (an operator
     # can still run `tpassctl migrate`).
     max_attempts_per_node: int = 3
+
+    def rendezvous_port_range(self) -> tuple[int, int]:
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.rendezvous_ports))
+        lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        if not (m and 1024 <= lo <= hi <= 65535):
+            raise ConfigError(f"rendezvous_ports: {self.rendezvous_ports!r} is not a port range like "
+                              "\"30000-32767\" (1024-65535, low-high)")
+        return lo, hi
 
     def validate(self) -> None:
         bad = sorted(set(self.migrate_on) - set(MIGRATE_STATES))
@@ -125,6 +139,7 @@ class CoordinatorPolicy:
         for name in ("max_spare_attempts", "max_resume_attempts", "max_attempts_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.rendezvous_port_range()
         if self.max_pause_rearms < 0:
             raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
 

@@ -136,6 +136,10 @@ class ReconfigurablePG(dist.ProcessGroup):
         self._down = False  # inner group destroyed, waiting for resume
         self._down_gen: int | None = None
         self._resume: tuple[int, Rendezvous] | None = None
+        # The resume was taken and the group is being rebuilt: repeats of the same
+        # command (the coordinator sends it in every reply until rank.resumed
+        # arrives, which is after the rebuild) must not be kept for the next pause.
+        self._rebuilding = False
         self._closed = False
         self._on_collective = on_collective
         self._build(generation, rendezvous)
@@ -327,7 +331,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         """
         with self._cv:
             if self._down:
-                if generation != self._down_gen:
+                if generation != self._down_gen or self._rebuilding:
                     return ""
                 self._resume = (generation, rendezvous)
                 self._cv.notify_all()
@@ -424,13 +428,21 @@ class ReconfigurablePG(dist.ProcessGroup):
                 self._cv.wait(0.05)
             generation, rv = self._resume
             self._resume = None
+            self._rebuilding = True
         t1 = time.monotonic()
+        if DEBUG:
+            _say(f"rank {self._rank} rebuilding generation {generation} at {rv.master_addr}:{rv.master_port}")
         self._build(generation, rv)
         with self._cv:
             self._armed = None
             self._down = False
             self._down_gen = None
             self._paused = False
+            self._rebuilding = False
+            # Seen before this guard: a repeat of resume(g) taken during the rebuild
+            # stayed here, and at the next pause the rank rebuilt generation g again at
+            # the old port while the others met at the new one (both hung).
+            self._resume = None
         self.last_reconfigure_s = time.monotonic() - t1
         if DEBUG:
             _say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")

@@ -33,6 +33,27 @@ class RankView:
     history: list = field(default_factory=list)
 
 
+def free_port(low: int = 20000, high: int = 32767) -> int:
+    """A TCP port for a rendezvous store that binds on 127.0.0.1 now, drawn at random
+    below Linux's default ephemeral range (32768-60999). Not ``bind(0)``: that hands
+    out an ephemeral port, which any outgoing connection on the machine (a rank's
+    control link opens one per report) may take as its source port before the store
+    binds it (the coordinator's ``rendezvous_ports`` avoid that range too)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
 class MiniCoordinator:
     def __init__(self, world_size: int, job_id: int, address: str = "127.0.0.1", port: int = 0):
         self.world_size = world_size

@@ -1,0 +1,100 @@
+"""ReconfigurablePG's pause/resume state in one process (world size 1, real gloo and TCPStore).
+
+The multi-process behaviour is covered by test_runtime_ddp / _collectives / _fsdp; this file
+pins races of the command handling that those hit only now and then.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch
+
+from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous
+from torchpass.runtime.testing import free_port
+
+
+class Recorder(PauseListener):
+    def __init__(self):
+        self.quiesced: list[dict] = []
+        self.resumed: list[dict] = []
+        self.cv = threading.Condition()
+
+    def on_quiesced(self, pg, info):
+        with self.cv:
+            self.quiesced.append(info)
+            self.cv.notify_all()
+
+    def on_resumed(self, pg, info):
+        with self.cv:
+            self.resumed.append(info)
+            self.cv.notify_all()
+
+    def wait(self, what: str, n: int, timeout: float = 20.0) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(getattr(self, what)) >= n, timeout), f"no {what} #{n}"
+
+
+def test_a_resume_repeated_during_the_rebuild_is_not_kept_for_the_next_pause():
+    """The coordinator repeats `resume` in every reply until `rank.resumed`, which comes
+    after the rebuild. A repeat taken while the group was being rebuilt used to stay
+    pending: at the next pause the rank at once rebuilt the *old* generation at the old
+    port while the other ranks met at the new one, and every rank hung."""
+    rv0 = Rendezvous("127.0.0.1", free_port())
+    pg = ReconfigurablePG(rank=0, size=1, timeout=datetime.timedelta(seconds=20), rendezvous=rv0)
+    rec = Recorder()
+    pg.listener = rec
+    rv1, rv2 = Rendezvous("127.0.0.1", free_port()), Rendezvous("127.0.0.1", free_port())
+    build = pg._build
+
+    def build_with_a_repeat(generation, rv):
+        assert pg.resume(generation, rv) == ""  # the repeat arrives mid-rebuild: ignored
+        build(generation, rv)
+
+    pg._build = build_with_a_repeat
+    t = torch.ones(4)
+    errors: list[BaseException] = []
+    go = threading.Semaphore(0)  # one release per collective: the test decides how far training gets
+
+    def train():
+        try:
+            for _ in range(6):
+                assert go.acquire(timeout=30)
+                pg.allreduce([t]).wait()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    assert pg.arm(2, 1)
+    worker = threading.Thread(target=train)
+    worker.start()
+    try:
+        for _ in range(3):  # the third stops before it is issued
+            go.release()
+        rec.wait("quiesced", 1)
+        assert rec.quiesced[0]["collectives"] == 2
+        assert pg.resume(1, rv1) == "resume"
+        rec.wait("resumed", 1)
+        assert (pg.generation, pg.rendezvous) == (1, rv1)
+        assert pg.resume(1, rv1) == ""  # a late repeat after the rebuild: nothing to do
+        assert pg.arm(4, 2)
+        for _ in range(2):  # the fourth, then the fifth stops
+            go.release()
+        rec.wait("quiesced", 2)
+        time.sleep(0.2)  # a stale resume would have rebuilt generation 1 by now
+        assert rec.quiesced[1]["collectives"] == 4 and len(rec.resumed) == 1, rec.resumed
+        assert pg.resume(2, rv2) == "resume"
+        rec.wait("resumed", 2)
+        assert (pg.generation, pg.rendezvous) == (2, rv2)
+        go.release()  # the sixth
+    finally:
+        for _ in range(6):
+            go.release()
+        if len(rec.resumed) < 2 and len(rec.quiesced) >= 2:
+            pg.resume(2, rv2)
+        worker.join(30)
+        pg.shutdown()
+    assert not errors, errors
+    assert not worker.is_alive()
+    assert t.tolist() == [1.0] * 4  # world size 1: every all-reduce is the identity
