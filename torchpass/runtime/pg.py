@@ -26,7 +26,6 @@ and never a pause point: they run on subsets of ranks.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import socket
 import threading
@@ -295,7 +294,10 @@ class ReconfigurablePG(dist.ProcessGroup):
                 time.sleep(0.001)
         del st
         self.store.close()
-        gc.collect()
+        # No gc.collect() here: the inner group and the store are freed by reference
+        # counting when the last reference goes (above), which closes their sockets.
+        # A full collection cost ~180 ms in a rank with a 10M-parameter model, on
+        # every rank, between reaching T and reporting quiesced.
 
     # -- pause protocol (called from the control thread) ------------------------
     def arm(self, at: int, generation: int) -> bool:
