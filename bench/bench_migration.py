@@ -229,10 +229,25 @@ class Bench:
         if p.returncode != 0:
             raise RuntimeError(f"tpassctl inject {fault}: {p.stderr.strip()}")
 
-    def heal(self) -> None:
+    def heal(self, timeout_s: float = 120.0) -> None:
+        """Clear the drill and wait until node2's tpassd says healthy again: its ECC rule
+        looks back 60 s, so the next job's coordinator would otherwise see node2 degraded
+        from its first second and move the rank before training got anywhere."""
         run([TPASSCTL, "inject", "--node", BAD_NODE, "--fault", "clear"], timeout=30)
         run(["scontrol", "update", f"NodeName={BAD_NODE}", "State=RESUME"])
-        time.sleep(1.5)  # tpassd publishes healthy again before the next job
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            p = run([TPASSCTL, "nodes", "--node", BAD_NODE, "--json"], timeout=30)
+            try:
+                nodes = json.loads(p.stdout)
+                state = (nodes[0] if isinstance(nodes, list) else nodes.get("nodes", [{}])[0]).get("state")
+            except (ValueError, IndexError, KeyError, AttributeError):
+                state = None
+            if state == "healthy":
+                time.sleep(1.5)  # published to every subscriber
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"{BAD_NODE} not healthy again {timeout_s:.0f}s after the drill was cleared")
 
     # --- the three runs ----------------------------------------------------------------
     def reference(self, size: str, plan: dict) -> dict:
@@ -252,9 +267,9 @@ class Bench:
         gaps = [first[n + 1] - first[n] for n in sorted(first) if n + 1 in first]
         return {"job_id": job_id, "lines": [ln for _, _, ln in steps], "step_period_s": statistics.median(gaps)}
 
-    def migration(self, size: str, plan: dict, ref: dict) -> dict:
+    def migration(self, size: str, plan: dict, ref: dict, run_no: int = 1) -> dict:
         cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
-        job_id, out = self.submit(f"mig-{size}", cmd, ["-N4", "--torchpass=spares=1"])
+        job_id, out = self.submit(f"mig-{size}-{run_no}", cmd, ["-N4", "--torchpass=spares=1"])
         tail = Tail(out)
         tail.start()
         try:
@@ -279,6 +294,10 @@ class Bench:
         gaps = {n: first[n + 1] - first[n] for n in sorted(first) if n + 1 in first}
         period = statistics.median(gaps.values())
         worst = max(gaps, key=gaps.get)
+        if worst < plan["fault_at"] or not identical:
+            raise RuntimeError(f"migration run of job {job_id}: the largest step gap ({worst}->{worst + 1}) lies "
+                               f"before the drill at step {plan['fault_at']}, or the losses differ from the "
+                               f"reference (identical={identical}): not a measurement of this migration")
         res = {
             "job_id": job_id, "completed": ok, "restart_cnt": int(j.get("restart_cnt", 0)),
             "bit_identical_to_reference": identical,
@@ -458,7 +477,7 @@ def main() -> int:
                 runs = []
                 for i in range(args.repeat or plan["repeat"]):
                     log(f"{size}: live migration run {i + 1}")
-                    runs.append(b.migration(size, plan, ref))
+                    runs.append(b.migration(size, plan, ref, i + 1))
                     log(f"{size}: migration stall {runs[-1]['stall_s']}s, phases {runs[-1]['phase_durations_s']}")
                 # the run with the median stall stands for the size; every run is kept
                 mig = sorted(runs, key=lambda r: r["stall_s"])[len(runs) // 2]
