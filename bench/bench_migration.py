@@ -495,7 +495,7 @@ def main() -> int:
                     "lost_time_ratio": round((crs.get("slurm") or crs["lifted"])["lost_s"]
                                              / max(mig["stall_s"], 1e-3), 1),
                 }
-                if "lifted" in crs:
+                if "lifted" in crs and "slurm" in crs:
                     results[size]["checkpoint_restart_hold_lifted"] = crs["lifted"]
                     results[size]["lost_time_ratio_hold_lifted"] = round(
                         crs["lifted"]["lost_s"] / max(mig["stall_s"], 1e-3), 1)
