@@ -334,7 +334,7 @@ class Bench:
         ckpt.mkdir()
         cmd = (f"{PY} {TRAIN_CKPT} --steps {plan['steps']} --params {size} --sleep {plan['sleep']} "
                f"--ckpt-dir {ckpt} --ckpt-every {plan['ckpt_every']}")
-        job_id, out = self.submit(f"ckpt-{size}", cmd, ["-N3", "--requeue"])
+        job_id, out = self.submit(f"ckpt-{size}-{'lifted' if lift_hold else 'slurm'}", cmd, ["-N3", "--requeue"])
         tail = Tail(out)
         tail.start()
         try:
