@@ -208,8 +208,9 @@ class Bench:
             if "RUNNING" in states and int(j.get("restart_cnt", 0)) > 0:
                 return hold
             if "PENDING" in states and j.get("state_reason") == "BeginTime":
-                try:
-                    hold = round(float(j["eligible_time"]["number"]) - time.time(), 1)
+                try:  # the hold as first seen (waited out, it counts down to 0)
+                    if hold is None:
+                        hold = round(float(j["eligible_time"]["number"]) - time.time(), 1)
                 except (KeyError, TypeError, ValueError):
                     pass
                 if not lift:
