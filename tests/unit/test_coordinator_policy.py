@@ -44,6 +44,8 @@ def test_missing_named_policy_lists_what_exists(tmp_path):
     ("pause_margin_collectives = 0\n", "pause_margin_collectives must be >= 1"),
     ("max_spare_attempts = 0\n", "max_spare_attempts must be >= 1"),
     ('stall_s = "soon"\n', "stall_s: expected a number"),
+    ('rendezvous_ports = "32767-30000"\n', "rendezvous_ports: '32767-30000' is not a port range"),
+    ('rendezvous_ports = "80"\n', "rendezvous_ports: '80' is not a port range"),
 ])
 def test_bad_policy_files_are_rejected_by_name(tmp_path, text, msg):
     (tmp_path / "bad.toml").write_text(text)

@@ -541,6 +541,7 @@ class Executor:
         self._resume_in_place(a, st, node)
 
     def _resume_in_place(self, a: dc.ResumeInPlace, st: dc.CoordState, node: str | None) -> None:
+        self.aborting.pop(a.migration, None)
         self._resume_cmd(st.ranks, a.generation, a.master)
         held = self.hold_ranks.get(a.migration, ())
         if node and held and self.tpassd is not None:
