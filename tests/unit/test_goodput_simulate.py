@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np  # a core dependency (pyproject): missing it is an install bug, not a skip
 import pytest
 
-np = pytest.importorskip("numpy")
-
-from torchpass.errors import ConfigError  # noqa: E402
-from torchpass.goodput import model  # noqa: E402
-from torchpass.goodput.model import GoodputInputs, build_inputs, evaluate  # noqa: E402
-from torchpass.goodput.presets import PRESETS  # noqa: E402
-from torchpass.goodput.simulate import simulate, simulate_plan  # noqa: E402
+from torchpass.errors import ConfigError
+from torchpass.goodput import model
+from torchpass.goodput.model import GoodputInputs, build_inputs, evaluate
+from torchpass.goodput.presets import PRESETS
+from torchpass.goodput.simulate import simulate, simulate_plan
 
 # The documented tolerance: the simulated mean wall time within 2% of the closed form.
 TOLERANCE = 0.02
