@@ -239,10 +239,9 @@ class Bench:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             p = run([TPASSCTL, "nodes", "--node", BAD_NODE, "--json"], timeout=30)
-            try:
-                nodes = json.loads(p.stdout)
-                state = (nodes[0] if isinstance(nodes, list) else nodes.get("nodes", [{}])[0]).get("state")
-            except (ValueError, IndexError, KeyError, AttributeError):
+            try:  # {"t": ..., "nodes": [{"node": ..., "state": ...}]}
+                state = json.loads(p.stdout)["nodes"][0]["state"]
+            except (ValueError, IndexError, KeyError):
                 state = None
             if state == "healthy":
                 time.sleep(1.5)  # published to every subscriber

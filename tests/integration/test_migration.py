@@ -35,6 +35,7 @@ import pytest
 import training_jobs as tj
 from training_jobs import TPASSCTL
 from training_jobs import job as _job
+from training_jobs import node as _node
 from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
@@ -71,10 +72,6 @@ def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
     raise AssertionError(f"seed={SEED}: {out_path.name} did not reach step {step}: "
                          + (out_path.read_text()[-3000:] if out_path.exists() else "no output"))
-
-
-def _node(name: str) -> dict:
-    return json.loads(_run(["scontrol", "show", "node", name, "--json"]).stdout)["nodes"][0]
 
 
 def _events(cluster, job_id: int) -> list[dict]:

@@ -40,6 +40,7 @@ import pytest
 import training_jobs as tj
 from training_jobs import TPASSCTL
 from training_jobs import job as _job
+from training_jobs import node as _node
 from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
@@ -145,7 +146,7 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, refer
         assert "node3" not in _run(["scontrol", "show", "hostnames", final["nodes"]]).stdout.split(), final["nodes"]
 
         for node in ("node2", "node3"):
-            n = json.loads(_run(["scontrol", "show", "node", node, "--json"]).stdout)["nodes"][0]
+            n = _node(node)
             assert "DRAIN" in n["state"], (node, n["state"])
             assert n["reason"].startswith("torchpass: "), (node, n["reason"])
         # No spare allocation is left (the donor merged into the job and ended).
@@ -202,7 +203,7 @@ def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir):
               f"companion {companion} ended", diag)
         assert _job(companion)["job_state"][0] == "CANCELLED", _job(companion)["job_state"]
         assert done["data"]["node"] == bad, done
-        n = json.loads(_run(["scontrol", "show", "node", bad, "--json"]).stdout)["nodes"][0]
+        n = _node(bad)
         assert "DRAIN" in n["state"] and n["reason"].startswith("torchpass: "), n
         print(f"\ncompanion {companion} on {chosen['target']}: phases {done['data']['phase_durations']}; "
               f"test took {time.monotonic() - t_start:.1f}s")
@@ -274,9 +275,9 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
         print("\nthe called-off restore step:", " | ".join(ln for ln in said.splitlines() if "torchpass" in ln
                                                      or "srun" in ln) or "(nothing)")
         # Rolled back: the first spare keeps the rank and is not drained; the first bad node is.
-        n3 = json.loads(_run(["scontrol", "show", "node", second, "--json"]).stdout)["nodes"][0]
+        n3 = _node(second)
         assert "DRAIN" not in n3["state"], n3["state"]
-        n2 = json.loads(_run(["scontrol", "show", "node", first, "--json"]).stdout)["nodes"][0]
+        n2 = _node(first)
         assert "DRAIN" in n2["state"] and n2["reason"].startswith("torchpass: "), n2
         left = _run(["squeue", "--noheader", "--name", f"torchpass-spare-{job_id}", "--format", "%i %T"]).stdout
         assert left.strip() == "", left

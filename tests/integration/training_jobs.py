@@ -40,6 +40,11 @@ def job(job_id: int) -> dict:
     return json.loads(out.stdout)["jobs"][0]
 
 
+def node(name: str) -> dict:
+    """``scontrol show node NAME --json``: the node's record (state, reason, ...)."""
+    return json.loads(run(["scontrol", "show", "node", name, "--json"]).stdout)["nodes"][0]
+
+
 def wait_end(job_id: int, timeout_s: float = 240, context: str = "") -> dict:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

@@ -119,7 +119,7 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     _pump_until(d, lambda: ex.command_for(0) is not None)
     resume = ex.command_for(0)
     assert resume == {"command": "resume", "generation": gen, "master_addr": "10.0.0.1",
-                      "master_port": resume_port(42, gen)}
+                      "master_port": resume_port(42, gen, CoordinatorPolicy().rendezvous_port_range())}
     assert all(ex.command_for(r) == resume for r in range(3))
     assert hf.exists()  # the held source copy wakes up where it is
     assert ("n2", "tpassd.snapshot") in [(n, t) for n, t, b in tp.calls if b["op"] == "abort"]

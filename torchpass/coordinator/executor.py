@@ -87,7 +87,7 @@ def hold_file(state_dir: str | os.PathLike, job_id: int, migration: str, rank: i
     return Path(state_dir) / "jobs" / str(job_id) / "hold" / f"{migration}.rank{rank}"
 
 
-def resume_port(job_id: int, generation: int, ports: tuple[int, int] = (30000, 32767)) -> int:
+def resume_port(job_id: int, generation: int, ports: tuple[int, int]) -> int:
     """The rendezvous port of a generation, within ``ports`` (policy ``rendezvous_ports``):
     spread by job and generation, so that jobs sharing rank 0's node rarely pick the same."""
     lo, hi = ports

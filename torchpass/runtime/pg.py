@@ -138,6 +138,8 @@ class ReconfigurablePG(dist.ProcessGroup):
         # The resume was taken and the group is being rebuilt: repeats of the same
         # command (the coordinator sends it in every reply until rank.resumed
         # arrives, which is after the rebuild) must not be kept for the next pause.
+        # Before this guard a kept repeat made the rank rebuild generation g again
+        # at the old port at its next pause while the others met at the new one.
         self._rebuilding = False
         self._closed = False
         self._on_collective = on_collective
@@ -441,10 +443,6 @@ class ReconfigurablePG(dist.ProcessGroup):
             self._down_gen = None
             self._paused = False
             self._rebuilding = False
-            # Seen before this guard: a repeat of resume(g) taken during the rebuild
-            # stayed here, and at the next pause the rank rebuilt generation g again at
-            # the old port while the others met at the new one (both hung).
-            self._resume = None
         self.last_reconfigure_s = time.monotonic() - t1
         if DEBUG:
             _say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")
