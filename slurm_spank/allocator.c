@@ -2,24 +2,18 @@
  * allocator.c - sbatch and salloc (allocator context).
  *
  * Only init, the option callback, init_post_opt and exit run here.  A bad
- * --torchpass value is rejected by the option callback (common.c), which
- * calls tpass_allocator_check() for a valid one.  Only a failing option
+ * --torchpass value is rejected by the option callback (option.c), which
+ * calls allocator_check() (handed in at registration) for a valid one.  Only a failing option
  * callback stops sbatch/salloc: SPANK ignores the return code of every hook
  * of an "optional" plugin, so every submit-time check lives there.
  */
 #include <errno.h>
 #include <string.h>
 
+#include "context.h"
 #include "tpass.h"
 
-int tpass_allocator_init(spank_t sp, int ac, char **av)
-{
-	(void)ac;
-	(void)av;
-	return tpass_register_option(sp);
-}
-
-int tpass_allocator_check(const struct tpass_opts *opts)
+static int allocator_check(const struct tpass_opts *opts)
 {
 	(void)opts;
 	/*
@@ -31,4 +25,11 @@ int tpass_allocator_check(const struct tpass_opts *opts)
 		return -1;
 	}
 	return 0;
+}
+
+int tpass_allocator_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	return tpass_option_register(sp, allocator_check);
 }

@@ -9,13 +9,13 @@
  */
 #include "coordinator.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,22 +25,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PIDFILE "coordinator.pid"
-#define LOGFILE "coordinator.log"
+#include "layout.h"
+#include "proc.h"
+
+#define PIDFILE TPASS_LAYOUT_COORDINATOR_PID
+#define LOGFILE TPASS_LAYOUT_COORDINATOR_LOG
 #define READY_FD 3
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vsnprintf(err, errlen, fmt, ap);
-	va_end(ap);
-	return -1;
-}
 
 static double now_s(void)
 {
@@ -50,90 +40,13 @@ static double now_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* ----------------------------------------------------------------- /proc */
-
-/* Fields after the ")" of /proc/PID/stat: [0]=state [2]=pgrp [19]=starttime */
-static int proc_stat_fields(pid_t pid, char *state, pid_t *pgrp,
-			    unsigned long long *start)
-{
-	char path[64], buf[2048], *p;
-	ssize_t n;
-	int fd, i;
-
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return -1;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return -1;
-	buf[n] = '\0';
-	p = strrchr(buf, ')');
-	if (!p)
-		return -1;
-	p++;
-	for (i = 0; i <= 19; i++) {
-		char *tok;
-		while (*p == ' ')
-			p++;
-		tok = p;
-		while (*p && *p != ' ')
-			p++;
-		if (tok == p)
-			return -1;
-		if (i == 0)
-			*state = *tok;
-		else if (i == 2)
-			*pgrp = (pid_t)strtol(tok, NULL, 10);
-		else if (i == 19)
-			*start = strtoull(tok, NULL, 10);
-	}
-	return 0;
-}
-
-unsigned long long tpass_proc_start_time(pid_t pid)
-{
-	unsigned long long start = 0;
-	pid_t pgrp;
-	char state;
-
-	if (pid <= 0 || proc_stat_fields(pid, &state, &pgrp, &start) < 0)
-		return 0;
-	if (state == 'Z' || state == 'X')
-		return 0;
-	return start;
-}
-
-static int proc_real_uid(pid_t pid, uid_t *uid)
-{
-	char path[64], buf[4096], *p;
-	ssize_t n;
-	int fd;
-
-	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return -1;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return -1;
-	buf[n] = '\0';
-	p = strstr(buf, "\nUid:");
-	if (!p)
-		return -1;
-	*uid = (uid_t)strtoul(p + 5, NULL, 10);
-	return 0;
-}
-
 static bool still_ours(pid_t pid, unsigned long long start, uid_t uid)
 {
 	uid_t owner;
 
 	if (tpass_proc_start_time(pid) != start)
 		return false;
-	if (proc_real_uid(pid, &owner) < 0 || owner != uid)
+	if (tpass_proc_real_uid(pid, &owner) < 0 || owner != uid)
 		return false;
 	return true;
 }
@@ -145,7 +58,7 @@ static void signal_coord(pid_t pid, int sig)
 	char state;
 
 	/* the coordinator leads its own session: signal its whole group */
-	if (proc_stat_fields(pid, &state, &pgrp, &start) == 0 && pgrp == pid &&
+	if (tpass_proc_stat(pid, &state, &pgrp, &start) == 0 && pgrp == pid &&
 	    kill(-pid, sig) == 0)
 		return;
 	kill(pid, sig);
@@ -173,7 +86,7 @@ int tpass_coord_stop(pid_t pid, unsigned long long start_time, uid_t uid,
 			return 0;
 		usleep(20000);
 	}
-	return fail(err, errlen, "coordinator pid %d survived SIGKILL",
+	return tpass_fail(err, errlen, "coordinator pid %d survived SIGKILL",
 		    (int)pid);
 }
 
@@ -184,14 +97,14 @@ static int check_root_dir(int fd, const char *path, char *err, size_t errlen)
 	struct stat st;
 
 	if (fstat(fd, &st) < 0)
-		return fail(err, errlen, "cannot stat %s: %s", path,
+		return tpass_fail(err, errlen, "cannot stat %s: %s", path,
 			    strerror(errno));
 	if (st.st_uid != 0)
-		return fail(err, errlen,
+		return tpass_fail(err, errlen,
 			    "%s must be owned by root (it is owned by uid %u)",
 			    path, (unsigned)st.st_uid);
 	if ((st.st_mode & (S_IWOTH | S_IWGRP)) && !(st.st_mode & S_ISVTX))
-		return fail(err, errlen,
+		return tpass_fail(err, errlen,
 			    "%s is group/world-writable without the sticky bit; use mode 0755 or 1777",
 			    path);
 	return 0;
@@ -210,20 +123,20 @@ static int open_job_dir(const struct tpass_conf *conf,
 
 	sfd = open(conf->state_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (sfd < 0)
-		return fail(err, errlen,
+		return tpass_fail(err, errlen,
 			    "state_dir %s is not an accessible directory: %s",
 			    conf->state_dir, strerror(errno));
 	if (check_root_dir(sfd, conf->state_dir, err, errlen) < 0)
 		goto out;
-	snprintf(jobs_path, sizeof(jobs_path), "%s/jobs", conf->state_dir);
-	if (mkdirat(sfd, "jobs", 0755) < 0 && errno != EEXIST) {
-		fail(err, errlen, "cannot create %s: %s", jobs_path,
+	snprintf(jobs_path, sizeof(jobs_path), "%s/" TPASS_LAYOUT_JOBS, conf->state_dir);
+	if (mkdirat(sfd, TPASS_LAYOUT_JOBS, 0755) < 0 && errno != EEXIST) {
+		tpass_fail(err, errlen, "cannot create %s: %s", jobs_path,
 		     strerror(errno));
 		goto out;
 	}
-	jfd = openat(sfd, "jobs", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	jfd = openat(sfd, TPASS_LAYOUT_JOBS, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (jfd < 0) {
-		fail(err, errlen, "cannot open %s: %s", jobs_path,
+		tpass_fail(err, errlen, "cannot open %s: %s", jobs_path,
 		     strerror(errno));
 		goto out;
 	}
@@ -232,29 +145,29 @@ static int open_job_dir(const struct tpass_conf *conf,
 
 	snprintf(name, sizeof(name), "%u", job->job_id);
 	if (mkdirat(jfd, name, 0755) < 0 && errno != EEXIST) {
-		fail(err, errlen, "cannot create %s/%s: %s", jobs_path, name,
+		tpass_fail(err, errlen, "cannot create %s/%s: %s", jobs_path, name,
 		     strerror(errno));
 		goto out;
 	}
 	dfd = openat(jfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (dfd < 0) {
-		fail(err, errlen, "cannot open %s/%s: %s", jobs_path, name,
+		tpass_fail(err, errlen, "cannot open %s/%s: %s", jobs_path, name,
 		     strerror(errno));
 		goto out;
 	}
 	if (fstat(dfd, &st) < 0) {
-		fail(err, errlen, "cannot stat %s/%s: %s", jobs_path, name,
+		tpass_fail(err, errlen, "cannot stat %s/%s: %s", jobs_path, name,
 		     strerror(errno));
 		goto bad;
 	}
 	if (st.st_uid == 0 && job->uid != 0) {
 		if (fchown(dfd, job->uid, job->gid) < 0) {
-			fail(err, errlen, "cannot chown %s/%s: %s", jobs_path,
+			tpass_fail(err, errlen, "cannot chown %s/%s: %s", jobs_path,
 			     name, strerror(errno));
 			goto bad;
 		}
 	} else if (st.st_uid != job->uid) {
-		fail(err, errlen,
+		tpass_fail(err, errlen,
 		     "%s/%s belongs to uid %u, not to the job user %u",
 		     jobs_path, name, (unsigned)st.st_uid, (unsigned)job->uid);
 		goto bad;
@@ -308,16 +221,16 @@ static int write_pidfile(int dfd, const struct tpass_coord *c,
 	fd = openat(dfd, PIDFILE ".tmp",
 		    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
 	if (fd < 0)
-		return fail(err, errlen, "cannot write %s: %s", PIDFILE,
+		return tpass_fail(err, errlen, "cannot write %s: %s", PIDFILE,
 			    strerror(errno));
 	if (write(fd, buf, (size_t)n) != n) {
 		close(fd);
-		return fail(err, errlen, "cannot write %s: %s", PIDFILE,
+		return tpass_fail(err, errlen, "cannot write %s: %s", PIDFILE,
 			    strerror(errno));
 	}
 	close(fd);
 	if (renameat(dfd, PIDFILE ".tmp", dfd, PIDFILE) < 0)
-		return fail(err, errlen, "cannot rename %s: %s", PIDFILE,
+		return tpass_fail(err, errlen, "cannot rename %s: %s", PIDFILE,
 			    strerror(errno));
 	return 0;
 }
@@ -484,12 +397,12 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	snprintf(jobid, sizeof(jobid), "%u", job->job_id);
 	snprintf(spares, sizeof(spares), "%u", job->spares);
 	snprintf(readyfd, sizeof(readyfd), "%d", READY_FD);
-	snprintf(jobdir, sizeof(jobdir), "%s/jobs/%u", conf->state_dir,
+	snprintf(jobdir, sizeof(jobdir), "%s/" TPASS_LAYOUT_JOBS "/%u", conf->state_dir,
 		 job->job_id);
 
 	if (stat(conf->coordinator, &sb) < 0 || !S_ISREG(sb.st_mode) ||
 	    !(sb.st_mode & 0111))
-		return fail(err, errlen,
+		return tpass_fail(err, errlen,
 			    "coordinator=%s (plugstack.conf) is not an executable file",
 			    conf->coordinator);
 
@@ -505,12 +418,12 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 		goto out;
 
 	if (pipe2(ready, O_CLOEXEC) < 0 || pipe2(info, O_CLOEXEC) < 0) {
-		fail(err, errlen, "pipe: %s", strerror(errno));
+		tpass_fail(err, errlen, "pipe: %s", strerror(errno));
 		goto out;
 	}
 	c1 = fork();
 	if (c1 < 0) {
-		fail(err, errlen, "fork: %s", strerror(errno));
+		tpass_fail(err, errlen, "fork: %s", strerror(errno));
 		goto out;
 	}
 	if (c1 == 0) {
@@ -534,7 +447,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	while (waitpid(c1, &st, 0) < 0 && errno == EINTR)
 		;
 	if (read(info[0], &pid, sizeof(pid)) != sizeof(pid) || pid <= 0) {
-		fail(err, errlen, "could not fork the coordinator");
+		tpass_fail(err, errlen, "could not fork the coordinator");
 		goto out;
 	}
 	out->pid = pid;
@@ -542,7 +455,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 
 	rc = read_line(ready[0], line, sizeof(line), conf->ready_timeout_s);
 	if (rc == 1 && !strncmp(line, "error: ", 7)) {
-		fail(err, errlen, "cannot start the coordinator: %s", line + 7);
+		tpass_fail(err, errlen, "cannot start the coordinator: %s", line + 7);
 		rc = -1;
 		goto out;
 	}
@@ -551,7 +464,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 		if (out->start_time)
 			tpass_coord_stop(pid, out->start_time, job->uid, 1,
 					 line, sizeof(line));
-		fail(err, errlen,
+		tpass_fail(err, errlen,
 		     "the coordinator %s (see %s/" LOGFILE "%s%s)",
 		     rc == 0 ? "exited before reporting its address" :
 			       "did not report its address in time",
@@ -570,7 +483,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	if (!out->start_time)
 		out->start_time = tpass_proc_start_time(pid);
 	if (!out->start_time) {
-		fail(err, errlen,
+		tpass_fail(err, errlen,
 		     "the coordinator exited right after reporting %s (see %s/" LOGFILE ")",
 		     line, jobdir);
 		rc = -1;
@@ -601,7 +514,7 @@ int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
 	int dfd;
 
 	*stopped = false;
-	snprintf(path, sizeof(path), "%s/jobs/%u", conf->state_dir, job_id);
+	snprintf(path, sizeof(path), "%s/" TPASS_LAYOUT_JOBS "/%u", conf->state_dir, job_id);
 	dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (dfd < 0)
 		return 0; /* not a torchpass job, or nothing started */
@@ -616,4 +529,31 @@ int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
 	*stopped = true;
 	return tpass_coord_stop(pid, start, uid, conf->stop_timeout_s, err,
 				errlen);
+}
+
+int tpass_ready_line_valid(const char *line, char *err, size_t errlen)
+{
+	const char *host, *colon;
+	unsigned port;
+
+	if (strncmp(line, "tcp://", 6))
+		return tpass_fail(err, errlen,
+			    "coordinator ready line '%.80s' does not start with tcp://",
+			    line);
+	host = line + 6;
+	colon = strrchr(host, ':');
+	if (!colon || colon == host)
+		return tpass_fail(err, errlen,
+			    "coordinator ready line '%.80s' is not tcp://ADDR:PORT",
+			    line);
+	if (tpass_parse_uint(colon + 1, 1, 65535, &port) < 0)
+		return tpass_fail(err, errlen,
+			    "coordinator ready line '%.80s' has a bad port", line);
+	for (const char *p = host; p < colon; p++)
+		if (!(isalnum((unsigned char)*p) || *p == '.' || *p == '-' ||
+		      *p == '[' || *p == ']' || *p == ':' || *p == '_'))
+			return tpass_fail(err, errlen,
+				    "coordinator ready line '%.80s' has a bad address",
+				    line);
+	return 0;
 }

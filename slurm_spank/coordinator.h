@@ -1,7 +1,7 @@
 /*
  * coordinator.h - start and stop the per-job torchpass coordinator.
  *
- * No Slurm calls in here either: remote.c and jobscript.c gather the job's
+ * No Slurm calls in here: remote.c and jobscript.c gather the job's
  * identity and pass it in.
  */
 #ifndef TPASS_COORDINATOR_H
@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <sys/types.h>
 
-#include "args.h"
+#include "conf.h"
 
 struct tpass_job {
 	unsigned job_id;
@@ -60,7 +60,10 @@ int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
 				  unsigned job_id, uid_t uid, const char *node,
 				  bool *stopped, char *err, size_t errlen);
 
-/* Start time of pid from /proc (0 if it is gone or a zombie). */
-unsigned long long tpass_proc_start_time(pid_t pid);
+/*
+ * Check the first line the coordinator writes to its ready fd:
+ * "tcp://ADDR:PORT".
+ */
+int tpass_ready_line_valid(const char *line, char *err, size_t errlen);
 
 #endif /* TPASS_COORDINATOR_H */

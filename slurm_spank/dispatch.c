@@ -8,6 +8,7 @@
  * --torchpass job is the option callback at submit, or task_init at launch,
  * see remote.c.)
  */
+#include "context.h"
 #include "tpass.h"
 
 SPANK_PLUGIN(torchpass, 1);

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <unistd.h>
 
+#include "context.h"
 #include "coordinator.h"
 #include "tpass.h"
 

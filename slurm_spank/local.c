@@ -13,16 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "context.h"
 #include "tpass.h"
 
-int tpass_local_init(spank_t sp, int ac, char **av)
-{
-	(void)ac;
-	(void)av;
-	return tpass_register_option(sp);
-}
-
-int tpass_local_check(const struct tpass_opts *opts)
+static int local_check(const struct tpass_opts *opts)
 {
 	const char *job = getenv("SLURM_JOB_ID");
 	const char *tjob = getenv("TORCHPASS_JOB_ID");
@@ -48,4 +42,11 @@ int tpass_local_check(const struct tpass_opts *opts)
 		return -1;
 	}
 	return 0;
+}
+
+int tpass_local_init(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	return tpass_option_register(sp, local_check);
 }

@@ -19,7 +19,11 @@
 
 #include <slurm/slurm.h>
 
+#include "context.h"
 #include "coordinator.h"
+#include "hostlist.h"
+#include "layout.h"
+#include "pythonpath.h"
 #include "tpass.h"
 
 static struct {
@@ -78,7 +82,7 @@ int tpass_remote_init(spank_t sp, int ac, char **av)
 {
 	(void)ac;
 	(void)av;
-	return tpass_register_option(sp);
+	return tpass_option_register(sp, NULL);
 }
 
 /* Environment for the coordinator: Slurm's and the locale, not the user's
@@ -176,34 +180,49 @@ static void start_coordinator(spank_t sp)
 }
 
 /*
- * Batch step: refuse spares >= nodes before anything is started.  (The job
- * environment already holds SLURM_JOB_NODELIST here; S_JOB_NNODES is 0 for
- * the batch step.)
+ * The job's nodes (*hosts, free with tpass_hostlist_free), refusing
+ * spares >= nodes; launch_fail() says why it failed.  (The job environment
+ * already holds SLURM_JOB_NODELIST in the batch step's init_post_opt;
+ * S_JOB_NNODES is 0 for the batch step.)
  */
-static int check_spares(spank_t sp)
+static int job_hosts(spank_t sp, char ***hosts, size_t *n)
 {
 	char nodelist[8192], err[TPASS_ERR_MAXLEN];
-	char **hosts = NULL;
-	size_t n = 0;
 
-	if (tpass.opts.spares == 0)
-		return 0;
+	*hosts = NULL;
+	*n = 0;
 	if (get_env(sp, "SLURM_JOB_NODELIST", nodelist, sizeof(nodelist)) < 0) {
 		launch_fail("spares=%u: SLURM_JOB_NODELIST is not set",
 			    tpass.opts.spares);
 		return -1;
 	}
-	if (tpass_hostlist_expand(nodelist, &hosts, &n, err, sizeof(err)) < 0) {
+	if (tpass_hostlist_expand(nodelist, hosts, n, err, sizeof(err)) < 0) {
 		launch_fail("spares=%u: %s", tpass.opts.spares, err);
 		return -1;
 	}
-	tpass_hostlist_free(hosts, n);
-	if (tpass.opts.spares >= n) {
+	if (tpass.opts.spares >= *n) {
 		launch_fail("--torchpass=spares=%u needs at least %u nodes but job %u has %zu; submit with -N %u or more, or ask for fewer spares",
 			    tpass.opts.spares, tpass.opts.spares + 1, R.job_id,
-			    n, tpass.opts.spares + 1);
+			    *n, tpass.opts.spares + 1);
+		tpass_hostlist_free(*hosts, *n);
+		*hosts = NULL;
+		*n = 0;
 		return -1;
 	}
+	return 0;
+}
+
+/* Batch step: refuse spares >= nodes before anything is started. */
+static int check_spares(spank_t sp)
+{
+	char **hosts;
+	size_t n;
+
+	if (tpass.opts.spares == 0)
+		return 0;
+	if (job_hosts(sp, &hosts, &n) < 0)
+		return -1;
+	tpass_hostlist_free(hosts, n);
 	return 0;
 }
 
@@ -256,7 +275,9 @@ static int write_hostfile(char **hosts, const unsigned long *counts,
 	FILE *f;
 	int fd;
 
-	snprintf(path, pathlen, "%s/jobs/%u/hostfile", tpass.conf.state_dir,
+	snprintf(path, pathlen,
+		 "%s/" TPASS_LAYOUT_JOBS "/%u/" TPASS_LAYOUT_HOSTFILE,
+		 tpass.conf.state_dir,
 		 R.job_id);
 	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
 		  0644);
@@ -285,28 +306,15 @@ static int write_hostfile(char **hosts, const unsigned long *counts,
 
 static int hide_spares(spank_t sp)
 {
-	char nodelist[8192], buf[8192], tpn[1024], err[TPASS_ERR_MAXLEN];
+	char buf[8192], tpn[1024], err[TPASS_ERR_MAXLEN];
 	char path[TPASS_PATH_MAXLEN + 64];
 	unsigned long *counts = NULL, tasks = 0;
 	char **hosts = NULL;
 	size_t n = 0, active, i;
 	int rc = -1;
 
-	if (get_env(sp, "SLURM_JOB_NODELIST", nodelist, sizeof(nodelist)) < 0) {
-		launch_fail("spares=%u: SLURM_JOB_NODELIST is not set",
-			    tpass.opts.spares);
+	if (job_hosts(sp, &hosts, &n) < 0)
 		return -1;
-	}
-	if (tpass_hostlist_expand(nodelist, &hosts, &n, err, sizeof(err)) < 0) {
-		launch_fail("spares=%u: %s", tpass.opts.spares, err);
-		return -1;
-	}
-	if (tpass.opts.spares >= n) {
-		launch_fail("--torchpass=spares=%u needs at least %u nodes but job %u has %zu; submit with -N %u or more, or ask for fewer spares",
-			    tpass.opts.spares, tpass.opts.spares + 1, R.job_id,
-			    n, tpass.opts.spares + 1);
-		goto out;
-	}
 	active = n - tpass.opts.spares;
 	counts = calloc(n, sizeof(*counts));
 	if (!counts) {

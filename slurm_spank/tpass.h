@@ -1,11 +1,14 @@
 /*
- * tpass.h - state shared by the per-context files of the torchpass plugin.
+ * tpass.h - state and services shared by the per-context files of the
+ * torchpass plugin.
  *
  * Layout (after NVIDIA pyxis): dispatch.c defines every slurm_spank_* hook
  * and switches on spank_context() into tpass_<context>_<hook>() functions
- * that live in allocator.c (sbatch/salloc), local.c (srun), remote.c
- * (slurmstepd) and jobscript.c (prolog/epilog).  common.c holds the state,
- * logging, plugstack parsing and the --torchpass option.
+ * (context.h) that live in allocator.c (sbatch/salloc), local.c (srun),
+ * remote.c (slurmstepd), slurmd.c and jobscript.c (prolog/epilog).  The
+ * shared code names no context: common.c holds the state, logging and the
+ * plugstack configuration, option.c the --torchpass option, whose
+ * submit-time check each context hands in when it registers the option.
  */
 #ifndef TPASS_H
 #define TPASS_H
@@ -13,7 +16,8 @@
 #include <stdbool.h>
 #include <slurm/spank.h>
 
-#include "args.h"
+#include "conf.h"
+#include "opts.h"
 
 /* Environment variable Slurm uses to hand our option to nested sruns. */
 #define TPASS_SPANK_OPT_ENV "SLURM_SPANK__SLURM_SPANK_OPTION_torchpass_torchpass"
@@ -49,8 +53,20 @@ void tpass_node_name(char *buf, size_t len);
 /* Parse plugstack arguments once per process (idempotent). */
 void tpass_load_conf(int ac, char **av);
 
-/* Register --torchpass (all contexts that accept options). */
-int tpass_register_option(spank_t sp);
+/* The one-line reason given to users when the plugin config is broken. */
+void tpass_report_conf_broken(void);
+
+/*
+ * Submit-time check of a valid, enabled --torchpass, run by the option
+ * callback in sbatch/salloc/srun; -1 fails the command (it logs why).
+ */
+typedef int (*tpass_submit_check)(const struct tpass_opts *opts);
+
+/*
+ * Register --torchpass (every context that accepts options).  check is run
+ * by the option callback outside slurmstepd (NULL: none).
+ */
+int tpass_option_register(spank_t sp, tpass_submit_check check);
 
 /*
  * Make sure tpass.opts reflects the option for this process: the option
@@ -58,27 +74,5 @@ int tpass_register_option(spank_t sp);
  * true when --torchpass is in effect (given and not "off").
  */
 bool tpass_active(spank_t sp);
-
-/* The one-line reason given to users when the plugin config is broken. */
-void tpass_report_conf_broken(void);
-
-/* Submit-time checks of a valid, enabled --torchpass (option callback). */
-int tpass_allocator_check(const struct tpass_opts *opts);
-int tpass_local_check(const struct tpass_opts *opts);
-
-/* Per-context functions called by dispatch.c. */
-int tpass_allocator_init(spank_t sp, int ac, char **av);
-
-int tpass_local_init(spank_t sp, int ac, char **av);
-
-int tpass_remote_init(spank_t sp, int ac, char **av);
-int tpass_remote_init_post_opt(spank_t sp, int ac, char **av);
-int tpass_remote_user_init(spank_t sp, int ac, char **av);
-int tpass_remote_task_init(spank_t sp, int ac, char **av);
-int tpass_remote_exit(spank_t sp, int ac, char **av);
-
-int tpass_slurmd_init(spank_t sp, int ac, char **av);
-
-int tpass_jobscript_job_epilog(spank_t sp, int ac, char **av);
 
 #endif /* TPASS_H */

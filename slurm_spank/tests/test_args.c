@@ -1,9 +1,16 @@
 /*
- * test_args.c - unit tests for args.c (no Slurm needed).
+ * test_args.c - unit tests for the pure parsers (no Slurm needed): conf.c,
+ * opts.c, hostlist.c, pythonpath.c, util.c and the ready line of
+ * coordinator.c.
  * Build and run: make -C slurm_spank test
  * Prints one line per failed check and a summary "N checks, F failed".
  */
-#include "../args.h"
+#include "../conf.h"
+#include "../coordinator.h"
+#include "../hostlist.h"
+#include "../opts.h"
+#include "../pythonpath.h"
+#include "../util.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from torchpass import layout
 from torchpass.slurm import client
 
 from slurm_helpers import job_id_of, wait_job, wait_running
@@ -67,8 +68,9 @@ def _read_env(path: Path) -> dict[str, str]:
     return env
 
 
-def _coordinator_pids(job_id: int) -> list[int]:
-    """Live tpass-coordinator processes serving job_id, found in /proc."""
+def _coordinator_pids(cluster, job_id: int) -> list[int]:
+    """Live tpass-coordinator processes serving job_id of this cluster (other
+    devclusters on the machine have jobs with the same ids), found in /proc."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -80,7 +82,8 @@ def _coordinator_pids(job_id: int) -> list[int]:
             continue
         if state in ("Z", "X") or not any(a.endswith(b"tpass-coordinator") for a in argv[:2]):
             continue
-        if b"--job-id" in argv and argv[argv.index(b"--job-id") + 1] == str(job_id).encode():
+        if (b"--job-id" in argv and argv[argv.index(b"--job-id") + 1] == str(job_id).encode()
+                and b"--state-dir" in argv and argv[argv.index(b"--state-dir") + 1] == bytes(cluster.state_dir)):
             pids.append(int(d.name))
     return pids
 
@@ -90,7 +93,7 @@ def _start_time(pid: int) -> int:
 
 
 def _pidfile(cluster, job_id: int) -> Path:
-    return cluster.state_dir / "jobs" / str(job_id) / "coordinator.pid"
+    return layout.coordinator_pid(cluster.state_dir, job_id)
 
 
 def _wait_for(pred, timeout_s: float, what: str):
@@ -108,14 +111,14 @@ def _assert_one_coordinator(cluster, job_id: int) -> tuple[int, str]:
     pidfile = _wait_for(lambda: _pidfile(cluster, job_id).exists() and _pidfile(cluster, job_id), 30,
                         "the coordinator pid file")
     pid_s, start_s, node = pidfile.read_text().split()
-    pids = _coordinator_pids(job_id)
+    pids = _coordinator_pids(cluster, job_id)
     assert pids == [int(pid_s)], f"coordinators for job {job_id}: {pids}, pid file says {pid_s}"
     assert _start_time(int(pid_s)) == int(start_s)
     return int(pid_s), node
 
 
-def _assert_no_coordinator(job_id: int, timeout_s: float = 15):
-    _wait_for(lambda: not _coordinator_pids(job_id), timeout_s, f"job {job_id}'s coordinator to exit")
+def _assert_no_coordinator(cluster, job_id: int, timeout_s: float = 15):
+    _wait_for(lambda: not _coordinator_pids(cluster, job_id), timeout_s, f"job {job_id}'s coordinator to exit")
 
 
 def _node_ok(name: str):
@@ -172,8 +175,8 @@ srun sh -c 'env > {job_dir}/env.$SLURM_PROCID'
     for env in envs:
         assert not [k for k in env if k.startswith("TORCHPASS_")]
         assert str(RUNTIME_BOOT) not in env.get("PYTHONPATH", "")
-    assert not (cluster.state_dir / "jobs" / str(job_id)).exists()
-    assert _coordinator_pids(job_id) == []
+    assert not layout.job_dir(cluster.state_dir, job_id).exists()
+    assert _coordinator_pids(cluster, job_id) == []
     assert "tpass" not in _out(job_dir, job_id)
 
 
@@ -207,12 +210,12 @@ while [ ! -e {job_dir}/release ]; do sleep 0.2; done
         assert (job_dir / f"rt.{rank}").read_text().strip() == "1"  # runtime loaded, script unchanged
         hosts.add(env["SLURMD_NODENAME"])
     assert hosts == {"node1", "node2", "node3"}
-    assert _coordinator_pids(job_id) == [pid]  # still one after the steps
+    assert _coordinator_pids(cluster, job_id) == [pid]  # still one after the steps
 
     (job_dir / "release").touch()
     job = wait_job(job_id, timeout_s=60)
     assert job.state == "COMPLETED", _out(job_dir, job_id)
-    _assert_no_coordinator(job_id)
+    _assert_no_coordinator(cluster, job_id)
 
 
 def test_scancel_stops_the_coordinator(cluster, job_dir):
@@ -221,8 +224,8 @@ def test_scancel_stops_the_coordinator(cluster, job_dir):
     pid, _ = _assert_one_coordinator(cluster, job_id)
     assert _run(["scancel", str(job_id)]).returncode == 0
     assert wait_job(job_id, timeout_s=60).state == "CANCELLED"
-    _assert_no_coordinator(job_id)
-    assert not Path(f"/proc/{pid}").exists() or _coordinator_pids(job_id) == []
+    _assert_no_coordinator(cluster, job_id)
+    assert not Path(f"/proc/{pid}").exists() or _coordinator_pids(cluster, job_id) == []
 
 
 def test_time_limit_stops_the_coordinator(cluster, job_dir):
@@ -231,7 +234,7 @@ def test_time_limit_stops_the_coordinator(cluster, job_dir):
     wait_running(job_id)
     _assert_one_coordinator(cluster, job_id)
     assert wait_job(job_id, timeout_s=150).state == "TIMEOUT"
-    _assert_no_coordinator(job_id)
+    _assert_no_coordinator(cluster, job_id)
 
 
 def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir):
@@ -247,9 +250,9 @@ def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir)
     try:
         os.kill(stepd[0], signal.SIGKILL)
         time.sleep(1)
-        assert _coordinator_pids(job_id) == [coord]  # nothing stopped it yet
+        assert _coordinator_pids(cluster, job_id) == [coord]  # nothing stopped it yet
         assert _run(["scancel", str(job_id)]).returncode == 0
-        _assert_no_coordinator(job_id, timeout_s=30)
+        _assert_no_coordinator(cluster, job_id, timeout_s=30)
     finally:
         # under proctrack/linuxproc the orphaned script survives its slurmstepd
         try:
@@ -278,7 +281,7 @@ for i in 1 2 3; do srun hostname | sort | tr '\\n' ' ' >> {job_dir}/hosts; echo 
     assert env["SLURM_NTASKS"] == "3"
     runs = [line.split() for line in (job_dir / "hosts").read_text().splitlines()]
     assert runs == [["node1", "node2", "node3"]] * 3
-    _assert_no_coordinator(job_id)
+    _assert_no_coordinator(cluster, job_id)
 
 
 def test_spares_not_below_the_node_count_fail_the_job_not_the_node(cluster, job_dir):

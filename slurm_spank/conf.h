@@ -1,0 +1,51 @@
+/*
+ * conf.h - the plugstack.conf arguments of torchpass.so (no Slurm calls).
+ */
+#ifndef TPASS_CONF_H
+#define TPASS_CONF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "util.h"
+
+#define TPASS_SPARES_LIMIT   64   /* hard upper bound of spares=N */
+#define TPASS_POLICY_MAXLEN  32   /* policy=NAME: [A-Za-z0-9_-]{1,32} */
+
+/* Log levels for the plugstack argument log_level= (ordered). */
+enum tpass_log_level {
+	TPASS_LOG_ERROR = 0,
+	TPASS_LOG_INFO = 1,
+	TPASS_LOG_VERBOSE = 2,
+	TPASS_LOG_DEBUG = 3,
+};
+
+/* Parsed plugstack.conf arguments. */
+struct tpass_conf {
+	char coordinator[TPASS_PATH_MAXLEN];  /* required, absolute */
+	char state_dir[TPASS_PATH_MAXLEN];    /* required, absolute */
+	char runtime_path[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
+	char policy[TPASS_POLICY_MAXLEN + 1]; /* default policy, "default" */
+	unsigned max_spares;                  /* 0..64, default 64 */
+	enum tpass_log_level log_level;       /* default info */
+	unsigned ready_timeout_s;             /* 1..300, default 10 */
+	unsigned stop_timeout_s;              /* 1..300, default 5 */
+	char rank_wrapper[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
+};
+
+void tpass_conf_defaults(struct tpass_conf *conf);
+
+/*
+ * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
+ * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
+ * log_level, ready_timeout, stop_timeout, rank_wrapper.  Unknown or
+ * repeated keys, bad values and missing required keys are errors.  On error
+ * *conf holds the defaults plus whatever was parsed before the error.
+ */
+int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
+		     char *err, size_t errlen);
+
+/* Is s a valid policy name ([A-Za-z0-9_-]{1,32})? */
+bool tpass_policy_valid(const char *s);
+
+#endif /* TPASS_CONF_H */

@@ -1,0 +1,165 @@
+"""The state-directory layout: the one place Python spells it.
+
+Two trees, both on a filesystem every node of a job shares:
+
+```
+STATE_DIR/                        (tpassd/coordinator --state-dir, /var/lib/torchpass)
+  jobs/J/                         job_dir(state_dir, J); made by the SPANK plugin, owned by the job user
+    coordinator.json              coordinator_json(): registration (endpoint, auth) for tpassctl
+    coordinator.pid               coordinator_pid(): "PID STARTTIME NODE" (written by the C plugin)
+    coordinator.log               coordinator_log(): the coordinator's stdout/stderr (C plugin)
+    hostfile                      hostfile(): active nodes, once per task (C plugin)
+    events.json                   events_json(): the event log, outlives the coordinator
+    restored-ranks.out            restored_ranks_out(): stdout of restore steps (default)
+    restore-M-rankR.err           restore_error_file(): why restore step M of rank R failed
+    restore-M-rankR.go            restore_go_file(): the restore gate's go/abort verdict
+    hold/M.rankR                  hold_file(): keeps rank R's source paused for migration M
+    ranks/                        rank_records_dir(): the rank wrappers' directory (RANK_DIR below)
+
+RANK_DIR/                         (the rank wrapper's --state-dir, $TORCHPASS_RANK_STATE_DIR)
+  jobJ/                           rank_job_dir(rank_dir, J)
+    rankR.json                    rank_record(): wrapper pid, rank pid, pipe inodes
+    rankR.handoff                 handoff(): moving / moved / abort
+    rankR.exit                    exit_file(): exit code of a moved rank
+
+SNAPSHOT_DIR/                     (tpassd --snapshot-dir, node-local)
+  jobJ/                           snapshot_job_dir(snapshot_dir, J)
+    rankR.genG/                   images_dir(snapshot_dir, J, R, G): CRIU images of one dump
+```
+
+The C plugin spells the names it needs in slurm_spank/layout.h; a unit test
+checks that they agree with the constants here. Functions take and return
+``pathlib.Path``; arguments may be ``str`` or ``os.PathLike``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+PathLike = str | os.PathLike
+
+# Names under STATE_DIR/jobs/J (the C plugin spells the first five too).
+JOBS = "jobs"
+COORDINATOR_JSON = "coordinator.json"
+COORDINATOR_PID = "coordinator.pid"
+COORDINATOR_LOG = "coordinator.log"
+HOSTFILE = "hostfile"
+EVENTS_JSON = "events.json"
+RANKS = "ranks"
+HOLD = "hold"
+RESTORED_RANKS_OUT = "restored-ranks.out"
+
+# Suffixes of the per-rank files in RANK_DIR/jobJ.
+RECORD_SUFFIX = ".json"
+HANDOFF_SUFFIX = ".handoff"
+EXIT_SUFFIX = ".exit"
+
+# Default rank-wrapper directory when neither --state-dir nor $TORCHPASS_RANK_STATE_DIR is set.
+DEFAULT_RANK_DIR = "/run/torchpass/ranks"
+
+
+def _job_name(job: int | str) -> str:
+    return f"job{job}"
+
+
+def _rank_name(rank: int | str) -> str:
+    return f"rank{rank}"
+
+
+# --- STATE_DIR/jobs/J -------------------------------------------------------
+
+def jobs_dir(state_dir: PathLike) -> Path:
+    """STATE_DIR/jobs."""
+    return Path(state_dir) / JOBS
+
+
+def job_dir(state_dir: PathLike, job: int | str) -> Path:
+    """STATE_DIR/jobs/J."""
+    return jobs_dir(state_dir) / str(job)
+
+
+def _job_file(name: str) -> Callable[[PathLike, int | str], Path]:
+    def path(state_dir: PathLike, job: int | str) -> Path:
+        return job_dir(state_dir, job) / name
+
+    path.__doc__ = f"STATE_DIR/jobs/J/{name}."
+    return path
+
+
+coordinator_json = _job_file(COORDINATOR_JSON)
+coordinator_pid = _job_file(COORDINATOR_PID)
+coordinator_log = _job_file(COORDINATOR_LOG)
+hostfile = _job_file(HOSTFILE)
+events_json = _job_file(EVENTS_JSON)
+restored_ranks_out = _job_file(RESTORED_RANKS_OUT)
+
+
+def restore_error_file(state_dir: PathLike, job: int | str, migration: int | str, rank: int | str) -> Path:
+    """STATE_DIR/jobs/J/restore-M-rankR.err."""
+    return job_dir(state_dir, job) / f"restore-{migration}-{_rank_name(rank)}.err"
+
+
+def restore_go_file(state_dir: PathLike, job: int | str, migration: int | str, rank: int | str) -> Path:
+    """STATE_DIR/jobs/J/restore-M-rankR.go (the restore gate, torchpass.checkpoint.restore_gate)."""
+    return job_dir(state_dir, job) / f"restore-{migration}-{_rank_name(rank)}.go"
+
+
+def hold_file(state_dir: PathLike, job: int | str, migration: int | str, rank: int | str) -> Path:
+    """STATE_DIR/jobs/J/hold/M.rankR."""
+    return job_dir(state_dir, job) / HOLD / f"{migration}.{_rank_name(rank)}"
+
+
+def rank_records_dir(state_dir: PathLike, job: int | str) -> Path:
+    """STATE_DIR/jobs/J/ranks: the RANK_DIR the job's rank wrappers use."""
+    return job_dir(state_dir, job) / RANKS
+
+
+# --- RANK_DIR/jobJ (rank_dir is rank_records_dir(...) or the wrapper's --state-dir) ---
+
+def rank_job_dir(rank_dir: PathLike, job: int | str) -> Path:
+    """RANK_DIR/jobJ."""
+    return Path(rank_dir) / _job_name(job)
+
+
+def rank_record(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
+    """RANK_DIR/jobJ/rankR.json."""
+    return rank_job_dir(rank_dir, job) / (_rank_name(rank) + RECORD_SUFFIX)
+
+
+def handoff(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
+    """RANK_DIR/jobJ/rankR.handoff."""
+    return rank_job_dir(rank_dir, job) / (_rank_name(rank) + HANDOFF_SUFFIX)
+
+
+def exit_file(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
+    """RANK_DIR/jobJ/rankR.exit."""
+    return rank_job_dir(rank_dir, job) / (_rank_name(rank) + EXIT_SUFFIX)
+
+
+# --- SNAPSHOT_DIR/jobJ ------------------------------------------------------
+
+def snapshot_job_dir(snapshot_dir: PathLike, job: int | str) -> Path:
+    """SNAPSHOT_DIR/jobJ."""
+    return Path(snapshot_dir) / _job_name(job)
+
+
+def images_dir(snapshot_dir: PathLike, job: int | str, rank: int | str, generation: int | str) -> Path:
+    """SNAPSHOT_DIR/jobJ/rankR.genG: the CRIU images of one dump."""
+    return snapshot_job_dir(snapshot_dir, job) / f"{_rank_name(rank)}.gen{generation}"
+
+
+def images_dirs(snapshot_dir: PathLike, job: int | str, rank: int | str) -> list[Path]:
+    """Every SNAPSHOT_DIR/jobJ/rankR.gen* of one rank, sorted by name."""
+    return sorted(snapshot_job_dir(snapshot_dir, job).glob(f"{_rank_name(rank)}.gen*"))
+
+
+__all__ = [
+    "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "EVENTS_JSON",
+    "RANKS", "HOLD", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
+    "DEFAULT_RANK_DIR",
+    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile",
+    "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
+    "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
+    "snapshot_job_dir", "images_dir", "images_dirs",
+]
