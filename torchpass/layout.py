@@ -154,6 +154,18 @@ def images_dirs(snapshot_dir: PathLike, job: int | str, rank: int | str) -> list
     return sorted(snapshot_job_dir(snapshot_dir, job).glob(f"{_rank_name(rank)}.gen*"))
 
 
+def parse_images_dir(path: PathLike, job: int | str, rank: int | str) -> tuple[Path, int] | None:
+    """(SNAPSHOT_DIR, G) when ``path`` is exactly images_dir(SNAPSHOT_DIR, job, rank, G), else None."""
+    p = Path(path)
+    if ".." in p.parts:
+        return None
+    gen = p.name.removeprefix(f"{_rank_name(rank)}.gen")
+    if gen == p.name or not gen.isdigit() or p.parent.name != _job_name(job):
+        return None
+    root = p.parent.parent
+    return (root, int(gen)) if images_dir(root, job, rank, int(gen)) == p else None
+
+
 __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
@@ -161,5 +173,5 @@ __all__ = [
     "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
-    "snapshot_job_dir", "images_dir", "images_dirs",
+    "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",
 ]

@@ -2,9 +2,11 @@
 
 Rank 0 runs in namespace N0, rank 1 (under rankwrap, PID 1 of its own PID
 namespace) in namespace A. The MiniCoordinator pauses both at collective T
-with a hold file for rank 1; tpassd.checkpoint.criu dumps rank 1 from A's
-namespaces; rankwrap --restore brings it back inside namespace B; the ranks
-rebuild the group and finish. The per-step losses (float.hex) must equal a
+with a hold file for rank 1; tpassd's checkpoint service (the code tpassd
+runs: torchpass.checkpoint.service) dumps rank 1 from A's namespaces and
+leaves it running, held; it verifies the snapshot; rankwrap --restore brings
+it back inside namespace B; the service kills the source copy; the hold file
+appears (the coordinator's Resume); the ranks rebuild the group and finish. The per-step losses (float.hex) must equal a
 fault-free run, and the job's output must have no gap or duplicate.
 
 Needs root, iproute2 and CRIU >= 4.0 (the project's system dependencies).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from torchpass import auth, layout, wire
+from torchpass.checkpoint import criu, manifest
+from torchpass.checkpoint.service import CheckpointService
 from torchpass.runtime import boot_dir
 from torchpass.runtime.testing import MiniCoordinator, free_port
-from tpassd.checkpoint import criu
-from tpassd.checkpoint.actions import Checkpointer
 
 pytestmark = pytest.mark.integration
 
@@ -115,8 +119,8 @@ def reference(tmp: Path) -> list[str]:
 def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
     c = criu.find_criu()
     ref = reference(tmp_path)
-    state = tmp_path / "state"
-    images = tmp_path / "images" / "job8181" / "rank1.gen1"
+    state = layout.rank_records_dir(tmp_path / "state", JOB)  # where tpassd looks: STATE_DIR/jobs/J/ranks
+    images = layout.images_dir(tmp_path / "images", JOB, 1, 1)
     wake = tmp_path / "wake" / "rank1.gen1"
     master = f"{SUBNET}.10"
     port = 29000 + os.getpid() % 1000
@@ -135,7 +139,7 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
         try:
             start("rank0", [sys.executable, str(TRAIN), *ARGS], "n0",
                   rank_env(0, port, True, coord.endpoint, master))
-            src = start("rank1", [sys.executable, "-m", "tpassd.checkpoint.rankwrap", "--state-dir", str(state),
+            src = start("rank1", [sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--state-dir", str(state),
                                   *(["--timens"] if timens else []), "--", sys.executable, str(TRAIN), *ARGS], "a",
                         rank_env(1, port, True, coord.endpoint, master))
             coord.wait_registered(timeout=120)
@@ -145,22 +149,40 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
             q = coord.wait_quiesced()
             t_quiesced = time.monotonic()
             assert q[1]["hold"] and q[1]["collectives"] == at
-            rec = json.loads((state / f"job{JOB}" / "rank1.json").read_text())
+            rec = json.loads(layout.rank_record(state, JOB, 1).read_text())
             assert rec["wrapper_pid"] == src.pid
-            ck = Checkpointer(images_root=str(tmp_path / "images"), state_dir=str(state), criu_binary=c.path)
-            # tpassd's snapshot action on the source node; the timens variant
-            # also takes the leave-running path (dump, then kill the source)
-            dumped = ck.snapshot(JOB, 1, gen, leave_running=timens)
+            # tpassd's service; what Slurm would list for the job on this node: the test's tasks' trees
+            svc = CheckpointService(tmp_path / "images", socket.gethostname(), state_dir=tmp_path / "state",
+                                    criu_binary=c.path, job_owner=lambda j: 0,
+                                    job_pids=lambda j: {p for x in procs for p in criu.tree_pids(x.pid)})
+            root = auth.Identity(uid=0, gid=0)
+            body = {"job_id": JOB, "rank": 1, "rank_dir": str(state)}
+            handoff = layout.handoff(state, JOB, 1)
+            # tpassd.snapshot op=dump on the source node: dumped, left running (held)
+            dumped = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "dump", "generation": gen}), root)
             assert dumped["images"] == str(images)
-            if timens:
-                assert (state / f"job{JOB}" / "rank1.handoff").read_text() == "moving\n"
-                assert os.path.exists(f"/proc/{rec['pid']}")  # still alive, held
-                ck.kill_source(JOB, 1)
-            assert (state / f"job{JOB}" / "rank1.handoff").read_text() == "moved\n"
+            assert handoff.read_text() == "moved\n"
+            assert os.path.exists(f"/proc/{rec['pid']}")  # still alive, held: a rollback resumes it in place
             assert oct(images.stat().st_mode & 0o777) == "0o700"
-            # tpassd's restore step on the target node (here: inside namespace B)
-            dst = start("rank1.restored", ck.restore_argv(JOB, 1, gen, wake_file=str(wake)),
+            # tpassd.restore op=verify on the target node
+            verified = svc.restore(wire.Message("tpassd.restore", {**body, "op": "verify", "images": dumped["images"],
+                                                                   "checksum": dumped["checksum"]}), root)
+            assert verified["files"] >= 1
+            # the restore step on the target node (here: inside namespace B), as the executor starts it
+            dst = start("rank1.restored", [sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--restore",
+                                           dumped["images"], "--state-dir", str(state)],
                         "b", rank_env(1, port, True, None, master))
+            deadline = time.monotonic() + 120
+            while json.loads(layout.rank_record(state, JOB, 1).read_text()).get("restored_from") != dumped["images"]:
+                assert dst.poll() is None and time.monotonic() < deadline, "the restore wrapper's record"
+                time.sleep(0.02)
+            # tpassd.snapshot op=kill on the source node: the source copy dies, its wrapper sees a hand-off
+            killed = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "kill", "pid": rec["pid"]}), root)
+            assert killed["killed"] is True and not images.exists()  # the images are discarded
+            assert handoff.read_text() == "moved\n"
+            # the coordinator's Resume: the hold file appears once the source copy is dead
+            wake.parent.mkdir(parents=True, exist_ok=True)
+            wake.touch()
             # the restored rank wakes, reconnects from namespace B and asks for its command
             coord.resume(gen, master, port + 1)
             res = coord.wait_resumed(gen, timeout=120)
@@ -183,7 +205,7 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
     assert moved_lines == ref
     assert files["rank0"].read_text().splitlines() == ref
     assert files["rank1.restored"].read_text().splitlines()  # steps really ran after the restore
-    print(f"\nmigration: T={at} image={dumped['bytes'] / 1e6:.1f} MB dump={dumped['dump_s']:.2f}s "
+    print(f"\nmigration: T={at} image={dumped['bytes'] / 1e6:.1f} MB dump={dumped['criu_dump_s']:.2f}s "
           f"quiesce={t_quiesced - t0:.2f}s pause-to-resumed={t_resumed - t_quiesced:.2f}s")
 
 
@@ -192,10 +214,10 @@ def test_corrupt_snapshot_restores_nothing(net, tmp_path):
     d = tmp_path / "img"
     d.mkdir(mode=0o700)
     (d / "core-1.img").write_bytes(b"\0" * 4096)
-    criu.write_manifest(d, {"job": JOB, "rank": 1})
+    manifest.write_manifest(d, {"job": JOB, "rank": 1})
     (d / "core-1.img").write_bytes(b"\1" * 4096)
     r = subprocess.run(["nsenter", f"--net=/run/netns/{net.ns('b')}", "--", sys.executable, "-m",
-                        "tpassd.checkpoint.rankwrap", "--restore", str(d), "--state-dir", str(tmp_path / "s")],
+                        "torchpass.checkpoint.rankwrap", "--restore", str(d), "--state-dir", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [

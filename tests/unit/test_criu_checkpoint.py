@@ -1,4 +1,4 @@
-"""tpassd.checkpoint: criu detection, image manifests, refusal paths, and
+"""torchpass.checkpoint: criu detection, image manifests, refusal paths, and
 the CUDA checkpoint wrapper's error paths and call sequence (no GPU here)."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.errors import CheckpointError, DependencyError
-from tpassd.checkpoint import criu, cuda
+from torchpass.errors import CheckpointError, DependencyError, RemoteError
+from torchpass import auth, layout, wire
+from torchpass.checkpoint import criu, cuda, manifest
+from torchpass.checkpoint.service import CheckpointService
 
 
 def fake_criu(tmp_path: Path, version_line: str) -> Path:
@@ -70,13 +72,13 @@ def make_images(d: Path) -> None:
 def test_manifest_round_trip_and_permissions(tmp_path):
     d = tmp_path / "snap"
     make_images(d)
-    m = criu.write_manifest(d, {"job": 1, "rank": 0})
+    m = manifest.write_manifest(d, {"job": 1, "rank": 0})
     assert set(m["files"]) == {"core-1.img", "pages-1.img"}
     assert stat.S_IMODE((d / "pages-1.img").stat().st_mode) == 0o600
     assert stat.S_IMODE((d / "manifest.json").stat().st_mode) == 0o600
-    assert criu.verify_manifest(d)["meta"] == {"job": 1, "rank": 0}
+    assert manifest.verify_manifest(d)["meta"] == {"job": 1, "rank": 0}
     (d / "restore.log").write_text("later logs do not matter\n")
-    criu.verify_manifest(d)
+    manifest.verify_manifest(d)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_manifest_round_trip_and_permissions(tmp_path):
 def test_corrupt_snapshot_is_a_clear_error_and_criu_never_runs(tmp_path, damage, pattern):
     d = tmp_path / "snap"
     make_images(d)
-    criu.write_manifest(d)
+    manifest.write_manifest(d)
     damage(d)
     fake = criu.Criu(str(fake_criu(tmp_path, "Version: 4.1")), (4, 1))
     with pytest.raises(CheckpointError, match=pattern) as ei:
@@ -220,26 +222,37 @@ def test_failed_checkpoint_unlocks_and_raises():
 
 # -- the snapshot action's hand-off markers -------------------------------------------------
 def test_failed_dump_marks_abort_and_leaves_the_rank_running(tmp_path):
-    from tpassd.checkpoint.actions import Checkpointer
-
     failing = tmp_path / "criu"
     failing.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.1.1'; exit 0; fi\n"
                        "echo 'Error (criu/cr-dump.c:1): simulated failure' > \"$5/dump.log\"; exit 1\n")
     failing.chmod(0o755)
-    rank = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL)
+    rank = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL,
+                            env={**os.environ, "SLURM_JOB_ID": "3", "RANK": "1"})
     try:
-        ck = Checkpointer(images_root=str(tmp_path / "images"), state_dir=str(tmp_path / "state"),
-                          criu_binary=str(failing))
-        (tmp_path / "state" / "job3").mkdir(parents=True)
-        (tmp_path / "state" / "job3" / "rank1.json").write_text(
-            json.dumps({"pid": rank.pid, "wrapper_pid": os.getpid()}))
+        deadline = time.monotonic() + 10  # until sleep has exec'd, its environ is still ours
+        while b"SLURM_JOB_ID=3" not in Path(f"/proc/{rank.pid}/environ").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The rank: this test's child; Slurm's view of the job on this node: both.
+        svc = CheckpointService(tmp_path / "images", socket.gethostname(), criu_binary=str(failing),
+                                state_dir=tmp_path / "state", job_owner=lambda j: 0,
+                                job_pids=lambda j: {rank.pid, os.getpid()})
+        rank_dir = layout.rank_records_dir(tmp_path / "state", 3)
+        layout.rank_record(rank_dir, 3, 1).parent.mkdir(parents=True)
+        layout.rank_record(rank_dir, 3, 1).write_text(json.dumps({"pid": rank.pid, "wrapper_pid": os.getpid()}))
+        root = auth.Identity(uid=0, gid=0)
+
+        def dump(r):
+            return svc.snapshot(wire.Message("tpassd.snapshot", {"job_id": 3, "rank": r, "op": "dump",
+                                                                 "generation": 1,
+                                                                 "rank_dir": str(rank_dir)}), root)
+
         with pytest.raises(CheckpointError, match=r"criu dump of pid \d+ failed \(exit 1\): .*simulated failure"):
-            ck.snapshot(3, 1, 1, wait_no_sockets_s=0)
-        assert (tmp_path / "state" / "job3" / "rank1.handoff").read_text() == "abort\n"
+            dump(1)
+        assert layout.handoff(rank_dir, 3, 1).read_text() == "abort\n"
         assert rank.poll() is None
-        assert stat.S_IMODE((tmp_path / "images").stat().st_mode) == 0o700
-        with pytest.raises(CheckpointError, match="rank 2 of job 3 does not run under rankwrap"):
-            ck.snapshot(3, 2, 1)
+        assert stat.S_IMODE((tmp_path / "images" / "job3").stat().st_mode) == 0o700
+        with pytest.raises(RemoteError, match="rank 2 of job 3 does not run under rankwrap"):
+            dump(2)
     finally:
         rank.kill()
         rank.wait()
@@ -249,7 +262,7 @@ def test_tail_hasher_follows_a_file_being_written(tmp_path):
     d = tmp_path / "snap"
     d.mkdir(mode=0o700)
     data = os.urandom(6 << 20)
-    with criu.TailHasher(d, min_bytes=1 << 20, chunk=1 << 18) as hasher:
+    with manifest.TailHasher(d, min_bytes=1 << 20, chunk=1 << 18) as hasher:
         with open(d / "pages-1.img", "wb") as f:  # written front to back, like CRIU does
             for i in range(0, len(data), 1 << 19):
                 f.write(data[i:i + (1 << 19)])
@@ -258,13 +271,13 @@ def test_tail_hasher_follows_a_file_being_written(tmp_path):
         (d / "core-1.img").write_bytes(b"small")
         hashed = hasher.finish()
     assert hashed == {"pages-1.img": (len(data), hashlib.sha256(data).hexdigest())}  # small files: at the end
-    m = criu.write_manifest(d, {"job": 1}, hashed)
+    m = manifest.write_manifest(d, {"job": 1}, hashed)
     assert m["files"]["core-1.img"]["sha256"] == hashlib.sha256(b"small").hexdigest()
-    criu.verify_manifest(d)
+    manifest.verify_manifest(d)
     # A digest that no longer covers the file (size changed) is not trusted: hashed afresh.
     with open(d / "pages-1.img", "ab") as f:
         f.write(b"more")
-    m = criu.write_manifest(d, None, hashed)
+    m = manifest.write_manifest(d, None, hashed)
     assert m["files"]["pages-1.img"]["sha256"] == hashlib.sha256(data + b"more").hexdigest()
 
 
@@ -278,11 +291,11 @@ def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     try:
         time.sleep(1.0)
-        res = criu.dump(c, proc.pid, tmp_path / "snap", leave_running=True)
+        res = criu.dump(c, proc.pid, tmp_path / "snap")
         assert res.bytes > 48 << 20
         big = [n for n, f in res.manifest["files"].items() if f["size"] >= 1 << 20]
         assert big, res.manifest["files"]
-        criu.verify_manifest(res.images)  # every digest, the ones taken during the dump included
+        manifest.verify_manifest(res.images)  # every digest, the ones taken during the dump included
         assert proc.poll() is None  # left running
     finally:
         proc.kill()
@@ -309,8 +322,8 @@ def _gone(pid: int) -> bool:
 def test_restore_hashes_while_criu_restores(tmp_path):
     d = tmp_path / "snap"
     make_images(d)
-    criu.write_manifest(d, {"job": 1, "rank": 0})
-    m = criu.read_manifest(d)
+    manifest.write_manifest(d, {"job": 1, "rank": 0})
+    m = manifest.read_manifest(d)
     pid, _s = criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
     try:
         assert not _gone(pid)  # the check passed: the restored process lives
@@ -323,8 +336,8 @@ def test_corrupt_snapshot_found_during_the_restore_kills_the_restored_tree(tmp_p
     that runs while CRIU restores, and the restored process is killed before restore returns."""
     d = tmp_path / "snap"
     make_images(d)
-    criu.write_manifest(d, {"job": 1, "rank": 0})
-    m = criu.read_manifest(d)
+    manifest.write_manifest(d, {"job": 1, "rank": 0})
+    m = manifest.read_manifest(d)
     _flip_byte(d / "pages-1.img", 12345)
     with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check") as ei:
         criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)

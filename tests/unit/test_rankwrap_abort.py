@@ -4,7 +4,7 @@ The rank moved node2 -> node3 once (its first task wrapper, the one Slurm
 tracks, waits for the moved rank's exit code); it is moved again node3 ->
 node4 and that move is called off after node4's restore succeeded (the kill
 of the source failed). Real processes and the real shared files: the first
-task wrapper runs `python -m tpassd.checkpoint.rankwrap` (its own PID
+task wrapper runs `python -m torchpass.checkpoint.rankwrap` (its own PID
 namespace: needs root), the restored copies run rankwrap's own take_over /
 finish_restored around a real child process, and tpassd's CheckpointService
 does the kill, the abort and the hand-off markers as the coordinator asks
@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from torchpass import auth, wire
+from torchpass import auth, layout, wire
 from torchpass.errors import RemoteError
-from tpassd.checkpoint import rankwrap as rw
-from tpassd.checkpoint_service import CheckpointService
+from torchpass.checkpoint import rankwrap as rw
+from torchpass.checkpoint.criu import tree_pids
+from torchpass.checkpoint.service import CheckpointService
 
 ROOT = auth.Identity(uid=0, gid=0)
 JOB, RANK = 5, 1
@@ -38,7 +39,7 @@ ENV = {**os.environ, "TORCHPASS_JOB_ID": str(JOB), "RANK": str(RANK)}
 # child process as the rank.
 COPY = """
 import subprocess, sys
-from tpassd.checkpoint import rankwrap as rw
+from torchpass.checkpoint import rankwrap as rw
 state_dir, images, go = sys.argv[1:4]
 paths = rw.Paths(state_dir, "5", "1")
 rank = subprocess.Popen(["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done"])
@@ -62,22 +63,30 @@ def _copy(state_dir: Path, images: str, go: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _mark(svc: CheckpointService, rank_dir: Path, text: str) -> None:
-    svc._mark(rank_dir / f"job{JOB}" / f"rank{RANK}.handoff", text)
+def _mark(rank_dir: Path, text: str) -> None:
+    """What the dump sets (CRIU is left out here)."""
+    layout.handoff(rank_dir, JOB, RANK).write_text(text + "\n")
+
+
+def _service(tmp_path: Path, procs: list[subprocess.Popen]) -> CheckpointService:
+    """tpassd's service; Slurm's view of the job on this node: the test's wrappers and their trees."""
+    return CheckpointService(tmp_path / "snap", socket.gethostname(), state_dir=tmp_path / "state",
+                             job_owner=lambda j: 0,
+                             job_pids=lambda j: {p for w in procs for p in tree_pids(w.pid)})
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the task wrapper's PID namespace needs root")
 def test_rolled_back_second_move_gives_the_rank_back_and_its_137_is_never_the_ranks_exit(tmp_path):
-    rd = tmp_path / "ranks"
+    rd = layout.rank_records_dir(tmp_path / "state", JOB)
     paths = rw.Paths(str(rd), str(JOB), str(RANK))
-    svc = CheckpointService(tmp_path / "snap", socket.gethostname(), job_owner=lambda j: 0)
+    procs: list[subprocess.Popen] = []
+    svc = _service(tmp_path, procs)
     body = {"job_id": JOB, "rank": RANK, "rank_dir": str(rd)}
     go1, go3, go4 = tmp_path / "go1", tmp_path / "go3", tmp_path / "go4"
     img1, img2 = str(tmp_path / "snap/job5/rank1.gen1"), str(tmp_path / "snap/job5/rank1.gen2")
-    procs: list[subprocess.Popen] = []
     try:
         # The training step's task wrapper on "node2".
-        w1 = subprocess.Popen([sys.executable, "-m", "tpassd.checkpoint.rankwrap", "--state-dir", str(rd), "--",
+        w1 = subprocess.Popen([sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--state-dir", str(rd), "--",
                                "sh", "-c", f"while [ ! -e {go1} ]; do sleep 0.05; done"], env=ENV,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         procs.append(w1)
@@ -85,8 +94,8 @@ def test_rolled_back_second_move_gives_the_rank_back_and_its_137_is_never_the_ra
                        "the task wrapper's record")
 
         # Move 1 (node2 -> node3) succeeds: dumped, restored, source killed.
-        _mark(svc, rd, "moving")
-        _mark(svc, rd, "moved")
+        _mark(rd, "moving")
+        _mark(rd, "moved")
         c3 = _copy(rd, img1, go3)
         procs.append(c3)
         _until(lambda: paths.read_record().get("restored_from") == img1, "the first restore's record")
@@ -99,8 +108,8 @@ def test_rolled_back_second_move_gives_the_rank_back_and_its_137_is_never_the_ra
         # Move 2 (node3 -> node4): restored on node4, then called off (the kill of the
         # node3 copy failed): tpassd.restore op=abort on node4, then the hand-off is
         # marked aborted on node3 (ResumeInPlace).
-        _mark(svc, rd, "moving")
-        _mark(svc, rd, "moved")
+        _mark(rd, "moving")
+        _mark(rd, "moved")
         c4 = _copy(rd, img2, go4)
         procs.append(c4)
         fourth = _until(lambda: paths.read_record().get("restored_from") == img2 and paths.read_record(),
@@ -140,22 +149,22 @@ def test_rolled_back_second_move_gives_the_rank_back_and_its_137_is_never_the_ra
 def test_rolled_back_first_move_gives_the_rank_back_to_its_task_wrapper(tmp_path):
     """The first move called off after its restore: the record is the task wrapper's again, and
     the rank's own exit (here 3) is what the task wrapper reports, not the aborted copy's 137."""
-    rd = tmp_path / "ranks"
+    rd = layout.rank_records_dir(tmp_path / "state", JOB)
     paths = rw.Paths(str(rd), str(JOB), str(RANK))
-    svc = CheckpointService(tmp_path / "snap", socket.gethostname(), job_owner=lambda j: 0)
+    procs: list[subprocess.Popen] = []
+    svc = _service(tmp_path, procs)
     body = {"job_id": JOB, "rank": RANK, "rank_dir": str(rd)}
     go1, go3 = tmp_path / "go1", tmp_path / "go3"
     img1 = str(tmp_path / "snap/job5/rank1.gen1")
-    procs: list[subprocess.Popen] = []
     try:
-        w1 = subprocess.Popen([sys.executable, "-m", "tpassd.checkpoint.rankwrap", "--state-dir", str(rd), "--",
+        w1 = subprocess.Popen([sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--state-dir", str(rd), "--",
                                "sh", "-c", f"while [ ! -e {go1} ]; do sleep 0.05; done; exit 3"], env=ENV,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         procs.append(w1)
         first = _until(lambda: paths.read_record().get("wrapper_pid") == w1.pid and paths.read_record(),
                        "the task wrapper's record")
-        _mark(svc, rd, "moving")
-        _mark(svc, rd, "moved")
+        _mark(rd, "moving")
+        _mark(rd, "moved")
         c3 = _copy(rd, img1, go3)
         procs.append(c3)
         _until(lambda: paths.read_record().get("restored_from") == img1, "the restore's record")
@@ -194,23 +203,18 @@ def test_exit_code_counts_only_from_the_copy_the_record_names(tmp_path):
     assert paths.read_exit() == 7
 
 
-def _proc(tmp_path, pid, env):
-    d = tmp_path / "proc" / str(pid)
-    d.mkdir(parents=True)
-    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
-    return str(tmp_path / "proc")
-
-
 def test_abort_without_a_saved_record_marks_the_copy_aborted(tmp_path):
     gone = 5_000_000  # above any pid_max: never a real process
-    proc = _proc(tmp_path, gone, {"SLURM_JOB_ID": "5", "RANK": "1"})
-    svc = CheckpointService(tmp_path / "snap", "n4", job_owner=lambda j: 0, proc=proc)
-    rec_path = tmp_path / "r" / "job5" / "rank1.json"
+    svc = CheckpointService(tmp_path / "snap", "n4", state_dir=tmp_path / "state", job_owner=lambda j: 0,
+                            job_pids=lambda j: {gone})
+    rd = layout.rank_records_dir(tmp_path / "state", 5)
+    rec_path = layout.rank_record(rd, 5, 1)
     rec_path.parent.mkdir(parents=True)
-    rec_path.write_text(json.dumps({"wrapper_pid": 9, "pid": gone, "node": "n4", "restored_from": "/img"}))
-    body = {"job_id": 5, "rank": 1, "rank_dir": str(tmp_path / "r"), "images": "/img"}
+    img, other = str(layout.images_dir("/s", 5, 1, 1)), str(layout.images_dir("/s", 5, 1, 2))
+    rec_path.write_text(json.dumps({"wrapper_pid": 9, "pid": gone, "node": "n4", "restored_from": img}))
+    body = {"job_id": 5, "rank": 1, "rank_dir": str(rd), "images": img}
     # Another copy's images: nothing is touched.
-    res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort", "images": "/other"}), ROOT)
+    res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort", "images": other}), ROOT)
     assert res["killed"] is False and "aborted" not in json.loads(rec_path.read_text())
     res = svc.restore(wire.Message("tpassd.restore", {**body, "op": "abort"}), ROOT)
     assert res["record"] == "aborted" and json.loads(rec_path.read_text())["aborted"] is True
@@ -222,11 +226,9 @@ def test_kill_fail_drill_refuses_one_kill(tmp_path):
 
     drills = Drills(None, tmp_path / "sys", Policy(), enabled=True)
     gone = 5_000_000
-    proc = _proc(tmp_path, gone, {"SLURM_JOB_ID": "5", "RANK": "1"})
-    svc = CheckpointService(tmp_path / "snap", "n3", job_owner=lambda j: 0, proc=proc,
+    svc = CheckpointService(tmp_path / "snap", "n3", job_owner=lambda j: 0, job_pids=lambda j: {gone},
                             kill_fault=drills.take_kill_fault)
-    msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": gone,
-                                           "rank_dir": str(tmp_path / "r")})
+    msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": gone})
     assert "refused" in drills.apply("kill-fail").description
     with pytest.raises(RemoteError, match="kill-fail"):
         svc.snapshot(msg, ROOT)
@@ -248,3 +250,12 @@ def test_a_second_restore_of_the_same_snapshot_keeps_the_copy_the_move_started_f
     assert (rec["pid"], rec["previous"]) == (51, source)
     rw.take_over(paths, "5", "1", 61, "/s/rank1.gen3", {}, 0.1)  # a later move: the previous is this copy
     assert paths.read_record()["previous"]["pid"] == 51
+
+
+def test_tpass_rankwrap_defaults_to_the_jobs_shared_rank_directory():
+    """The SPANK plugin starts `tpass-rankwrap` without --state-dir: the job's STATE_DIR/jobs/J/ranks,
+    exported so the rank (and a wrapper it starts) sees the same."""
+    env = {"TORCHPASS_STATE_DIR": "/s", "TORCHPASS_JOB_ID": "7"}
+    assert rw.default_state_dir(env) == "/s/jobs/7/ranks" == env["TORCHPASS_RANK_STATE_DIR"]
+    assert rw.default_state_dir({**env, "TORCHPASS_RANK_STATE_DIR": "/r"}) == "/r"
+    assert rw.default_state_dir({"TORCHPASS_JOB_ID": "7"}) == "/run/torchpass/ranks"

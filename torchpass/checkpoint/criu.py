@@ -7,15 +7,13 @@ group down and closed its control link), stdin /dev/null, stdout/stderr
 pipes to its wrapper, no private mount namespace.
 
 Images live in a root-only directory (0700, files 0600) with a
-``manifest.json`` holding the SHA-256 and size of every image file; restore
-verifies it first, so a corrupt or incomplete snapshot gives one clear
+``manifest.json`` holding the SHA-256 and size of every image file
+(torchpass.checkpoint.manifest); restore verifies it first, so a corrupt or incomplete snapshot gives one clear
 CheckpointError and never a half-restored process.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -26,12 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchpass.checkpoint.manifest import TailHasher, check_hashes, verify_manifest, write_manifest
 from torchpass.errors import CheckpointError, DependencyError
 
 MIN_VERSION = (4, 0)
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-_LOG_SUFFIX = ".log"
+# criu is killed after these (a rank of a few GB dumps and restores in seconds here):
+# no request, and no restore step, waits on a hung criu for ever.
+DUMP_TIMEOUT_S = 600.0
+RESTORE_TIMEOUT_S = 600.0
 
 
 # -- finding criu ------------------------------------------------------------------
@@ -94,152 +94,6 @@ def make_private_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _image_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.iterdir() if p.is_file() and p.name != MANIFEST and not p.name.endswith(_LOG_SUFFIX))
-
-
-class TailHasher:
-    """SHA-256 of the image files of a directory, computed while CRIU writes them.
-
-    CRIU writes every image file once, front to back (a fresh directory per
-    dump). A thread follows each file's end and hashes what has been
-    written so far; when CRIU has exited, ``finish`` hashes the rest. The
-    dump then costs max(CRIU, hashing), not their sum (measured at 10M
-    parameters: CRIU 0.40 s + a separate SHA-256 pass 0.39 s over 440 MB,
-    while every rank of the job stood still). Only files of at least
-    ``min_bytes`` are followed (the pages); the small ones are hashed at the
-    end. If a file were ever rewritten in place the digest would not match
-    its content, and the restore side's check refuses the snapshot: the
-    failure is safe (a rollback), never a corrupt rank.
-    """
-
-    def __init__(self, d: str | os.PathLike, *, min_bytes: int = 1 << 20, chunk: int = 4 << 20):
-        self.d = Path(d)
-        self.min_bytes = min_bytes
-        self.chunk = chunk
-        self._files: dict[str, tuple] = {}  # name -> (file object, hash, bytes hashed)
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tail-hasher", daemon=True)
-
-    def __enter__(self) -> "TailHasher":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        for f, _h, _n in self._files.values():
-            f.close()
-
-    def _pass(self) -> None:
-        for p in _image_files(self.d):
-            ent = self._files.get(p.name)
-            if ent is None:
-                try:
-                    if p.stat().st_size < self.min_bytes:
-                        continue
-                    ent = (open(p, "rb"), hashlib.sha256(), 0)
-                except OSError:
-                    continue
-                self._files[p.name] = ent
-            f, h, n = ent
-            while chunk := f.read(self.chunk):
-                h.update(chunk)
-                n += len(chunk)
-            self._files[p.name] = (f, h, n)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(0.005):
-                self._pass()
-        except BaseException as exc:  # noqa: BLE001 - reported by finish(); the manifest then hashes afresh
-            self._error = exc
-
-    def finish(self) -> dict[str, tuple[int, str]]:
-        """Stop following; hash what is left. {name: (bytes hashed, sha256 hex)}."""
-        self._stop.set()
-        self._thread.join()
-        if self._error is not None:
-            return {}
-        self._pass()
-        return {name: (n, h.hexdigest()) for name, (_f, h, n) in self._files.items()}
-
-
-def write_manifest(d: str | os.PathLike, meta: dict | None = None,
-                   hashed: dict[str, tuple[int, str]] | None = None) -> dict:
-    """Checksum every image file of ``d`` into d/manifest.json (files 0600).
-
-    ``hashed``: digests already computed (TailHasher), used for a file whose
-    size is exactly the number of bytes they covered.
-    """
-    d = Path(d)
-    files = {}
-    for p in _image_files(d):
-        os.chmod(p, 0o600)
-        size = p.stat().st_size
-        known = (hashed or {}).get(p.name)
-        files[p.name] = {"size": size, "sha256": known[1] if known and known[0] == size else _sha256(p)}
-    if not files:
-        raise CheckpointError(f"snapshot {d} holds no image files")
-    manifest = {"format": MANIFEST_FORMAT, "files": files, "meta": meta or {}}
-    tmp = d / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, d / MANIFEST)
-    return manifest
-
-
-def verify_manifest(d: str | os.PathLike) -> dict:
-    """Check every image file against the manifest; CheckpointError naming the first problem."""
-    manifest = read_manifest(d)
-    check_hashes(d, manifest)
-    return manifest
-
-
-def check_hashes(d: str | os.PathLike, manifest: dict) -> None:
-    """The SHA-256 of every image file against ``manifest`` (from read_manifest)."""
-    d = Path(d)
-    for name, want in sorted(manifest["files"].items()):
-        if _sha256(d / name) != want.get("sha256"):
-            raise CheckpointError(f"snapshot {d} is corrupt: {name} fails its SHA-256 check; take a new snapshot")
-
-
-def read_manifest(d: str | os.PathLike) -> dict:
-    """The manifest, with every image file present at its size (contents not hashed:
-    check_hashes, or restore(checked=...) which hashes while CRIU restores)."""
-    d = Path(d)
-    mpath = d / MANIFEST
-    try:
-        manifest = json.loads(mpath.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"snapshot {d} has no {MANIFEST}: it is incomplete (the dump did not finish); "
-                              "take a new snapshot") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"snapshot {d}: {MANIFEST} is unreadable ({exc}); take a new snapshot") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not files:
-        raise CheckpointError(f"snapshot {d}: {MANIFEST} is not a torchpass manifest (format "
-                              f"{manifest.get('format')!r}); take a new snapshot")
-    for name, want in sorted(files.items()):
-        p = d / name
-        if "/" in name or not p.is_file():
-            raise CheckpointError(f"snapshot {d} is corrupt: image file {name} is missing; take a new snapshot")
-        size = p.stat().st_size
-        if size != want.get("size"):
-            raise CheckpointError(f"snapshot {d} is corrupt: {name} has {size} bytes, the manifest says "
-                                  f"{want.get('size')}; take a new snapshot")
-    return manifest
-
-
 # -- process-tree inspection ------------------------------------------------------------
 def tree_pids(pid: int, proc: str = "/proc") -> list[int]:
     """``pid`` and all its descendants (threads' children included)."""
@@ -290,6 +144,31 @@ def _log_tail(path: Path, n: int = 6) -> str:
     return " | ".join(pick) or "(empty log)"
 
 
+# -- running criu -------------------------------------------------------------------------------
+def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then: str, *,
+             pass_fds: Sequence[int] = (), net_of: int | None = None) -> subprocess.CompletedProcess:
+    """Run ``criu ARGS`` from a file descriptor opened here, in this process's mount namespace.
+
+    The binary is opened before anything else (``/proc/self/fd/N`` is what is
+    executed), so no later change to the path, and no mount namespace, decides
+    which program runs as root. ``net_of``: in the network and UTS namespaces
+    of that process (``nsenter --net --uts``, never ``--mount``). Killed after
+    ``timeout_s``: CheckpointError.
+    """
+    fd = os.open(criu.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        argv = [f"/proc/self/fd/{fd}", *args]
+        if net_of is not None:
+            argv = ["nsenter", "-t", str(net_of), "--net", "--uts", "--", *argv]
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                                  timeout=timeout_s, pass_fds=(fd, *pass_fds))
+        except subprocess.TimeoutExpired:
+            raise CheckpointError(f"{what} did not finish in {timeout_s:g} s and was killed; {then}") from None
+    finally:
+        os.close(fd)
+
+
 # -- dump -------------------------------------------------------------------------------------
 @dataclass
 class DumpResult:
@@ -305,22 +184,24 @@ def dump(
     pid: int,
     images: str | os.PathLike,
     *,
-    ns_pid: int | None = None,
     wait_no_sockets_s: float = 5.0,
     meta: dict | None = None,
-    extra_args: Sequence[str] = (),
-    leave_running: bool = False,
+    timeout_s: float = DUMP_TIMEOUT_S,
+    net_of: int | None = None,
 ) -> DumpResult:
-    """Dump (and kill) the process tree rooted at ``pid`` into ``images``.
+    """Dump the process tree rooted at ``pid`` into ``images``, leaving it running.
 
-    ``ns_pid``: run criu inside that process's network, UTS and mount
-    namespaces (the rank's wrapper on a namespaced node: CRIU must see the
-    task's namespaces as its own). Waits up to ``wait_no_sockets_s`` for the
+    criu runs in this process's mount namespace (the caller checks that the
+    rank shares them: torchpass.checkpoint.procs; ``net_of``: criu enters
+    that process's network and UTS namespaces), from a file descriptor
+    opened here (``run_criu``), and is killed after ``timeout_s`` (the
+    rank then goes on: CRIU's ptrace hold ends with it). Waits up to
+    ``wait_no_sockets_s`` for the
     tree to hold no socket (the runtime closes its control link right after
     reporting quiesced); a socket still open after that is a CheckpointError
-    before CRIU runs. On failure CRIU leaves the task running; with
-    ``leave_running`` it also does on success (kill it before restoring the
-    copy elsewhere).
+    before CRIU runs. CRIU leaves the task running (``--leave-running``),
+    on success too: it stays paused, so a later failure can resume it in
+    place; kill it before the restored copy elsewhere may run.
     """
     d = make_private_dir(images)
     if any(d.iterdir()):
@@ -336,14 +217,10 @@ def dump(
     info = dict(meta or {})
     for fd in (0, 1, 2):
         info[f"fd{fd}"] = fd_target(pid, fd)
-    argv = [criu.path, "dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", *extra_args]
-    if leave_running:
-        argv.append("--leave-running")
-    if ns_pid is not None:
-        argv = ["nsenter", "-t", str(ns_pid), "--net", "--uts", "--mount", "--", *argv]
     t0 = time.monotonic()
     with TailHasher(d) as hasher:
-        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running"],
+                        timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of)
         t1 = time.monotonic()
         seconds = t1 - t0
         if proc.returncode != 0:
@@ -368,9 +245,9 @@ def restore(
     *,
     pidfile: str | os.PathLike,
     inherit: dict[int, str] | None = None,
-    extra_args: Sequence[str] = (),
     verified: dict | None = None,
     checked: dict | None = None,
+    timeout_s: float = RESTORE_TIMEOUT_S,
 ) -> tuple[int, float]:
     """Verify the manifest, then ``criu restore -d`` the tree; returns (host pid, seconds).
 
@@ -398,10 +275,9 @@ def restore(
     d = Path(images)
     if verified is None and checked is None:
         verify_manifest(d)
-    argv = [criu.path, "restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2"]
+    args = ["restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2"]
     for fd, key in sorted((inherit or {}).items()):
-        argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
-    argv += list(extra_args)
+        args += ["--inherit-fd", f"fd[{fd}]:{key}"]
     hashing: list[BaseException | None] = []
     hasher = None
     if verified is None and checked is not None:
@@ -415,8 +291,8 @@ def restore(
         hasher = threading.Thread(target=_hash, name="restore-verify", daemon=True)
         hasher.start()
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          pass_fds=tuple((inherit or {}).keys()))
+    proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
+                    pass_fds=tuple((inherit or {}).keys()))
     seconds = time.monotonic() - t0
     if hasher is not None:
         hasher.join()

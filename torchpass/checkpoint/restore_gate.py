@@ -7,10 +7,10 @@ if it starts only after the dump. So the executor starts the step as soon as
 the pause is armed (the ranks still train on to T, then the source is
 dumped) with this module in front of the restore wrapper:
 
-    python -m torchpass.coordinator.restore_gate GO_FILE TIMEOUT_S -- <rankwrap args>
+    python -m torchpass.checkpoint.restore_gate GO_FILE TIMEOUT_S -- <rankwrap args>
 
 It imports the restore wrapper, then polls GO_FILE (on the job's state
-directory, shared like the hold files). The executor writes it atomically:
+directory, shared like the hold files: torchpass.layout.restore_go_file). The executor writes it atomically:
 
 * ``restore IMAGES``: run ``rankwrap --restore IMAGES <rankwrap args>`` in
   this process (the step is then exactly the usual restore step);
@@ -48,11 +48,11 @@ def write_gate(path: str | os.PathLike, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[2] != "--":
-        sys.stderr.write("usage: python -m torchpass.coordinator.restore_gate GO_FILE TIMEOUT_S -- ARGS\n")
+        sys.stderr.write("usage: python -m torchpass.checkpoint.restore_gate GO_FILE TIMEOUT_S -- ARGS\n")
         return 2
     go, timeout_s, rest = argv[0], float(argv[1]), argv[3:]
     # Imported now, while the ranks are still on their way to T: not after.
-    from tpassd.checkpoint import criu, rankwrap  # noqa: F401
+    from torchpass.checkpoint import criu, rankwrap  # noqa: F401
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,7 +1,8 @@
 """The task wrapper that makes a rank movable with CRIU.
 
-Launch:   python -m tpassd.checkpoint.rankwrap [--state-dir D] -- python train.py ...
-Restore:  python -m tpassd.checkpoint.rankwrap --restore IMAGES [--wake-file F] [--state-dir D]
+Launch:   python -m torchpass.checkpoint.rankwrap [--state-dir D] -- python train.py ...
+Restore:  python -m torchpass.checkpoint.rankwrap --restore IMAGES [--wake-file F] [--state-dir D]
+          (``tpass-rankwrap``, the SPANK plugin's ``rank_wrapper``, is ``main``)
 
 Launch mode (what Slurm tracks as the task): ``unshare(CLONE_NEWPID)``, fork;
 the child does ``setsid``, takes /dev/null as stdin and a pipe to the wrapper
@@ -11,7 +12,10 @@ stdout/stderr, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 (a namespace
 init ignores signals it has no handler for, so a SIGTERM the program does not
 handle becomes the SIGKILL it would have meant), and writes a record
 ``D/job<J>/rank<R>.json`` (wrapper pid, rank pid, pipe inodes) that tpassd's
-snapshot action reads.
+snapshot action reads. The layout of D is torchpass.layout's RANK_DIR. Default
+D: $TORCHPASS_RANK_STATE_DIR, else the job's shared rank directory
+(``layout.rank_records_dir($TORCHPASS_STATE_DIR, $TORCHPASS_JOB_ID)``, then
+exported as $TORCHPASS_RANK_STATE_DIR), else /run/torchpass/ranks.
 
 Hand-off markers, in ``D/job<J>/rank<R>.handoff`` (written by the snapshot
 action): "moving" before the dump, "moved" after it succeeded, "abort" if it
@@ -34,8 +38,13 @@ this one: its 137 is not the rank's exit). Then this one exits 0, which ends
 its step (the node can then be released from the job). The launch-mode
 wrapper likewise takes an exit code only from the copy the record names.
 
-Runs as root here (devcluster); for ordinary users the PID-namespace split
-belongs in the SPANK plugin's slurm_spank_task_init_privileged.
+The PID namespace: when the SPANK plugin prepared it as root in
+task_init_privileged (``/proc/self/ns/pid`` differs from
+``pid_for_children``), the wrapper only forks; else it unshares itself
+(root). When it may not (an ordinary user, no plugin help), it does no
+harm: one line ``torchpass: rank R unprotected: WHY`` on stderr, then it
+execs the task in its own place (same pid, stdin and fds; the task's exit
+code or signal is the step's), without live migration.
 """
 
 from __future__ import annotations
@@ -52,11 +61,12 @@ import sys
 import time
 from pathlib import Path
 
+from torchpass import layout
+
 CLONE_NEWPID = 0x20000000
 CLONE_NEWTIME = 0x00000080
 PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-DEFAULT_STATE_DIR = "/run/torchpass/ranks"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -105,10 +115,10 @@ def identity(env=os.environ) -> tuple[str, str]:
 
 class Paths:
     def __init__(self, state_dir: str, job: str, rank: str):
-        self.dir = Path(state_dir) / f"job{job}"
-        self.record = self.dir / f"rank{rank}.json"
-        self.handoff = self.dir / f"rank{rank}.handoff"
-        self.exit = self.dir / f"rank{rank}.exit"
+        self.dir = layout.rank_job_dir(state_dir, job)
+        self.record = layout.rank_record(state_dir, job, rank)
+        self.handoff = layout.handoff(state_dir, job, rank)
+        self.exit = layout.exit_file(state_dir, job, rank)
 
     def read_record(self) -> dict:
         try:
@@ -238,8 +248,74 @@ class Relay:
             self.pump(0.05)
 
 
+def pid_ns_prepared(ns: str = "/proc/self/ns") -> bool:
+    """Whether our next child already gets a PID namespace of its own: the SPANK plugin
+    unshared it as root in task_init_privileged (``unshare(CLONE_NEWPID)`` changes the
+    namespace of the caller's children, not the caller's). Until its first process exists,
+    the kernel gives the link ``pid_for_children`` but no target (ENOENT on readlink)."""
+    try:
+        own = os.readlink(f"{ns}/pid")
+        os.lstat(f"{ns}/pid_for_children")  # absent on kernels before 4.12: not prepared
+    except OSError:
+        return False
+    try:
+        return os.readlink(f"{ns}/pid_for_children") != own
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def run_unprotected(argv: list[str], rank: str, why: str) -> None:
+    """Do no harm: become the task itself, as if torchpass were not there (same pid as the
+    task Slurm started, same stdin and file descriptors, its exit code or signal is the
+    task's). Says so in one line first. Returns only if the program cannot be executed."""
+    say(f"rank {rank} unprotected: {why}")
+    # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec.
+    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, *FORWARDED):
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os.execvp(argv[0], argv)
+
+
+def make_pid_namespace(argv: list[str], rank: str, newtime: bool,
+                       unshare_fn=unshare, prepared_fn=pid_ns_prepared) -> None:
+    """Make sure the rank (our next child) is PID 1 of its own namespace: already so when the
+    SPANK plugin prepared it; else unshare here (root). When that is not allowed (an ordinary
+    user without the plugin's help), run the task unprotected instead (``run_unprotected``
+    does not return; exit 127 if even the program cannot run)."""
+    flags = CLONE_NEWTIME if newtime else 0
+    prepared = prepared_fn()
+    if not prepared:
+        flags |= CLONE_NEWPID
+    if not flags:
+        return
+    try:
+        unshare_fn(flags)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EINVAL, errno.ENOSPC, errno.EUSERS, errno.ENOMEM):
+            raise
+        if prepared:  # only the optional time namespace failed: the rank is still movable
+            say(f"rank {rank}: no time namespace of its own ({exc}); clocks will not carry across a move")
+            return
+        unprotected(argv, rank, f"cannot make its PID namespace ({exc}; needs root or torchpass's SPANK plugin)")
+
+
+def unprotected(argv: list[str], rank: str, why: str) -> None:
+    """``run_unprotected``; exit 127 if even the program cannot run (never returns)."""
+    try:
+        run_unprotected(argv, rank, f"{why}; it runs without live migration")
+    except OSError as err:
+        say(f"cannot start {argv[0]}: {err}")
+    os._exit(127)
+
+
 def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> int:
     job, rank = identity()
+    make_pid_namespace(argv, rank, newtime)
     paths = Paths(state_dir, job, rank)
     for p in (paths.handoff, paths.exit):
         try:
@@ -248,8 +324,14 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
             pass
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    unshare(CLONE_NEWPID | (CLONE_NEWTIME if newtime else 0))
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        # The prepared namespace's first process already exited (e.g. a TaskProlog ran
+        # in it): no process can enter it any more.
+        unprotected(argv, rank, f"its PID namespace is gone (fork: {exc.strerror})")
     if pid == 0:  # PID 1 of the new namespace
         try:
             os.setsid()
@@ -293,14 +375,15 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
 
 def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | None, gpu: bool = False) -> int:
     from torchpass.errors import TorchpassError
-    from tpassd.checkpoint import criu as criu_mod
+    from torchpass.checkpoint import criu as criu_mod
+    from torchpass.checkpoint.manifest import read_manifest
 
     set_child_subreaper()
     try:
         c = criu_mod.find_criu(criu_bin)
         # files and sizes now; their SHA-256 while CRIU restores (criu.restore(checked=...)
         # kills the restored tree before the wake file exists if a check fails)
-        manifest = criu_mod.read_manifest(images)
+        manifest = read_manifest(images)
     except TorchpassError as exc:
         say(str(exc))
         return 1
@@ -332,7 +415,7 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     if gpu or meta.get("gpu"):
         # GPU state back from host memory before the rank may run on (it is
         # still locked by the driver until then)
-        from tpassd.checkpoint.cuda import CudaCheckpoint
+        from torchpass.checkpoint.cuda import CudaCheckpoint
 
         try:
             CudaCheckpoint.load().resume(pid)
@@ -388,12 +471,22 @@ def finish_restored(paths: Paths, images: str, code: int) -> int:
     return code
 
 
+def default_state_dir(env=os.environ) -> str:
+    """$TORCHPASS_RANK_STATE_DIR; else the job's shared rank directory, exported as
+    $TORCHPASS_RANK_STATE_DIR (the rank inherits it); else /run/torchpass/ranks."""
+    sd, job = env.get("TORCHPASS_STATE_DIR"), env.get("TORCHPASS_JOB_ID")
+    if sd and job and not env.get("TORCHPASS_RANK_STATE_DIR"):
+        env["TORCHPASS_RANK_STATE_DIR"] = str(layout.rank_records_dir(sd, job))
+    return env.get("TORCHPASS_RANK_STATE_DIR", layout.DEFAULT_RANK_DIR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``tpass-rankwrap`` and ``python -m torchpass.checkpoint.rankwrap``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m tpassd.checkpoint.rankwrap")
-    ap.add_argument("--state-dir", default=os.environ.get("TORCHPASS_RANK_STATE_DIR", DEFAULT_STATE_DIR))
+    ap = argparse.ArgumentParser(prog="python -m torchpass.checkpoint.rankwrap")
+    ap.add_argument("--state-dir", default=default_state_dir())
     ap.add_argument("--on-handoff", choices=("wait", "exit0"), default="wait")
     ap.add_argument("--timens", action="store_true",
                     help="also give the rank its own time namespace (clocks continue across hosts)")
@@ -413,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         return launch(prog, args.state_dir, args.on_handoff, args.timens)
     except OSError as exc:
         say(f"cannot make the rank's PID namespace ({exc}); needs CAP_SYS_ADMIN (root or the SPANK plugin)")
-        return 126 if exc.errno in (errno.EPERM, errno.EINVAL) else 1
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""Which processes tpassd may act on: found from Slurm and the kernel, never from a user's file.
+
+A rank record (written by the job user's rank wrapper) may *name* a pid;
+tpassd acts on it only if
+
+* Slurm lists it as one of the job's processes on this node
+  (``scontrol listpids JOB``: slurmstepd's task list with proctrack's
+  descendants; the step cgroup's ``cgroup.procs`` under proctrack/cgroup);
+* its real, effective, saved and filesystem uids (``/proc/PID/status``)
+  are the job's owner as slurmctld records it;
+* for a rank: its parent (``/proc/PID/stat``) is the wrapper the record
+  names, which passes the same checks;
+* for a dump: it and its wrapper share tpassd's own mount and user
+  namespaces (a rank in namespaces of its own, e.g. made with
+  ``unshare -Urm``, is refused: criu would have to run in them, where the
+  user decides what ``criu`` and its libraries are). Network and UTS
+  namespaces a user cannot make without a user namespace; criu enters the
+  wrapper's (``nsenter --net --uts``, never ``--mount``: the devcluster's
+  nodes have their own);
+
+and it is pinned by a pidfd opened *before* those checks: ``alive()`` after
+them proves the pid still names the process that was checked (a pid is not
+reused while its process, zombie included, exists), and ``kill`` signals
+through the pidfd.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchpass.errors import RemoteError
+
+SCONTROL_TIMEOUT_S = 10.0
+SHARED_NAMESPACES = ("mnt", "user")  # a rank criu dumps must share these with tpassd
+ENTERED_NAMESPACES = ("net", "uts")  # criu enters the wrapper's when they are not tpassd's
+
+
+def slurm_job_pids(job_id: int, *, run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+                   timeout_s: float = SCONTROL_TIMEOUT_S) -> set[int]:
+    """The pids Slurm tracks for ``job_id`` on this node (``scontrol listpids``); empty when none."""
+    argv = ["scontrol", "listpids", str(int(job_id))]
+    try:
+        proc = run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RemoteError("unavailable", f"'{' '.join(argv)}' did not answer in {timeout_s:g} s; "
+                                         "is this node's slurmd up?") from None
+    except OSError as exc:
+        raise RemoteError("unavailable", f"cannot run scontrol ({exc}); install the Slurm client") from None
+    if proc.returncode != 0:
+        return set()  # "Job J does not exist on this node" and the like: nothing of the job is here
+    pids = set()
+    for line in proc.stdout.splitlines():
+        first = line.split(maxsplit=1)[0] if line.strip() else ""
+        if first.isdigit():
+            pids.add(int(first))
+    return pids
+
+
+@dataclass(frozen=True)
+class Stat:
+    ppid: int
+    state: str
+    start: int  # clock ticks after boot: with the pid, names one process for good
+
+
+def read_stat(pid: int, proc: str = "/proc") -> Stat:
+    with open(f"{proc}/{pid}/stat", "rb") as f:
+        raw = f.read(4096).decode(errors="replace")
+    fields = raw.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces and parentheses
+    return Stat(ppid=int(fields[1]), state=fields[0], start=int(fields[19]))
+
+
+def read_uids(pid: int, proc: str = "/proc") -> tuple[int, ...]:
+    """Real, effective, saved and filesystem uid of ``pid``."""
+    with open(f"{proc}/{pid}/status", "rb") as f:
+        for line in f.read(1 << 16).decode(errors="replace").splitlines():
+            if line.startswith("Uid:"):
+                return tuple(int(x) for x in line.split()[1:])
+    raise OSError(f"{proc}/{pid}/status has no Uid line")
+
+
+def foreign_namespaces(pid: int, proc: str = "/proc", kinds: tuple[str, ...] = SHARED_NAMESPACES) -> list[str]:
+    """The namespaces of ``pid`` (among ``kinds``) that are not this process's own."""
+    out = []
+    for kind in kinds:
+        try:
+            if os.readlink(f"{proc}/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
+                out.append(kind)
+        except OSError:
+            out.append(kind)
+    return out
+
+
+class Pinned:
+    """A process checked and held by a pidfd. Close it (or use ``with``)."""
+
+    def __init__(self, pid: int, pidfd: int, start: int):
+        self.pid, self.pidfd, self.start = pid, pidfd, start
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def kill(self, sig: int = signal.SIGKILL) -> bool:
+        """Signal the pinned process (never a later one with the same pid); False if it is gone."""
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    def __enter__(self) -> "Pinned":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pin(pid: int, *, job_id: int, job_pids: set[int], owner: int, parent: int | None = None,
+        same_namespaces: bool = False, proc: str = "/proc") -> Pinned:
+    """Pin ``pid`` and check it is the job's (see the module doc); RemoteError ``forbidden``
+    (one line) when not, ``not_found`` when it is gone."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        raise RemoteError("bad_request", f"pid {pid!r} is not a process id")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise RemoteError("not_found", f"pid {pid} does not exist on this node") from None
+    try:
+        if pid not in job_pids:
+            raise RemoteError("forbidden", f"pid {pid} is not a process of job {job_id} on this node "
+                                           "(scontrol listpids); refused")
+        try:
+            uids, st = read_uids(pid, proc), read_stat(pid, proc)
+        except (OSError, ValueError, IndexError):
+            raise RemoteError("not_found", f"pid {pid} does not exist on this node") from None
+        if any(u != owner for u in uids):
+            raise RemoteError("forbidden", f"pid {pid} runs as uid {'/'.join(map(str, uids))}, not as job "
+                                           f"{job_id}'s owner (uid {owner}); refused")
+        if parent is not None and st.ppid != parent:
+            raise RemoteError("forbidden", f"pid {pid}'s parent is {st.ppid}, not the wrapper {parent} "
+                                           "its rank record names; refused")
+        if same_namespaces and (kinds := foreign_namespaces(pid, proc)):
+            raise RemoteError("forbidden", f"pid {pid} runs in {'/'.join(kinds)} namespace(s) of its own; "
+                                           "tpassd runs criu only for ranks in its own mount and user namespaces; refused")
+        pinned = Pinned(pid, pidfd, st.start)
+        if not pinned.alive():
+            raise RemoteError("not_found", f"pid {pid} exited while it was checked")
+        return pinned
+    except BaseException:
+        os.close(pidfd)
+        raise
+
+
+__all__ = ["SCONTROL_TIMEOUT_S", "SHARED_NAMESPACES", "ENTERED_NAMESPACES", "slurm_job_pids", "Stat", "read_stat", "read_uids",
+           "foreign_namespaces", "Pinned", "pin"]

@@ -1,0 +1,485 @@
+"""What tpassd's checkpoint requests do: ``tpassd.snapshot`` and ``tpassd.restore``.
+
+The job's coordinator asks the source node's tpassd to CRIU-dump a quiesced
+rank (leaving it running, paused, so that a later failure can resume it in
+place), to kill that source copy once every restore succeeded, or to mark
+the hand-off aborted; and the target node's tpassd to check a snapshot
+before the restore step runs, or to kill what a failed move restored.
+
+The privilege boundary (tpassd is root; the rank record and the rank
+directory belong to the job user). tpassd acts only on what it verifies
+itself (docs/migration-internals.md, "Privilege boundary"):
+
+* Who may ask: root, or the uid Slurm records as the job's owner.
+* Paths: the rank directory is ``layout.rank_records_dir(STATE_DIR, J)``
+  (tpassd's own state directory); snapshot images are
+  ``layout.images_dir(ROOT, J, R, G)`` under this tpassd's snapshot_dir or
+  another directory tree owned by root alone. A request that names another
+  rank directory, or images elsewhere, is refused (``forbidden``).
+* Processes: a pid named by the rank record or the request is acted on only
+  if Slurm lists it for the job on this node, it runs as the job's owner,
+  the rank's parent is the wrapper, and (for a dump) both share tpassd's
+  mount and user namespaces; pinned by a pidfd (torchpass.checkpoint.procs).
+* Files in the user's directory are read capped, never a FIFO or device,
+  and written with O_NOFOLLOW|O_EXCL then renamed (torchpass.checkpoint.safeio).
+* criu runs in tpassd's mount namespace (entering only the wrapper's
+  network and UTS namespaces), executed from a file descriptor, with a
+  timeout; scontrol too has a timeout.
+* Every request leaves one audit line (logger ``tpassd.audit``): requester
+  uid, job, rank, pid, action, outcome.
+
+tpassd/checkpoint_handlers.py registers ``CheckpointService.snapshot`` and
+``CheckpointService.restore`` on tpassd's control server. Paths come from
+torchpass.layout; the snapshot checksum from torchpass.checkpoint.manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from torchpass import auth, layout, slurm, wire
+from torchpass.checkpoint import criu as criu_mod
+from torchpass.checkpoint import procs, safeio
+from torchpass.checkpoint.cuda import CudaCheckpoint
+from torchpass.checkpoint.manifest import checksum_of, read_manifest_bytes
+from torchpass.errors import CheckpointError, RemoteError, TorchpassError
+
+log = structlog.get_logger("tpassd.checkpoint")
+audit_log = structlog.get_logger("tpassd.audit")
+
+
+def _job_owner(job_id: int) -> int | None:
+    info = slurm.client().job(job_id)
+    return None if info is None else info.user_id
+
+
+def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
+    """True if ``pid`` maps an NVIDIA device file (a CUDA context): its GPU state must be checkpointed."""
+    try:
+        with open(f"{proc}/{pid}/maps") as f:
+            return any("/dev/nvidia" in line for line in f)
+    except OSError:
+        return False
+
+
+class _Audit:
+    """The one audit line of a request: filled in as the request goes, logged at its end."""
+
+    def __init__(self, ident: auth.Identity, action: str, body: dict[str, Any]):
+        self.fields: dict[str, Any] = {"requester_uid": ident.uid, "job_id": body.get("job_id"),
+                                       "rank": body.get("rank"), "pid": None, "action": action}
+
+    def __enter__(self) -> "_Audit":
+        return self
+
+    def __exit__(self, typ, exc, _tb) -> None:
+        outcome = "ok" if exc is None else getattr(exc, "code", None) or "failed"
+        audit_log.info("privileged action", outcome=outcome, **self.fields,
+                       **({"error": str(exc)} if exc is not None else {}))
+
+
+class CheckpointService:
+    def __init__(self, snapshot_dir: str | os.PathLike, node: str, *, state_dir: str | os.PathLike | None = None,
+                 criu_binary: str | None = None, job_owner: Callable[[int], int | None] = _job_owner,
+                 job_pids: Callable[[int], set[int]] = procs.slurm_job_pids, proc: str = "/proc",
+                 restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None,
+                 gpu_in_use: Callable[[int], bool] | None = None, cuda_loader: Callable[[], Any] | None = None,
+                 dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S):
+        self.snapshot_dir = Path(snapshot_dir)
+        # The job state directory (STATE_DIR, whose jobs/J/ranks is the job's rank
+        # directory): the only place tpassd looks for rank records.
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        # Does the rank hold GPU state (then the driver must move it to host
+        # memory before CRIU can dump)? Injectable for tests on GPU-less machines.
+        self.gpu_in_use = gpu_in_use or (lambda pid: maps_nvidia_device(pid, self.proc))
+        self.cuda_loader = cuda_loader
+        self.node = node
+        self.criu_binary = criu_binary
+        self.job_owner = job_owner
+        # The job's processes on this node, as Slurm tracks them (scontrol listpids).
+        self.job_pids = job_pids
+        self.proc = proc
+        self.dump_timeout_s = dump_timeout_s
+        # The restore-fail fault drill (tpassd/drills.py): True once when armed.
+        self.restore_fault = restore_fault or (lambda: False)
+        # The kill-fail drill: True once when armed; the next op=kill is refused.
+        self.kill_fault = kill_fault or (lambda: False)
+
+    # -- authorization ---------------------------------------------------------
+    def owner_of(self, job_id: int) -> int:
+        """The job's owner as slurmctld records it (RemoteError when Slurm cannot say)."""
+        try:
+            owner = self.job_owner(job_id)
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"cannot ask Slurm who owns job {job_id} ({exc})") from None
+        if owner is None or owner < 0:
+            raise RemoteError("not_found", f"job {job_id} is not known to Slurm")
+        return owner
+
+    def authorize(self, ident: auth.Identity, job_id: int) -> None:
+        if ident.uid == 0:
+            return
+        if self.owner_of(job_id) != ident.uid:
+            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}")
+
+    def _job_view(self, job_id: int) -> tuple[set[int], int]:
+        """What Slurm says of the job: its pids on this node, its owner."""
+        return self.job_pids(job_id), self.owner_of(job_id)
+
+    def _pin(self, job_id: int, pid: Any, *, parent: int | None = None, dump: bool = False,
+             view: tuple[set[int], int] | None = None) -> procs.Pinned:
+        pids, owner = view or self._job_view(job_id)
+        return procs.pin(pid, job_id=job_id, job_pids=pids, owner=owner, parent=parent, same_namespaces=dump,
+                         proc=self.proc)
+
+    # -- paths ---------------------------------------------------------------------
+    def rank_dir(self, job_id: int) -> Path:
+        if self.state_dir is None:
+            raise RemoteError("unavailable", f"tpassd on {self.node} has no state_dir: it cannot find rank records")
+        return layout.rank_records_dir(self.state_dir, job_id)
+
+    def _check_rank_dir(self, b: dict[str, Any], job_id: int) -> None:
+        """A request may name the rank directory only as tpassd derives it itself."""
+        asked = b.get("rank_dir")
+        if asked and os.path.normpath(asked) != str(self.rank_dir(job_id)):
+            raise RemoteError("forbidden", f"rank_dir {asked} is not job {job_id}'s rank directory "
+                                           f"({self.rank_dir(job_id)}); refused")
+
+    def _open_rank_dir(self, job_id: int) -> int | None:
+        """RANK_DIR/jobJ (the user's), walked from STATE_DIR without following a symlink; None if absent."""
+        parts = layout.rank_job_dir(self.rank_dir(job_id), job_id).relative_to(self.state_dir).parts
+        try:
+            return safeio.open_dir(self.state_dir, parts)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise RemoteError("forbidden", f"job {job_id}'s rank directory: {exc}") from None
+
+    def _read_record(self, dfd: int, job_id: int, rank: int) -> dict[str, Any]:
+        name = layout.rank_record(".", job_id, rank).name
+        try:
+            rec = json.loads(safeio.read_regular(name, safeio.MAX_RECORD_BYTES, dir_fd=dfd))
+        except (OSError, ValueError) as exc:
+            raise RemoteError("not_found", f"rank {rank} of job {job_id} does not run under rankwrap here "
+                                           f"(its rank record: {exc}); it cannot be snapshotted") from None
+        if not isinstance(rec, dict):
+            raise RemoteError("not_found", f"rank {rank} of job {job_id}: its rank record is not an object")
+        return rec
+
+    def _open_images(self, job_id: int, rank: int, images: str) -> tuple[Path, int]:
+        """(IMAGES, its directory fd) when ``images`` is layout.images_dir(ROOT, J, R, G) under this
+        tpassd's snapshot_dir or a directory tree owned by root alone; RemoteError forbidden otherwise."""
+        parsed = layout.parse_images_dir(images, job_id, rank) if os.path.isabs(images) else None
+        if parsed is None:
+            raise RemoteError("forbidden", f"{images} is not a snapshot directory of rank {rank} of job {job_id} "
+                                           "(SNAPSHOT_DIR/jobJ/rankR.genG); refused")
+        path = layout.images_dir(parsed[0], job_id, rank, parsed[1])
+        try:
+            if parsed[0] == self.snapshot_dir:
+                return path, safeio.open_dir(self.snapshot_dir, path.relative_to(self.snapshot_dir).parts)
+            return path, safeio.open_root_owned_dir(path)
+        except FileNotFoundError:
+            raise RemoteError("failed", f"{self.node} cannot read snapshot {path} (it does not exist)") from None
+        except OSError as exc:
+            raise RemoteError("forbidden", f"snapshot {path}: {exc}") from None
+
+    @staticmethod
+    def _write(dfd: int, path: Path, text: str) -> None:
+        safeio.write_at(dfd, path.name, text.encode())
+
+    # -- tpassd.snapshot -------------------------------------------------------
+    def _audited(self, kind: str, handler: Callable[[dict[str, Any], _Audit], dict[str, Any]],
+                 msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
+        """Authorize, run ``handler(body, audit)``, and leave the request's one audit line."""
+        b = msg.body
+        with _Audit(ident, f"{kind}.{b.get('op')}", b) as act:
+            # job and rank make every path: integers only (the wire checks too)
+            if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
+                       for k in ("job_id", "rank")):
+                raise RemoteError("bad_request", f"{kind}: job_id and rank must be non-negative integers")
+            self.authorize(ident, b["job_id"])
+            return handler(b, act)
+
+    def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
+        return self._audited("snapshot", self._snapshot, msg, ident)
+
+    def _snapshot(self, b: dict[str, Any], act: _Audit) -> dict[str, Any]:
+        job_id, rank, op = b["job_id"], b["rank"], b["op"]
+        self._check_rank_dir(b, job_id)
+        if op == "dump":
+            marker = layout.handoff(self.rank_dir(job_id), job_id, rank)
+            return self._dump(job_id, rank, int(b.get("generation") or 0), marker, act)
+        if op == "kill":
+            pid = b.get("pid")
+            act.fields["pid"] = pid
+            if not isinstance(pid, int) or pid <= 1:
+                raise RemoteError("bad_request", "op kill needs the source copy's pid")
+            if self.kill_fault():
+                log.warning("fault drill kill-fail: refusing to kill the source copy", job_id=job_id, rank=rank,
+                            pid=pid)
+                raise RemoteError("failed", f"fault drill kill-fail on {self.node}: the source copy of rank {rank} "
+                                            f"(pid {pid}) was not killed")
+            out = self._kill(job_id, rank, pid)
+            # Every restore succeeded before the coordinator asks for this kill:
+            # the images are not needed any more.
+            out["discarded_mb"] = self._discard(job_id, rank)
+            return out
+        if op == "abort":
+            dfd = self._open_rank_dir(job_id)
+            if dfd is not None:
+                try:
+                    self._write(dfd, layout.handoff(self.rank_dir(job_id), job_id, rank), "abort\n")
+                finally:
+                    os.close(dfd)
+            # The move is off and the rank resumes here: a later move dumps anew.
+            return {"node": self.node, "rank": rank, "marker": "abort", "discarded_mb": self._discard(job_id, rank)}
+        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.snapshot; allowed: dump, kill, abort")
+
+    def _discard(self, job_id: int, rank: int) -> float:
+        """Remove this node's snapshots of the rank (MB freed). Without this every
+        move left its images (hundreds of MB to GB per rank) in snapshot_dir for good."""
+        freed = 0
+        job_dir = layout.snapshot_job_dir(self.snapshot_dir, job_id)
+        for d in layout.images_dirs(self.snapshot_dir, job_id, rank):
+            if d.is_dir() and not d.is_symlink():
+                freed += sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
+                shutil.rmtree(d, ignore_errors=True)
+        try:
+            job_dir.rmdir()  # only when empty: other ranks of the job may still have images here
+        except OSError:
+            pass
+        if freed:
+            log.info("snapshot images discarded", job_id=job_id, rank=rank, mb=round(freed / 1e6, 1))
+        return round(freed / 1e6, 1)
+
+    def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: _Audit) -> dict[str, Any]:
+        dfd = self._open_rank_dir(job_id)
+        if dfd is None:
+            raise RemoteError("not_found", f"rank {rank} of job {job_id} does not run under rankwrap here "
+                                           f"(no {marker.parent}); it cannot be snapshotted")
+        try:
+            rec = self._read_record(dfd, job_id, rank)
+            pid, wrapper = rec.get("pid"), rec.get("wrapper_pid")
+            act.fields["pid"] = pid
+            if rec.get("node") not in (None, self.node):
+                raise RemoteError("not_found", f"rank {rank} of job {job_id} (pid {pid}) does not run on {self.node}")
+            # Slurm's and the kernel's word, not the record's: the wrapper is the job's,
+            # and the rank is its child; both in tpassd's own namespaces.
+            view = self._job_view(job_id)
+            with self._pin(job_id, wrapper, dump=True, view=view) as w, \
+                    self._pin(job_id, pid, parent=wrapper, dump=True, view=view) as p:
+                return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w)
+        finally:
+            os.close(dfd)
+
+    def _dump_pinned(self, job_id: int, rank: int, generation: int, marker: Path, dfd: int,
+                     p: procs.Pinned, w: procs.Pinned) -> dict[str, Any]:
+        pid = p.pid
+        try:
+            c = criu_mod.find_criu(self.criu_binary)
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", str(exc)) from None
+        images = layout.images_dir(self.snapshot_dir, job_id, rank, generation)
+        criu_mod.make_private_dir(layout.snapshot_job_dir(self.snapshot_dir, job_id))
+        gpu = self.gpu_in_use(pid)
+        cuda = None
+        if gpu:
+            try:
+                cuda = (self.cuda_loader or CudaCheckpoint.load)()
+            except TorchpassError as exc:
+                raise RemoteError("unavailable", f"rank {rank} of job {job_id} holds GPU state but this node "
+                                                 f"cannot checkpoint CUDA: {exc}") from None
+        t0 = time.monotonic()
+        self._write(dfd, marker, "moving\n")
+        cuda_touched = False
+        cuda_error = None
+        try:
+            if not (p.alive() and w.alive()):
+                raise CheckpointError(f"rank {rank} of job {job_id} (pid {pid}) exited before its dump")
+            if cuda is not None:
+                # The runtime destroyed its NCCL communicators at the pause; the driver
+                # now moves the GPU state into host memory so CRIU dumps it with the rest.
+                cuda_touched = True
+                cuda.suspend(pid)
+            entered = procs.foreign_namespaces(w.pid, self.proc, procs.ENTERED_NAMESPACES)
+            res = criu_mod.dump(c, pid, images, timeout_s=self.dump_timeout_s, net_of=w.pid if entered else None,
+                                meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
+                                      "gpu": gpu})
+        except CheckpointError:
+            self._write(dfd, marker, "abort\n")
+            raise
+        finally:
+            if cuda_touched:
+                # The source copy stays alive (held) until the move commits: give it its
+                # GPU state back, after a dump and after an aborted one (a suspend that
+                # failed half way included), so a rollback can resume it in place.
+                try:
+                    cuda.resume(pid)
+                except CheckpointError as exc:
+                    cuda_error = str(exc)
+                    log.error("CUDA state of the source copy not resumed", job_id=job_id, rank=rank, pid=pid,
+                              error=cuda_error)
+        self._write(dfd, marker, "moved\n")
+        out = {"images": str(res.images), "checksum": checksum_of(read_manifest_bytes(res.images)),
+               "bytes": res.bytes, "criu_dump_s": round(res.seconds, 4), "total_s": round(time.monotonic() - t0, 4),
+               "pid": pid, "wrapper_pid": w.pid, "node": self.node}
+        if cuda_error:
+            out["cuda_resume_error"] = cuda_error
+        log.info("rank dumped (left running)", job_id=job_id, rank=rank, images=out["images"],
+                 mb=round(res.bytes / 1e6, 1), dump_s=out["criu_dump_s"])
+        return out
+
+    def _pin_unless_gone(self, job_id: int, pid: int, *, parent: int | None = None) -> procs.Pinned | None:
+        """The checked, pinned process; None if it is gone (RemoteError if it is not the job's)."""
+        if not Path(f"{self.proc}/{pid}").exists():
+            return None
+        try:
+            return self._pin(job_id, pid, parent=parent)
+        except RemoteError as exc:
+            if exc.code == "not_found":  # it died since
+                return None
+            raise
+
+    def _kill(self, job_id: int, rank: int, pid: int) -> dict[str, Any]:
+        return self._kill_pinned(job_id, rank, pid, self._pin_unless_gone(job_id, pid))
+
+    def _kill_pinned(self, job_id: int, rank: int, pid: int, pinned: procs.Pinned | None) -> dict[str, Any]:
+        gone = {"node": self.node, "rank": rank, "pid": pid, "killed": False}
+        if pinned is None:
+            return gone
+        with pinned:
+            if not pinned.kill(signal.SIGKILL):
+                return gone
+            deadline = time.monotonic() + 5.0
+            while pinned.alive() and time.monotonic() < deadline:
+                try:  # a zombie awaiting its wrapper counts as gone
+                    if procs.read_stat(pid, self.proc).state == "Z":
+                        break
+                except (OSError, ValueError, IndexError):
+                    break
+                time.sleep(0.005)
+        log.info("source copy killed", job_id=job_id, rank=rank, pid=pid)
+        return {"node": self.node, "rank": rank, "pid": pid, "killed": True}
+
+    def _corrupt_for_drill(self, images: Path, dfd: int, manifest: dict[str, Any]) -> None:
+        """The restore-fail drill: flip one byte in the middle of the largest image file.
+
+        Done after the verify passed (it checks sizes and the manifest, not every
+        file's SHA-256), so the coordinator goes on to the restore, whose full
+        check (run while CRIU restores) refuses the image and kills the restored copy
+        before it may run: the real failed-restore path.
+        """
+        files = {n: f.get("size", 0) for n, f in manifest.get("files", {}).items() if f.get("size", 0) > 0}
+        if not files:
+            log.warning("restore-fail drill: snapshot has no image data to corrupt", images=str(images))
+            return
+        name = max(files, key=lambda n: (files[n], n))
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            off = files[name] // 2
+            b = os.pread(fd, 1, off)
+            os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
+        log.warning("fault drill restore-fail: corrupted a verified snapshot; its restore will fail",
+                    images=str(images), file=name, offset=off)
+
+    # -- tpassd.restore ----------------------------------------------------------
+    def restore(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
+        return self._audited("restore", self._restore, msg, ident)
+
+    def _restore(self, b: dict[str, Any], act: _Audit) -> dict[str, Any]:
+        job_id, rank, op = b["job_id"], b["rank"], b["op"]
+        if op == "verify":
+            images, dfd = self._open_images(job_id, rank, b["images"])
+            try:
+                return self._verify(job_id, rank, images, dfd, b.get("checksum"))
+            finally:
+                os.close(dfd)
+        if op == "abort":
+            self._check_rank_dir(b, job_id)
+            if layout.parse_images_dir(b["images"], job_id, rank) is None:
+                raise RemoteError("forbidden", f"{b['images']} is not a snapshot directory of rank {rank} of job "
+                                               f"{job_id}; refused")
+            return self._abort_restored(job_id, rank, b["images"], act)
+        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort")
+
+    def _verify(self, job_id: int, rank: int, images: Path, dfd: int, want: str | None) -> dict[str, Any]:
+        try:
+            raw = read_manifest_bytes(images, dir_fd=dfd)
+            manifest = json.loads(raw)
+            files = manifest["files"]
+            if not isinstance(files, dict):
+                raise ValueError("its files are not a mapping")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RemoteError("failed", f"{self.node} cannot read snapshot {images} ({exc})") from None
+        if want and checksum_of(raw) != want:
+            raise RemoteError("failed", f"snapshot {images} on {self.node} does not match its checksum")
+        for n, f in files.items():
+            try:
+                st = os.stat(n, dir_fd=dfd, follow_symlinks=False) if "/" not in n else None
+            except OSError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != (f or {}).get("size"):
+                raise RemoteError("failed", f"snapshot {images} on {self.node}: {n} missing or incomplete")
+        if (manifest.get("meta") or {}).get("job") != job_id:
+            raise RemoteError("forbidden", f"snapshot {images} is not one of job {job_id}")
+        if self.restore_fault():
+            self._corrupt_for_drill(images, dfd, manifest)
+        return {"node": self.node, "rank": rank, "files": len(files)}
+
+    def _abort_restored(self, job_id: int, rank: int, images: str, act: _Audit) -> dict[str, Any]:
+        nothing = {"node": self.node, "rank": rank, "killed": False}
+        dfd = self._open_rank_dir(job_id)
+        if dfd is None:
+            return nothing
+        try:
+            try:
+                rec = self._read_record(dfd, job_id, rank)
+            except RemoteError:
+                return nothing
+            if rec.get("restored_from") != images or rec.get("node") != self.node:
+                return nothing
+            pid, wrapper = rec.get("pid"), rec.get("wrapper_pid")
+            act.fields["pid"] = pid
+            if not isinstance(pid, int) or not isinstance(wrapper, int):
+                raise RemoteError("forbidden", f"rank {rank} of job {job_id}: its rank record names no pids")
+            # The rank is the copy this move started from again: put its record back
+            # *before* the kill, so that the aborted copy's wrapper, when its rank dies,
+            # sees it is no longer the rank and writes no exit code (the rank's first
+            # task wrapper would report that 137 to srun), and a later move finds the
+            # rank where it runs. No saved record (a wrapper older than "previous"):
+            # the record says the copy was aborted, which the wrapper also honours.
+            # The pid is checked first (the job's, the wrapper's child); a copy already
+            # gone is no reason to leave the record naming it.
+            pinned = self._pin_unless_gone(job_id, pid, parent=wrapper)
+            prev = rec.get("previous")
+            restored_prev = isinstance(prev, dict) and prev.get("wrapper_pid")
+            record = layout.rank_record(self.rank_dir(job_id), job_id, rank)
+            try:
+                self._write(dfd, record, json.dumps(prev if restored_prev else {**rec, "aborted": True}))
+            except BaseException:
+                if pinned is not None:
+                    pinned.close()
+                raise
+            out = self._kill_pinned(job_id, rank, pid, pinned)
+            out["record"] = "previous" if restored_prev else "aborted"
+            log.info("restored copy aborted; rank record back to the copy the move started from",
+                     job_id=job_id, rank=rank, images=images, record_now=out["record"],
+                     node_now=(prev or {}).get("node") if isinstance(prev, dict) else None)
+            return out
+        finally:
+            os.close(dfd)
+
+
+__all__ = ["CheckpointService", "maps_nvidia_device"]

@@ -1,0 +1,34 @@
+"""tpassd's checkpoint request handlers: ``tpassd.snapshot`` and ``tpassd.restore``.
+
+The mechanism (dump, kill, abort, verify) is torchpass.checkpoint.service;
+this module only puts it on tpassd's control server. Who may ask: root or
+the job's owner, checked per job by the service (the server lets USER in).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from torchpass.checkpoint.service import CheckpointService
+from tpassd.control import USER
+
+
+def job_state_dir(cfg, environ=os.environ):
+    """The jobs' state directory, whose jobs/J/ranks holds the rank records: the plugin's
+    state_dir. $TORCHPASS_STATE_DIR of tpassd's own (root's) environment when set (the
+    devcluster, whose tpassd keeps its config state_dir per node), else tpassd's state_dir."""
+    return environ.get("TORCHPASS_STATE_DIR") or cfg.state_dir
+
+
+def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None,
+             kill_fault: Callable[[], bool] | None = None) -> CheckpointService:
+    """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
+    svc = CheckpointService(cfg.snapshot_dir, node, state_dir=job_state_dir(cfg),
+                            criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault)
+    control.register("tpassd.snapshot", svc.snapshot, USER)
+    control.register("tpassd.restore", svc.restore, USER)
+    return svc
+
+
+__all__ = ["job_state_dir", "register"]
