@@ -98,3 +98,38 @@ def test_a_resume_repeated_during_the_rebuild_is_not_kept_for_the_next_pause():
     assert not errors, errors
     assert not worker.is_alive()
     assert t.tolist() == [1.0] * 4  # world size 1: every all-reduce is the identity
+
+
+def test_an_unprotected_group_refuses_pauses_and_acknowledges_the_cancel():
+    """mark_unprotected (a subgroup was made): the arm it had is dropped and reported,
+    every later arm is refused, the coordinator's cancel is adopted once, and
+    collectives go on as before."""
+    from torchpass.runtime.pg import PGState
+
+    pg = ReconfigurablePG(rank=0, size=1, timeout=datetime.timedelta(seconds=20),
+                          rendezvous=Rendezvous("127.0.0.1", free_port()))
+    dropped: list = []
+
+    class Listener(Recorder):
+        def on_unprotected(self, pg, reason, arm):
+            dropped.append((reason, arm))
+
+    pg.listener = Listener()
+    try:
+        assert pg.state is PGState.RUNNING
+        assert pg.arm(5, 1) and pg.state is PGState.ARMED
+        assert pg.mark_unprotected("a subgroup")
+        assert not pg.mark_unprotected("again")  # once
+        assert dropped == [("a subgroup", (5, 1))]
+        assert pg.state is PGState.UNPROTECTED and pg.unprotected == "a subgroup"
+        assert not pg.arm(7, 2)
+        t = torch.ones(2)
+        for _ in range(8):  # past the dropped T: never stops
+            pg.allreduce([t]).wait()
+        assert pg.collectives == 8 and not pg.paused
+        assert pg.resume(1, Rendezvous("127.0.0.1", 1)) == "cancelled" and pg.generation == 1
+        assert pg.resume(1, Rendezvous("127.0.0.1", 1)) == ""  # a repeat
+        assert pg.state is PGState.UNPROTECTED
+    finally:
+        pg.shutdown()
+    assert pg.state is PGState.CLOSED

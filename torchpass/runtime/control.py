@@ -17,6 +17,14 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
   a restore on another node, or when the coordinator aborts the move. Then it
   opens a fresh context and goes on polling, which fetches the resume.
 
+* once the rank is unprotected (the job made a group the runtime cannot
+  move, see ReconfigurablePG.note_native_groups) every ``rank.register`` /
+  ``rank.progress`` carries ``unprotected`` (why), a pause is answered with
+  ``rank.armed`` ``accepted: false`` plus ``unprotected`` (a pause it had
+  already accepted is refused the same way), and the coordinator's cancel
+  (``resume`` with the pause's generation) with ``rank.resumed``
+  ``cancelled: true``: refused cleanly, never a rank waiting at T.
+
 Every request is sent with its own short-lived socket, so between requests
 the link holds no TCP connection either.
 """
@@ -30,6 +38,7 @@ import time
 from collections import deque
 
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
+from torchpass.runtime.say import say
 
 
 def _netns_inode() -> int:
@@ -37,12 +46,6 @@ def _netns_inode() -> int:
         return os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return 0
-
-
-def _say(msg: str) -> None:
-    from torchpass.runtime.hook import say
-
-    say(msg)
 
 
 class ControlLink(PauseListener):
@@ -84,6 +87,8 @@ class ControlLink(PauseListener):
 
     @classmethod
     def from_env(cls, pg: ReconfigurablePG, env=os.environ) -> "ControlLink":
+        from torchpass.jobauth import signer_from_env  # None without TORCHPASS_JOB_SECRET (unsigned)
+
         endpoint = env["TORCHPASS_COORDINATOR"]
         if "://" not in endpoint:
             endpoint = f"tcp://{endpoint}"
@@ -95,7 +100,7 @@ class ControlLink(PauseListener):
             node=env.get("TORCHPASS_NODE") or env.get("SLURMD_NODENAME"),
             interval_s=float(env.get("TORCHPASS_PROGRESS_INTERVAL", "0.5")),
             paused_interval_s=float(env.get("TORCHPASS_PAUSED_POLL_INTERVAL", "0.02")),
-            auth=env.get("TORCHPASS_AUTH") or None,
+            auth=signer_from_env(env),  # every rank.* request signed with the job secret
         )
         return link
 
@@ -147,7 +152,7 @@ class ControlLink(PauseListener):
         except TorchpassError as exc:
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
-                _say(f"coordinator {self.endpoint} did not answer {type_} ({exc}); will keep trying")
+                say(f"coordinator {self.endpoint} did not answer {type_} ({exc}); will keep trying")
             return None
         self.errors = 0
         return result
@@ -155,13 +160,18 @@ class ControlLink(PauseListener):
     def _base(self) -> dict:
         return {"job_id": self.job_id, "rank": self.rank}
 
+    def _unprotected(self) -> dict:
+        """``unprotected``: why this rank refuses pauses, in every report once it does."""
+        why = self.pg.unprotected
+        return {"unprotected": why} if why else {}
+
     def _run(self) -> None:
         try:
             while not self._stop and not self.registered:
                 res = self._request(
                     "rank.register",
                     {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
-                     "generation": self.pg.generation},
+                     "generation": self.pg.generation, **self._unprotected()},
                 )
                 if res is not None:
                     self.registered = True
@@ -184,7 +194,8 @@ class ControlLink(PauseListener):
                         self._hold()
                     continue
                 bstep, bcoll = getattr(self.pg, "boundary", (-1, -1))
-                body = {**self._base(), "step": self.pg.steps, "collectives": self.pg.collectives, "node": self.node}
+                body = {**self._base(), "step": self.pg.steps, "collectives": self.pg.collectives, "node": self.node,
+                        **self._unprotected()}
                 if bstep >= 0:
                     body.update(boundary=bcoll, boundary_step=bstep)
                 res = self._request("rank.progress", body)
@@ -196,7 +207,7 @@ class ControlLink(PauseListener):
                 # of every migration's pause went here.
                 self._sleep(self.paused_interval_s if self.pg.paused else self.interval_s)
         except Exception as exc:  # noqa: BLE001 - never take training down
-            _say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
+            say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
         finally:
             self._close()
 
@@ -230,11 +241,7 @@ class ControlLink(PauseListener):
                 ok = self.pg.arm(at, gen)
                 if ok:
                     self._hold_file = str(hold) if hold else None
-                key = (at, gen, ok)
-                if key != self._armed_reported:
-                    self._armed_reported = key
-                    self._post("rank.armed", {**self._base(), "at": at, "generation": gen,
-                                              "collectives": self.pg.collectives, "accepted": ok})
+                self._report_armed(at, gen, ok)
             elif kind == "resume":
                 gen = int(cmd["generation"])
                 rv = Rendezvous(str(cmd["master_addr"]), int(cmd["master_port"]))
@@ -243,9 +250,17 @@ class ControlLink(PauseListener):
                                               "cancelled": True})
                     self._hold_file = None
             elif kind not in (None, "none"):
-                _say(f"ignoring unknown coordinator command {kind!r}")
+                say(f"ignoring unknown coordinator command {kind!r}")
         except (KeyError, TypeError, ValueError) as exc:
-            _say(f"ignoring malformed coordinator command {cmd!r} ({exc})")
+            say(f"ignoring malformed coordinator command {cmd!r} ({exc})")
+
+    def _report_armed(self, at: int, gen: int, ok: bool) -> None:
+        key = (at, gen, ok)
+        if key != self._armed_reported:
+            self._armed_reported = key
+            self._post("rank.armed", {**self._base(), "at": at, "generation": gen,
+                                      "collectives": self.pg.collectives, "accepted": ok,
+                                      **({} if ok else self._unprotected())})
 
     def _post(self, type_: str, body: dict) -> None:
         with self._cv:
@@ -267,6 +282,12 @@ class ControlLink(PauseListener):
         if info.get("cancelled"):
             body["cancelled"] = True
         self._post("rank.resumed", body)
+
+    def on_unprotected(self, pg: ReconfigurablePG, reason: str, dropped: tuple[int, int] | None) -> None:
+        # Called from the training thread. A pause it had accepted is refused
+        # now: the coordinator cancels it (every report also says why).
+        if dropped is not None:
+            self._report_armed(dropped[0], dropped[1], False)
 
 
 __all__ = ["ControlLink", "count_sockets"]

@@ -15,6 +15,10 @@ the switchable store itself, and calls the real ``init_process_group`` with
 ``ReconfigurablePG`` the default group. Anything it cannot cover (a user
 store, ``file://``, ``mpi``/``ucc`` backends, an explicit torchpass-disable)
 falls back to the real call with one ``torchpass:`` line on stderr.
+
+Subgroups (new_group, split_group, DeviceMesh) are made as torch makes them,
+on the same store the default group uses; the hook watches their
+registration and marks the job unprotected (pg.py ``mark_unprotected``).
 """
 
 from __future__ import annotations
@@ -28,20 +32,14 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from torchpass.runtime.say import say
+
 TARGET = "torch.distributed"
 _lock = threading.Lock()
 _installed = False
 _patched = False
 _pending: "Plan | None" = None
 state: dict = {}  # "pg": the ReconfigurablePG, "control": the ControlLink, "fallback": reason
-
-
-def say(msg: str) -> None:
-    try:
-        sys.stderr.write(f"torchpass: {msg}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - never break training over a log line
-        pass
 
 
 class _Loader(importlib.abc.Loader):
@@ -93,6 +91,7 @@ class Plan:
     backend: str  # what dist.get_backend() reports: the backend the script asked for
     timeout: object
     pg: object = None
+    store: object = None  # the SwitchableStore: the default group's and, through it, every subgroup's
 
 
 def _env_int(*names: str) -> int | None:
@@ -166,6 +165,7 @@ def _creator(store, rank, size, timeout):
         timeout=timeout,
         rendezvous=Rendezvous(plan.master_addr, plan.master_port),
         use_nccl=plan.use_nccl,
+        store=plan.store,
         on_collective=None,
     )
     plan.pg = pg
@@ -192,12 +192,14 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
     with _lock:
         _pending = plan
         try:
-            # The creator builds its own store; this placeholder keeps
-            # init_process_group from opening a second one.
+            # The creator opens the TCPStore behind this store. Torch keeps it as
+            # the default group's store: new_group and DeviceMesh make their
+            # groups on it, as they would on the store of a plain init.
             from torchpass.runtime.store import SwitchableStore
 
+            plan.store = SwitchableStore()
             orig(
-                backend="torchpass", store=SwitchableStore(), rank=plan.rank, world_size=plan.world_size,
+                backend="torchpass", store=plan.store, rank=plan.rank, world_size=plan.world_size,
                 timeout=plan.timeout, group_name=group_name, **kw,
             )
         finally:
@@ -214,9 +216,39 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
             pass
     state["pg"] = pg
     state.pop("fallback", None)
+    _watch_groups(c10d)
     _count_steps(pg)
     _start_control(pg, plan)
     return None
+
+
+def _watch_groups(c10d) -> None:
+    """Mark the default group unprotected as soon as the job registers another one.
+
+    Every group torch makes (new_group, split_group, shrink_group, DeviceMesh)
+    goes through ``_register_pg_in_world``; the wrapper calls it unchanged,
+    then asks the current ReconfigurablePG to look. Any error of its own is
+    reported and swallowed: the group the script asked for exists either way.
+    (``arm`` looks again, for a torch that registers groups another way.)
+    """
+    orig = getattr(c10d, "_register_pg_in_world", None)
+    if orig is None or hasattr(orig, "__torchpass_orig__"):
+        return
+
+    @functools.wraps(orig)
+    def register(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        try:
+            pg = state.get("pg")
+            if pg is not None and c10d._world.default_pg is pg:
+                pg.note_native_groups()
+        except Exception as exc:  # noqa: BLE001 - the script's group is made; only protection is at stake
+            say(f"could not check the new process group ({type(exc).__name__}: {exc}); "
+                "pauses will check again")
+        return out
+
+    register.__torchpass_orig__ = orig
+    c10d._register_pg_in_world = register
 
 
 def _count_steps(pg) -> None:
@@ -288,4 +320,7 @@ def unpatch() -> None:
     if orig is not None:
         c10d.init_process_group = orig
         dist.init_process_group = orig
+    orig = getattr(c10d._register_pg_in_world, "__torchpass_orig__", None)
+    if orig is not None:
+        c10d._register_pg_in_world = orig
     _patched = False

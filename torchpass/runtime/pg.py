@@ -26,6 +26,7 @@ and never a pause point: they run on subsets of ranks.
 from __future__ import annotations
 
 import datetime
+import enum
 import os
 import socket
 import threading
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchpass.runtime.say import say
 from torchpass.runtime.store import SwitchableStore, open_tcp_store
 
 BACKEND_NAME = "torchpass"
@@ -55,6 +57,10 @@ class PauseListener:
 
     def on_resumed(self, pg: "ReconfigurablePG", info: dict) -> None:  # pragma: no cover - interface
         pass
+
+    def on_unprotected(self, pg: "ReconfigurablePG", reason: str,
+                       dropped: tuple[int, int] | None) -> None:  # pragma: no cover - interface
+        """The group refuses pauses from now on; ``dropped``: the (T, generation) it was armed for."""
 
 
 def count_sockets(pid: int | str = "self") -> int:
@@ -80,16 +86,6 @@ def local_address_towards(host: str, port: int) -> str:
 DEBUG = os.environ.get("TORCHPASS_DEBUG", "") not in ("", "0")
 
 
-def _say(msg: str) -> None:
-    try:
-        import sys
-
-        sys.stderr.write(f"torchpass: {msg}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def _in_backward() -> bool:
     try:
         return torch._C._current_autograd_node() is not None
@@ -97,7 +93,59 @@ def _in_backward() -> bool:
         return False
 
 
+class PGState(enum.Enum):
+    """Where a ReconfigurablePG is in its life cycle (see the class docstring)."""
+
+    RUNNING = "running"  # collectives flow; no pause asked for
+    ARMED = "armed"  # a pause at T is asked for; collectives flow until T are issued
+    AT_T = "at_t"  # stopped with T issued, group intact: draining, agreeing go / cancel with the others
+    DOWN = "down"  # inner group destroyed, store closed (no socket): waiting for resume
+    REBUILDING = "rebuilding"  # the resume was taken: building the next generation
+    UNPROTECTED = "unprotected"  # the job made a group the runtime cannot move: collectives flow, pauses are refused
+    CLOSED = "closed"  # shutdown() / abort(): every later collective raises
+
+
+# The states in which the rank stands still at T (``paused``), and those in
+# which the inner group is gone (re-arms are refused, resumes are rebuilds).
+_PAUSED = frozenset({PGState.AT_T, PGState.DOWN, PGState.REBUILDING})
+_TORN_DOWN = frozenset({PGState.DOWN, PGState.REBUILDING})
+
+
 class ReconfigurablePG(dist.ProcessGroup):
+    """The default process group, reconfigurable: one outer object, one inner native group per generation.
+
+    Life cycle (``state``, a PGState; every change under ``_cv``)::
+
+      RUNNING ──arm(T, g)──► ARMED ──T issued──► AT_T ──every rank drained: "go"──► DOWN
+       ▲  ▲                   │  ▲                │ │                                 │
+       │  └──resume(g): ──────┘  └─"rearm"────────┘ │                           resume(g, A:P)
+       │     cancel, adopt g    (a later T came)    │                                 ▼
+       ├───────── "cancel" (resume(g) came at T) ───┘                            REBUILDING
+       └──────────────── generation g built on the store at A:P ──────────────────────┘
+      RUNNING, ARMED ── mark_unprotected(why) ──► UNPROTECTED (arm refused; resume(g): adopt g)
+      any state ── shutdown() / abort() ──► CLOSED
+
+    Who moves it: the control thread calls ``arm`` and ``resume`` (commands
+    from the coordinator); the training thread, in ``_before_collective`` and
+    ``step_ended``, takes ARMED to AT_T when exactly T collectives are issued
+    and then runs the whole pause in ``_pause_here``: drain, agree with every
+    rank on the store (``_decide``: either every rank tears down or none),
+    tear down, report ``on_quiesced``, wait for the resume, rebuild, report
+    ``on_resumed``. The control thread never blocks on the group.
+
+    Data beside the state: ``_armed`` = (T, next generation) while ARMED,
+    AT_T (it may change there: a re-arm or a cancel, which ``_decide``
+    notices), DOWN and REBUILDING; ``_resume`` = the (generation, Rendezvous)
+    a resume delivered while AT_T or DOWN, taken by the training thread.
+    ``unprotected`` = why the group refuses pauses (hook.py marks it when
+    the job registers another process group: new_group, split_group, a
+    DeviceMesh): marked in AT_T or later, the pause under way ends first.
+    ``arm`` in DOWN/REBUILDING only confirms the pause already under way;
+    ``resume`` in REBUILDING (a repeat of the command being carried out) is
+    ignored. ``generation`` and ``rendezvous`` name the inner group that is
+    (or was last) built; ``collectives`` and ``steps`` only grow.
+    """
+
     def __init__(
         self,
         *,
@@ -130,18 +178,10 @@ class ReconfigurablePG(dist.ProcessGroup):
         self._inner: dist.ProcessGroup | None = None
         self._works: list = []
         self._cv = threading.Condition()
+        self._state = PGState.RUNNING
         self._armed: tuple[int, int] | None = None  # (at, generation)
-        self._paused = False  # stopped at T (waiting for the others or torn down)
-        self._down = False  # inner group destroyed, waiting for resume
-        self._down_gen: int | None = None
         self._resume: tuple[int, Rendezvous] | None = None
-        # The resume was taken and the group is being rebuilt: repeats of the same
-        # command (the coordinator sends it in every reply until rank.resumed
-        # arrives, which is after the rebuild) must not be kept for the next pause.
-        # Before this guard a kept repeat made the rank rebuild generation g again
-        # at the old port at its next pause while the others met at the new one.
-        self._rebuilding = False
-        self._closed = False
+        self.unprotected: str | None = None  # why pauses are refused (mark_unprotected)
         self._on_collective = on_collective
         self._build(generation, rendezvous)
 
@@ -170,8 +210,15 @@ class ReconfigurablePG(dist.ProcessGroup):
         self._group_desc = desc
 
     @property
+    def state(self) -> PGState:
+        return self._state
+
+    @property
     def paused(self) -> bool:
-        return self._paused
+        """Stopped at T: waiting for the other ranks, torn down, or rebuilding."""
+        return self._state in _PAUSED
+
+    _paused = paused  # the name the tests and older callers read
 
     @property
     def armed(self) -> tuple[int, int] | None:
@@ -308,19 +355,18 @@ class ReconfigurablePG(dist.ProcessGroup):
         A rank already waiting at an earlier T (the group still intact) may be
         re-armed to a later T: it leaves the wait and runs on to the new T.
         """
+        self.note_native_groups()
         with self._cv:
-            if self._down:
-                return self._down_gen == generation and self._armed == (at, generation)
-            if self.collectives > at or generation <= self.generation:
+            if self._state in _TORN_DOWN:
+                return self._armed == (at, generation)
+            if (self._state in (PGState.CLOSED, PGState.UNPROTECTED) or self.collectives > at
+                    or generation <= self.generation):
                 return False
             self._armed = (at, generation)
+            if self._state is PGState.RUNNING:
+                self._state = PGState.ARMED
             self._cv.notify_all()
             return True
-
-    def disarm(self) -> None:
-        with self._cv:
-            if not self._down:
-                self._armed = None
 
     def resume(self, generation: int, rendezvous: Rendezvous) -> str:
         """Resume as ``generation`` at ``rendezvous``.
@@ -334,8 +380,12 @@ class ReconfigurablePG(dist.ProcessGroup):
         a command that does not apply).
         """
         with self._cv:
-            if self._down:
-                if generation != self._down_gen or self._rebuilding:
+            if self._state in _TORN_DOWN:
+                # REBUILDING: a repeat of the command being carried out (the
+                # coordinator repeats it until rank.resumed, sent after the
+                # rebuild). Keeping it made the rank rebuild the old generation
+                # at the old port at its next pause while the others met at the new one.
+                if self._state is PGState.REBUILDING or generation != self._armed[1]:
                     return ""
                 self._resume = (generation, rendezvous)
                 self._cv.notify_all()
@@ -343,24 +393,79 @@ class ReconfigurablePG(dist.ProcessGroup):
             if self._armed is not None and self._armed[1] == generation:
                 self._armed = None
                 self._cv.notify_all()
-                if self._paused:
+                if self._state is PGState.AT_T:
                     self._resume = (generation, rendezvous)
                     return "deferred"
+                self._state = self._idle_state()
+                self.generation = generation
+                return "cancelled"
+            if self._state is PGState.UNPROTECTED and generation > self.generation:
+                # the coordinator's cancel of a pause this rank refused: acknowledge it
                 self.generation = generation
                 return "cancelled"
             return ""
 
+    def _idle_state(self) -> PGState:
+        return PGState.UNPROTECTED if self.unprotected is not None else PGState.RUNNING
+
+    def note_native_groups(self) -> None:
+        """Mark the group unprotected if the job registered any process group besides it.
+
+        new_group, split_group, shrink_group and DeviceMesh (2-D and up, or a
+        1-D mesh over fewer ranks than the world) make native groups with
+        their own sockets and their own collectives; pausing this group alone
+        could leave a rank waiting in one of them for a paused peer.
+        """
+        if self.unprotected is not None:
+            return
+        try:
+            names = dist.distributed_c10d._world.pg_names
+            others = sorted(f"{name} ({g.size()} ranks)" for g, name in list(names.items()) if g is not self)
+        except Exception:  # noqa: BLE001 - another torch: hook.py still marks on registration
+            return
+        if others:
+            self.mark_unprotected(
+                f"the job made process group(s) {', '.join(others)} besides the default one (new_group, "
+                "split_group or a DeviceMesh), which the runtime cannot move yet; pauses are refused "
+                "and training runs as without torchpass")
+
+    def mark_unprotected(self, reason: str) -> bool:
+        """Refuse every pause from now on: the job holds a group the runtime cannot move.
+
+        Says so in one ``torchpass: rank R unprotected: ...`` line and tells the
+        listener (the control link reports it to the coordinator). An arm not yet
+        reached is dropped: this rank never stops at that T, so "go" cannot be
+        decided there, and ranks already waiting at T (which may not have made
+        the same group) leave on the coordinator's cancel, as from any cancel.
+        Returns False if already marked.
+        """
+        with self._cv:
+            if self.unprotected is not None:
+                return False
+            self.unprotected = reason
+            dropped = None
+            if self._state is PGState.ARMED:
+                dropped, self._armed = self._armed, None
+            if self._state in (PGState.RUNNING, PGState.ARMED):
+                self._state = PGState.UNPROTECTED
+            self._cv.notify_all()
+        say(f"rank {self._rank} unprotected: {reason}")
+        if self.listener is not None:
+            self.listener.on_unprotected(self, reason, dropped)
+        return True
+
     def _before_collective(self) -> None:
         while True:
             with self._cv:
-                if self._closed:
+                if self._state is PGState.CLOSED:
                     raise RuntimeError("torchpass: process group was destroyed")
                 armed = self._armed
                 if armed is None or self.collectives < armed[0]:
                     self.collectives += 1
                     n = self.collectives
                     break
-                self._paused = True
+                if self._state is PGState.ARMED:
+                    self._state = PGState.AT_T
             self._pause_here(armed)
         if self._on_collective is not None:
             self._on_collective(n)
@@ -381,9 +486,9 @@ class ReconfigurablePG(dist.ProcessGroup):
             self.steps += 1
             self.boundary = (self.steps, self.collectives)
             armed = self._armed
-            if self._closed or self._down or armed is None or self.collectives != armed[0]:
+            if self._state not in (PGState.ARMED, PGState.AT_T) or armed is None or self.collectives != armed[0]:
                 return
-            self._paused = True
+            self._state = PGState.AT_T
         self._pause_here(armed, at_step_end=True)
 
     def _pause_here(self, armed: tuple[int, int], at_step_end: bool = False) -> None:
@@ -395,7 +500,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         verdict = self._decide(armed)
         if verdict != "go":
             with self._cv:
-                self._paused = False
+                self._state = PGState.ARMED if self._armed is not None else self._idle_state()
                 deferred, self._resume = self._resume, None
                 if verdict == "cancel" and deferred is not None:
                     self.generation = deferred[0]
@@ -404,8 +509,7 @@ class ReconfigurablePG(dist.ProcessGroup):
                                                 "rebuild_s": 0.0, "cancelled": True})
             return
         with self._cv:
-            self._down = True  # from here on re-arms are refused
-            self._down_gen = next_gen
+            self._state = PGState.DOWN  # from here on re-arms are refused
             self._armed = armed
         old_gen = self.generation
         self._teardown()
@@ -419,7 +523,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         info["in_backward"] = _in_backward()
         info["at_step_end"] = at_step_end
         if DEBUG:
-            _say(f"rank {self._rank} paused with {self.collectives} collectives issued"
+            say(f"rank {self._rank} paused with {self.collectives} collectives issued"
                  f"{' (in backward)' if info['in_backward'] else ''}{' (at a step end)' if at_step_end else ''},"
                  f" generation {old_gen} -> {next_gen},"
                  f" {info['sockets']} sockets")
@@ -432,20 +536,17 @@ class ReconfigurablePG(dist.ProcessGroup):
                 self._cv.wait(0.05)
             generation, rv = self._resume
             self._resume = None
-            self._rebuilding = True
+            self._state = PGState.REBUILDING
         t1 = time.monotonic()
         if DEBUG:
-            _say(f"rank {self._rank} rebuilding generation {generation} at {rv.master_addr}:{rv.master_port}")
+            say(f"rank {self._rank} rebuilding generation {generation} at {rv.master_addr}:{rv.master_port}")
         self._build(generation, rv)
         with self._cv:
             self._armed = None
-            self._down = False
-            self._down_gen = None
-            self._paused = False
-            self._rebuilding = False
+            self._state = self._idle_state()
         self.last_reconfigure_s = time.monotonic() - t1
         if DEBUG:
-            _say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")
+            say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")
         if self.listener is not None:
             self.listener.on_resumed(
                 self, {"generation": generation, "collectives": self.collectives, "rebuild_s": self.last_reconfigure_s}
@@ -454,7 +555,7 @@ class ReconfigurablePG(dist.ProcessGroup):
     # -- lifecycle ---------------------------------------------------------------
     def shutdown(self) -> None:
         with self._cv:
-            self._closed = True
+            self._state = PGState.CLOSED
         self._works = []
         inner, self._inner = self._inner, None
         if inner is not None:

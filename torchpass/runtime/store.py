@@ -123,6 +123,12 @@ class SwitchableStore(dist.Store):
     def multi_set(self, keys, values):
         return self._s().multi_set(keys, values)
 
+    def clone(self):
+        """An independent client of the current inner store (gloo asks for one for
+        every new group; split_group and shrink_group too). It is not switched at a
+        pause: a job with such groups is unprotected (ReconfigurablePG.note_native_groups)."""
+        return self._s().clone()
+
     def has_extended_api(self):
         inner = self._inner
         return bool(inner is not None and inner.has_extended_api())

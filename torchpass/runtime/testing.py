@@ -30,7 +30,17 @@ class RankView:
     quiesced: dict | None = None
     resumed: dict | None = None
     command: dict | None = None
+    unprotected: str = ""  # why the rank refuses pauses (its reports say), "" while it does not
     history: list = field(default_factory=list)
+
+
+class JobUnprotected(RuntimeError):
+    """A pause was refused by unprotected ranks; cancel it with resume(generation, ...)."""
+
+    def __init__(self, generation: int, reasons: dict[int, str]):
+        super().__init__(f"pause of generation {generation} refused: {reasons}")
+        self.generation = generation
+        self.reasons = reasons
 
 
 def free_port() -> int:
@@ -101,6 +111,7 @@ class MiniCoordinator:
             v = self._view(msg.body)
             v.node, v.pid = msg.body["node"], msg.body["pid"]
             v.generation = msg.body.get("generation") or 0
+            v.unprotected = msg.body.get("unprotected") or v.unprotected
             v.history.append(("register", msg.body))
             self._lock.notify_all()
             return self._reply(v)
@@ -111,6 +122,7 @@ class MiniCoordinator:
             v.collectives = max(v.collectives, msg.body["collectives"])
             v.step = msg.body["step"]
             v.node = msg.body.get("node") or v.node
+            v.unprotected = msg.body.get("unprotected") or v.unprotected
             self._lock.notify_all()
             return self._reply(v)
 
@@ -120,6 +132,7 @@ class MiniCoordinator:
             v = self._view(b)
             v.collectives = max(v.collectives, b["collectives"])
             v.armed = (b["at"], b["generation"], b["accepted"])
+            v.unprotected = b.get("unprotected") or v.unprotected
             v.history.append(("armed", b))
             if v.command and v.command.get("command") == "pause" and v.command["at"] == b["at"]:
                 v.command = None
@@ -170,7 +183,8 @@ class MiniCoordinator:
               at: int | None = None) -> tuple[int, int]:
         """Arm every rank at the same T (``at``, or max(collectives) + margin);
         re-arm at max(collectives) + margin if some rank was already past it.
-        Returns (T, next generation)."""
+        Returns (T, next generation). Raises JobUnprotected when a rank refused
+        because it is unprotected (no later T would do)."""
         gen = self.generation + 1
         with self._lock:
             if at is None:
@@ -187,7 +201,17 @@ class MiniCoordinator:
             with self._lock:
                 if all(v.armed[2] for v in self.ranks.values()):
                     return at, gen
+                refused = {r: v.unprotected for r, v in self.ranks.items() if not v.armed[2] and v.unprotected}
+                if refused:
+                    raise JobUnprotected(gen, refused)
                 at = max(v.collectives for v in self.ranks.values()) + margin
+
+    def wait_refused(self, timeout: float = 60) -> dict[int, str]:
+        """Wait until every rank has refused its arm as unprotected (a pause it had
+        accepted before it made a subgroup); returns the reasons."""
+        self._wait(lambda: all(v.armed and not v.armed[2] and v.unprotected for v in self.ranks.values()),
+                   timeout, "unprotected refusals")
+        return {r: v.unprotected for r, v in self.ranks.items()}
 
     def wait_quiesced(self, timeout: float = 60) -> dict[int, dict]:
         self._wait(lambda: all(v.quiesced for v in self.ranks.values()), timeout, "quiesce")
