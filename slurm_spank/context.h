@@ -19,6 +19,7 @@ int tpass_local_init(spank_t sp, int ac, char **av);
 int tpass_remote_init(spank_t sp, int ac, char **av);
 int tpass_remote_init_post_opt(spank_t sp, int ac, char **av);
 int tpass_remote_user_init(spank_t sp, int ac, char **av);
+int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av);
 int tpass_remote_task_init(spank_t sp, int ac, char **av);
 int tpass_remote_exit(spank_t sp, int ac, char **av);
 

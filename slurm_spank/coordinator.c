@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -31,6 +32,7 @@
 #define PIDFILE TPASS_LAYOUT_COORDINATOR_PID
 #define LOGFILE TPASS_LAYOUT_COORDINATOR_LOG
 #define READY_FD 3
+#define SECRET_FD 4
 
 static double now_s(void)
 {
@@ -269,6 +271,55 @@ static void log_tail(int dfd, char *out, size_t len)
 			*p = ' ';
 }
 
+/* ----------------------------------------------------------------- secret */
+
+int tpass_secret_new(char *out, size_t outlen, char *err, size_t errlen)
+{
+	static const char hex[] = "0123456789abcdef";
+	unsigned char raw[TPASS_SECRET_BYTES];
+	size_t got = 0;
+
+	if (outlen <= TPASS_SECRET_HEX_LEN)
+		return tpass_fail(err, errlen, "secret buffer too small");
+	while (got < sizeof(raw)) {
+		ssize_t n = getrandom(raw + got, sizeof(raw) - got, 0);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return tpass_fail(err, errlen, "getrandom: %s",
+				    strerror(n < 0 ? errno : EIO));
+		got += (size_t)n;
+	}
+	for (size_t i = 0; i < sizeof(raw); i++) {
+		out[2 * i] = hex[raw[i] >> 4];
+		out[2 * i + 1] = hex[raw[i] & 15];
+	}
+	out[TPASS_SECRET_HEX_LEN] = '\0';
+	memset(raw, 0, sizeof(raw));
+	return 0;
+}
+
+/* A pipe holding secret and a newline; returns its read end (or -1). */
+static int secret_pipe(const char *secret, char *err, size_t errlen)
+{
+	size_t len = strlen(secret);
+	int p[2];
+
+	if (pipe2(p, O_CLOEXEC) < 0)
+		return tpass_fail(err, errlen, "pipe: %s", strerror(errno));
+	/* far below the pipe buffer: never blocks */
+	if (write(p[1], secret, len) != (ssize_t)len || write(p[1], "\n", 1) != 1) {
+		tpass_fail(err, errlen, "cannot hand the job secret over: %s",
+		     strerror(errno));
+		close(p[0]);
+		close(p[1]);
+		return -1;
+	}
+	close(p[1]);
+	return p[0];
+}
+
 /* ------------------------------------------------------------------ start */
 
 static int move_high(int fd)
@@ -292,7 +343,7 @@ static void child_fail(int ready_w, const char *what, int e)
 /* In the grandchild: become the job user, set up fds, exec. */
 static void exec_coordinator(const struct tpass_conf *conf,
 			     const struct tpass_job *job, int dfd, int ready_w,
-			     char *const argv[])
+			     int secret_r, char *const argv[])
 {
 	sigset_t none;
 	int i, nullfd, logfd;
@@ -306,6 +357,8 @@ static void exec_coordinator(const struct tpass_conf *conf,
 	ready_w = move_high(ready_w);
 	if (ready_w < 0)
 		_exit(127);
+	if (secret_r >= 0 && (secret_r = move_high(secret_r)) < 0)
+		child_fail(ready_w, "fcntl", errno);
 	if (setgroups((size_t)(job->ngids > 0 ? job->ngids : 0), job->gids) < 0)
 		child_fail(ready_w, "setgroups", errno);
 	if (setresgid(job->gid, job->gid, job->gid) < 0)
@@ -328,11 +381,14 @@ static void exec_coordinator(const struct tpass_conf *conf,
 	if (logfd < 0 || nullfd < 0)
 		child_fail(ready_w, "open /dev/null", errno);
 	if (dup2(nullfd, 0) < 0 || dup2(logfd, 1) < 0 || dup2(logfd, 2) < 0 ||
-	    dup2(ready_w, READY_FD) < 0)
+	    dup2(ready_w, READY_FD) < 0 ||
+	    (secret_r >= 0 && dup2(secret_r, SECRET_FD) < 0))
 		child_fail(ready_w, "dup2", errno);
-	if (syscall(SYS_close_range, READY_FD + 1, ~0U, 0) < 0)
-		for (i = READY_FD + 1; i < 4096; i++)
+	if (syscall(SYS_close_range, SECRET_FD + 1, ~0U, 0) < 0)
+		for (i = SECRET_FD + 1; i < 4096; i++)
 			close(i);
+	if (secret_r < 0)
+		close(SECRET_FD);
 	(void)conf;
 	execve(argv[0], argv, job->env);
 	dprintf(2, "tpass: cannot execute %s: %s\n", argv[0], strerror(errno));
@@ -379,13 +435,14 @@ static int read_line(int fd, char *buf, size_t len, unsigned timeout_s)
 int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job,
 		      struct tpass_coord *out, char *err, size_t errlen)
 {
-	char jobid[16], spares[16], readyfd[16], line[512], tail[300];
+	char jobid[16], spares[16], readyfd[16], secretfd[16], line[512], tail[300];
 	char jobdir[TPASS_PATH_MAXLEN + 32];
 	char *argv[] = { (char *)conf->coordinator, "--job-id", jobid,
 			 "--state-dir", (char *)conf->state_dir, "--spares",
 			 spares, "--policy", (char *)job->policy, "--ready-fd",
-			 readyfd, NULL };
-	int ready[2] = { -1, -1 }, info[2] = { -1, -1 };
+			 readyfd, job->secret ? "--secret-fd" : NULL, secretfd,
+			 NULL };
+	int ready[2] = { -1, -1 }, info[2] = { -1, -1 }, secret_r = -1;
 	int dfd, rc = -1, st;
 	pid_t c1, pid = 0;
 	struct stat sb;
@@ -397,6 +454,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	snprintf(jobid, sizeof(jobid), "%u", job->job_id);
 	snprintf(spares, sizeof(spares), "%u", job->spares);
 	snprintf(readyfd, sizeof(readyfd), "%d", READY_FD);
+	snprintf(secretfd, sizeof(secretfd), "%d", SECRET_FD);
 	snprintf(jobdir, sizeof(jobdir), "%s/" TPASS_LAYOUT_JOBS "/%u", conf->state_dir,
 		 job->job_id);
 
@@ -421,6 +479,9 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 		tpass_fail(err, errlen, "pipe: %s", strerror(errno));
 		goto out;
 	}
+	if (job->secret &&
+	    (secret_r = secret_pipe(job->secret, err, errlen)) < 0)
+		goto out;
 	c1 = fork();
 	if (c1 < 0) {
 		tpass_fail(err, errlen, "fork: %s", strerror(errno));
@@ -434,7 +495,8 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 		c2 = fork();
 		if (c2 == 0) {
 			close(info[1]);
-			exec_coordinator(conf, job, dfd, ready[1], argv);
+			exec_coordinator(conf, job, dfd, ready[1], secret_r,
+					 argv);
 		}
 		if (write(info[1], &c2, sizeof(c2)) != sizeof(c2))
 			_exit(1);
@@ -444,6 +506,9 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	ready[1] = -1;
 	close(info[1]);
 	info[1] = -1;
+	if (secret_r >= 0)
+		close(secret_r);
+	secret_r = -1;
 	while (waitpid(c1, &st, 0) < 0 && errno == EINTR)
 		;
 	if (read(info[0], &pid, sizeof(pid)) != sizeof(pid) || pid <= 0) {
@@ -500,6 +565,8 @@ out:
 		if (info[i] >= 0)
 			close(info[i]);
 	}
+	if (secret_r >= 0)
+		close(secret_r);
 	close(dfd);
 	return rc < 0 ? -1 : 0;
 }

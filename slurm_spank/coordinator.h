@@ -23,7 +23,12 @@ struct tpass_job {
 	const char *policy;
 	const char *node;    /* this node's Slurm name */
 	char *const *env;    /* environment handed to the coordinator */
+	const char *secret;  /* the job secret (TPASS_SECRET_HEX_LEN hex digits) or NULL */
 };
+
+/* The per-job secret: 32 random bytes as lowercase hex. */
+#define TPASS_SECRET_BYTES 32
+#define TPASS_SECRET_HEX_LEN (2 * TPASS_SECRET_BYTES)
 
 struct tpass_coord {
 	pid_t pid;
@@ -32,9 +37,18 @@ struct tpass_coord {
 };
 
 /*
+ * A fresh job secret from getrandom(2): TPASS_SECRET_HEX_LEN hex digits and
+ * a NUL in out (outlen > TPASS_SECRET_HEX_LEN).  The coordinator gets it on
+ * a pipe (--secret-fd), the job's tasks as TORCHPASS_JOB_SECRET; it signs
+ * every rank.* request (torchpass/jobauth.py).
+ */
+int tpass_secret_new(char *out, size_t outlen, char *err, size_t errlen);
+
+/*
  * Prepare STATE_DIR/jobs/JOB (owned by the job user), stop a coordinator
  * left by an earlier run of the same job on this node, start
  * COORDINATOR --job-id J --state-dir D --spares N --policy P --ready-fd 3
+ * [--secret-fd 4: a pipe holding job->secret, never on the command line]
  * as the job user (detached, own session, stdin /dev/null, stdout/stderr
  * appended to STATE_DIR/jobs/J/coordinator.log), wait up to
  * conf->ready_timeout_s for its "tcp://ADDR:PORT" line and write

@@ -1,16 +1,21 @@
 /*
  * remote.c - slurmstepd (remote context).
  *
- * Batch step of a --torchpass job (init_post_opt, as root): start the one
- * coordinator of the job on the batch host.  Every step of a --torchpass job
- * (user_init): export TORCHPASS_* and the runtime's PYTHONPATH to the tasks;
- * in the batch step also hide the hot spares from a plain srun.  Batch step
- * exit: stop the coordinator (the epilog repeats that as a backstop).
+ * Batch step of a --torchpass job (init_post_opt, as root): make the job's
+ * secret and start the one coordinator of the job on the batch host.  Every
+ * step of a --torchpass job (user_init): export TORCHPASS_* and the runtime's
+ * PYTHONPATH to the tasks; in the batch step also export the job secret
+ * (TORCHPASS_JOB_SECRET: every srun of the batch script hands it on to its
+ * tasks) and hide the hot spares from a plain srun.  Every task of the
+ * other steps: a new PID namespace for its children (task_init_privileged,
+ * as root), then the rank wrapper (task_init).  Batch step exit: stop the
+ * coordinator (the epilog repeats that as a backstop).
  *
  * Steps of jobs without --torchpass return at the first line of each hook.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,12 +42,14 @@ static struct {
 	char launch_err[TPASS_ERR_MAXLEN + 256];
 	bool coord_started;
 	struct tpass_coord coord;
+	char secret[TPASS_SECRET_HEX_LEN + 1];
 } R;
 
 static const char *const exported_vars[] = {
 	"TORCHPASS_JOB_ID", "TORCHPASS_COORDINATOR", "TORCHPASS_STATE_DIR",
 	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_NODE",
-	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", NULL,
+	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", "TORCHPASS_JOB_SECRET",
+	NULL,
 };
 
 static void launch_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -155,6 +162,10 @@ static void start_coordinator(spank_t sp)
 		gids = &R.gid;
 		ngids = 1;
 	}
+	if (tpass_secret_new(R.secret, sizeof(R.secret), err, sizeof(err)) < 0) {
+		launch_fail("job %u: %s", R.job_id, err);
+		return;
+	}
 	env = coordinator_env(sp);
 	if (!env) {
 		launch_fail("out of memory");
@@ -169,6 +180,7 @@ static void start_coordinator(spank_t sp)
 	job.policy = tpass.opts.policy;
 	job.node = R.node;
 	job.env = env;
+	job.secret = R.secret;
 	if (tpass_coord_start(&tpass.conf, &job, &R.coord, err, sizeof(err)) < 0) {
 		launch_fail("job %u: %s", R.job_id, err);
 	} else {
@@ -391,7 +403,8 @@ static int export_env(spank_t sp)
 	if (set_env(sp, "TORCHPASS_SPARES", buf) < 0)
 		return -1;
 	if (R.coord_started &&
-	    set_env(sp, "TORCHPASS_COORDINATOR", R.coord.address) < 0)
+	    (set_env(sp, "TORCHPASS_COORDINATOR", R.coord.address) < 0 ||
+	     set_env(sp, "TORCHPASS_JOB_SECRET", R.secret) < 0))
 		return -1;
 
 	if (get_env(sp, "TORCHPASS_RUNTIME", buf, sizeof(buf)) == 0) {
@@ -442,6 +455,44 @@ int tpass_remote_user_init(spank_t sp, int ac, char **av)
 }
 
 /*
+ * Does this task run under the rank wrapper?  Every task of a --torchpass
+ * job step (not the batch script) that launched without error, when
+ * plugstack.conf names a rank_wrapper.
+ */
+static bool wraps_rank(void)
+{
+	return tpass.opts.given && !tpass.opts.off && !R.launch_failed &&
+	       !R.is_batch && tpass.conf_ok && tpass.conf.rank_wrapper[0];
+}
+
+/*
+ * In the task, as root, before Slurm switches to the job user: the task's
+ * children get a new PID namespace, so the rank wrapper (running as the job
+ * user, without CAP_SYS_ADMIN) forks the rank as its PID 1.  The wrapper
+ * sees that /proc/self/ns/pid_for_children differs from /proc/self/ns/pid
+ * and does not unshare itself.  The task itself stays in the node's
+ * namespace (Slurm tracks and signals it as before).  A failure never fails
+ * the task: the wrapper then runs the rank unprotected.
+ *
+ * The first process the task forks becomes the namespace's PID 1: a
+ * TaskProlog (slurm.conf) or srun --task-prolog, which slurmstepd forks from
+ * the task after this hook, takes that place and the namespace dies with
+ * it; the wrapper then cannot fork and runs the rank unprotected.
+ */
+int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
+{
+	(void)sp;
+	(void)ac;
+	(void)av;
+	if (!wraps_rank())
+		return 0;
+	if (unshare(CLONE_NEWPID) < 0)
+		tpass_error("job %u: cannot make a PID namespace for the rank: %s; it runs but cannot be migrated",
+			    R.job_id, strerror(errno));
+	return 0;
+}
+
+/*
  * In the task, before exec.  plugstack.conf loads torchpass as "optional",
  * and SPANK ignores the return code of an optional plugin's hooks, so a
  * launch error cannot fail the step by returning -1 (which is also what
@@ -470,7 +521,7 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 		 */
 		const char *wrap[] = { tpass.conf.rank_wrapper, "--" };
 
-		if (R.is_batch || !tpass.conf_ok || !tpass.conf.rank_wrapper[0])
+		if (!wraps_rank())
 			return 0;
 		rc = spank_prepend_task_argv(sp, 2, wrap);
 		if (rc != ESPANK_SUCCESS)

@@ -1,17 +1,21 @@
 """The SPANK plugin end to end: real sbatch/srun/salloc against the devcluster.
 
-Jobs run as root here (the devcluster's Python lives under /root); the
-privilege drop of the coordinator for ordinary users is covered by the
-plugin's design and was checked by hand (docs/spank.md).
+Jobs run as root here (the devcluster's Python lives under /root), except
+the PID-namespace test, which submits as nobody with a stand-in coordinator
+and rank wrapper; the privilege drop of the coordinator for ordinary users
+is covered by the plugin's design and was checked by hand (docs/spank.md).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -358,3 +362,81 @@ def test_broken_plugstack_config_only_affects_torchpass_jobs(cluster, job_dir):
         plugstack.write_text(good)
     _node_ok("node1")
     _node_ok("node2")
+
+
+# ------------------------------------------------------------ PID namespace
+
+# Stands in for the rank wrapper: records the task's uid, whether its children
+# get a PID namespace of their own, and the pid its first child has there.
+PROBE = """#!/usr/bin/python3
+import os, sys
+try:
+    prepared = os.readlink("/proc/self/ns/pid") != os.readlink("/proc/self/ns/pid_for_children")
+except FileNotFoundError:  # a new namespace that has no PID 1 yet
+    prepared = True
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.write(w, str(os.getpid()).encode())
+    os._exit(0)
+os.close(w)
+pid_there = os.read(r, 32).decode()
+os.waitpid(child, 0)
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "probe." + os.environ["SLURM_PROCID"])
+with open(out, "w") as f:
+    f.write(f"{os.getuid()} {int(prepared)} {pid_there}\\n")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+# The devcluster's Python lives under /root, which an ordinary user cannot
+# read: a coordinator that only reports an address is enough here.
+FAKE_COORDINATOR = "#!/bin/sh\necho tcp://127.0.0.1:9 >&3\nexec sleep 600\n"
+
+
+def test_the_ranks_pid_namespace_is_made_by_root_for_an_ordinary_user(cluster):
+    """task_init_privileged gives the task's children a PID namespace, so the
+    rank wrapper of a non-root job forks the rank as PID 1 without
+    CAP_SYS_ADMIN; the batch script and --torchpass=off steps get none."""
+    user = pwd.getpwnam("nobody")
+    d = Path(tempfile.mkdtemp(prefix="tpass-pidns-"))
+    d.chmod(0o755)
+    for name, text in (("rankwrap", PROBE), ("coordinator", FAKE_COORDINATOR)):
+        (d / name).write_text(text)
+        (d / name).chmod(0o755)
+    out = d / "out"
+    out.mkdir()
+    os.chown(out, user.pw_uid, user.pw_gid)
+    script = out / "job.sh"
+    # 0: the shell's children share its PID namespace
+    same = '[ "$(readlink /proc/$$/ns/pid)" = "$(readlink /proc/$$/ns/pid_for_children)" ]; echo $?'
+    script.write_text(f"""#!/bin/sh
+srun /bin/true
+srun --torchpass=off sh -c '{same} > {out}/off.$SLURM_PROCID'
+{same} > {out}/batch
+""")
+    script.chmod(0o755)
+    plugstack = cluster.run_dir / "etc" / "plugstack.conf"
+    good = plugstack.read_text()
+    plugstack.write_text(re.sub(r"rank_wrapper=\S+", f"rank_wrapper={d / 'rankwrap'}",
+                                re.sub(r"coordinator=\S+", f"coordinator={d / 'coordinator'}", good)))
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", "-N2", "--torchpass", "-o", str(out / "out.%j"), str(script)],
+                              capture_output=True, text=True, env=_env(), cwd=out, timeout=60,
+                              user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+        assert proc.returncode == 0, f"sbatch as {user.pw_name} failed: {proc.stderr.strip()}"
+        job_id = job_id_of(proc)
+        job = wait_job(job_id, timeout_s=60)
+        output = (out / f"out.{job_id}").read_text()
+        assert job.state == "COMPLETED", output
+        assert sorted(p.name for p in out.glob("probe.*")) == ["probe.0", "probe.1"], output
+        for rank in range(2):
+            # the job user's task, its children in a namespace of their own, the first one PID 1 there
+            assert (out / f"probe.{rank}").read_text().split() == [str(user.pw_uid), "1", "1"]
+        assert [(out / f"off.{rank}").read_text().strip() for rank in range(2)] == ["0", "0"]
+        assert (out / "batch").read_text().strip() == "0"
+    finally:
+        plugstack.write_text(good)
+        shutil.rmtree(d)
+    _node_ok("node1")
+    _node_ok("node2")
+
