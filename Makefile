@@ -9,7 +9,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_FIND_LINKS_FLAG := $(if $(WHEELS),--find-links $(WHEELS),)
 PYTEST_ARGS ?=
 
-.PHONY: all deps venv spank test unit integration demo bench clean
+.PHONY: all deps venv spank lint-imports test unit integration demo bench clean
 
 all: venv spank
 
@@ -33,7 +33,11 @@ unit: venv
 integration: deps venv spank
 	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
 
-test: deps venv spank
+# Which package may import which: the contracts in pyproject.toml [tool.importlinter].
+lint-imports: venv
+	$(VENV)/bin/lint-imports --no-cache
+
+test: deps venv spank lint-imports
 	$(PY) -m pytest tests/unit tests/integration -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: deps venv spank

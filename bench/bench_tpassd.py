@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from torchpass import wire  # noqa: E402
-from tpassd.devnode import start_args  # noqa: E402
+from torchpass.devcluster.tpassd_node import start_args  # noqa: E402
 from tpassd.testing import call, private_munged  # noqa: E402
 
 # kind -> (drill body, component, expected state, how it is detected)

@@ -15,6 +15,12 @@ import click
 
 from torchpass import __version__, logs
 from torchpass.errors import TorchpassError
+from tpassctl.devcluster_cmd import devcluster
+from tpassctl.events_cmd import events
+from tpassctl.goodput_cmd import goodput
+from tpassctl.migrate_cmd import migrate
+from tpassctl.nodes_cmd import inject, nodes
+from tpassctl.status_cmd import status
 
 
 @dataclass
@@ -51,19 +57,8 @@ def cli(ctx: click.Context, state_dir: Path, verbose: bool) -> None:
     ctx.obj = CliContext(state_dir=state_dir, verbose=verbose)
 
 
-def _register() -> None:
-    from tpassctl.devcluster_cmd import devcluster
-    from tpassctl.events_cmd import events
-    from tpassctl.goodput_cmd import goodput
-    from tpassctl.migrate_cmd import migrate
-    from tpassctl.nodes_cmd import inject, nodes
-    from tpassctl.status_cmd import status
-
-    for command in (devcluster, events, goodput, inject, migrate, nodes, status):
-        cli.add_command(command)
-
-
-_register()
+for command in (devcluster, events, goodput, inject, migrate, nodes, status):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from torchpass import zmqio
+from torchpass import auth, layout, zmqio
 from torchpass.errors import TorchpassError, UnreachableError
 from tpassctl.status_cmd import discover_coordinators
 
@@ -39,7 +39,8 @@ def fetch(job_id: int, info: dict[str, Any], since_seq: int, timeout_s: float) -
     row: dict[str, Any] = {"job_id": job_id, "endpoint": info.get("endpoint")}
     body = {"since_seq": since_seq} if since_seq else {}
     try:
-        res = zmqio.request(info["endpoint"], "job.events", body, timeout_s=timeout_s, retries=1)
+        res = zmqio.request(info["endpoint"], "job.events", body, timeout_s=timeout_s, retries=1,
+                            auth=auth.optional_credential_for("job.events", body, auth.job_target(job_id)))
         row["reachable"] = True
         row["events"] = res.get("events", [])
     except UnreachableError as exc:
@@ -55,8 +56,8 @@ def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
     Trusted only if the file belongs to the owner of jobs/J (created by the
     root plugin for the job's user), like registrations in discover_coordinators.
     """
-    job_dir = state_dir / "jobs" / str(job_id)
-    path = job_dir / "events.json"
+    job_dir = layout.job_dir(state_dir, job_id)
+    path = layout.events_json(state_dir, job_id)
     try:
         if path.stat().st_uid != job_dir.stat().st_uid:
             return None

@@ -21,7 +21,9 @@ from torchpass.errors import ConfigError, TorchpassError
 from torchpass.goodput import measured as measured_mod
 from torchpass.goodput import model
 from torchpass.goodput.model import FAILURE_RATE_HELP, INPUT_SPECS, GoodputInputs, InputSpec
+from torchpass.goodput.plot import draw
 from torchpass.goodput.presets import PRESETS, get_preset
+from torchpass.goodput.simulate import simulate as run_simulation
 
 JSON_SCHEMA = "torchpass.goodput/1"
 DEFAULT_RUNS = 2000
@@ -271,6 +273,11 @@ def _flag_sources(sources: dict[str, str]) -> dict[str, str]:
     "bench/results/*.json, else docs/benchmarks.md, under the current directory. Applied over "
     "--config, under the flags.",
 )
+@click.option(
+    "--model-size", metavar="SIZE",
+    help="With --measured: the model's parameter count (10M, 1.3B, 70B); the migration pause is the one "
+    "measured for that size, else for the nearest measured size.",
+)
 @_input_options
 @click.option(
     "--simulate/--no-simulate", default=None,
@@ -290,6 +297,7 @@ def goodput(
     list_presets: bool,
     config: Path | None,
     measured: str | None,
+    model_size: str | None,
     simulate: bool | None,
     runs: int,
     seed: int,
@@ -314,8 +322,11 @@ def goodput(
             for name, p in sorted(PRESETS.items()):
                 click.echo(f"{name:<16}{p.summary}")
         return
+    if model_size is not None and measured is None:
+        raise click.UsageError("--model-size selects among measured migration pauses: use it with --measured")
     try:
-        _run(preset, config, measured, simulate, runs, seed, plot_path, plot_metric, as_json, flags)
+        _run(preset, config, measured, simulate, runs, seed, plot_path, plot_metric, as_json, flags,
+             model_size=model_size)
     except TorchpassError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -331,18 +342,23 @@ def _run(
     plot_metric: str,
     as_json: bool,
     flags: dict[str, Any],
+    model_size: str | None = None,
 ) -> None:
     notes: list[str] = []
     found: measured_mod.Measured | None = None
+    if model_size is not None:
+        measured_mod.model_params(model_size)  # a bad size is refused even where nothing is found
     if measured == "auto":
-        found, looked = measured_mod.discover(Path.cwd())
+        found, looked = measured_mod.discover(Path.cwd(), model_size)
         if found is None:
             notes.append(
                 f"--measured: no measured results in {' or '.join(looked)}; "
                 "live migration uses the preset/config/default times"
             )
     elif measured is not None:
-        found = measured_mod.load_file(Path(measured))
+        found = measured_mod.load_file(Path(measured), model_size)
+    if found is not None:
+        notes.extend(f"--measured: {n}" for n in found.notes)
 
     layers = _layers(preset, config, found, flags)
     try:
@@ -358,13 +374,9 @@ def _run(
             notes.append("simulation skipped: numpy is not installed (pip install numpy)")
     simulation = None
     if simulate:
-        from torchpass.goodput.simulate import simulate as run_simulation
-
         simulation = run_simulation(inputs, runs=runs, seed=seed, closed_form=result)
 
     if plot_path is not None:
-        from torchpass.goodput.plot import draw
-
         draw(inputs, plot_path, plot_metric, title=f"torchpass goodput: {preset or 'custom job'}")
         notes.append(f"plot written to {plot_path}")
 

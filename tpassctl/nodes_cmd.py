@@ -16,9 +16,10 @@ from typing import Any
 import click
 
 from torchpass import auth, zmqio
+from torchpass.drill_kinds import KINDS
 from torchpass.errors import DependencyError, RemoteError, SlurmError, TorchpassError
-from tpassd.config import DEFAULT_CONTROL_PORT
-from tpassd.drills import KINDS
+from torchpass.ports import TPASSD_CONTROL_PORT
+from torchpass.slurm import client
 
 
 def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
@@ -37,8 +38,6 @@ def discover(endpoints: tuple[str, ...], only: tuple[str, ...], control_port: in
     found: dict[str, dict[str, Any]] = {n: {"endpoint": ep, "slurm_state": None} for n, ep in explicit.items()}
     if not explicit:
         try:
-            from torchpass.slurm import client
-
             for n in client().nodes():
                 found[n.name] = {"endpoint": f"tcp://{n.address}:{control_port}", "slurm_state": "+".join(n.state)}
         except (SlurmError, DependencyError) as exc:
@@ -79,7 +78,7 @@ def node_health(node: str, info: dict[str, Any], munge_socket: str | None, timeo
 _common = [
     click.option("--endpoint", "endpoints", multiple=True, metavar="NODE=tcp://HOST:PORT",
                  help="Ask this tpassd instead of discovering nodes from Slurm (repeatable)."),
-    click.option("--control-port", type=int, default=DEFAULT_CONTROL_PORT, show_default=True,
+    click.option("--control-port", type=int, default=TPASSD_CONTROL_PORT, show_default=True,
                  help="tpassd control port on nodes discovered from Slurm."),
     click.option("--munge-socket", envvar="TORCHPASS_MUNGE_SOCKET", default=None,
                  help="munged socket (env TORCHPASS_MUNGE_SOCKET)."),

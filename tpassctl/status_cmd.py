@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
-from torchpass import zmqio
+from torchpass import auth, layout, zmqio
 from torchpass.errors import SlurmError, TorchpassError, UnreachableError, DependencyError
+from torchpass.slurm import client
 
 
 def discover_coordinators(state_dir: Path) -> dict[int, dict[str, Any]]:
@@ -19,7 +20,7 @@ def discover_coordinators(state_dir: Path) -> dict[int, dict[str, Any]]:
     A registration counts only if the file belongs to the uid it claims: the
     state directory is shared and world-writable, so anyone could drop a file.
     """
-    jobs_dir = state_dir / "jobs"
+    jobs_dir = layout.jobs_dir(state_dir)
     if not state_dir.is_dir():
         raise click.ClickException(
             f"no torchpass state directory at {state_dir}; pass --state-dir or set TORCHPASS_STATE_DIR "
@@ -28,7 +29,7 @@ def discover_coordinators(state_dir: Path) -> dict[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
     if not jobs_dir.is_dir():
         return found
-    for path in jobs_dir.glob("*/coordinator.json"):
+    for path in jobs_dir.glob(f"*/{layout.COORDINATOR_JSON}"):
         try:
             info = json.loads(path.read_text())
             owner = path.stat().st_uid
@@ -45,8 +46,6 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
     slurm_jobs: dict[int, Any] = {}
     slurm_error = None
     try:
-        from torchpass.slurm import client
-
         for j in client().jobs(states=("RUNNING", "COMPLETING")):
             slurm_jobs[j.job_id] = j
     except (SlurmError, DependencyError) as exc:
@@ -74,7 +73,8 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             "coordinator": {"endpoint": info.get("endpoint"), "pid": info.get("pid"), "host": info.get("host")},
         }
         try:
-            st = zmqio.request(info["endpoint"], "job.status", {}, timeout_s=timeout_s, retries=1)
+            st = zmqio.request(info["endpoint"], "job.status", {}, timeout_s=timeout_s, retries=1,
+                               auth=auth.optional_credential_for("job.status", {}, auth.job_target(jid)))
             row["reachable"] = True
             row.update({k: st[k] for k in ("world_size", "registered_ranks", "min_step", "max_step",
                                            "ranks", "spares", "policy") if k in st})

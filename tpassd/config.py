@@ -11,13 +11,10 @@ from pathlib import Path
 
 from torchpass import config as tconfig
 from torchpass.errors import ConfigError
+from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 
 DEFAULT_CONFIG = Path("/etc/torchpass/tpassd.toml")
 ENV_PREFIX = "TPASSD"
-
-DEFAULT_PUB_PORT = 7717
-DEFAULT_CONTROL_PORT = 7718
-DEFAULT_METRICS_PORT = 9818
 
 PROVIDERS = ("auto", "nvml", "fake", "none")
 
@@ -26,9 +23,9 @@ PROVIDERS = ("auto", "nvml", "fake", "none")
 class TpassdConfig:
     node_name: str = ""  # "" = this host's short hostname (Slurm's NodeName)
     bind_address: str = "0.0.0.0"
-    pub_port: int = DEFAULT_PUB_PORT  # 0 = ephemeral (tests); see ports_file
-    control_port: int = DEFAULT_CONTROL_PORT
-    metrics_port: int = DEFAULT_METRICS_PORT  # -1 = no metrics endpoint
+    pub_port: int = TPASSD_PUB_PORT  # 0 = ephemeral (tests); see ports_file
+    control_port: int = TPASSD_CONTROL_PORT
+    metrics_port: int = TPASSD_METRICS_PORT  # -1 = no metrics endpoint
     metrics_address: str = ""  # "" = bind_address
     interval_s: float = 1.0  # sampling and heartbeat interval
     collector_timeout_s: float = 0.5  # a collector slower than this is "unknown" for that tick

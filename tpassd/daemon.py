@@ -26,17 +26,21 @@ from typing import Any
 import structlog
 import zmq
 
-from torchpass import wire
+from torchpass import slurm, wire
 from torchpass.auth import AuthFailure
+from torchpass.checkpoint import criu as criu_mod
+from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import RemoteError, TorchpassError
-from torchpass.health import State
+from torchpass.health_state import State
+from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
 from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
 from tpassd.collectors.nvml import NvmlCollector
 from tpassd.config import TpassdConfig
 from tpassd.control import OWNER, USER, Authenticator, ControlServer
-from tpassd.drills import ROOT_KINDS, Drills
+from tpassd.drills import Drills
+from tpassd.metrics import MetricsServer, render
 from tpassd.nvml_provider import select_provider
 from tpassd.policy import Policy, load_policy
 from tpassd.publisher import Publisher
@@ -113,8 +117,6 @@ def probe_checkpoint(criu_binary: str | None = None) -> dict[str, str]:
     is not a health component: a failed one would make the coordinator move
     every rank off a perfectly good node. It is shown by `tpassctl nodes`.
     """
-    from tpassd.checkpoint import criu as criu_mod
-
     try:
         c = criu_mod.find_criu(criu_binary)
     except TorchpassError as exc:
@@ -128,8 +130,6 @@ def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
 
     def owners() -> set[int]:
         try:
-            from torchpass import slurm
-
             jobs = slurm.client().jobs(states=("RUNNING",))
         except Exception as exc:  # noqa: BLE001 - no Slurm answer: only root is allowed
             log.warning("cannot ask Slurm for job owners; only root may do this", error=str(exc))
@@ -207,15 +207,11 @@ class Tpassd:
         self.control.register("tpassd.status", self._h_status, USER)
         self.control.register("tpassd.drill", self._h_drill, OWNER)
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
-        from tpassd.checkpoint_service import register as register_checkpoint
-
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
                                               kill_fault=self.drills.take_kill_fault)
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
         if cfg.metrics_port >= 0:
-            from tpassd.metrics import MetricsServer, render
-
             self.metrics = MetricsServer(cfg.metrics_address or cfg.bind_address, cfg.metrics_port,
                                          lambda: render(self.last_sample, self.counters(), dict(self.xid_counts)))
             self.metrics.start()

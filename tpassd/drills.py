@@ -31,17 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchpass.drill_kinds import GPU_KINDS, IB_KINDS, KINDS
 from torchpass.errors import RemoteError
 from tpassd.collectors.ib_sysfs import COUNTERS, component_name, ib_class_dir
 from tpassd.nvml_provider import FakeNvmlProvider
 from tpassd.policy import Policy
-
-GPU_KINDS = ("xid79", "xid48", "ecc-sbe-storm", "row-remap-pending", "nvlink-crc", "nvml-error")
-IB_KINDS = ("ib-link-down", "ib-link-flap")
-CHECKPOINT_KINDS = ("restore-fail", "kill-fail")
-KINDS = GPU_KINDS + IB_KINDS + CHECKPOINT_KINDS + ("clear",)
-# Kinds only root may run: they damage a job's data, not just a health reading.
-ROOT_KINDS = CHECKPOINT_KINDS
 
 ACTIVE = ("4: ACTIVE", "5: LinkUp")
 DOWN = ("1: DOWN", "3: Disabled")

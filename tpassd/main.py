@@ -4,6 +4,11 @@
            [--interval S] [--nvml-provider auto|nvml|fake|none] [--sysfs-root DIR] ...
     tpassd --check-config [--config FILE]
 
+``--fixture-sysfs`` (the devcluster and benches, which run tpassd with fake
+GPUs): before starting, rebuild a healthy fixture InfiniBand tree (4 ACTIVE
+ports) under the config's sysfs_root, so a restarted tpassd begins healthy
+as a fresh fake GPU set does. Refused when sysfs_root is the real /sys.
+
 Settings: defaults -> config file -> TPASSD_* environment -> flags.
 """
 
@@ -11,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 from torchpass import logs
 from torchpass.errors import TorchpassError
 from tpassd.config import DEFAULT_CONFIG, load_config
+from tpassd.daemon import Tpassd
+from tpassd.drills import write_fixture_tree
 from tpassd.policy import load_policy
 
 
@@ -42,12 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ports-file", type=Path)
     p.add_argument("--drills", action="store_true", default=None, help="accept fault drills (fake provider only)")
     p.add_argument("--log-level")
+    p.add_argument("--fixture-sysfs", action="store_true",
+                   help="rebuild a healthy fixture InfiniBand tree under sysfs_root first (never /sys)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "check_config") and v is not None}
+    not_config = ("config", "check_config", "fixture_sysfs")
+    flags = {k: v for k, v in vars(args).items() if k not in not_config and v is not None}
     try:
         cfg = load_config(args.config, flags=flags, required_file=args.config is not None)
         policy = load_policy(cfg.policy)
@@ -55,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpassd: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        from dataclasses import asdict
-
         def plain(o):
             return {k: plain(v) for k, v in o.items()} if isinstance(o, dict) else (
                 str(o) if isinstance(o, Path) else o)
@@ -64,9 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"config": plain(asdict(cfg)), "policy": asdict(policy)}, indent=2, default=str))
         print("tpassd: configuration OK", file=sys.stderr)
         return 0
+    if args.fixture_sysfs:
+        if cfg.sysfs_root.resolve() == Path("/sys"):
+            print("tpassd: --fixture-sysfs needs a sysfs_root other than /sys", file=sys.stderr)
+            return 2
+        shutil.rmtree(cfg.sysfs_root, ignore_errors=True)
+        write_fixture_tree(cfg.sysfs_root)
     logs.configure(cfg.log_level)
-    from tpassd.daemon import Tpassd
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from torchpass.health import State
+from torchpass.health_state import State
 
 # (metric key in the sample, family, type, help, extra labels)
 GPU_METRICS: list[tuple[str, str, str, str, dict[str, str]]] = [

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchpass.health import State, severity, worst
+from torchpass.health_state import State, severity, worst
 from tpassd.collectors.base import CollectorResult, ComponentReading
 from tpassd.collectors.ib_sysfs import COUNTERS as IB_COUNTERS
 from tpassd.nvml_provider import HW_SLOWDOWN_MASK

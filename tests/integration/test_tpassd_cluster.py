@@ -17,7 +17,7 @@ import pytest
 
 from torchpass import auth, zmqio
 from torchpass.health import HealthSubscriber, State
-from tpassd.config import DEFAULT_CONTROL_PORT, DEFAULT_PUB_PORT
+from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_PUB_PORT
 
 pytestmark = pytest.mark.integration
 
@@ -54,8 +54,8 @@ def subscriber(cluster):
         return zmqio.request(endpoint, "tpassd.health", {}, timeout_s=1.0, retries=0,
                              auth=auth.credential_for("tpassd.health", {}, node, sock))
 
-    pubs = {n: (f"tcp://{cluster.node_address(n)}:{DEFAULT_PUB_PORT}",
-                f"tcp://{cluster.node_address(n)}:{DEFAULT_CONTROL_PORT}") for n in cluster.node_names}
+    pubs = {n: (f"tcp://{cluster.node_address(n)}:{TPASSD_PUB_PORT}",
+                f"tcp://{cluster.node_address(n)}:{TPASSD_CONTROL_PORT}") for n in cluster.node_names}
     with HealthSubscriber(pubs, snapshot=snap, missed_heartbeats=3) as sub:
         yield sub
 

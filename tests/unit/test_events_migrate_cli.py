@@ -15,7 +15,7 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from torchpass import auth, wire
+from torchpass import auth, layout, wire
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.decide import CoordState
 from torchpass.coordinator.server import CoordinatorServer, write_registration
@@ -198,21 +198,21 @@ def test_events_of_every_job_and_errors(served):
 
 def test_events_of_a_finished_job_come_from_its_saved_log(tmp_path):
     # The coordinator is gone (no registration); it left jobs/21/events.json behind.
-    job_dir = tmp_path / "jobs" / "21"
-    job_dir.mkdir(parents=True)
+    events = layout.events_json(tmp_path, 21)
+    events.parent.mkdir(parents=True)
     saved = [
         {"seq": 1, "time": 1_700_000_000.0, "kind": "migration.started", "message": "m1: node2 -> node4", "data": {}},
         {"seq": 2, "time": 1_700_000_004.0, "kind": "migration.completed", "message": "m1 done",
          "data": {"phase_durations": {"pause": 0.25, "dump": 0.4, "total": 4.2}}},
     ]
-    (job_dir / "events.json").write_text(json.dumps(saved))
+    events.write_text(json.dumps(saved))
     res = run(tmp_path, "events", "21")
     assert res.exit_code == 0, res.output
-    assert f"job 21 (coordinator gone; saved log {job_dir / 'events.json'})" in res.output
+    assert f"job 21 (coordinator gone; saved log {events})" in res.output
     assert "migration.completed" in res.output and "pause 0.25s  dump 0.40s  total 4.20s" in res.output
     res = run(tmp_path, "events", "21", "--json", "--since", "1")
     assert [e["seq"] for e in json.loads(res.output)["jobs"][0]["events"]] == [2]
     # A log that is not JSON is not shown as if it were events.
-    (job_dir / "events.json").write_text("{not json")
+    events.write_text("{not json")
     res = run(tmp_path, "events", "21")
     assert res.exit_code == 1 and "job 21 has no torchpass coordinator registered" in res.output

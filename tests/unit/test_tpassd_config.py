@@ -58,3 +58,42 @@ def test_example_config_is_valid():
 
     ex = Path(__file__).resolve().parents[2] / "contrib" / "tpassd.toml.example"
     assert main(["--check-config", "--config", str(ex)]) == 0
+
+
+def test_fixture_sysfs_is_refused_for_the_real_sys(tmp_path, capsys):
+    f = tmp_path / "tpassd.toml"
+    f.write_text('sysfs_root = "/sys"\nnvml_provider = "fake"\n')
+    assert main(["--config", str(f), "--fixture-sysfs"]) == 2
+    assert "--fixture-sysfs needs a sysfs_root other than /sys" in capsys.readouterr().err
+
+
+def test_ports_and_drill_kinds_are_defined_once():
+    """tpassd's ports live in torchpass/ports.py and the drill kinds in
+    torchpass/drill_kinds.py: no other module of the three packages spells them."""
+    import ast
+    from pathlib import Path
+
+    from torchpass import drill_kinds, ports
+    from tpassd import drills
+
+    repo = Path(__file__).resolve().parents[2]
+    numbers = {ports.TPASSD_PUB_PORT, ports.TPASSD_CONTROL_PORT, ports.TPASSD_METRICS_PORT}
+    spelled: dict[str, list[str]] = {}
+    for pkg in ("torchpass", "tpassd", "tpassctl"):
+        for f in sorted((repo / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Constant) and type(node.value) is int and node.value in numbers:
+                    spelled.setdefault("ports", []).append(f"{f.relative_to(repo)}:{node.lineno}")
+                # a collection of two or more kinds is a (second) definition of them
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and sum(
+                        isinstance(e, ast.Constant) and e.value in drill_kinds.KINDS for e in node.elts) >= 2:
+                    spelled.setdefault("kinds", []).append(f"{f.relative_to(repo)}:{node.lineno}")
+    assert {p.split(":")[0] for p in spelled["ports"]} == {"torchpass/ports.py"}, spelled["ports"]
+    assert {p.split(":")[0] for p in spelled["kinds"]} == {"torchpass/drill_kinds.py"}, spelled["kinds"]
+    assert drills.KINDS is drill_kinds.KINDS
+    # The example config shows the same defaults.
+    example = load_config(repo / "contrib" / "tpassd.toml.example", required_file=True)
+    assert (example.pub_port, example.control_port, example.metrics_port) == (
+        ports.TPASSD_PUB_PORT, ports.TPASSD_CONTROL_PORT, ports.TPASSD_METRICS_PORT)
+    assert (TpassdConfig().pub_port, TpassdConfig().control_port, TpassdConfig().metrics_port) == (
+        ports.TPASSD_PUB_PORT, ports.TPASSD_CONTROL_PORT, ports.TPASSD_METRICS_PORT)

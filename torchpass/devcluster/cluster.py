@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 import torchpass
+from torchpass.devcluster.tpassd_node import start_args
 from torchpass.errors import DependencyError, DevclusterError
 
 log = structlog.get_logger("torchpass.devcluster")
@@ -225,9 +226,6 @@ class Devcluster:
         """Run argv inside ``node``'s network, UTS and mount namespaces."""
         return subprocess.run(self.ns_argv(node) + list(argv), **kw)
 
-    def popen_on(self, node: str, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(self.ns_argv(node) + list(argv), **kw)
-
     def ns_argv(self, node: str) -> list[str]:
         pid = self.slurmd_pid(node)
         return ["nsenter", "-t", str(pid), "--net", "--uts", "--mount", "--"]
@@ -379,6 +377,9 @@ SlurmctldPort={spec.ctld_port}
 SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
+# As on production clusters: a job is visible only to its owner and admins
+# (the coordinator's job.status and job.events follow it).
+PrivateData=jobs
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
@@ -455,10 +456,6 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         raise DevclusterError(f"nodes did not become IDLE in time: {last}; see {self.run_dir / 'log'}")
 
     def _start_tpassd(self, i: int) -> int:
-        try:
-            from tpassd.devnode import start_args
-        except ImportError as exc:
-            raise DevclusterError(f"tpassd is not installed in this environment ({exc}); pip install -e .") from None
         spec, rd = self.spec, self.run_dir
         node = spec.node_name(i)
         node_dir = rd / node / "tpassd"

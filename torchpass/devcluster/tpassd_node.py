@@ -1,0 +1,65 @@
+"""How the devcluster starts a real tpassd on each node, by its command line:
+fake NVML (8 GPUs, drills on) and a fixture InfiniBand tree (4 ports, rebuilt
+by ``tpassd --fixture-sysfs`` on every start), bound to the node's address on
+the default ports, authenticated with the cluster's munged.
+
+The devcluster runs the installed ``tpassd`` program; it imports nothing from
+the tpassd package (torchpass never imports tpassd)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from torchpass.errors import DevclusterError
+from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
+
+
+def _toml_str(v: object) -> str:
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def tpassd_program() -> str:
+    """The ``tpassd`` console script beside this Python (the virtualenv's), else on PATH."""
+    beside = Path(sys.executable).parent / "tpassd"
+    found = str(beside) if beside.is_file() else shutil.which("tpassd")
+    if not found:
+        raise DevclusterError("tpassd is not installed in this environment (no tpassd program beside "
+                              f"{sys.executable} or on PATH); pip install -e .")
+    return found
+
+
+def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
+               interval_s: float = 1.0) -> list[str]:
+    """Write the node's config and policy under ``node_dir``; return tpassd's argv."""
+    node_dir = Path(node_dir)
+    node_dir.mkdir(parents=True, exist_ok=True)
+    for d in ("state", "snapshots"):
+        (node_dir / d).mkdir(exist_ok=True)
+    policy = node_dir / "policy.toml"
+    # The devcluster shares one disk among many nodes: a small free-space floor.
+    policy.write_text("[host]\ndisk_free_gb_degraded = 1.0\n")
+    cfg = node_dir / "tpassd.toml"
+    cfg.write_text("\n".join([
+        f"node_name = {_toml_str(node_name)}",
+        f"bind_address = {_toml_str(address)}",
+        f"pub_port = {TPASSD_PUB_PORT}",
+        f"control_port = {TPASSD_CONTROL_PORT}",
+        f"metrics_port = {TPASSD_METRICS_PORT}",
+        f"interval_s = {float(interval_s)}",
+        'nvml_provider = "fake"',
+        "fake_gpus = 8",
+        "fake_nvlinks = 4",
+        f"sysfs_root = {_toml_str(node_dir / 'sys')}",
+        "ib_expected_ports = 4",
+        f"state_dir = {_toml_str(node_dir / 'state')}",
+        f"snapshot_dir = {_toml_str(node_dir / 'snapshots')}",
+        f"policy = {_toml_str(policy)}",
+        f"munge_socket = {_toml_str(munge_socket)}",
+        "drills = true",
+        f"ports_file = {_toml_str(node_dir / 'ports.json')}",
+        'log_level = "info"',
+        "",
+    ]))
+    return [tpassd_program(), "--config", str(cfg), "--fixture-sysfs"]
