@@ -70,6 +70,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from torchpass import layout  # noqa: E402
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -284,7 +285,7 @@ class Bench:
             run(["scancel", str(job_id)])
             self.heal()
         text = out.read_text()
-        events_path = self.c.state_dir / "jobs" / str(job_id) / "events.json"
+        events_path = layout.events_json(self.c.state_dir, job_id)
         events = json.loads(events_path.read_text()) if events_path.exists() else []
         done = [e for e in events if e["kind"] == "migration.completed"]
         ok = j["job_state"][0] == "COMPLETED" and j["exit_code"]["return_code"]["number"] == 0
@@ -308,7 +309,7 @@ class Bench:
             "fault_at_step": plan["fault_at"],
         }
         if not ok or not done:
-            coord = self.c.state_dir / "jobs" / str(job_id) / "coordinator.log"
+            coord = layout.coordinator_log(self.c.state_dir, job_id)
             raise RuntimeError(f"migration job {job_id} ended {j['job_state']} "
                                f"(events {[e['kind'] for e in events]}): {text[-1500:]}\n"
                                + (coord.read_text()[-3000:] if coord.exists() else ""))

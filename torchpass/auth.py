@@ -191,3 +191,22 @@ def credential_for(type_: str, body: dict[str, Any] | None, target: str, socket:
     """A zero-argument callable for zmqio.request(auth=...): a fresh credential per try."""
     b = dict(body or {})
     return lambda: make_credential(request_digest(type_, b, target), socket)
+
+
+def job_target(job_id: int) -> str:
+    """The target a credential for a job's coordinator names (request_digest)."""
+    return f"job:{job_id}"
+
+
+def optional_credential_for(type_: str, body: dict[str, Any] | None, target: str, socket: str | None = None):
+    """As credential_for, but None where munge cannot make one: for requests a server may take
+    without one (job.status / job.events when Slurm's PrivateData does not hide jobs)."""
+    make = credential_for(type_, body, target, socket)
+
+    def cred() -> str | None:
+        try:
+            return make()
+        except DependencyError:
+            return None
+
+    return cred

@@ -1,9 +1,8 @@
-"""Health states shared by tpassd, the coordinator and tpassctl, and the
-subscriber that follows tpassd publishers (the ZeroMQ guide's Clone pattern).
+"""The subscriber that follows tpassd publishers (the ZeroMQ guide's Clone pattern).
 
-Four states, never a bool. ``UNKNOWN`` means "no data, or the check itself
-failed": an NVML error is not a sick GPU, a missing sysfs file is not a
-healthy link, and a silent publisher is not a failed node.
+The health states themselves (``State``, ``worst``, ``severity``) live in
+torchpass.health_state, which loads neither zmq nor structlog; they are
+re-exported here.
 
 ``HealthSubscriber`` connects one SUB socket to any number of tpassd PUB
 endpoints, asks each for a health snapshot over its (authenticated) request
@@ -14,7 +13,6 @@ after ``missed_heartbeats`` heartbeat intervals without a word.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable
@@ -26,37 +24,9 @@ import zmq
 
 from torchpass import wire
 from torchpass.errors import ProtocolError, TorchpassError
+from torchpass.health_state import DEGRADED, FAILED, HEALTHY, UNKNOWN, State, severity, worst  # noqa: F401
 
 log = structlog.get_logger("torchpass.health")
-
-
-class State(str, enum.Enum):
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    FAILED = "failed"
-    UNKNOWN = "unknown"
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-
-HEALTHY, DEGRADED, FAILED, UNKNOWN = State.HEALTHY, State.DEGRADED, State.FAILED, State.UNKNOWN
-
-# Order used to fold component states into a node state: the worst wins, and
-# "we do not know" ranks above "healthy" but below a known problem.
-_SEVERITY = {State.HEALTHY: 0, State.UNKNOWN: 1, State.DEGRADED: 2, State.FAILED: 3}
-
-
-def worst(states) -> State:
-    states = [State(s) for s in states]
-    if not states:
-        return State.UNKNOWN
-    return max(states, key=_SEVERITY.__getitem__)
-
-
-def severity(state: State | str) -> int:
-    return _SEVERITY[State(state)]
-
 
 # Topics are the first frame of every publication; subscribers filter on them.
 TOPIC_SAMPLE = b"tpassd.sample"

@@ -10,6 +10,14 @@ Frames are UTF-8 JSON objects, at most MAX_FRAME_BYTES long. Two shapes:
   or ``{"v": 1, "type": "reply", "id": ID, "ok": false,
   "error": {"code": CODE, "message": MSG}}`` with a code from ERROR_CODES.
 
+``auth`` carries one of two credentials, both bound to the request they
+came with: a munge credential over ``auth.request_digest`` (tpassd's
+requests, ``job.migrate``, and ``job.status`` / ``job.events`` when Slurm's
+PrivateData hides jobs; torchpass/auth.py), or, on every ``rank.*`` request,
+``"job1:<t_ms>:<hmac>"``: HMAC-SHA256 under the job's secret over the type,
+id, ``sender``, ``seq``, t_ms and body, with ``sender`` a random id of the
+signing process and ``seq`` its request counter (torchpass/jobauth.py).
+
 ``v`` is the schema version. A peer speaking another version gets an
 ``unsupported_version`` error, never a guess. Changing a body in a way an
 old peer cannot read means bumping SCHEMA_VERSION.
@@ -76,6 +84,10 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str),
         "pid": _f(int),
         "generation": _f(int, required=False),
+        # (issue 11, runtime) present once the rank refuses every pause: why
+        # (e.g. the job made a subgroup the runtime cannot move yet). The job
+        # is then unprotected; it runs as without torchpass.
+        "unprotected": _f(str, required=False),
     },
     # Progress: step = optimizer steps seen, collectives = collectives issued.
     "rank.progress": {
@@ -89,6 +101,7 @@ BODIES: dict[str, dict[str, F]] = {
         # coordinator aligns the pause point T to step boundaries)
         "boundary": _f(int, required=False),
         "boundary_step": _f(int, required=False),
+        "unprotected": _f(str, required=False),  # as in rank.register (issue 11, runtime)
     },
     # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
     # Publications on tpassd's PUB socket, multipart [topic, frame] with the
@@ -163,6 +176,9 @@ BODIES: dict[str, dict[str, F]] = {
         "generation": _f(int),
         "collectives": _f(int),
         "accepted": _f(bool),  # False: already past T (or stale generation); pick another T
+        # (issue 11, runtime) with accepted False: the rank is unprotected and
+        # refuses every pause (no other T will do): cancel the pause.
+        "unprotected": _f(str, required=False),
     },
     "rank.quiesced": {
         "job_id": _f(int),
@@ -195,10 +211,12 @@ BODIES: dict[str, dict[str, F]] = {
     # (already queued or in flight, spare not free, ranks missing),
     # bad_request (to == node).
     "job.migrate": {"node": _f(str), "to": _f(str, required=False)},
-    # --- coordinator -> tpassd (checkpoint; tpassd/checkpoint_service.py) ---------
+    # --- coordinator -> tpassd (checkpoint; torchpass/checkpoint/service.py) ------
     # munge-authenticated for the node; allowed for root or the job's owner
-    # (the uid Slurm records for job_id). rank_dir: the job's rankwrap state
-    # directory (records rank<R>.json, hand-off markers).
+    # (the uid Slurm records for job_id). rank_dir: optional; tpassd derives the
+    # job's rank directory itself (STATE_DIR/jobs/J/ranks) and refuses any other
+    # (forbidden); images: must be SNAPSHOT_DIR/jobJ/rankR.genG under root-owned
+    # directories (forbidden otherwise).
     #   op "dump":  CRIU-dump the quiesced rank, leaving it running (paused);
     #               result {images, checksum, bytes, criu_dump_s, total_s, pid}
     #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded), discard
@@ -208,7 +226,7 @@ BODIES: dict[str, dict[str, F]] = {
         "job_id": _f(int),
         "rank": _f(int),
         "op": _f(str),
-        "rank_dir": _f(str),
+        "rank_dir": _f(str, required=False),
         "generation": _f(int, required=False),
         "pid": _f(int, required=False),
     },

@@ -14,7 +14,7 @@ traceback goes to the server's log, never to the client).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 import zmq
@@ -35,6 +35,13 @@ log = structlog.get_logger("torchpass.zmqio")
 Handler = Callable[[wire.Message], dict[str, Any] | None]
 
 
+@runtime_checkable
+class Signer(Protocol):
+    """Signs every try of a request: the envelope fields (auth, seq, sender) for it."""
+
+    def envelope(self, type_: str, id_: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
 def request(
     endpoint: str,
     type_: str,
@@ -42,20 +49,25 @@ def request(
     *,
     timeout_s: float = 2.0,
     retries: int = 2,
-    auth: str | Callable[[], str] | None = None,
+    auth: str | Callable[[], str | None] | Signer | None = None,
     context: zmq.Context | None = None,
 ) -> dict[str, Any]:
     """Send one request and return the reply's result (Lazy Pirate).
 
     ``auth`` may be a callable so that each retry carries a fresh credential
-    (munge credentials are single-use). Raises UnreachableError when no reply
-    comes after ``retries`` + 1 tries, RemoteError on an error reply.
+    (munge credentials are single-use), or a Signer (torchpass.jobauth) that
+    signs each try. Raises UnreachableError when no reply comes after
+    ``retries`` + 1 tries, RemoteError on an error reply.
     """
     ctx = context or zmq.Context.instance()
     last_exc: Exception | None = None
     for _attempt in range(retries + 1):
-        cred = auth() if callable(auth) else auth
-        frame = wire.encode(type_, body or {}, auth=cred)
+        id_ = wire.new_id()
+        if isinstance(auth, Signer):
+            envelope = auth.envelope(type_, id_, body or {})
+        else:
+            envelope = {"auth": auth() if callable(auth) else auth}
+        frame = wire.encode(type_, body or {}, id=id_, **envelope)
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:

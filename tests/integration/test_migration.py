@@ -40,6 +40,8 @@ from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
 
+from torchpass import layout
+
 pytestmark = pytest.mark.integration
 
 STEPS = 150
@@ -75,18 +77,18 @@ def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
 
 
 def _events(cluster, job_id: int) -> list[dict]:
-    p = cluster.state_dir / "jobs" / str(job_id) / "events.json"
+    p = layout.events_json(cluster.state_dir, job_id)
     return json.loads(p.read_text()) if p.exists() else []
 
 
 def _images_left(cluster, job_id: int) -> list[str]:
     """Snapshot directories of the job still in any tpassd's snapshot_dir (each move discards its own)."""
     return [str(p) for n in (*TRAINING_NODES, SPARE)
-            for p in (cluster.run_dir / n / "tpassd" / "snapshots" / f"job{job_id}").glob("rank*")]
+            for p in layout.snapshot_job_dir(cluster.run_dir / n / "tpassd" / "snapshots", job_id).glob("rank*")]
 
 
 def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
-    coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
+    coord_log = layout.coordinator_log(cluster.state_dir, job_id)
     return (f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})\n"
             + (out_path.read_text()[-3000:] if out_path.exists() else "no job output")
             + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))

@@ -46,6 +46,8 @@ from training_jobs import run as _run
 from training_jobs import steps as _steps
 from training_jobs import wait_end as _wait_end
 
+from torchpass import layout
+
 pytestmark = pytest.mark.integration
 
 # Each move pauses at T = max + 64 collectives (2 per step), ~32 steps after
@@ -63,7 +65,7 @@ def _submit(job_dir: Path, tag: str, nodes: int = 3, torchpass: str = "spares=1"
 
 def _events(state_dir: Path, job_id: int) -> list[dict]:
     try:
-        return json.loads((state_dir / "jobs" / str(job_id) / "events.json").read_text())
+        return json.loads(layout.events_json(state_dir, job_id).read_text())
     except (OSError, ValueError):
         return []
 
@@ -92,7 +94,7 @@ def reference(cluster, plugin_built, tmp_path_factory) -> list[str]:
 
 
 def _diag(cluster, job_id: int, out_path: Path):
-    coord_log = cluster.state_dir / "jobs" / str(job_id) / "coordinator.log"
+    coord_log = layout.coordinator_log(cluster.state_dir, job_id)
 
     def diag() -> str:
         text = out_path.read_text()[-2500:] if out_path.exists() else "no output"
@@ -226,7 +228,7 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
     job_id = _submit(job_dir, "kf")
     out_path = job_dir / f"kf.{job_id}.out"
     diag = _diag(cluster, job_id, out_path)
-    ranks = cluster.state_dir / "jobs" / str(job_id) / "ranks" / f"job{job_id}"
+    rank_dir = layout.rank_records_dir(cluster.state_dir, job_id)
 
     def events(kind: str) -> list[dict]:
         return [e for e in _events(cluster.state_dir, job_id) if e["kind"] == kind]
@@ -264,13 +266,13 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
         assert rb["data"]["phase"] == "kill_source", rb
         m2 = rb["data"]["migration"]
         # The rank ended on node3: the record names it, and the exit code came from it.
-        rec = json.loads((ranks / "rank1.json").read_text())
+        rec = json.loads(layout.rank_record(rank_dir, job_id, 1).read_text())
         assert rec["node"] == second and rec["restored_from"].endswith("rank1.gen1"), rec
-        ex = json.loads((ranks / "rank1.exit").read_text())
+        ex = json.loads(layout.exit_file(rank_dir, job_id, 1).read_text())
         assert ex["code"] == 0 and ex["node"] == second, ex
         # node4's restore wrapper either said why it reports nothing or was killed with its step
         # before it could (srun's forced termination; a race): never did it report the 137.
-        errf = cluster.state_dir / "jobs" / str(job_id) / f"restore-{m2}-rank1.err"
+        errf = layout.restore_error_file(cluster.state_dir, job_id, m2, 1)
         said = errf.read_text() if errf.exists() else ""
         print("\nthe called-off restore step:", " | ".join(ln for ln in said.splitlines() if "torchpass" in ln
                                                      or "srun" in ln) or "(nothing)")

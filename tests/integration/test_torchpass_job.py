@@ -15,6 +15,7 @@ from pathlib import Path
 
 from slurm_helpers import job_id_of, sbatch, wait_job, wait_running
 
+from torchpass import layout
 from torchpass.devcluster.cluster import REPO_ROOT
 
 TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
@@ -99,4 +100,4 @@ def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_bu
     assert job.state == "COMPLETED"
     out = (job_dir / "plain.txt").read_text().split()
     assert sorted(out) == sorted(["0:", "0", "1:", "0", "0:", "pythonpath=", "1:", "pythonpath="]), out
-    assert not (cluster.state_dir / "jobs" / str(job_id)).exists()
+    assert not layout.job_dir(cluster.state_dir, job_id).exists()

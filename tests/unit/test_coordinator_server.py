@@ -111,8 +111,68 @@ def _job(state):
 
 def test_liveness_tick_ends_the_coordinator_only_when_the_job_ends():
     tick = job_liveness_check(FakeSlurm([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
-                                         _job("COMPLETED")]), 42, max_failures=3)
+                                         _job("COMPLETED")]), 42)
     assert [tick(), tick(), tick(), tick()] == [True, True, True, False]
-    tick = job_liveness_check(FakeSlurm([SlurmError("x")] * 3), 42, max_failures=3)
-    assert [tick(), tick(), tick()] == [True, True, False]
     assert job_liveness_check(FakeSlurm([None]), 42)() is False
+
+
+def test_slurmctld_down_for_long_never_ends_the_coordinator_and_says_so_once_each_way():
+    clock = Clock()
+    changes = []
+    slurm = FakeSlurm([SlurmError("Unable to contact slurm controller")] * 60 + [_job("RUNNING"), _job("COMPLETED")])
+    tick = job_liveness_check(slurm, 42, clock=clock, on_change=lambda ok, why: changes.append((ok, why)),
+                              unavailable_after_s=15.0)
+    alive = []
+    for _ in range(60):  # 60 failed polls 5 s apart: 300 s, twice what used to end the coordinator
+        alive.append(tick())
+        clock.t += 5.0
+    assert all(alive)
+    assert len(changes) == 1 and changes[0][0] is False
+    assert "no answer for 15 s" in changes[0][1] and "Unable to contact slurm controller" in changes[0][1]
+    assert tick() is True and changes[-1] == (True, "")
+    assert tick() is False and len(changes) == 2  # the job ended: now the coordinator exits
+
+
+def test_a_slow_liveness_check_runs_beside_the_serve_loop_and_its_news_lands_in_the_serve_thread(served):
+    """slurmctld queries can take seconds: requests are answered meanwhile; the outage event and
+    the end of the job reach the server through later() and stop()."""
+    import time as _time
+
+    server, ep, _ = served
+    release, calls = threading.Event(), []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(5)  # a slow query
+            server.later(lambda: server.note_slurm(False, "no answer for 15 s: down"))
+            return True
+        return False  # then the job has ended
+
+    server.watch(check, 0.01)
+    assert req(ep, "job.status")["job_id"] == 42  # answered while the check hangs
+    release.set()
+    deadline = _time.monotonic() + 5
+    while not server._stop.is_set() and _time.monotonic() < deadline:
+        _time.sleep(0.01)
+    assert server._stop.is_set() and len(calls) == 2
+    deadline = _time.monotonic() + 5
+    while not server.job.events and _time.monotonic() < deadline:
+        _time.sleep(0.01)
+    assert [e.kind for e in server.job.events] == ["slurm.unavailable"]
+
+
+def test_slurmctld_outage_counts_from_the_first_query_that_hung():
+    clock = Clock()
+    changes = []
+
+    class Hanging:
+        def job(self, job_id):
+            clock.t += 10.0  # the query times out after 10 s
+            raise SlurmError("scontrol did not finish in 10 s")
+
+    tick = job_liveness_check(Hanging(), 42, clock=clock, on_change=lambda ok, why: changes.append(ok),
+                              unavailable_after_s=15.0)
+    assert tick() is True and changes == []  # 10 s without an answer
+    clock.t += 1.0
+    assert tick() is True and changes == [False]  # 21 s since the first query was sent (11 since it failed)

@@ -137,6 +137,16 @@ def test_idle_job_does_nothing():
     assert d.actions == () and d.reason == "no migration needed"
 
 
+def test_no_migration_starts_while_slurmctld_is_unreachable_and_it_starts_when_it_answers():
+    sim = Sim()
+    sim.tick(1.0, mc.SlurmReachability(False, "no answer for 15 s: connection refused"))
+    d = sim.degrade("node2")
+    assert sim.m is None and not sim.of(d, PauseAt)
+    assert d.reason == "no migration starts while slurmctld is unreachable (no answer for 15 s: connection refused)"
+    d = sim.tick(5.0, mc.SlurmReachability(True))
+    assert sim.m is not None and sim.m.node == "node2" and sim.of(d, PauseAt)
+
+
 def test_happy_path_through_every_phase_with_durations():
     sim = Sim()
     d = sim.degrade("node2")
@@ -896,3 +906,229 @@ def test_a_rollback_before_every_rank_stopped_counts_from_the_first_one():
     sim2.tick(P.pause_timeout_s)
     sim2.resume_all(dt=0.2, cancelled=True)
     assert sim2.state.history[-1].phase_durations["paused"] == 0.0
+
+
+# ============================================================================
+# The transition table (torchpass.coordinator.phases)
+# ============================================================================
+from torchpass.coordinator import decide as decide_mod  # noqa: E402
+from torchpass.coordinator import phases  # noqa: E402
+from torchpass.coordinator.phases import RESULTS, TRANSITIONS, IllegalTransition, Result  # noqa: E402
+
+
+def _lose(node):
+    return mc.NodeHealthChanged(node, State.FAILED, ("host: unreachable",), reachable=False)
+
+
+def _scenarios():
+    """One short run per way through the diagram (each a fresh Sim)."""
+    def happy():
+        sim = Sim()
+        sim.to_restore()
+        sim.restore_all()
+        sim.kill_source()
+        sim.resume_all()
+        sim.finish()
+
+    def spare_cancelled():
+        sim = Sim(spares=())
+        sim.degrade("node2")
+        sim.tick(1, mc.NodeHealthChanged("node2", State.HEALTHY))
+
+    def spare_none():
+        sim = Sim(spares=())
+        sim.degrade("node2")
+        sim.tick(1, mc.SpareUnavailable("m1", "expand", "no"))
+        sim.tick(1, mc.SpareUnavailable("m1", "companion", "no"))
+
+    def spare_rejected():
+        sim = Sim()
+        sim.feed(mc.OperatorMigrate("node2", "node4"))
+        sim.tick(1, _lose("node4"))
+
+    def spare_source_lost():
+        sim = Sim(spares=())
+        sim.degrade("node2")
+        sim.tick(1, _lose("node2"))
+
+    def pause_timeout_then_stuck():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.tick(P.pause_timeout_s + 1)  # PAUSE -> ROLLBACK
+        sim.tick(P.rebuild_timeout_s + 1)
+        sim.tick(P.rebuild_timeout_s + 1)  # ROLLBACK -> None (stuck)
+
+    def pause_source_lost():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.tick(1, _lose("node2"))
+
+    def dump_failed_rolled_back():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.quiesce_all()
+        sim.tick(1, mc.SnapshotFailed("m1", 2, "boom"))
+        sim.resume_all()
+
+    def dump_source_lost():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.quiesce_all()
+        sim.tick(1, _lose("node2"))
+
+    def rollback_source_lost():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.tick(P.pause_timeout_s + 1)
+        sim.tick(1, _lose("node2"))
+
+    def transfer_failed():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.quiesce_all()
+        sim.dump_all()
+        sim.tick(1, mc.TransferFailed("m1", 2, "node4", "checksum mismatch"))
+
+    def transfer_target_lost():
+        sim = Sim(spares=("node4", "node5"))
+        sim.degrade("node2")
+        sim.quiesce_all()
+        sim.dump_all()
+        sim.tick(1, _lose("node4"))  # TRANSFER -> TRANSFER (to node5)
+
+    def transfer_source_lost():
+        sim = Sim()
+        sim.degrade("node2")
+        sim.quiesce_all()
+        sim.dump_all()
+        sim.tick(1, _lose("node2"), mc.TransferFailed("m1", 2, "node4", "no"))
+
+    def restore_failed():
+        sim = Sim()
+        sim.to_restore()
+        sim.tick(1, mc.RestoreFailed("m1", 2, "node4", "criu restore failed"))
+
+    def restore_target_lost():
+        sim = Sim(spares=("node4", "node5"))
+        sim.to_restore()
+        sim.tick(1, _lose("node4"))  # RESTORE -> TRANSFER (to node5)
+
+    def restore_source_lost():
+        sim = Sim()
+        sim.to_restore()
+        sim.tick(1, _lose("node2"), mc.RestoreFailed("m1", 2, "node4", "no"))
+
+    def kill_failed():
+        sim = Sim()
+        sim.to_restore()
+        sim.restore_all()
+        sim.tick(1, mc.KillFailed("m1", "node2", "tpassd refused"))
+
+    def kill_source_lost():
+        sim = Sim()
+        sim.to_restore()
+        sim.restore_all()
+        sim.tick(1, _lose("node2"), mc.KillFailed("m1", "node2", "no answer"))
+
+    def rebuild_stuck():
+        sim = Sim()
+        sim.to_restore()
+        sim.restore_all()
+        sim.kill_source()
+        sim.tick(P.rebuild_timeout_s + 1)
+        sim.tick(P.rebuild_timeout_s + 1)
+
+    return [happy, spare_cancelled, spare_none, spare_rejected, spare_source_lost, pause_timeout_then_stuck,
+            pause_source_lost, dump_failed_rolled_back, dump_source_lost, rollback_source_lost, transfer_failed,
+            transfer_target_lost, transfer_source_lost, restore_failed, restore_target_lost, restore_source_lost,
+            kill_failed, kill_source_lost, rebuild_stuck]
+
+
+def test_every_edge_of_the_transition_table_is_reachable(monkeypatch):
+    seen: set = set()
+    ends: set = set()
+    check_t, check_r = decide_mod.check_transition, decide_mod.check_result
+
+    def transition(mid, src, dst):
+        check_t(mid, src, dst)
+        seen.add((src, dst))
+
+    def result(mid, phase, res):
+        check_r(mid, phase, res)
+        seen.add((phase, None))
+        ends.add((phase, res))
+
+    monkeypatch.setattr(decide_mod, "check_transition", transition)
+    monkeypatch.setattr(decide_mod, "check_result", result)
+    for run in _scenarios():
+        run()
+    table = {(src, dst) for src, dsts in TRANSITIONS.items() for dst in dsts}
+    assert table - seen == set(), "legal edges no scenario reached"
+    assert seen - table == set()
+    assert {(ph, r) for ph, rs in RESULTS.items() for r in rs} - ends == set(), "legal ends no scenario reached"
+
+
+def test_an_illegal_transition_raises_in_strict_mode(monkeypatch):
+    monkeypatch.setitem(TRANSITIONS, Phase.PAUSE, frozenset({Phase.ROLLBACK, None}))  # PAUSE -> DUMP now illegal
+    sim = Sim()
+    sim.degrade("node2")
+    assert phases.strict_default()  # under pytest
+    with pytest.raises(IllegalTransition, match="m1: illegal phase transition pause -> dump"):
+        sim.quiesce_all()
+    with pytest.raises(IllegalTransition):
+        phases.check_result("m1", Phase.DRAIN, Result.COMPLETED)
+
+
+@pytest.mark.parametrize("phase", [Phase.PAUSE, Phase.RESTORE, Phase.KILL_SOURCE])
+def test_an_illegal_transition_in_production_rolls_back_and_resumes_every_rank(monkeypatch, phase):
+    monkeypatch.setenv("TORCHPASS_STRICT_TRANSITIONS", "0")
+    assert not phases.strict_default()
+    sim = Sim()
+    if phase == Phase.PAUSE:
+        sim.degrade("node2")
+    else:
+        sim.to_restore()
+    if phase == Phase.KILL_SOURCE:
+        sim.restore_all()
+    assert sim.m.phase == phase
+    nxt = {Phase.PAUSE: Phase.DUMP, Phase.RESTORE: Phase.KILL_SOURCE, Phase.KILL_SOURCE: Phase.REBUILD}[phase]
+    monkeypatch.setitem(TRANSITIONS, phase, TRANSITIONS[phase] - {nxt})
+    if phase == Phase.PAUSE:
+        d = sim.quiesce_all()
+    elif phase == Phase.RESTORE:
+        d = sim.restore_all()
+    else:
+        d = sim.kill_source()
+    (ev,) = sim.of(d, Event)[:1]
+    assert ev.kind == "migration.illegal_transition" and ev.data["dst"] == nxt.value
+    (rip,) = sim.of(d, ResumeInPlace)
+    assert rip.generation == 1 and not sim.of(d, Snapshot) and not sim.of(d, KillSource) and not sim.of(d, Resume)
+    assert bool(sim.of(d, AbortRestore)) == (phase != Phase.PAUSE)  # a restored copy is called off
+    assert sim.m is None and sim.state.history[-1].outcome == "aborted" and sim.state.generation == 1
+    assert [e.kind for e in sim.of(d, Event)][-1] == "migration.aborted"
+
+
+def test_strict_mode_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCHPASS_STRICT_TRANSITIONS", "1")
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert phases.strict_default()
+    monkeypatch.setenv("TORCHPASS_STRICT_TRANSITIONS", "")
+    assert not phases.strict_default()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "x")
+    assert phases.strict_default()
+
+
+def test_importing_the_core_loads_neither_zmq_nor_structlog():
+    import subprocess
+    import sys
+
+    core = ("torchpass.coordinator.decide", "torchpass.coordinator.machine", "torchpass.coordinator.model",
+            "torchpass.coordinator.contract", "torchpass.coordinator.phases", "torchpass.health_state")
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in core)
+            + "print(sorted(m for m in ('zmq', 'structlog') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+    # The test can fail: the subscriber module does load both.
+    out = subprocess.run([sys.executable, "-c", "import sys, torchpass.health; print('zmq' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "True"

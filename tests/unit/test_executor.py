@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from torchpass import layout
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.executor import Driver, Executor, hold_file, resume_port
+from torchpass.coordinator.executor import Driver, Executor, resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError
@@ -62,7 +63,7 @@ def _close_executors():
     yield
     while _open_executors:
         ex = _open_executors.pop()
-        procs = [g[1] for g in ex.gates.values()] + list(ex.restores.values())
+        procs = ex.steps()
         ex.close()
         for p in procs:
             try:
@@ -108,7 +109,7 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     assert {c["command"] for c in pause.values()} == {"pause"}
     at, gen = pause[0]["at"], pause[0]["generation"]
     assert gen == 1 and "hold_file" in pause[1] and "hold_file" not in pause[0]
-    hf = hold_file(tmp_path, 42, "m1", 1)
+    hf = layout.hold_file(tmp_path, 42, "m1", 1)
     assert pause[1]["hold_file"] == str(hf) and not hf.exists()
     for r in range(3):
         ex.acknowledge(r, "pause", gen, at)
@@ -121,6 +122,9 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     assert resume == {"command": "resume", "generation": gen, "master_addr": "10.0.0.1",
                       "master_port": resume_port(42, gen, CoordinatorPolicy().rendezvous_port_range())}
     assert all(ex.command_for(r) == resume for r in range(3))
+    # What every paused rank was told to do on its own after deadline_s without a resume: this same
+    # resume in place (docs/coordinator.md, "Never left paused"); 3630 s with the default policy.
+    assert all(pause[r]["fallback"] == resume and pause[r]["deadline_s"] == 3630.0 for r in range(3))
     assert hf.exists()  # the held source copy wakes up where it is
     assert ("n2", "tpassd.snapshot") in [(n, t) for n, t, b in tp.calls if b["op"] == "abort"]
     for r in range(3):
@@ -130,7 +134,7 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     assert kinds[-2:] == ["migration.rollback", "migration.rolled_back"], kinds
     assert "dump failed" in d.job.events[-1].message and d.state.migration is None
     assert slurm.drained == []
-    assert (tmp_path / "jobs" / "42" / "events.json").exists()
+    assert layout.events_json(tmp_path, 42).exists()
 
 
 def test_rank_commands_repeat_until_acknowledged_and_stale_acks_are_ignored(tmp_path):
@@ -152,20 +156,20 @@ def test_restore_step_starts_at_the_pause_and_a_rollback_cancels_it(tmp_path):
     d, _ = _driver(tmp_path, tp)
     ex = d.executor
     d.feed(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
-    (key,) = ex.gates
-    assert key == ("m1", 1)
-    target, proc, go, _t = ex.gates[key]
+    key = [(mid, r) for mid, mv in ex.moves.items() for r in mv.gates]
+    assert key == [("m1", 1)]
+    target, proc, go, _t = ex.moves["m1"].gates[1]
     assert target == "n4" and proc.poll() is None and not go.exists()
     end = time.monotonic() + 10
     while not (tmp_path / "srun.calls").exists() and time.monotonic() < end:
         time.sleep(0.01)
     calls = (tmp_path / "srun.calls").read_text()
-    assert "-w n4" in calls and "torchpass.coordinator.restore_gate" in calls and "--restore" not in calls
+    assert "-w n4" in calls and "torchpass.checkpoint.restore_gate" in calls and "--restore" not in calls
     at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
     for r in range(3):
         d.feed(mc.Quiesced(r, gen, at))
     _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
-    assert ex.gates == {} and go.read_text().strip() == "cancel"
+    assert ex.moves["m1"].gates == {} and go.read_text().strip() == "cancel"
     assert proc.wait(10) == 0  # it left its gate without restoring anything
 
 
@@ -177,7 +181,7 @@ def test_restore_is_released_at_the_gate_with_the_image(tmp_path):
     d, _ = _driver(tmp_path, tp)
     ex = d.executor
     d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
-    _t, proc, go, _s = ex.gates[("m1", 1)]
+    _t, proc, go, _s = ex.moves["m1"].gates[1]
     at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
     for r in range(3):
         d.feed(mc.Quiesced(r, gen, at))
@@ -211,17 +215,68 @@ def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy
     d, _ = _driver(tmp_path, tp)
     ex = d.executor
     st = d.state
-    ex.hold_ranks["m1"] = (1,)
-    ex.source_pids[("m1", 1)] = {"images": str(tmp_path / "img"), "pid": 7}
+    ex.move("m1").hold = (1,)
+    ex.move("m1").dumps[1] = {"images": str(tmp_path / "img"), "pid": 7}
     ex.perform(dc.AbortRestore("m1", "n4", (1,)), st)
     ex.perform(dc.ResumeInPlace("m1", 2, "n1", "kill of the source failed"), st)
-    time.sleep(0.3)
-    hold = hold_file(tmp_path, 42, "m1", 1)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # the serve loop runs on; the abort is still under way
+        d.pump()
+        time.sleep(0.01)
+    hold = layout.hold_file(tmp_path, 42, "m1", 1)
     assert not hold.exists() and ex.command_for(0) is None and ex.command_for(1) is None
     release.set()
     end = time.monotonic() + 5
     while not hold.exists() and time.monotonic() < end:
+        d.pump()
         time.sleep(0.01)
     assert hold.exists()
     assert all(ex.command_for(r)["command"] == "resume" and ex.command_for(r)["generation"] == 2 for r in range(3))
     assert [(n, t, b["op"]) for n, t, b in tp.calls] == [("n4", "tpassd.restore", "abort")]
+
+
+def test_forged_rank_armed_does_not_consume_a_pending_pause(tmp_path):
+    """rank.armed without the job's signature (none, another job's secret, a replay) is refused
+    before it reaches the executor: the pause command stays pending; the rank's own signed ack lands."""
+    import threading
+
+    import zmq
+
+    from torchpass import jobauth, wire, zmqio
+    from torchpass.coordinator.server import CoordinatorServer
+
+    secret, other = b"a" * 64, b"b" * 64
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
+    ex = d.executor
+    d.feed(mc.NodeHealthChanged("n3", "degraded", ("x",)))
+    cmd = ex.command_for(2)
+    assert cmd["command"] == "pause"
+    server = CoordinatorServer(d.job, bind_address="127.0.0.1", driver=d, job_secret=secret)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    body = {"job_id": 42, "rank": 2, "at": cmd["at"], "generation": cmd["generation"], "collectives": 10,
+            "accepted": True}
+    try:
+        for auth in (None, jobauth.JobSigner(other)):
+            with pytest.raises(RemoteError) as refused:
+                zmqio.request(ep, "rank.armed", body, timeout_s=2, retries=0, auth=auth)
+            assert refused.value.code == "unauthenticated"
+            assert ex.command_for(2) == cmd  # still pending
+        # The rank's own signed ack lands; the same frame sent again is a replay.
+        frame = wire.encode("rank.armed", body, id="r2-1", **jobauth.JobSigner(secret).envelope("rank.armed", "r2-1",
+                                                                                              body))
+        replies = []
+        for _ in range(2):
+            s = zmq.Context.instance().socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            s.send(frame)
+            assert s.poll(2000)
+            replies.append(wire.decode_reply(s.recv()))
+            s.close()
+        assert replies[0].ok and ex.command_for(2) is None  # acknowledged by the rank itself
+        assert (replies[1].ok, replies[1].code) == (False, "unauthenticated") and "replayed" in replies[1].message
+    finally:
+        server.stop()
+        t.join(5)

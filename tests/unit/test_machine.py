@@ -177,3 +177,16 @@ def test_reason_log_reports_only_changes():
 def test_not_an_outcome_is_a_type_error():
     with pytest.raises(TypeError):
         mc.apply(job(), object(), 0.0)
+
+
+def test_what_a_rank_says_of_itself_is_kept_for_status_without_touching_the_decision():
+    st = mc.apply(CoordState(job_id=7), mc.RankRegistered(1, "node2", 2, pid=41, generation=3), 1.0)
+    rv = st.ranks[1]
+    assert (rv.pid, rv.generation, rv.last_report, rv.last_count) == (41, 3, 1.0, 0)
+    st = mc.apply(st, mc.RankProgress(1, 12, 2), 2.0)
+    assert (st.ranks[1].last_report, st.ranks[1].last_count) == (2.0, 12)
+    st2 = mc.apply(st, mc.Quiesced(1, 4, 20), 3.0)  # no migration in flight: decide sees nothing new
+    assert (st2.ranks[1].last_report, st2.ranks[1].last_count, st2.ranks[1].collectives) == (3.0, 20, 12)
+    st3 = mc.apply(st2, mc.Resumed(1, 4, "node5", collectives=21), 4.0)
+    assert (st3.ranks[1].node, st3.ranks[1].generation, st3.ranks[1].last_count) == ("node5", 4, 21)
+    assert mc.apply(st, mc.Armed(1, 30, 4, True, 25), 5.0).ranks[1].last_report == 5.0

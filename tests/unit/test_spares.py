@@ -54,10 +54,21 @@ class RecordingSlurm:
         self.nodes = list(keep)
 
 
+class Posted(list):
+    """The outcomes an executor posted. The test plays the serve thread: ``_wait`` shows each
+    new one to ``Executor.observe``, as ``Driver.pump`` does before machine.apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.ex = None
+        self.observed = 0
+
+
 def _executor(tmp_path, slurm, followed=None):
-    posted: list = []
+    posted = Posted()
     ex = Executor(JobState(job_id=42), state_dir=tmp_path, post=posted.append, policy=CoordinatorPolicy(),
                   slurm=slurm, follow=(followed.append if followed is not None else None))
+    posted.ex = ex
     return ex, posted
 
 
@@ -65,6 +76,9 @@ def _wait(posted, n=1):
     end = time.monotonic() + 5
     while len(posted) < n and time.monotonic() < end:
         time.sleep(0.01)
+    for outcome in posted[posted.observed:]:
+        posted.ex.observe(outcome)
+    posted.observed = len(posted)
     return posted
 
 

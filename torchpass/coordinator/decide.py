@@ -1,374 +1,91 @@
-"""The coordinator's decision core: a pure function of (now, state, policy).
+"""The coordinator's decision logic: a pure function of (now, state, policy).
 
 Model: torchft's lighthouse. ``decide(now, state, policy)`` reads no clock
 and does no I/O; it returns a ``Decision`` with
 
-* ``actions``: what the executor must do now (typed; see ``Action``),
+* ``actions``: what the executor must do now (typed; torchpass.coordinator.contract),
 * ``reason``: one human-readable line for the log (log it when it changes;
   it never embeds the time, so it changes only when the decision does),
-* ``state``: the next state (phase transitions, deadlines and durations
-  recorded). The driver keeps it and applies executor outcomes to it with
-  ``machine.apply`` before the next call.
+* ``state``: the next state (torchpass.coordinator.model; phase transitions,
+  deadlines and durations recorded). The driver keeps it and applies
+  executor outcomes to it with ``machine.apply`` before the next call.
+
+The core is five modules, none of which loads zmq or structlog:
+
+* ``phases``: ``Phase``, how a migration ends (``Result``), and the one table
+  of legal transitions, checked on every phase change;
+* ``model``: the state types (``CoordState``, ``Migration``, ...) and their enums;
+* ``contract``: actions (decide -> executor) and outcomes (-> machine.apply);
+* ``decide`` (this module): one handler per phase;
+* ``machine``: ``apply(state, outcome, now)``.
 
 A migration moves every rank of one node to a spare through explicit
-phases (``Phase``), one migration per job at a time:
+phases, one migration per job at a time:
 
     SPARE -> PAUSE -> DUMP -> TRANSFER -> RESTORE -> KILL_SOURCE -> REBUILD -> DRAIN -> SHRINK
                  \\________\\_______\\_________\\__________/
                                  ROLLBACK (resume in place on the source)
+
+(phases.py draws every edge, the ends included.) Each phase has its handler
+``_on_<phase>`` (``_HANDLERS``); for the paused phases ``_advance`` first
+deals with a lost source or target, which can cut any of them short.
 
 Training is paused from PAUSE to the end of REBUILD (or ROLLBACK). Each of
 those phases has a deadline from the policy; an expired deadline or a
 failure rolls back while the source copy is still alive (CRIU dumps with
 --leave-running semantics, and the source is killed only after every
 restore succeeded). Every path that paused the job ends with a Resume or a
-ResumeInPlace command: the job is never left paused by torchpass.
+ResumeInPlace command: the job is never left paused by torchpass, not even
+by a bug in this module (an illegal transition: see ``decide``).
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
-from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.health import State
-
-
-# ============================================================================
-# Phases
-# ============================================================================
-class Phase(str, enum.Enum):
-    SPARE = "spare"  # choosing a spare (hot, or asked of slurmctld); training runs
-    PAUSE = "pause"  # PauseAt sent; waiting for every rank to quiesce at T
-    DUMP = "dump"  # Snapshot sent to tpassd on the source for each moved rank
-    TRANSFER = "transfer"  # images made readable on the target
-    RESTORE = "restore"  # a job step on the target restores each moved rank
-    KILL_SOURCE = "kill_source"  # the source copies (paused, alive) are killed
-    REBUILD = "rebuild"  # Resume sent; every rank rebuilds generation g and resumes
-    DRAIN = "drain"  # drain the bad node with "torchpass: <reason>"; training runs
-    SHRINK = "shrink"  # release the bad node from the job; training runs
-    ROLLBACK = "rollback"  # ResumeInPlace sent; every rank resumes on its old node
-
-    def __str__(self) -> str:  # pragma: no cover - trivial
-        return self.value
-
-
-PAUSED_PHASES = frozenset(
-    {Phase.PAUSE, Phase.DUMP, Phase.TRANSFER, Phase.RESTORE, Phase.KILL_SOURCE, Phase.REBUILD, Phase.ROLLBACK}
+from torchpass.coordinator.contract import (
+    AbortRestore,
+    Action,
+    Drain,
+    Event,
+    HandToSlurm,
+    KillSource,
+    PauseAt,
+    RequestSpare,
+    Restore,
+    Resume,
+    ResumeInPlace,
+    Shrink,
+    Snapshot,
+    Transfer,
 )
-
-
-# ============================================================================
-# Inputs (state)
-# ============================================================================
-@dataclass(frozen=True)
-class NodeHealth:
-    """What tpassd (through the health subscriber) says about one node."""
-
-    node: str
-    state: State = State.UNKNOWN
-    reasons: tuple[str, ...] = ()
-    reachable: bool = True  # false: tpassd and the node cannot be reached (no dump possible)
-    since: float = 0.0  # coordinator clock when ``state`` last changed
-
-
-@dataclass(frozen=True)
-class RankView:
-    rank: int
-    node: str
-    collectives: int = 0
-    step: int = -1
-    last_advance: float = 0.0  # coordinator clock when ``collectives`` last grew
-    # For choosing T (see pause_point); set by machine from progress reports.
-    reported_at: float | None = None  # coordinator clock of the last progress report
-    report_gap: float = 0.0  # seconds between its progress reports (smoothed)
-    rate: float = 0.0  # collectives per second (smoothed; 0: not known yet)
-    rate_base: tuple[float, int] | None = None  # (time, collectives) the next rate sample starts from
-    boundary: int = -1  # collectives issued when its last optimizer step ended (-1: not reported)
-    boundary_step: int = -1  # the step that ended there
-    per_step: int = 0  # collectives per optimizer step, from two boundaries (0: not known)
-
-
-@dataclass(frozen=True)
-class SpareView:
-    node: str
-    how: str  # "hot" | "expand" | "companion"
-    status: str = "free"  # "free" | "reserved" (target of the migration) | "used" | "lost"
-    # The slurmctld allocation it came from: the donor job merged into this one
-    # ("expand"), or the companion job that holds it and runs its restore step.
-    allocation: int | None = None
-
-
-@dataclass(frozen=True)
-class OperatorRequest:
-    id: str  # the migration id it will run as
-    node: str
-    to: str | None
-    at: float
-
-
-@dataclass(frozen=True)
-class Image:
-    rank: int
-    path: str
-    checksum: str
-
-
-@dataclass(frozen=True)
-class Failure:
-    """An executor outcome said a step failed; ``decide`` acts on it."""
-
-    step: str  # "dump" | "transfer" | "restore" | "kill"
-    why: str
-    target_lost: bool = False
-
-
-@dataclass(frozen=True)
-class Migration:
-    id: str
-    node: str  # the source (bad) node
-    reason: str  # why it moves: health reasons, "rank N stalled", "operator request"
-    trigger: str  # "health" | "stall" | "operator"
-    ranks: tuple[int, ...]  # the ranks on the source node
-    detected: float  # when the trigger was first true
-    started: float
-    phase: Phase
-    phase_started: float
-    deadline: float  # the current phase (or spare request) must be done before this
-    generation: int  # the generation the ranks are armed for (current + 1)
-    requested_to: str | None = None
-    target: str | None = None
-    target_how: str | None = None
-    tried: tuple[str, ...] = ()  # targets given up on (lost)
-    spare_requested: str | None = None  # strategy of the outstanding RequestSpare
-    spare_failures: tuple[tuple[str, str], ...] = ()  # (strategy, why)
-    pause_at: int | None = None
-    pause_estimate: str = ""  # how T was chosen (for the event)
-    rearms: int = 0
-    refused: tuple[tuple[int, int], ...] = ()  # (rank, collectives) that refused PauseAt(T)
-    quiesced: frozenset[int] = frozenset()
-    images: dict[int, Image] = field(default_factory=dict)  # dumped, on the source side
-    transferred: dict[int, Image] = field(default_factory=dict)  # readable on the target
-    restored: frozenset[int] = frozenset()
-    source_killed: bool = False
-    resumed: frozenset[int] = frozenset()
-    failure: Failure | None = None
-    rollback_reason: str | None = None
-    resume_attempts: int = 0
-    paused_since: float | None = None  # PauseAt sent (ranks train on until they reach T)
-    # Training stands still: the last rank reached T (or, for a rollback before
-    # every rank did, the first one). "paused" in phase_durations runs from here.
-    first_quiesced: float | None = None
-    stood_still_since: float | None = None
-    ready_at: float | None = None  # when the phase's completion condition became true (set by machine)
-    notes: tuple[str, ...] = ()  # drain/shrink problems (training already runs)
-    drain_done: bool = False
-    shrink_done: bool = False
-    phase_durations: dict[str, float] = field(default_factory=dict)
-    tool_durations: dict[str, float] = field(default_factory=dict)  # reported by tpassd/restore (max over ranks)
-
-    @property
-    def paused(self) -> bool:
-        return self.phase in PAUSED_PHASES
-
-
-@dataclass(frozen=True)
-class MigrationRecord:
-    """A finished migration (kept for `tpassctl events` and tests)."""
-
-    id: str
-    node: str
-    target: str | None
-    outcome: str  # "completed" | "rolled_back" | "no_spare" | "cancelled" | "source_lost" | "stuck" | "rejected"
-    reason: str
-    phase_durations: dict[str, float]
-
-
-@dataclass(frozen=True)
-class CoordState:
-    job_id: int
-    world_size: int | None = None
-    ranks: dict[int, RankView] = field(default_factory=dict)
-    health: dict[str, NodeHealth] = field(default_factory=dict)
-    spares: tuple[SpareView, ...] = ()
-    generation: int = 0  # the process-group generation every rank runs now
-    migration: Migration | None = None
-    operator_requests: tuple[OperatorRequest, ...] = ()
-    deferred: dict[str, float] = field(default_factory=dict)  # node -> no automatic migration before
-    unprotected: frozenset[str] = frozenset()  # nodes deferred because no spare could be had
-    failures: dict[str, int] = field(default_factory=dict)  # node -> failed migrations
-    given_up: frozenset[str] = frozenset()
-    handed: frozenset[str] = frozenset()  # handed to Slurm (lost outright)
-    released: frozenset[str] = frozenset()  # migrated away and shrunk out of the job
-    next_migration: int = 1
-    history: tuple[MigrationRecord, ...] = ()
-
-    def node_health(self, node: str) -> NodeHealth:
-        return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
-
-    def rank_nodes(self) -> dict[str, tuple[int, ...]]:
-        out: dict[str, list[int]] = {}
-        for r in sorted(self.ranks):
-            out.setdefault(self.ranks[r].node, []).append(r)
-        return {n: tuple(rs) for n, rs in out.items()}
-
-    def spare(self, node: str | None) -> SpareView | None:
-        for s in self.spares:
-            if s.node == node:
-                return s
-        return None
-
-    def all_registered(self) -> bool:
-        return bool(self.ranks) and self.world_size is not None and len(self.ranks) >= self.world_size
-
-
-# ============================================================================
-# Actions (what the executor performs; each feeds back outcomes, see machine.py)
-# ============================================================================
-@dataclass(frozen=True)
-class RequestSpare:
-    """Obtain a spare node from slurmctld with this strategy ("expand" | "companion").
-    Outcome: SpareGranted(migration, node, how) or SpareUnavailable(migration, strategy, why)."""
-
-    migration: str
-    strategy: str
-    for_node: str
-
-
-@dataclass(frozen=True)
-class PauseAt:
-    """Tell every rank: pause with exactly ``at`` collectives issued, to rebuild as
-    ``generation``. Ranks in ``hold_ranks`` close every socket after quiescing and
-    wait to be dumped. Outcomes: Armed(rank, ...) (refusals matter), Quiesced(rank, ...)."""
-
-    migration: str
-    at: int
-    generation: int
-    hold_ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """tpassd on ``node``: CUDA checkpoint + CRIU dump of ``rank``, leaving it running
-    (paused). Outcome: SnapshotDone(migration, rank, image, checksum, durations) or
-    SnapshotFailed(migration, rank, why)."""
-
-    migration: str
-    rank: int
-    node: str
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Make ``image`` readable on ``target`` (a no-op on a shared filesystem: answer at
-    once). Outcome: TransferDone(migration, rank, target, image, checksum, durations) or
-    TransferFailed(migration, rank, target, why, target_lost)."""
-
-    migration: str
-    rank: int
-    image: str
-    checksum: str
-    source: str
-    target: str
-
-
-@dataclass(frozen=True)
-class Restore:
-    """A job step on ``target`` restores ``rank`` from ``image`` (it stays paused,
-    holding). Outcome: RestoreDone(migration, rank, target, durations) or
-    RestoreFailed(migration, rank, target, why, target_lost)."""
-
-    migration: str
-    rank: int
-    target: str
-    image: str
-    checksum: str
-
-
-@dataclass(frozen=True)
-class AbortRestore:
-    """Kill whatever was restored of ``ranks`` on ``target`` (best effort: the target
-    may be dead). No outcome needed."""
-
-    migration: str
-    target: str
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class KillSource:
-    """Kill the paused source copies of ``ranks`` on ``node`` (all restores succeeded).
-    Outcome: SourceKilled(migration, node) or KillFailed(migration, node, why)."""
-
-    migration: str
-    node: str
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Every rank (the moved ones at their new node) rebuilds its group as
-    ``generation`` with the rendezvous hosted on ``master`` (the node of rank 0; the
-    executor picks the address and port). Outcome: Resumed(rank, generation, ...)."""
-
-    migration: str
-    generation: int
-    master: str
-
-
-@dataclass(frozen=True)
-class ResumeInPlace:
-    """Roll back: every rank resumes where it is (the source copies included) as
-    ``generation`` (a rank not yet torn down simply cancels its pause).
-    Outcome: Resumed(rank, generation, cancelled=...)."""
-
-    migration: str
-    generation: int
-    master: str
-    why: str
-
-
-@dataclass(frozen=True)
-class Drain:
-    """scontrol drain ``node`` with ``reason`` ("torchpass: ..."). Outcome: Drained or DrainFailed."""
-
-    migration: str
-    node: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Shrink:
-    """Release ``nodes`` from the job (scontrol update NodeList=<the rest>).
-    Outcome: Shrunk or ShrinkFailed."""
-
-    migration: str
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class HandToSlurm:
-    """The node is lost with no clean dump possible: leave it to Slurm's normal
-    behaviour (no torchpass action beyond the event). No outcome needed."""
-
-    node: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Event:
-    """Record in the job's event log (`tpassctl events`)."""
-
-    kind: str
-    message: str
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-Action = Union[
-    RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
-    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Event,
-]
+from torchpass.coordinator.model import (
+    CoordState,
+    Failure,
+    Image,
+    Migration,
+    MigrationRecord,
+    NodeHealth,
+    OperatorRequest,
+    RankView,
+    SpareHow,
+    SpareStatus,
+    SpareView,
+    Trigger,
+)
+from torchpass.coordinator.phases import (
+    PAUSED_PHASES,
+    IllegalTransition,
+    Phase,
+    Result,
+    check_result,
+    check_transition,
+    strict_default,
+)
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.health_state import State
 
 
 @dataclass(frozen=True)
@@ -405,7 +122,7 @@ def _health_text(h: NodeHealth) -> str:
 
 
 def spare_usable(st: CoordState, sp: SpareView, policy: CoordinatorPolicy) -> bool:
-    if sp.status != "free" or sp.node in st.handed:
+    if sp.status != SpareStatus.FREE or sp.node in st.handed:
         return False
     h = st.node_health(sp.node)
     if policy.spare_requires_healthy:
@@ -414,18 +131,18 @@ def spare_usable(st: CoordState, sp: SpareView, policy: CoordinatorPolicy) -> bo
 
 
 def _pick_spare(st: CoordState, m: Migration, policy: CoordinatorPolicy) -> SpareView | None:
-    allowed_hot = "hot" in policy.spare_strategies
+    allowed_hot = SpareHow.HOT in policy.spare_strategies
     order = {s: i for i, s in enumerate(policy.spare_strategies)}
     usable = [
         sp for sp in st.spares
         if spare_usable(st, sp, policy) and sp.node not in m.tried and sp.node != m.node
-        and (sp.how != "hot" or allowed_hot)
+        and (sp.how != SpareHow.HOT or allowed_hot)
     ]
     usable.sort(key=lambda sp: (order.get(sp.how, 99), sp.node))
     return usable[0] if usable else None
 
 
-def _set_spare(st: CoordState, node: str | None, status: str) -> CoordState:
+def _set_spare(st: CoordState, node: str | None, status: SpareStatus) -> CoordState:
     if node is None or st.spare(node) is None:
         return st
     return replace(st, spares=tuple(replace(s, status=status) if s.node == node else s for s in st.spares))
@@ -435,11 +152,16 @@ def _target_lost(st: CoordState, m: Migration) -> bool:
     if m.target is None:
         return False
     sp = st.spare(m.target)
-    return (sp is not None and sp.status == "lost") or st.node_health(m.target).state == State.FAILED
+    return (sp is not None and sp.status == SpareStatus.LOST) or st.node_health(m.target).state == State.FAILED
 
 
 def _source_lost(st: CoordState, m: Migration) -> bool:
     return _lost(st.node_health(m.node))
+
+
+def in_place_master(st: CoordState) -> str:
+    """The node whose rank serves the rendezvous of a resume in place (rank 0's)."""
+    return _master(st, None)
 
 
 def _master(st: CoordState, moved: Migration | None) -> str:
@@ -466,7 +188,7 @@ def stalled_ranks(now: float, st: CoordState, policy: CoordinatorPolicy) -> list
 class Candidate:
     node: str
     reason: str
-    trigger: str
+    trigger: Trigger
     detected: float
 
 
@@ -483,13 +205,14 @@ def candidates(now: float, st: CoordState, policy: CoordinatorPolicy) -> list[Ca
         h = st.node_health(node)
         if _lost(h) or h.state.value not in policy.migrate_on:
             continue  # unknown and healthy never trigger; lost is handed to Slurm
-        found[node] = Candidate(node, _health_text(h), "health", h.since)
+        found[node] = Candidate(node, _health_text(h), Trigger.HEALTH, h.since)
     for r in stalled_ranks(now, st, policy):
         if r.node in skip or r.node in found or st.deferred.get(r.node, float("-inf")) > now:
             continue
         if _lost(st.node_health(r.node)):
             continue
-        found[r.node] = Candidate(r.node, f"rank {r.rank} stalled", "stall", r.last_advance + policy.stall_s)
+        found[r.node] = Candidate(r.node, f"rank {r.rank} stalled", Trigger.STALL,
+                                  r.last_advance + policy.stall_s)
     return sorted(found.values(), key=lambda c: (c.detected, c.node))
 
 
@@ -511,7 +234,7 @@ def check_operator_request(st: CoordState, node: str, to: str | None) -> tuple[s
         if sp is None:
             spares = ", ".join(s.node for s in st.spares) or "none"
             return "not_found", f"node {to} is not a spare of job {st.job_id} (spares: {spares})"
-        if sp.status != "free":
+        if sp.status != SpareStatus.FREE:
             return "conflict", f"spare {to} is {sp.status}, not free"
     if not st.all_registered():
         return "conflict", (
@@ -557,12 +280,18 @@ def _close_phase(m: Migration, now: float) -> dict[str, float]:
 
 
 def _enter(m: Migration, phase: Phase, now: float, deadline: float, **changes: Any) -> Migration:
+    """``m`` in ``phase`` from ``now``: every phase change goes through here and the table."""
+    check_transition(m.id, m.phase, phase)
     return replace(m, phase=phase, phase_started=now, deadline=deadline, ready_at=None,
                    phase_durations=_close_phase(m, now), **changes)
 
 
-def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: str, policy: CoordinatorPolicy,
-            message: str, kind: str) -> CoordState:
+def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: Result, policy: CoordinatorPolicy,
+            message: str, kind: str, *, checked: bool = True) -> CoordState:
+    """End ``m`` with ``outcome`` (every end goes through here and the table; ``checked=False``
+    only for the recovery from an illegal transition)."""
+    if checked:
+        check_result(m.id, m.phase, outcome)
     durations = _close_phase(m, now)
     durations["total"] = _r(now - m.started)
     if "paused" not in durations and m.paused:
@@ -571,8 +300,8 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: str, p
     m = replace(m, phase_durations=durations)
     if m.target is not None:
         sp = st.spare(m.target)
-        if sp is not None and sp.status == "reserved":
-            st = _set_spare(st, m.target, "used" if outcome == "completed" else "free")
+        if sp is not None and sp.status == SpareStatus.RESERVED:
+            st = _set_spare(st, m.target, SpareStatus.USED if outcome == Result.COMPLETED else SpareStatus.FREE)
     rec = MigrationRecord(m.id, m.node, m.target, outcome, m.reason, durations)
     st = replace(st, migration=None, history=(st.history + (rec,))[-50:])
     data: dict[str, Any] = {"migration": m.id, "node": m.node, "target": m.target, "outcome": outcome,
@@ -583,16 +312,16 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: str, p
         data["pause_at"] = m.pause_at
         data["pause_estimate"] = m.pause_estimate
     out.event(kind, message, **data)
-    if outcome in ("completed", "cancelled", "source_lost", "rejected"):
+    if outcome in (Result.COMPLETED, Result.CANCELLED, Result.SOURCE_LOST, Result.REJECTED, Result.ABORTED):
         return st
-    if outcome == "no_spare":
+    if outcome == Result.NO_SPARE:
         return replace(st, deferred={**st.deferred, m.node: now + policy.spare_retry_s},
                        unprotected=st.unprotected | {m.node})
     # rolled_back / stuck: count the failure; back off, then try again or give up.
     n = st.failures.get(m.node, 0) + 1
     st = replace(st, failures={**st.failures, m.node: n},
                  deferred={**st.deferred, m.node: now + policy.retry_backoff_s})
-    if n >= policy.max_attempts_per_node and m.node not in st.given_up and m.trigger != "operator":
+    if n >= policy.max_attempts_per_node and m.node not in st.given_up and m.trigger != Trigger.OPERATOR:
         st = replace(st, given_up=st.given_up | {m.node})
         out.event("migration.abandoned",
                   f"{m.node}: {n} migrations failed; torchpass stops trying (tpassctl migrate can still try)",
@@ -610,8 +339,8 @@ def _rollback(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
         out.add(AbortRestore(m.id, m.target, tuple(m.ranks)))
     if m.target is not None:
         sp = st.spare(m.target)
-        if sp is not None and sp.status == "reserved":
-            st = _set_spare(st, m.target, "free")
+        if sp is not None and sp.status == SpareStatus.RESERVED:
+            st = _set_spare(st, m.target, SpareStatus.FREE)
     master = _master(st, None)
     out.add(ResumeInPlace(m.id, m.generation, master, why))
     out.event("migration.rollback", f"{m.id}: {why}; resuming on {m.node}", migration=m.id, node=m.node,
@@ -633,7 +362,7 @@ def _job_lost(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
             out.add(AbortRestore(m.id, m.target, tuple(m.ranks)))
         out.add(ResumeInPlace(m.id, m.generation, _master(st, None), f"{m.node} lost"))
         st = replace(st, generation=max(st.generation, m.generation))
-    return _finish(out, st, m, now, "source_lost", policy,
+    return _finish(out, st, m, now, Result.SOURCE_LOST, policy,
                    f"{m.id}: {m.node} was lost ({why}); no clean dump possible: handed to Slurm", "node.lost")
 
 
@@ -641,7 +370,7 @@ def _replace_target(out: _Out, st: CoordState, m: Migration, policy: Coordinator
                     ) -> tuple[CoordState, Migration | None]:
     """The target died: mark it lost and take the next free spare, if allowed."""
     lost = m.target
-    st = _set_spare(st, lost, "lost")
+    st = _set_spare(st, lost, SpareStatus.LOST)
     tried = m.tried + ((lost,) if lost else ())
     m = replace(m, tried=tried, target=None, target_how=None)
     if len(tried) >= policy.max_spare_attempts:
@@ -649,7 +378,7 @@ def _replace_target(out: _Out, st: CoordState, m: Migration, policy: Coordinator
     sp = _pick_spare(st, m, policy)
     if sp is None:
         return st, None
-    st = _set_spare(st, sp.node, "reserved")
+    st = _set_spare(st, sp.node, SpareStatus.RESERVED)
     out.event("spare.replaced", f"{m.id}: spare {lost} lost ({why}); continuing with {sp.node} ({sp.how})",
               migration=m.id, lost=lost, target=sp.node, how=sp.how)
     return st, replace(m, target=sp.node, target_how=sp.how)
@@ -708,31 +437,36 @@ def _start_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: Co
     return replace(st, migration=m)
 
 
-def _advance_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy) -> CoordState:
-    if m.trigger == "health":
+def _on_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool = False
+              ) -> CoordState:
+    """Nothing is paused yet: reserve a usable spare and pause, ask slurmctld for one, or give up
+    (the node runs on unprotected); a trigger that went away cancels the move."""
+    if _source_lost(st, m):
+        return _job_lost(out, st, m, now, policy, "failed and unreachable")
+    if m.trigger == Trigger.HEALTH:
         h = st.node_health(m.node)
         if h.state.value not in policy.migrate_on and not _lost(h):
-            return _finish(out, st, m, now, "cancelled", policy,
+            return _finish(out, st, m, now, Result.CANCELLED, policy,
                            f"{m.id}: {m.node} is {h.state.value} again before anything was paused; not moving it",
                            "migration.cancelled")
-    if m.trigger == "stall" and not any(r.node == m.node for r in stalled_ranks(now, st, policy)):
-        return _finish(out, st, m, now, "cancelled", policy,
+    if m.trigger == Trigger.STALL and not any(r.node == m.node for r in stalled_ranks(now, st, policy)):
+        return _finish(out, st, m, now, Result.CANCELLED, policy,
                        f"{m.id}: the ranks on {m.node} advance again before anything was paused; not moving it",
                        "migration.cancelled")
     if m.requested_to is not None:
         sp = st.spare(m.requested_to)
         if sp is None or not spare_usable(st, sp, policy):
-            state = "unknown" if sp is None else (sp.status if sp.status != "free" else st.node_health(sp.node).state.value)
-            return _finish(out, st, m, now, "rejected", policy,
+            state = "unknown" if sp is None else (sp.status if sp.status != SpareStatus.FREE else st.node_health(sp.node).state.value)
+            return _finish(out, st, m, now, Result.REJECTED, policy,
                            f"{m.id}: requested target {m.requested_to} is not usable ({state}); nothing was paused",
                            "migration.rejected")
         chosen: SpareView | None = sp
     else:
         chosen = _pick_spare(st, m, policy)
     if chosen is not None:
-        st = _set_spare(st, chosen.node, "reserved")
-        origin = {"expand": f", allocation {chosen.allocation} merged into job {st.job_id}",
-                  "companion": f", companion allocation {chosen.allocation}"}.get(chosen.how, "")
+        st = _set_spare(st, chosen.node, SpareStatus.RESERVED)
+        origin = {SpareHow.EXPAND: f", allocation {chosen.allocation} merged into job {st.job_id}",
+                  SpareHow.COMPANION: f", companion allocation {chosen.allocation}"}.get(chosen.how, "")
         out.event("spare.chosen", f"{m.id}: moving {m.node} to {chosen.node} ({chosen.how} spare{origin})",
                   migration=m.id, node=m.node, target=chosen.node, how=chosen.how,
                   **({"allocation": chosen.allocation} if chosen.allocation is not None else {}))
@@ -745,22 +479,22 @@ def _advance_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: 
                     spare_requested=None)
         st = replace(st, migration=m)
     # A granted spare whose tpassd has not reported yet: wait for it until the deadline.
-    pending = [s for s in st.spares if s.status == "free" and s.how != "hot" and s.node not in m.tried
+    pending = [s for s in st.spares if s.status == SpareStatus.FREE and s.how != SpareHow.HOT and s.node not in m.tried
                and st.node_health(s.node).state == State.UNKNOWN]
     if pending and now < m.deadline:
         return st
     asked = {s for s, _ in m.spare_failures}
     for strategy in policy.spare_strategies:
-        if strategy == "hot" or strategy in asked:
+        if strategy == SpareHow.HOT or strategy in asked:
             continue
-        out.add(RequestSpare(m.id, strategy, m.node))
+        out.add(RequestSpare(m.id, SpareHow(strategy), m.node))
         out.event("spare.requested", f"{m.id}: no hot spare for {m.node}; asking slurmctld ({strategy})",
                   migration=m.id, node=m.node, strategy=strategy)
         m = replace(m, spare_requested=strategy, deadline=now + policy.spare_timeout_s)
         return replace(st, migration=m)
     tried = "; ".join(f"{s}: {w}" for s, w in m.spare_failures) or "no strategy allowed by the policy"
-    hot = "no free hot spare" if "hot" in policy.spare_strategies else "hot spares not allowed by the policy"
-    return _finish(out, st, m, now, "no_spare", policy,
+    hot = "no free hot spare" if SpareHow.HOT in policy.spare_strategies else "hot spares not allowed by the policy"
+    return _finish(out, st, m, now, Result.NO_SPARE, policy,
                    f"{m.id}: no spare for {m.node} ({hot}; {tried}); training continues on {m.node} unprotected",
                    "spare.unavailable")
 
@@ -769,10 +503,8 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
     m = st.migration
     assert m is not None
     ph = m.phase
-    if ph == Phase.SPARE:
-        if _source_lost(st, m):
-            return _job_lost(out, st, m, now, policy, "failed and unreachable")
-        return _advance_spare(out, st, m, now, policy)
+    if ph == Phase.SPARE:  # nothing paused: a lost node only ends or re-plans the move
+        return _on_spare(out, st, m, now, policy)
 
     # --- the source node died -------------------------------------------------------
     if _source_lost(st, m):
@@ -809,151 +541,212 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
             out.add(HandToSlurm(m.target, f"torchpass: spare {m.target} failed while ranks {list(m.ranks)} "
                                           "were resuming there; no copy left"))
             st = replace(st, handed=st.handed | {m.target})
-        return _finish(out, st, m, now, "stuck", policy,
+        return _finish(out, st, m, now, Result.STUCK, policy,
                        f"{m.id}: target {m.target} failed after the source copies were killed; handed to Slurm",
                        "job.stuck")
 
     done = phase_complete(st, m)
-    if ph == Phase.PAUSE:
-        if done:
-            for r in m.ranks:
-                out.add(Snapshot(m.id, r, m.node))
-            # Training stands still from the moment the last rank reached T.
-            m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
-            return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))
-        if m.refused:
-            if m.rearms < policy.max_pause_rearms:
-                top = max([c for _, c in m.refused] + [m.pause_at or 0])
-                at, how = pause_point(now, st.ranks, policy, floor=top)
-                out.add(PauseAt(m.id, at, m.generation, m.ranks))
-                out.event("pause.rearmed", f"{m.id}: rank(s) {[r for r, _ in m.refused]} were past collective "
-                          f"{m.pause_at}; pausing at {at} instead", migration=m.id, at=at)
-                m = replace(m, pause_at=at, pause_estimate=how, refused=(), quiesced=frozenset(),
-                            first_quiesced=None, rearms=m.rearms + 1, deadline=now + policy.pause_timeout_s)
-                return replace(st, migration=m)
-            return _rollback(out, st, m, now, policy,
-                             f"ranks {[r for r, _ in m.refused]} were past the pause point {m.rearms + 1} times")
-        if now >= m.deadline:
-            missing = sorted(set(st.ranks) - m.quiesced)
-            return _rollback(out, st, m, now, policy,
-                             f"pause timed out after {policy.pause_timeout_s:g}s: ranks {missing} did not quiesce "
-                             f"at collective {m.pause_at}")
-        return st
+    return _HANDLERS[ph](out, st, m, now, policy, done)
 
-    if ph == Phase.DUMP:
-        if m.failure is not None:
-            return _rollback(out, st, m, now, policy, f"dump failed: {m.failure.why}")
-        if done:
-            st = replace(st, migration=m)
-            return _start_transfer(out, st, m, now, policy)
-        if now >= m.deadline:
-            missing = sorted(set(m.ranks) - set(m.images))
-            return _rollback(out, st, m, now, policy,
-                             f"dump timed out after {policy.dump_timeout_s:g}s (ranks {missing})")
-        return st
 
-    if ph == Phase.TRANSFER:
-        if m.failure is not None:
-            return _rollback(out, st, m, now, policy, f"transfer failed: {m.failure.why}")
-        if done:
-            for r in m.ranks:
-                img = m.transferred[r]
-                out.add(Restore(m.id, r, m.target or "", img.path, img.checksum))
-            return replace(st, migration=_enter(m, Phase.RESTORE, now, now + policy.restore_timeout_s))
-        if now >= m.deadline:
-            return _rollback(out, st, m, now, policy, f"transfer timed out after {policy.transfer_timeout_s:g}s")
-        return st
-
-    if ph == Phase.RESTORE:
-        if m.failure is not None:
-            return _rollback(out, st, m, now, policy, f"restore on {m.target} failed: {m.failure.why}")
-        if done:
-            out.add(KillSource(m.id, m.node, m.ranks))
-            return replace(st, migration=_enter(m, Phase.KILL_SOURCE, now, now + policy.kill_timeout_s))
-        if now >= m.deadline:
-            missing = sorted(set(m.ranks) - m.restored)
-            return _rollback(out, st, m, now, policy,
-                             f"restore on {m.target} timed out after {policy.restore_timeout_s:g}s (ranks {missing})")
-        return st
-
-    if ph == Phase.KILL_SOURCE:
-        if m.failure is not None:
-            return _rollback(out, st, m, now, policy, f"could not kill the source copies: {m.failure.why}")
-        if m.source_killed or done:
-            # The moved ranks now live on the target.
-            ranks = {**st.ranks}
-            for r in m.ranks:
-                if r in ranks:
-                    ranks[r] = replace(ranks[r], node=m.target or ranks[r].node)
-            st = replace(st, ranks=ranks)
-            out.add(Resume(m.id, m.generation, _master(st, None)))
-            m = _enter(m, Phase.REBUILD, now, now + policy.rebuild_timeout_s, resumed=frozenset(), resume_attempts=1)
+def _on_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+              ) -> CoordState:
+    """Every rank quiesced at T: dump the moved ones. Refusals re-arm a later T."""
+    if done:
+        for r in m.ranks:
+            out.add(Snapshot(m.id, r, m.node))
+        # Training stands still from the moment the last rank reached T.
+        m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
+        return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))
+    if m.refused:
+        if m.rearms < policy.max_pause_rearms:
+            top = max([c for _, c in m.refused] + [m.pause_at or 0])
+            at, how = pause_point(now, st.ranks, policy, floor=top)
+            out.add(PauseAt(m.id, at, m.generation, m.ranks))
+            out.event("pause.rearmed", f"{m.id}: rank(s) {[r for r, _ in m.refused]} were past collective "
+                      f"{m.pause_at}; pausing at {at} instead", migration=m.id, at=at)
+            m = replace(m, pause_at=at, pause_estimate=how, refused=(), quiesced=frozenset(),
+                        first_quiesced=None, rearms=m.rearms + 1, deadline=now + policy.pause_timeout_s)
             return replace(st, migration=m)
-        if now >= m.deadline:
-            return _rollback(out, st, m, now, policy,
-                             f"the source copies on {m.node} were not killed within {policy.kill_timeout_s:g}s")
-        return st
+        return _rollback(out, st, m, now, policy,
+                         f"ranks {[r for r, _ in m.refused]} were past the pause point {m.rearms + 1} times")
+    if now >= m.deadline:
+        missing = sorted(set(st.ranks) - m.quiesced)
+        return _rollback(out, st, m, now, policy,
+                         f"pause timed out after {policy.pause_timeout_s:g}s: ranks {missing} did not quiesce "
+                         f"at collective {m.pause_at}")
+    return st
 
-    if ph in (Phase.REBUILD, Phase.ROLLBACK):
-        if done:
-            end = m.ready_at if m.ready_at is not None else now
-            since = _stood_still(m)
-            durations = {**m.phase_durations, "paused": _r(max(0.0, end - since)) if since is not None else 0.0}
-            m = replace(m, phase_durations=durations)
-            st = replace(st, generation=max(st.generation, m.generation))
-            if ph == Phase.ROLLBACK:
-                return _finish(out, st, m, now, "rolled_back", policy,
-                               f"{m.id}: rolled back ({m.rollback_reason}); training resumed on {m.node} after "
-                               f"{durations['paused']:.2f}s paused", "migration.rolled_back")
-            out.add(Drain(m.id, m.node, f"torchpass: {m.reason}"))
-            out.event("migration.resumed", f"{m.id}: ranks {list(m.ranks)} resumed on {m.target}; training paused "
-                      f"{durations['paused']:.2f}s", migration=m.id, node=m.node, target=m.target,
-                      phase_durations=durations)
-            return replace(st, migration=_enter(m, Phase.DRAIN, now, now + policy.finalize_timeout_s))
-        if now >= m.deadline:
-            missing = sorted(set(st.ranks) - m.resumed)
-            if m.resume_attempts < policy.max_resume_attempts:
-                if ph == Phase.REBUILD:
-                    out.add(Resume(m.id, m.generation, _master(st, None)))
-                else:
-                    out.add(ResumeInPlace(m.id, m.generation, _master(st, None), m.rollback_reason or "rollback"))
-                out.event("resume.retried", f"{m.id}: ranks {missing} did not resume; asking again",
-                          migration=m.id, missing=missing)
-                m = replace(m, resume_attempts=m.resume_attempts + 1, deadline=now + policy.rebuild_timeout_s)
-                return replace(st, migration=m)
-            culprits = sorted({st.ranks[r].node for r in missing if r in st.ranks})
-            for node in culprits:
-                if node not in st.handed:
-                    out.add(HandToSlurm(node, f"torchpass: ranks on {node} did not resume after migration {m.id}"))
-                    st = replace(st, handed=st.handed | {node})
-            st = replace(st, generation=max(st.generation, m.generation))
-            return _finish(out, st, m, now, "stuck", policy,
-                           f"{m.id}: ranks {missing} did not resume after {m.resume_attempts} resume commands; "
-                           "handed to Slurm", "job.stuck")
-        return st
 
-    if ph == Phase.DRAIN:
-        if done or now >= m.deadline:
-            if not done:
-                m = replace(m, notes=m.notes + (f"drain of {m.node} not confirmed in {policy.finalize_timeout_s:g}s",))
-            out.add(Shrink(m.id, (m.node,)))
-            return replace(st, migration=_enter(m, Phase.SHRINK, now, now + policy.finalize_timeout_s))
-        return st
+def _paused_step(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool, *,
+                 failed: str, late: str, then: Callable[[], CoordState]) -> CoordState:
+    """DUMP, TRANSFER, RESTORE, KILL_SOURCE: a failure or the deadline rolls back (``failed``:
+    what failed, ``late``: what timed out); ``then`` once every outcome arrived."""
+    if m.failure is not None:
+        return _rollback(out, st, m, now, policy, f"{failed}: {m.failure.why}")
+    if done:
+        return then()
+    if now >= m.deadline:
+        return _rollback(out, st, m, now, policy, late)
+    return st
 
-    if ph == Phase.SHRINK:
-        if done or now >= m.deadline:
-            if not done:
-                m = replace(m, notes=m.notes + (f"shrink not confirmed in {policy.finalize_timeout_s:g}s",))
-            st = replace(st, released=st.released | {m.node},
-                         unprotected=st.unprotected - {m.node})
-            notes = f" ({'; '.join(m.notes)})" if m.notes else ""
-            # Say what happened to the node: a shrink that failed leaves it in the job.
-            kept = any(n.startswith(("shrink failed", "shrink not confirmed")) for n in m.notes)
-            return _finish(out, st, m, now, "completed", policy,
-                           f"{m.id}: moved ranks {list(m.ranks)} from {m.node} to {m.target}; {m.node} drained and "
-                           f"{'kept in the job' if kept else 'released'}{notes}", "migration.completed")
+
+def _on_dump(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+             ) -> CoordState:
+    """Every moved rank dumped (left running, paused): make the images readable on the target."""
+    missing = sorted(set(m.ranks) - set(m.images))
+    return _paused_step(out, st, m, now, policy, done, failed="dump failed",
+                        late=f"dump timed out after {policy.dump_timeout_s:g}s (ranks {missing})",
+                        then=lambda: _start_transfer(out, replace(st, migration=m), m, now, policy))
+
+
+def _on_transfer(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+                 ) -> CoordState:
+    """Every image readable on the target: restore the ranks there (they stay paused, holding)."""
+    def restore() -> CoordState:
+        for r in m.ranks:
+            img = m.transferred[r]
+            out.add(Restore(m.id, r, m.target or "", img.path, img.checksum))
+        return replace(st, migration=_enter(m, Phase.RESTORE, now, now + policy.restore_timeout_s))
+
+    return _paused_step(out, st, m, now, policy, done, failed="transfer failed",
+                        late=f"transfer timed out after {policy.transfer_timeout_s:g}s", then=restore)
+
+
+def _on_restore(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+                ) -> CoordState:
+    """Every rank restored on the target: kill the source copies."""
+    def kill() -> CoordState:
+        out.add(KillSource(m.id, m.node, m.ranks))
+        return replace(st, migration=_enter(m, Phase.KILL_SOURCE, now, now + policy.kill_timeout_s))
+
+    missing = sorted(set(m.ranks) - m.restored)
+    return _paused_step(out, st, m, now, policy, done, failed=f"restore on {m.target} failed",
+                        late=f"restore on {m.target} timed out after {policy.restore_timeout_s:g}s (ranks {missing})",
+                        then=kill)
+
+
+def _on_kill_source(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+                    ) -> CoordState:
+    """The source copies are dead (``done``: ``m.source_killed``): the moved ranks live on the
+    target; every rank rebuilds."""
+    def rebuild() -> CoordState:
+        ranks = {**st.ranks}
+        for r in m.ranks:
+            if r in ranks:
+                ranks[r] = replace(ranks[r], node=m.target or ranks[r].node)
+        moved = replace(st, ranks=ranks)
+        out.add(Resume(m.id, m.generation, _master(moved, None)))
+        m2 = _enter(m, Phase.REBUILD, now, now + policy.rebuild_timeout_s, resumed=frozenset(), resume_attempts=1)
+        return replace(moved, migration=m2)
+
+    return _paused_step(out, st, m, now, policy, done, failed="could not kill the source copies",
+                        late=f"the source copies on {m.node} were not killed within {policy.kill_timeout_s:g}s",
+                        then=rebuild)
+
+
+def _resuming(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+              ) -> CoordState:
+    """REBUILD and ROLLBACK: wait for every rank to resume; ask again, then hand the laggards to Slurm."""
+    ph = m.phase
+    if done:
+        end = m.ready_at if m.ready_at is not None else now
+        since = _stood_still(m)
+        durations = {**m.phase_durations, "paused": _r(max(0.0, end - since)) if since is not None else 0.0}
+        m = replace(m, phase_durations=durations)
+        st = replace(st, generation=max(st.generation, m.generation))
+        if ph == Phase.ROLLBACK:
+            return _finish(out, st, m, now, Result.ROLLED_BACK, policy,
+                           f"{m.id}: rolled back ({m.rollback_reason}); training resumed on {m.node} after "
+                           f"{durations['paused']:.2f}s paused", "migration.rolled_back")
+        out.add(Drain(m.id, m.node, f"torchpass: {m.reason}"))
+        out.event("migration.resumed", f"{m.id}: ranks {list(m.ranks)} resumed on {m.target}; training paused "
+                  f"{durations['paused']:.2f}s", migration=m.id, node=m.node, target=m.target,
+                  phase_durations=durations)
+        return replace(st, migration=_enter(m, Phase.DRAIN, now, now + policy.finalize_timeout_s))
+    if now >= m.deadline:
+        missing = sorted(set(st.ranks) - m.resumed)
+        if m.resume_attempts < policy.max_resume_attempts:
+            if ph == Phase.REBUILD:
+                out.add(Resume(m.id, m.generation, _master(st, None)))
+            else:
+                out.add(ResumeInPlace(m.id, m.generation, _master(st, None), m.rollback_reason or "rollback"))
+            out.event("resume.retried", f"{m.id}: ranks {missing} did not resume; asking again",
+                      migration=m.id, missing=missing)
+            m = replace(m, resume_attempts=m.resume_attempts + 1, deadline=now + policy.rebuild_timeout_s)
+            return replace(st, migration=m)
+        culprits = sorted({st.ranks[r].node for r in missing if r in st.ranks})
+        for node in culprits:
+            if node not in st.handed:
+                out.add(HandToSlurm(node, f"torchpass: ranks on {node} did not resume after migration {m.id}"))
+                st = replace(st, handed=st.handed | {node})
+        st = replace(st, generation=max(st.generation, m.generation))
+        return _finish(out, st, m, now, Result.STUCK, policy,
+                       f"{m.id}: ranks {missing} did not resume after {m.resume_attempts} resume commands; "
+                       "handed to Slurm", "job.stuck")
+    return st
+
+
+def _settled(m: Migration, now: float, policy: CoordinatorPolicy, done: bool, what: str) -> Migration | None:
+    """DRAIN and SHRINK (training runs): ``m`` once confirmed or, noting that ``what`` was not
+    confirmed, once the deadline passed; None while waiting."""
+    if done:
+        return m
+    if now < m.deadline:
+        return None
+    return replace(m, notes=m.notes + (f"{what} not confirmed in {policy.finalize_timeout_s:g}s",))
+
+
+def _on_drain(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+              ) -> CoordState:
+    """Drain confirmed (or not in time): release the node from the job."""
+    m2 = _settled(m, now, policy, done, f"drain of {m.node}")
+    if m2 is None:
         return st
-    raise AssertionError(f"unhandled phase {ph}")  # pragma: no cover
+    out.add(Shrink(m2.id, (m2.node,)))
+    return replace(st, migration=_enter(m2, Phase.SHRINK, now, now + policy.finalize_timeout_s))
+
+
+def _on_shrink(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+               ) -> CoordState:
+    """Shrink confirmed (or not in time): the migration is complete."""
+    m2 = _settled(m, now, policy, done, "shrink")
+    if m2 is None:
+        return st
+    st = replace(st, released=st.released | {m2.node}, unprotected=st.unprotected - {m2.node})
+    notes = f" ({'; '.join(m2.notes)})" if m2.notes else ""
+    # Say what happened to the node: a shrink that failed leaves it in the job.
+    kept = any(n.startswith(("shrink failed", "shrink not confirmed")) for n in m2.notes)
+    return _finish(out, st, m2, now, Result.COMPLETED, policy,
+                   f"{m2.id}: moved ranks {list(m2.ranks)} from {m2.node} to {m2.target}; {m2.node} drained and "
+                   f"{'kept in the job' if kept else 'released'}{notes}", "migration.completed")
+
+
+def _on_rebuild(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+                ) -> CoordState:
+    """Every rank (the moved ones on the target) rebuilds the new generation: then drain the node."""
+    return _resuming(out, st, m, now, policy, done)
+
+
+def _on_rollback(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
+                 ) -> CoordState:
+    """Every rank resumes where it was: the migration ends rolled back."""
+    return _resuming(out, st, m, now, policy, done)
+
+
+# One handler per phase, as in the module docstring (and phases.TRANSITIONS).
+_HANDLERS = {
+    Phase.SPARE: _on_spare,
+    Phase.PAUSE: _on_pause,
+    Phase.DUMP: _on_dump,
+    Phase.TRANSFER: _on_transfer,
+    Phase.RESTORE: _on_restore,
+    Phase.KILL_SOURCE: _on_kill_source,
+    Phase.REBUILD: _on_rebuild,
+    Phase.ROLLBACK: _on_rollback,
+    Phase.DRAIN: _on_drain,
+    Phase.SHRINK: _on_shrink,
+}
 
 
 def _start_transfer(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -972,8 +765,8 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
     m = st.migration
     # Spares that died are never chosen again.
     for sp in st.spares:
-        if sp.status in ("free", "reserved") and st.node_health(sp.node).state == State.FAILED:
-            st = _set_spare(st, sp.node, "lost")
+        if sp.status in (SpareStatus.FREE, SpareStatus.RESERVED) and st.node_health(sp.node).state == State.FAILED:
+            st = _set_spare(st, sp.node, SpareStatus.LOST)
             out.event("spare.lost", f"spare {sp.node} failed ({_health_text(st.node_health(sp.node))})",
                       node=sp.node)
     involved = {m.node, m.target} if m else set()
@@ -995,8 +788,9 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
     return st
 
 
-def _new_migration(st: CoordState, now: float, *, mid: str, node: str, reason: str, trigger: str,
+def _new_migration(st: CoordState, now: float, *, mid: str, node: str, reason: str, trigger: Trigger,
                    detected: float, to: str | None, policy: CoordinatorPolicy) -> Migration:
+    check_transition(mid, None, Phase.SPARE)
     return Migration(
         id=mid, node=node, reason=reason, trigger=trigger, ranks=st.rank_nodes().get(node, ()),
         detected=detected, started=now, phase=Phase.SPARE, phase_started=now,
@@ -1006,8 +800,8 @@ def _new_migration(st: CoordState, now: float, *, mid: str, node: str, reason: s
 
 
 def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
-    if not st.all_registered():
-        return st
+    if not st.all_registered() or st.slurm_down:
+        return st  # a move needs slurmctld (spare, restore step, drain): wait for it
     while st.operator_requests:
         req, rest = st.operator_requests[0], st.operator_requests[1:]
         st = replace(st, operator_requests=rest)
@@ -1015,11 +809,11 @@ def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy
             out.event("migration.rejected", f"{req.id}: {req.node} no longer runs ranks of the job; dropped",
                       migration=req.id, node=req.node)
             continue
-        m = _new_migration(st, now, mid=req.id, node=req.node, reason="operator request", trigger="operator",
+        m = _new_migration(st, now, mid=req.id, node=req.node, reason="operator request", trigger=Trigger.OPERATOR,
                            detected=req.at, to=req.to, policy=policy)
         out.event("migration.started", f"{m.id}: operator asked to move {req.node}"
                   + (f" to {req.to}" if req.to else ""), migration=m.id, node=req.node, to=req.to,
-                  trigger="operator")
+                  trigger=Trigger.OPERATOR)
         return replace(st, migration=m)
     cands = candidates(now, st, policy)
     if not cands:
@@ -1067,6 +861,8 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
     else:
         if not st.all_registered():
             parts.append(f"waiting for ranks to register ({len(st.ranks)}/{st.world_size or '?'})")
+        elif st.slurm_down:
+            parts.append(f"no migration starts while slurmctld is unreachable ({st.slurm_down})")
         else:
             parts.append("no migration needed")
     nodes = st.rank_nodes()
@@ -1086,28 +882,65 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
 # ============================================================================
 # decide
 # ============================================================================
-def decide(now: float, state: CoordState, policy: CoordinatorPolicy) -> Decision:
-    """What to do now. Pure: reads nothing but its arguments."""
-    out = _Out()
-    st = _handle_lost(out, state, now, policy)
+def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    st = state
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
+        # Lost nodes first, and again once a move has ended: its nodes were not handed while involved.
+        lost = _handle_lost(out, st, now, policy)
         if st.migration is None:
-            nxt = _start_next(out, st, now, policy)
-            if nxt is st:
-                break
-            st = nxt
-            continue
-        nxt = _advance(out, st, now, policy)
+            nxt = _start_next(out, lost, now, policy)
+        else:
+            nxt = _advance(out, lost, now, policy)
         if nxt is st:
             break
         st = nxt
+    return st
+
+
+def _recover(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy, exc: IllegalTransition
+             ) -> CoordState:
+    """Production answer to a bug in the core: drop what this call decided, end the migration
+    in flight (rolled back to where the ranks can still resume), and resume every rank."""
+    m = st.migration
+    out.event("migration.illegal_transition", f"torchpass bug: {exc}; "
+              + ("no migration in flight" if m is None else f"abandoning {m.id} and resuming every rank"),
+              migration=exc.migration, src=None if exc.src is None else exc.src.value,
+              dst=None if exc.dst is None else exc.dst.value)
+    if m is None:
+        return st
+    if m.paused:
+        if m.phase == Phase.REBUILD:  # the source copies are gone: the moved ranks resume on the target
+            out.add(Resume(m.id, m.generation, _master(st, None)))
+        else:
+            if m.target is not None and (m.restored or m.phase in (Phase.RESTORE, Phase.KILL_SOURCE)):
+                out.add(AbortRestore(m.id, m.target, tuple(m.ranks)))
+            out.add(ResumeInPlace(m.id, m.generation, _master(st, None), f"illegal transition: {exc}"))
+        st = replace(st, generation=max(st.generation, m.generation))
+    return _finish(out, st, m, now, Result.ABORTED, policy, f"{m.id}: abandoned after a torchpass bug ({exc})",
+                   "migration.aborted", checked=False)
+
+
+def decide(now: float, state: CoordState, policy: CoordinatorPolicy, *, strict: bool | None = None) -> Decision:
+    """What to do now. Pure: reads nothing but its arguments (and, with ``strict`` None,
+    phases.strict_default()). An illegal phase transition raises ``IllegalTransition`` in
+    strict mode; otherwise the migration in flight is abandoned with every rank resumed."""
+    out = _Out()
+    try:
+        st = _step(out, state, now, policy)
+    except IllegalTransition as exc:
+        if strict_default() if strict is None else strict:
+            raise
+        out = _Out()
+        st = _recover(out, state, now, policy, exc)
     return Decision(tuple(out.actions), _reason(now, st, policy), st)
 
 
+# Re-exported for callers that know the core as one module (tests, tpassctl's helpers).
 __all__ = [
-    "Phase", "PAUSED_PHASES", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image", "Failure",
-    "Migration", "MigrationRecord", "CoordState", "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore",
-    "AbortRestore", "KillSource", "Resume", "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event",
-    "Action", "Decision", "decide", "candidates", "stalled_ranks", "check_operator_request", "phase_complete",
-    "spare_usable", "pause_point",
+    "Phase", "PAUSED_PHASES", "Result", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image",
+    "Failure", "Migration", "MigrationRecord", "CoordState", "SpareHow", "SpareStatus", "Trigger",
+    "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
+    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "candidates",
+    "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
+    "IllegalTransition",
 ]

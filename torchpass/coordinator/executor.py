@@ -1,12 +1,23 @@
 """The coordinator's driver and executor: decisions in, real actions out.
 
-``Driver`` keeps the decision state (``decide.CoordState``), applies every
+``Driver`` keeps the decision state (``model.CoordState``), applies every
 input and executor outcome with ``machine.apply``, calls ``decide`` and hands
-the actions to ``Executor``. Everything runs in the coordinator's serve
-thread: handlers call ``Driver.feed``; actions that take time (a CRIU dump
-through tpassd, the restore job step) run in worker threads that only
-``post`` outcomes to a queue, which the serve loop drains (``Driver.pump``).
-So handlers and the decision loop never race.
+the actions (``contract``) to ``Executor``. Everything runs in the
+coordinator's serve thread: handlers call ``Driver.feed``; actions that take
+time (a CRIU dump through tpassd, the restore job step) run in worker
+threads that only ``post`` outcomes to a queue, which the serve loop drains
+(``Driver.pump``). A worker never writes the executor's bookkeeping: the
+serve thread records what an outcome tells the executor (``Executor.observe``:
+a dump's pid, a companion allocation) before ``machine.apply`` sees it, and
+work that must wait for workers (a rollback waiting for the aborts of
+restored copies) waits for an outcome of its own (``AbortsFinished``). So
+handlers, workers and the decision loop never race.
+
+The executor's bookkeeping: ``commands`` (rank -> the command repeated in
+its replies until acknowledged), ``moves`` (migration -> ``Move``: held
+ranks, dump results, restore steps, gates, aborts, a pending rollback) and
+``companions`` (companion allocation -> node). The ranks themselves (node,
+progress) are the decision state's alone (``model.CoordState.ranks``).
 
 How each action is performed (docs/coordinator.md, "Migration end to end"):
 
@@ -21,12 +32,13 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
 * Transfer: ``tpassd.restore`` op verify on the target's tpassd (the image is
   on a shared filesystem: the target checks its manifest and checksum).
 * Restore: ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
-  <job output> --open-mode=append <python> -m tpassd.checkpoint.rankwrap
-  --restore IMAGES``, from the batch host; done when the restore wrapper has
-  recorded the restored rank. The step is started already at PauseAt (the
-  target is known then) behind torchpass.coordinator.restore_gate, which
-  waits for the image path: the step launch overlaps the ranks' way to T and
-  the dump instead of adding to the standstill. A move called off (or sent
+  <job output> --open-mode=append <python> -m torchpass.checkpoint.rankwrap
+  --restore IMAGES`` (``torchpass.slurm.overlap_step_argv``), from the batch
+  host; done when the restore wrapper has recorded the restored rank. The
+  step is started already at PauseAt (the target is known then) behind
+  torchpass.checkpoint.restore_gate, which waits for the image path: the
+  step launch overlaps the ranks' way to T and the dump instead of adding to
+  the standstill. A move called off (or sent
   to another target) cancels the gate.
 * RequestSpare: one node from slurmctld (``salloc --no-shell --exclusive``
   on the job's partition/account/QOS, the job's nodes excluded). "expand":
@@ -35,16 +47,15 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   one-node job of its own, named ``torchpass-spare-J``, whose only step is
   the restore; cancelled when the coordinator exits. The new node's tpassd is
   followed from then on.
-* Drain: torchpass.slurm client. Shrink: ``scontrol update JobId=J
-  NodeList=<the rest>`` only when no step of the job still runs on the node
-  (the source's task wrapper waits for the moved rank's exit code: releasing
-  its node would kill it and fail the step); a companion node is released by
-  cancelling its allocation.
+* Drain, Shrink and every other Slurm query or update: the torchpass.slurm
+  client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
+  no step of the job still runs on the node (the source's task wrapper waits
+  for the moved rank's exit code: releasing its node would kill it and fail
+  the step); a companion node is released by cancelling its allocation.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -54,37 +65,42 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
-from torchpass import auth, zmqio
+from torchpass import auth, layout, zmqio
+from torchpass.checkpoint.restore_gate import write_gate
+from torchpass.coordinator import contract as ct
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
+from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.restore_gate import write_gate
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
+from torchpass.ports import TPASSD_CONTROL_PORT
+from torchpass.slurm.base import SlurmClient, SpareRequest, overlap_step_argv
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
-TPASSD_CONTROL_PORT = 7718
-TPASSD_PUB_PORT = 7717
 RESTORE_STEP_NAME = "torchpass-restore-"  # job name of restore steps (-J torchpass-restore-RANK)
 RESTORE_STEP_END_GRACE_S = 10.0
 # How long a rollback waits for a called-off restore step (srun ending it, with the copy)
 ABORT_WAIT_S = 15.0
+# The programs a restore step runs (python -m ...): the restore wrapper, and the gate in front of it.
+RANKWRAP_MODULE = "torchpass.checkpoint.rankwrap"
+RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
+# A paused rank waits at most policy.max_pause_s() + this for its resume (the coordinator ends every
+# pause well before; docs/coordinator.md, "Never left paused"): the pause command's deadline_s.
+HOLD_MARGIN_S = 60.0
 
 
-def rank_state_dir(state_dir: str | os.PathLike, job_id: int) -> Path:
-    """Where rankwrap keeps the job's rank records (shared by every node of the job)."""
-    return Path(state_dir) / "jobs" / str(job_id) / "ranks"
-
-
-def hold_file(state_dir: str | os.PathLike, job_id: int, migration: str, rank: int) -> Path:
-    return Path(state_dir) / "jobs" / str(job_id) / "hold" / f"{migration}.rank{rank}"
+def hold_deadline_s(policy: CoordinatorPolicy) -> float:
+    """How long a paused rank may wait for its resume: 3630 s with the default policy."""
+    return policy.max_pause_s() + HOLD_MARGIN_S
 
 
 def resume_port(job_id: int, generation: int, ports: tuple[int, int]) -> int:
@@ -109,6 +125,39 @@ class TpassdClient:
                              auth=auth.credential_for(type_, body, node, self.munge_socket))
 
 
+# ============================================================================
+# The executor's bookkeeping
+# ============================================================================
+class Gate(NamedTuple):
+    """A restore step started at PauseAt, waiting at its gate for the image."""
+
+    target: str
+    proc: subprocess.Popen
+    go: Path  # the gate file (layout.restore_go_file)
+    started: float  # time.monotonic() at launch
+
+
+@dataclass
+class Move:
+    """What the executor keeps about one migration (``Executor.moves[migration]``)."""
+
+    hold: tuple[int, ...] = ()  # ranks told to hold after quiescing (PauseAt.hold_ranks)
+    dumps: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> tpassd's dump result (pid, images)
+    gates: dict[int, Gate] = field(default_factory=dict)  # rank -> restore step waiting at its gate
+    restores: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> restore step running
+    aborts: list[threading.Thread] = field(default_factory=list)  # AbortRestore workers of restored copies
+    rollback: tuple[ct.ResumeInPlace, tuple[int, ...], str | None] | None = None  # waits for ``aborts``
+
+
+@dataclass(frozen=True)
+class AbortsFinished:
+    """Executor-internal outcome: every abort of ``migration``'s restored copies has ended
+    (or given up), so its pending rollback may release the source copies."""
+
+    migration: str
+
+
+# ============================================================================
 class Executor:
     """Performs decide's actions; outcomes go to ``post`` (thread-safe)."""
 
@@ -120,7 +169,7 @@ class Executor:
         post: Callable[[Any], None],
         policy: CoordinatorPolicy,
         tpassd: TpassdClient | None = None,
-        slurm: Any = None,
+        slurm: SlurmClient | None = None,
         address_of: Callable[[str], str] = socket.gethostbyname,
         wall: Callable[[], float] = time.time,
         python: str = sys.executable,
@@ -139,19 +188,20 @@ class Executor:
         self.wall = wall
         self.python = python
         self.srun = srun
-        self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
-        self.hold_ranks: dict[str, tuple[int, ...]] = {}  # migration -> ranks told to hold
-        self.source_pids: dict[tuple[str, int], dict[str, Any]] = {}  # (migration, rank) -> dump result
-        self.restores: dict[tuple[str, int], subprocess.Popen] = {}
-        # Restore steps started at PauseAt, waiting at their gate: (migration, rank) ->
-        # (target, process, gate file, started at)
-        self.prelaunch_restore = prelaunch_restore
-        self.gates: dict[tuple[str, int], tuple[str, subprocess.Popen, Path, float]] = {}
-        self._output: str | None = None
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
+        self.prelaunch_restore = prelaunch_restore
+        self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
+        self.moves: dict[str, Move] = {}
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
-        self.aborting: dict[str, list[threading.Thread]] = {}  # migration -> abort threads of restored copies
-        self._lock = threading.Lock()
+        self._output: str | None = None  # the job's stdout file (cached)
+
+    def move(self, migration: str) -> Move:
+        return self.moves.setdefault(migration, Move())
+
+    @property
+    def rank_dir(self) -> Path:
+        """Where the rank wrappers keep the job's rank records (shared by every node of the job)."""
+        return layout.rank_records_dir(self.state_dir, self.job_id)
 
     # --- rank commands -----------------------------------------------------------------------
     def command_for(self, rank: int) -> dict[str, Any] | None:
@@ -166,23 +216,52 @@ class Executor:
         del self.commands[rank]
 
     def _hold(self, migration: str, rank: int) -> Path:
-        return hold_file(self.state_dir, self.job_id, migration, rank)
+        return layout.hold_file(self.state_dir, self.job_id, migration, rank)
 
     def _release(self, migration: str) -> None:
-        for r in self.hold_ranks.get(migration, ()):
+        for r in self.move(migration).hold:
             p = self._hold(migration, r)
             p.parent.mkdir(parents=True, exist_ok=True)
             p.touch()
 
-    def _resume_cmd(self, ranks, generation: int, master: str) -> None:
+    def _resume_command(self, generation: int, master: str) -> dict[str, Any]:
         addr = self.address_of(master) if master else "127.0.0.1"
-        cmd = {"command": "resume", "generation": generation, "master_addr": addr,
-               "master_port": resume_port(self.job_id, generation, self.policy.rendezvous_port_range())}
+        return {"command": "resume", "generation": generation, "master_addr": addr,
+                "master_port": resume_port(self.job_id, generation, self.policy.rendezvous_port_range())}
+
+    def _resume_cmd(self, ranks, generation: int, master: str) -> None:
+        cmd = self._resume_command(generation, master)
         for r in ranks:
             self.commands[r] = dict(cmd)
 
+    # --- outcomes, seen in the serve thread ----------------------------------------------------
+    def observe(self, outcome: Any) -> bool:
+        """Record what a worker's outcome tells the executor (serve thread, before machine.apply).
+        True: the outcome was the executor's own (``AbortsFinished``), not one for machine.apply."""
+        if isinstance(outcome, ct.SnapshotDone) and outcome.result:
+            self.move(outcome.migration).dumps[outcome.rank] = dict(outcome.result)
+        elif isinstance(outcome, ct.SpareGranted):
+            if outcome.how == SpareHow.COMPANION and outcome.allocation is not None:
+                self.companions[outcome.allocation] = outcome.node
+            if self.follow is not None:
+                try:
+                    self.follow(outcome.node)
+                except (OSError, TorchpassError) as exc:
+                    log.warning("cannot follow the new spare's health", node=outcome.node, error=str(exc))
+        elif isinstance(outcome, ct.Shrunk):
+            for alloc in [a for a, n in self.companions.items() if n in outcome.nodes]:
+                del self.companions[alloc]
+        elif isinstance(outcome, AbortsFinished):
+            mv = self.moves.get(outcome.migration)
+            if mv is not None and mv.rollback is not None:
+                a, ranks, node = mv.rollback
+                mv.rollback = None
+                self._resume_in_place(a, ranks, node)
+            return True
+        return False
+
     # --- dispatch ----------------------------------------------------------------------------
-    def perform(self, action: Any, state: dc.CoordState) -> None:
+    def perform(self, action: Any, state: CoordState) -> None:
         name = type(action).__name__
         try:
             getattr(self, f"_do_{name}")(action, state)
@@ -192,13 +271,13 @@ class Executor:
 
     def _fail(self, a: Any, why: str) -> None:
         fails = {
-            dc.Snapshot: lambda: mc.SnapshotFailed(a.migration, a.rank, why),
-            dc.Transfer: lambda: mc.TransferFailed(a.migration, a.rank, a.target, why),
-            dc.Restore: lambda: mc.RestoreFailed(a.migration, a.rank, a.target, why),
-            dc.KillSource: lambda: mc.KillFailed(a.migration, a.node, why),
-            dc.Drain: lambda: mc.DrainFailed(a.migration, a.node, why),
-            dc.Shrink: lambda: mc.ShrinkFailed(a.migration, why),
-            dc.RequestSpare: lambda: mc.SpareUnavailable(a.migration, a.strategy, why),
+            ct.Snapshot: lambda: ct.SnapshotFailed(a.migration, a.rank, why),
+            ct.Transfer: lambda: ct.TransferFailed(a.migration, a.rank, a.target, why),
+            ct.Restore: lambda: ct.RestoreFailed(a.migration, a.rank, a.target, why),
+            ct.KillSource: lambda: ct.KillFailed(a.migration, a.node, why),
+            ct.Drain: lambda: ct.DrainFailed(a.migration, a.node, why),
+            ct.Shrink: lambda: ct.ShrinkFailed(a.migration, why),
+            ct.RequestSpare: lambda: ct.SpareUnavailable(a.migration, a.strategy, why),
         }
         f = fails.get(type(a))
         if f is not None:
@@ -210,31 +289,29 @@ class Executor:
         return t
 
     # --- actions -------------------------------------------------------------------------------
-    def _do_Event(self, a: dc.Event, st: dc.CoordState) -> None:
+    def _do_Event(self, a: ct.Event, st: CoordState) -> None:
         self.job.record(self.wall(), a.kind, a.message, **a.data)
         log.info("event", kind=a.kind, message=a.message)
         self.save_events()
 
     def save_events(self) -> None:
         """STATE_DIR/jobs/J/events.json: the event log outlives the coordinator (tpassctl, tests)."""
-        d = self.state_dir / "jobs" / str(self.job_id)
+        path = layout.events_json(self.state_dir, self.job_id)
         try:
-            tmp = d / f".events.json.{os.getpid()}"
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps([e.as_dict() for e in self.job.events]))
-            os.replace(tmp, d / "events.json")
+            os.replace(tmp, path)
         except OSError as exc:
             log.warning("cannot save the event log", error=str(exc))
 
-    def spare_request(self, a: dc.RequestSpare, st: dc.CoordState) -> Any:
-        """The salloc request for a spare: same partition/account/QOS as the job, none of its nodes."""
-        from torchpass.slurm import SpareRequest
-
+    def spare_request(self, a: ct.RequestSpare, st: CoordState, companions: Collection[str] = ()
+                      ) -> SpareRequest:
+        """The salloc request for a spare: same partition/account/QOS as the job, none of its nodes
+        (nor the spares and companion nodes it has)."""
         info = self.slurm.job(self.job_id)
         if info is None or not info.active:
             raise SlurmError(f"job {self.job_id} is {'gone' if info is None else info.state}")
-        with self._lock:
-            companions = set(self.companions.values())
-        exclude = sorted(set(info.nodes) | {s.node for s in st.spares} | companions)
+        exclude = sorted(set(info.nodes) | {s.node for s in st.spares} | set(companions))
         limit = None
         if info.end_time is not None:
             limit = max(1, int((info.end_time - self.wall()) // 60) + 1)  # never outlive the job
@@ -243,43 +320,36 @@ class Executor:
             comment=f"torchpass: {a.strategy} spare for job {self.job_id} ({a.migration}, replacing {a.for_node})",
             exclude=tuple(exclude), partition=info.partition, account=info.account, qos=info.qos,
             time_limit_min=limit, immediate_s=max(1, int(min(self.policy.spare_timeout_s, 60.0))),
-            expand=a.strategy == "expand",
+            expand=a.strategy == SpareHow.EXPAND,
         )
 
-    def _do_RequestSpare(self, a: dc.RequestSpare, st: dc.CoordState) -> None:
-        if a.strategy not in ("expand", "companion"):
-            self.post(mc.SpareUnavailable(a.migration, a.strategy, f"unknown spare strategy {a.strategy!r}"))
+    def _do_RequestSpare(self, a: ct.RequestSpare, st: CoordState) -> None:
+        if a.strategy not in (SpareHow.EXPAND, SpareHow.COMPANION):
+            self.post(ct.SpareUnavailable(a.migration, a.strategy, f"unknown spare strategy {a.strategy!r}"))
             return
         if self.slurm is None:
-            self.post(mc.SpareUnavailable(a.migration, a.strategy, "no Slurm client"))
+            self.post(ct.SpareUnavailable(a.migration, a.strategy, "no Slurm client"))
             return
+        companions = set(self.companions.values())
 
         def run() -> None:
             t0 = time.monotonic()
             try:
-                req = self.spare_request(a, st)
+                req = self.spare_request(a, st, companions)
                 alloc, node = self.slurm.allocate(req)
-                if a.strategy == "expand":
+                if a.strategy == SpareHow.EXPAND:
                     try:
                         self.slurm.merge_into(alloc, self.job_id)
                     except TorchpassError:
                         self._cancel(alloc)
                         raise
-                else:
-                    with self._lock:
-                        self.companions[alloc] = node
             except TorchpassError as exc:
                 log.warning("no spare from slurmctld", strategy=a.strategy, migration=a.migration, error=str(exc))
-                self.post(mc.SpareUnavailable(a.migration, a.strategy, str(exc)))
+                self.post(ct.SpareUnavailable(a.migration, a.strategy, str(exc)))
                 return
             log.info("spare obtained from slurmctld", strategy=a.strategy, node=node, allocation=alloc,
                      job_id=self.job_id, seconds=round(time.monotonic() - t0, 3))
-            if self.follow is not None:
-                try:
-                    self.follow(node)
-                except (OSError, TorchpassError) as exc:
-                    log.warning("cannot follow the new spare's health", node=node, error=str(exc))
-            self.post(mc.SpareGranted(a.migration, node, a.strategy, allocation=alloc))
+            self.post(ct.SpareGranted(a.migration, node, a.strategy, allocation=alloc))
 
         self._thread(run, f"spare-{a.strategy}")
 
@@ -289,10 +359,14 @@ class Executor:
         except TorchpassError as exc:
             log.warning("could not cancel a spare allocation", allocation=alloc, error=str(exc))
 
-    def _do_PauseAt(self, a: dc.PauseAt, st: dc.CoordState) -> None:
-        self.hold_ranks[a.migration] = tuple(a.hold_ranks)
+    def _do_PauseAt(self, a: ct.PauseAt, st: CoordState) -> None:
+        self.move(a.migration).hold = tuple(a.hold_ranks)
+        # What a rank does if no resume comes within deadline_s (the coordinator died): the
+        # rollback's own resume in place (docs/coordinator.md, "Never left paused").
+        fallback = self._resume_command(a.generation, dc.in_place_master(st))
         for r in st.ranks:
-            cmd = {"command": "pause", "at": a.at, "generation": a.generation}
+            cmd = {"command": "pause", "at": a.at, "generation": a.generation,
+                   "deadline_s": hold_deadline_s(self.policy), "fallback": dict(fallback)}
             if r in a.hold_ranks:
                 p = self._hold(a.migration, r)
                 p.parent.mkdir(parents=True, exist_ok=True)
@@ -307,25 +381,24 @@ class Executor:
             for r in a.hold_ranks:
                 self._prelaunch(a.migration, r, m.target, st)
 
-    def _do_Snapshot(self, a: dc.Snapshot, st: dc.CoordState) -> None:
+    def _do_Snapshot(self, a: ct.Snapshot, st: CoordState) -> None:
         gen = st.migration.generation if st.migration else st.generation + 1
         body = {"job_id": self.job_id, "rank": a.rank, "generation": gen, "op": "dump",
-                "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}
+                "rank_dir": str(self.rank_dir)}
 
         def run() -> None:
             try:
                 res = self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.dump_timeout_s)
             except TorchpassError as exc:
-                self.post(mc.SnapshotFailed(a.migration, a.rank, str(exc)))
+                self.post(ct.SnapshotFailed(a.migration, a.rank, str(exc)))
                 return
-            self.source_pids[(a.migration, a.rank)] = res
             durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
             durations["image_mb"] = round(res.get("bytes", 0) / 1e6, 1)
-            self.post(mc.SnapshotDone(a.migration, a.rank, res["images"], res["checksum"], durations))
+            self.post(ct.SnapshotDone(a.migration, a.rank, res["images"], res["checksum"], durations, result=res))
 
         self._thread(run, f"snapshot-{a.rank}")
 
-    def _do_Transfer(self, a: dc.Transfer, st: dc.CoordState) -> None:
+    def _do_Transfer(self, a: ct.Transfer, st: CoordState) -> None:
         body = {"job_id": self.job_id, "rank": a.rank, "op": "verify", "images": a.image, "checksum": a.checksum}
 
         def run() -> None:
@@ -333,12 +406,12 @@ class Executor:
             try:
                 self.tpassd.request(a.target, "tpassd.restore", body, self.policy.transfer_timeout_s)
             except RemoteError as exc:
-                self.post(mc.TransferFailed(a.migration, a.rank, a.target, str(exc)))
+                self.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
                 return
             except TorchpassError as exc:  # the target's tpassd does not answer: the target is lost
-                self.post(mc.TransferFailed(a.migration, a.rank, a.target, str(exc), target_lost=True))
+                self.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc), target_lost=True))
                 return
-            self.post(mc.TransferDone(a.migration, a.rank, a.target, a.image, a.checksum,
+            self.post(ct.TransferDone(a.migration, a.rank, a.target, a.image, a.checksum,
                                       {"verify_s": round(time.monotonic() - t0, 4)}))
 
         self._thread(run, f"transfer-{a.rank}")
@@ -347,43 +420,40 @@ class Executor:
         """The job's stdout file (where the restored rank's lines go)."""
         if self._output is None:
             path = ""
-            try:
-                out = subprocess.run(["scontrol", "show", "job", str(self.job_id), "--json"], capture_output=True,
-                                     text=True, timeout=15)
-                jobs = json.loads(out.stdout or "{}").get("jobs", [])
-                path = jobs[0].get("standard_output", "") if jobs else ""
-            except (OSError, ValueError, subprocess.SubprocessError):
-                path = ""
-            self._output = path or str(self.state_dir / "jobs" / str(self.job_id) / "restored-ranks.out")
+            if self.slurm is not None:
+                try:
+                    info = self.slurm.job(self.job_id)
+                    path = info.output if info is not None else ""
+                except (OSError, TorchpassError) as exc:
+                    log.warning("cannot read the job's output file from Slurm", error=str(exc))
+            self._output = path or str(layout.restored_ranks_out(self.state_dir, self.job_id))
         return self._output
 
-    def restore_err(self, a: dc.Restore) -> Path:
+    def restore_err(self, a: ct.Restore) -> Path:
         """srun's stderr plus the restore wrapper's reason for failing: the rollback event quotes its
         tail (the wrapper's own stderr goes to the job's output with the restored rank's)."""
-        return self.state_dir / "jobs" / str(self.job_id) / f"restore-{a.migration}-rank{a.rank}.err"
+        return layout.restore_error_file(self.state_dir, self.job_id, a.migration, a.rank)
 
-    def restore_argv(self, a: dc.Restore, jobid: int | None = None, gate: Path | None = None) -> list[str]:
+    def restore_argv(self, a: ct.Restore, jobid: int | None = None, gate: Path | None = None) -> list[str]:
         """The restore step: in the job itself, or in the companion allocation that holds the target.
         With ``gate``: the step waits for the image path in that file (restore_gate)."""
         if gate is None:
-            prog = ["-m", "tpassd.checkpoint.rankwrap", "--restore", a.image]
+            prog = ["-m", RANKWRAP_MODULE, "--restore", a.image]
         else:
             p = self.policy
             wait = (p.pause_timeout_s * (1 + p.max_pause_rearms) + p.dump_timeout_s
                     + p.transfer_timeout_s * p.max_spare_attempts + 60.0)
-            prog = ["-m", "torchpass.coordinator.restore_gate", str(gate), f"{wait:g}", "--"]
-        return [self.srun, f"--jobid={jobid or self.job_id}", "--overlap", "-w", a.target, "-N1", "-n1",
-                "--torchpass=off", "-o", self.job_output(), "--open-mode=append", "-J", f"{RESTORE_STEP_NAME}{a.rank}",
-                self.python, *prog,
-                "--state-dir", str(rank_state_dir(self.state_dir, self.job_id)),
-                "--error-file", str(self.restore_err(a))]
+            prog = ["-m", RESTORE_GATE_MODULE, str(gate), f"{wait:g}", "--"]
+        step = overlap_step_argv(self.srun, jobid or self.job_id, a.target, name=f"{RESTORE_STEP_NAME}{a.rank}",
+                                 output=self.job_output())
+        return [*step, self.python, *prog, "--state-dir", str(self.rank_dir), "--error-file", str(self.restore_err(a))]
 
     def gate_file(self, migration: str, rank: int) -> Path:
-        return self.state_dir / "jobs" / str(self.job_id) / f"restore-{migration}-rank{rank}.go"
+        return layout.restore_go_file(self.state_dir, self.job_id, migration, rank)
 
-    def _spawn_restore(self, a: dc.Restore, st: dc.CoordState, gate: Path | None = None) -> subprocess.Popen:
+    def _spawn_restore(self, a: ct.Restore, st: CoordState, gate: Path | None = None) -> subprocess.Popen:
         sp = st.spare(a.target)
-        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == "companion" else None, gate)
+        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == SpareHow.COMPANION else None, gate)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
         errf = self.restore_err(a)
@@ -393,29 +463,30 @@ class Executor:
         log.info("restore step launched", rank=a.rank, target=a.target, argv=argv, gated=gate is not None)
         return proc
 
-    def _prelaunch(self, migration: str, rank: int, target: str, st: dc.CoordState) -> None:
+    def _prelaunch(self, migration: str, rank: int, target: str, st: CoordState) -> None:
         """Start ``rank``'s restore step on ``target`` now; it waits at its gate for the images."""
-        old = self.gates.get((migration, rank))
+        gates = self.move(migration).gates
+        old = gates.get(rank)
         if old is not None:
-            if old[0] == target and old[1].poll() is None:
+            if old.target == target and old.proc.poll() is None:
                 return  # a re-arm: the step already waits
-            self._stop_gate(self.gates.pop((migration, rank)))
+            self._stop_gate(gates.pop(rank))
         go = self.gate_file(migration, rank)
         go.parent.mkdir(parents=True, exist_ok=True)
         try:
             go.unlink()
         except FileNotFoundError:
             pass
-        proc = self._spawn_restore(dc.Restore(migration, rank, target, "", ""), st, gate=go)
-        self.gates[(migration, rank)] = (target, proc, go, time.monotonic())
+        proc = self._spawn_restore(ct.Restore(migration, rank, target, "", ""), st, gate=go)
+        gates[rank] = Gate(target, proc, go, time.monotonic())
 
-    def _stop_gate(self, gate: tuple[str, subprocess.Popen, Path, float]) -> None:
+    def _stop_gate(self, gate: Gate) -> None:
         """Call off a waiting restore step: it exits 0 at its gate (killed if it does not)."""
-        _target, proc, go, _t = gate
         try:
-            write_gate(go, "cancel")
+            write_gate(gate.go, "cancel")
         except OSError:
             pass
+        proc = gate.proc
 
         def run() -> None:
             try:
@@ -429,25 +500,27 @@ class Executor:
 
         self._thread(run, "gate-cancel")
 
-    def _cancel_gates(self, migration: str | None = None) -> None:
-        for key in [k for k in self.gates if migration is None or k[0] == migration]:
-            self._stop_gate(self.gates.pop(key))
+    def _cancel_gates(self, migration: str) -> None:
+        gates = self.move(migration).gates
+        while gates:
+            self._stop_gate(gates.pop(next(iter(gates))))
 
-    def _do_Restore(self, a: dc.Restore, st: dc.CoordState) -> None:
-        rec_path = rank_state_dir(self.state_dir, self.job_id) / f"job{self.job_id}" / f"rank{a.rank}.json"
+    def _do_Restore(self, a: ct.Restore, st: CoordState) -> None:
+        rec_path = layout.rank_record(self.rank_dir, self.job_id, a.rank)
         errf = self.restore_err(a)
-        gate = self.gates.pop((a.migration, a.rank), None)
+        mv = self.move(a.migration)
+        gate = mv.gates.pop(a.rank, None)
         t0 = time.monotonic()
-        if gate is not None and gate[0] == a.target and gate[1].poll() is None:
-            proc = gate[1]
-            write_gate(gate[2], f"restore {a.image}")
+        if gate is not None and gate.target == a.target and gate.proc.poll() is None:
+            proc = gate.proc
+            write_gate(gate.go, f"restore {a.image}")
             log.info("restore step released at its gate", rank=a.rank, target=a.target,
-                     waited_s=round(t0 - gate[3], 3))
+                     waited_s=round(t0 - gate.started, 3))
         else:
             if gate is not None:
                 self._stop_gate(gate)
             proc = self._spawn_restore(a, st)
-        self.restores[(a.migration, a.rank)] = proc
+        mv.restores[a.rank] = proc
 
         def run() -> None:
             while True:
@@ -456,32 +529,32 @@ class Executor:
                 except (OSError, ValueError):
                     rec = {}
                 if rec.get("restored_from") == a.image:
-                    self.post(mc.RestoreDone(a.migration, a.rank, a.target, {
+                    self.post(ct.RestoreDone(a.migration, a.rank, a.target, {
                         "step_s": round(time.monotonic() - t0, 4), "criu_restore_s": rec.get("restore_s", 0.0)}))
                     return
                 rc = proc.poll()
                 if rc is not None:
                     tail = " | ".join(errf.read_text(errors="replace").strip().splitlines()[-4:]) if errf.exists() else ""
-                    self.post(mc.RestoreFailed(a.migration, a.rank, a.target,
+                    self.post(ct.RestoreFailed(a.migration, a.rank, a.target,
                                                f"restore step exited {rc} before the rank was restored: {tail}"))
                     return
                 time.sleep(0.01)
 
         self._thread(run, f"restore-{a.rank}")
 
-    def _do_AbortRestore(self, a: dc.AbortRestore, st: dc.CoordState) -> None:
+    def _do_AbortRestore(self, a: ct.AbortRestore, st: CoordState) -> None:
         self._cancel_gates(a.migration)
-        aborts = self.aborting.setdefault(a.migration, [])
+        mv = self.move(a.migration)
         for r in a.ranks:
-            proc = self.restores.pop((a.migration, r), None)
-            res = self.source_pids.get((a.migration, r)) or {}
+            proc = mv.restores.pop(r, None)
+            res = mv.dumps.get(r) or {}
 
             def run(proc=proc, r=r, images=res.get("images")) -> None:
                 if images:
                     try:
                         self.tpassd.request(a.target, "tpassd.restore",
                                             {"job_id": self.job_id, "rank": r, "op": "abort", "images": images,
-                                             "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}, 10.0)
+                                             "rank_dir": str(self.rank_dir)}, 10.0)
                     except TorchpassError as exc:
                         log.warning("abort of a restored rank failed", rank=r, target=a.target, error=str(exc))
                 if proc is not None and proc.poll() is None:
@@ -495,73 +568,79 @@ class Executor:
                         log.warning("the called-off restore step did not end", rank=r, target=a.target,
                                     waited_s=ABORT_WAIT_S)
 
-            aborts.append(self._thread(run, f"abort-{r}"))
+            mv.aborts.append(self._thread(run, f"abort-{r}"))
 
-    def _do_KillSource(self, a: dc.KillSource, st: dc.CoordState) -> None:
+    def _do_KillSource(self, a: ct.KillSource, st: CoordState) -> None:
+        dumps = {r: self.move(a.migration).dumps.get(r) for r in a.ranks}
+
         def run() -> None:
             for r in a.ranks:
-                res = self.source_pids.get((a.migration, r))
+                res = dumps[r]
                 if res is None:
-                    self.post(mc.KillFailed(a.migration, a.node, f"no dump record of rank {r}"))
+                    self.post(ct.KillFailed(a.migration, a.node, f"no dump record of rank {r}"))
                     return
                 body = {"job_id": self.job_id, "rank": r, "op": "kill", "pid": int(res["pid"]),
-                        "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}
+                        "rank_dir": str(self.rank_dir)}
                 try:
                     self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.kill_timeout_s)
                 except TorchpassError as exc:
-                    self.post(mc.KillFailed(a.migration, a.node, str(exc)))
+                    self.post(ct.KillFailed(a.migration, a.node, str(exc)))
                     return
-            self.post(mc.SourceKilled(a.migration, a.node))
+            self.post(ct.SourceKilled(a.migration, a.node))
 
         self._thread(run, "kill-source")
 
-    def _do_Resume(self, a: dc.Resume, st: dc.CoordState) -> None:
+    def _do_Resume(self, a: ct.Resume, st: CoordState) -> None:
         # The source copies are dead: the hold files now wake only the restored ranks.
         self._resume_cmd(st.ranks, a.generation, a.master)
         self._release(a.migration)
         self._cancel_gates(a.migration)
 
-    def _do_ResumeInPlace(self, a: dc.ResumeInPlace, st: dc.CoordState) -> None:
+    def _do_ResumeInPlace(self, a: ct.ResumeInPlace, st: CoordState) -> None:
         self._cancel_gates(a.migration)
         node = st.migration.node if st.migration is not None else None
-        aborts = self.aborting.get(a.migration, [])
+        mv = self.move(a.migration)
+        aborts = list(mv.aborts)
         if any(t.is_alive() for t in aborts):
             # A restored copy on the target also waits at the rank's hold file (it is
             # the same process image). Releasing the hold and sending the resume before
             # that copy is dead would let it rejoin the rendezvous as the rank alongside
             # the source copy (and then die): the group would hang. So the source copy
-            # resumes only once every abort of this migration has finished.
-            def later() -> None:
+            # resumes only once every abort of this migration has finished: a worker
+            # waits for them and posts AbortsFinished, on which observe() resumes.
+            mv.rollback = (a, tuple(st.ranks), node)
+
+            def wait() -> None:
                 for t in aborts:
                     t.join(ABORT_WAIT_S + 15.0)
-                self._resume_in_place(a, st, node)
+                self.post(AbortsFinished(a.migration))
 
-            self._thread(later, f"rollback-{a.migration}")
+            self._thread(wait, f"rollback-{a.migration}")
             return
-        self._resume_in_place(a, st, node)
+        self._resume_in_place(a, tuple(st.ranks), node)
 
-    def _resume_in_place(self, a: dc.ResumeInPlace, st: dc.CoordState, node: str | None) -> None:
-        self.aborting.pop(a.migration, None)
-        self._resume_cmd(st.ranks, a.generation, a.master)
-        held = self.hold_ranks.get(a.migration, ())
-        if node and held and self.tpassd is not None:
-            for r in held:  # the hand-off is off: a later death of the source copy is a real failure
+    def _resume_in_place(self, a: ct.ResumeInPlace, ranks: tuple[int, ...], node: str | None) -> None:
+        mv = self.move(a.migration)
+        mv.aborts = []
+        self._resume_cmd(ranks, a.generation, a.master)
+        if node and mv.hold and self.tpassd is not None:
+            for r in mv.hold:  # the hand-off is off: a later death of the source copy is a real failure
                 try:
                     self.tpassd.request(node, "tpassd.snapshot",
                                         {"job_id": self.job_id, "rank": r, "op": "abort",
-                                         "rank_dir": str(rank_state_dir(self.state_dir, self.job_id))}, 5.0)
+                                         "rank_dir": str(self.rank_dir)}, 5.0)
                 except TorchpassError as exc:
                     log.warning("could not mark the hand-off aborted", rank=r, node=node, error=str(exc))
         self._release(a.migration)
 
-    def _do_Drain(self, a: dc.Drain, st: dc.CoordState) -> None:
+    def _do_Drain(self, a: ct.Drain, st: CoordState) -> None:
         def run() -> None:
             try:
                 self.slurm.drain(a.node, a.reason)
             except TorchpassError as exc:
-                self.post(mc.DrainFailed(a.migration, a.node, str(exc)))
+                self.post(ct.DrainFailed(a.migration, a.node, str(exc)))
                 return
-            self.post(mc.Drained(a.migration, a.node))
+            self.post(ct.Drained(a.migration, a.node))
 
         self._thread(run, "drain")
 
@@ -586,7 +665,7 @@ class Executor:
                         "the step, so it stays in the job until the step ends")
         return None
 
-    def _do_Shrink(self, a: dc.Shrink, st: dc.CoordState) -> None:
+    def _do_Shrink(self, a: ct.Shrink, st: CoordState) -> None:
         spares = {n: st.spare(n) for n in a.nodes}
 
         def run() -> None:
@@ -595,11 +674,10 @@ class Executor:
             try:
                 for node in a.nodes:
                     sp = spares[node]
-                    if sp is not None and sp.how == "companion" and sp.allocation is not None:
-                        # A companion's only step was the restore, which ended when the rank moved on.
+                    if sp is not None and sp.how == SpareHow.COMPANION and sp.allocation is not None:
+                        # A companion's only step was the restore, which ended when the rank moved on
+                        # (observe() forgets the allocation when Shrunk arrives).
                         self._cancel(sp.allocation)
-                        with self._lock:
-                            self.companions.pop(sp.allocation, None)
                         released.append(node)
                         continue
                     blocker = self.shrink_blocker(node)
@@ -621,33 +699,38 @@ class Executor:
                 why.append(str(exc))
             if why:
                 log.info("node kept in the job", nodes=list(a.nodes), why="; ".join(why))
-                self.post(mc.ShrinkFailed(a.migration, "; ".join(why)))
+                self.post(ct.ShrinkFailed(a.migration, "; ".join(why)))
             else:
                 log.info("node released from the job", nodes=released, job_id=self.job_id)
-                self.post(mc.Shrunk(a.migration, tuple(released)))
+                self.post(ct.Shrunk(a.migration, tuple(released)))
 
         self._thread(run, "shrink")
 
-    def _do_HandToSlurm(self, a: dc.HandToSlurm, st: dc.CoordState) -> None:
+    def _do_HandToSlurm(self, a: ct.HandToSlurm, st: CoordState) -> None:
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
 
+    def steps(self) -> list[subprocess.Popen]:
+        """Every restore step this executor started (at a gate or restoring)."""
+        return [p for mv in self.moves.values() for p in [*(g.proc for g in mv.gates.values()),
+                                                          *mv.restores.values()]]
+
     def close(self) -> None:
-        for _target, proc, go, _t in self.gates.values():
-            try:
-                write_gate(go, "cancel")
-            except OSError:
-                pass
-            self.restores.setdefault(("gate", proc.pid), proc)
-        self.gates = {}
-        for proc in self.restores.values():
+        for mv in self.moves.values():
+            for rank, gate in list(mv.gates.items()):
+                try:
+                    write_gate(gate.go, "cancel")
+                except OSError:
+                    pass
+                mv.restores.setdefault(-1 - rank, gate.proc)  # ended below like the others
+            mv.gates = {}
+        for proc in self.steps():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         # Companion allocations live only as long as the coordinator (the job).
-        with self._lock:
-            companions, self.companions = dict(self.companions), {}
+        companions, self.companions = dict(self.companions), {}
         for alloc, node in companions.items():
             log.info("cancelling companion spare allocation", allocation=alloc, node=node)
             self._cancel(alloc)
@@ -661,7 +744,7 @@ class Driver:
         self.job = job
         self.policy = policy
         self.clock = clock
-        self.state = dc.CoordState(job_id=job.job_id)
+        self.state = CoordState(job_id=job.job_id)
         self.reasons = mc.ReasonLog()
         self.queue: queue.Queue = queue.Queue()
         self.executor = executor
@@ -669,7 +752,7 @@ class Driver:
         self._fed_health: dict[str, tuple] = {}
         self._next_decide = 0.0
         for s in spares:
-            self.state = mc.apply(self.state, mc.SpareAdded(s, "hot"), clock())
+            self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
 
     def post(self, outcome: Any) -> None:
         """Thread-safe: queue an outcome for the serve thread."""
@@ -695,42 +778,45 @@ class Driver:
     def _poll_health(self) -> None:
         if self.health is None:
             return
-        now = time.monotonic()
         for node, v in self.health.nodes().items():
             age = v.get("last_heartbeat_age_s")
             reachable = age is not None and age < 10.0
             key = (v["state"], tuple(v["reasons"]), reachable)
             if self._fed_health.get(node) != key:
                 self._fed_health[node] = key
-                self.state = mc.apply(self.state, mc.NodeHealthChanged(node, v["state"], tuple(v["reasons"]),
+                self.state = mc.apply(self.state, ct.NodeHealthChanged(node, v["state"], tuple(v["reasons"]),
                                                                        reachable), self.clock())
-        del now
 
-    def pump(self) -> None:
-        """Drain posted outcomes, follow health, decide on a tick."""
+    def _drain(self) -> bool:
+        """Apply every posted outcome (the executor sees each first); True if any reached the state."""
         fed = False
         while True:
             try:
                 outcome = self.queue.get_nowait()
             except queue.Empty:
-                break
+                return fed
+            if self.executor is not None and self.executor.observe(outcome):
+                continue
+            if isinstance(outcome, AbortsFinished):
+                continue  # no executor to act on it
             self.state = mc.apply(self.state, outcome, self.clock())
             fed = True
+
+    def pump(self) -> None:
+        """Drain posted outcomes, follow health, decide on a tick."""
+        fed = self._drain()
         now = self.clock()
         if fed or now >= self._next_decide:
             self._poll_health()
             self._next_decide = now + 0.2
             self.decide()
 
-    def events_data(self) -> dict[str, Any]:
-        m = self.state.migration
-        return {"migration": None if m is None else {"id": m.id, "node": m.node, "target": m.target,
-                                                     "phase": m.phase.value}}
+    def close(self) -> None:
+        """The serve loop ends: record outcomes still queued (a companion granted just now), then
+        stop the executor's restore steps and cancel its companion allocations."""
+        self._drain()
+        if self.executor is not None:
+            self.executor.close()
 
 
-def checksum_of(images: str | os.PathLike) -> str:
-    """SHA-256 of a snapshot's manifest (which holds every image file's SHA-256)."""
-    return hashlib.sha256((Path(images) / "manifest.json").read_bytes()).hexdigest()
-
-
-__all__ = ["Driver", "Executor", "TpassdClient", "hold_file", "rank_state_dir", "resume_port", "checksum_of"]
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "Move", "TpassdClient", "resume_port"]

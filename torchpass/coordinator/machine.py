@@ -1,4 +1,4 @@
-"""Applying inputs and executor outcomes to the coordinator's decision state.
+"""Applying inputs and executor outcomes (torchpass.coordinator.contract) to the decision state.
 
 ``apply(state, outcome, now) -> state`` is pure, like ``decide``: it records
 facts (a rank quiesced, a dump finished, a spare was granted, a node's
@@ -21,212 +21,52 @@ The driver loop (the lead's executor) is::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from dataclasses import replace
+from typing import Any
 
-from torchpass.coordinator.decide import (
+from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-exported as machine.X
+    Armed,
+    DrainFailed,
+    Drained,
+    KillFailed,
+    NodeHealthChanged,
+    OperatorMigrate,
+    Outcome,
+    Quiesced,
+    RankProgress,
+    RankRegistered,
+    RestoreDone,
+    RestoreFailed,
+    Resumed,
+    ShrinkFailed,
+    Shrunk,
+    SlurmReachability,
+    SnapshotDone,
+    SnapshotFailed,
+    SourceKilled,
+    SpareAdded,
+    SpareGranted,
+    SpareLost,
+    SpareUnavailable,
+    TransferDone,
+    TransferFailed,
+)
+from torchpass.coordinator.decide import check_operator_request, phase_complete
+from torchpass.coordinator.model import (
     CoordState,
+    FailedStep,
     Failure,
     Image,
     Migration,
     NodeHealth,
     OperatorRequest,
-    Phase,
     RankView,
+    SpareStatus,
     SpareView,
-    check_operator_request,
-    phase_complete,
 )
+from torchpass.coordinator.phases import Phase
 from torchpass.errors import TorchpassError
-from torchpass.health import State
-
-
-# ============================================================================
-# Inputs from the job (rank runtime) and health subscriber
-# ============================================================================
-@dataclass(frozen=True)
-class RankRegistered:
-    rank: int
-    node: str
-    world_size: int
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    rank: int
-    collectives: int
-    step: int = -1
-    node: str | None = None
-    # collectives issued when optimizer step ``boundary_step`` ended (-1: not reported)
-    boundary: int = -1
-    boundary_step: int = -1
-
-
-@dataclass(frozen=True)
-class NodeHealthChanged:
-    node: str
-    state: State | str
-    reasons: tuple[str, ...] = ()
-    reachable: bool = True
-
-
-@dataclass(frozen=True)
-class SpareAdded:
-    """A hot spare of the allocation (the last N nodes with --torchpass=spares=N)."""
-
-    node: str
-    how: str = "hot"
-
-
-# --- rank runtime reports (wire: rank.armed, rank.quiesced, rank.resumed) ---------
-@dataclass(frozen=True)
-class Armed:
-    rank: int
-    at: int
-    generation: int
-    accepted: bool
-    collectives: int
-
-
-@dataclass(frozen=True)
-class Quiesced:
-    rank: int
-    generation: int
-    collectives: int
-    drain_s: float = 0.0  # the rank's pause to torn down (wait for in-flight work, meet the others, close)
-
-
-@dataclass(frozen=True)
-class Resumed:
-    rank: int
-    generation: int
-    node: str | None = None
-    cancelled: bool = False  # armed but never torn down: it simply ran on
-
-
-# --- executor outcomes --------------------------------------------------------------
-@dataclass(frozen=True)
-class SpareGranted:
-    migration: str
-    node: str
-    how: str  # "expand" | "companion"
-    allocation: int | None = None  # the slurmctld job id it came from (donor or companion)
-
-
-@dataclass(frozen=True)
-class SpareUnavailable:
-    migration: str
-    strategy: str
-    why: str
-
-
-@dataclass(frozen=True)
-class SpareLost:
-    node: str
-    why: str
-
-
-@dataclass(frozen=True)
-class SnapshotDone:
-    migration: str
-    rank: int
-    image: str
-    checksum: str
-    durations: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SnapshotFailed:
-    migration: str
-    rank: int
-    why: str
-
-
-@dataclass(frozen=True)
-class TransferDone:
-    migration: str
-    rank: int
-    target: str
-    image: str  # the path the target reads
-    checksum: str
-    durations: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TransferFailed:
-    migration: str
-    rank: int
-    target: str
-    why: str
-    target_lost: bool = False
-
-
-@dataclass(frozen=True)
-class RestoreDone:
-    migration: str
-    rank: int
-    target: str
-    durations: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RestoreFailed:
-    migration: str
-    rank: int
-    target: str
-    why: str
-    target_lost: bool = False  # the spare itself died (try the next one) vs. the restore failed
-
-
-@dataclass(frozen=True)
-class SourceKilled:
-    migration: str
-    node: str
-
-
-@dataclass(frozen=True)
-class KillFailed:
-    migration: str
-    node: str
-    why: str
-
-
-@dataclass(frozen=True)
-class Drained:
-    migration: str
-    node: str
-
-
-@dataclass(frozen=True)
-class DrainFailed:
-    migration: str
-    node: str
-    why: str
-
-
-@dataclass(frozen=True)
-class Shrunk:
-    migration: str
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ShrinkFailed:
-    migration: str
-    why: str
-
-
-@dataclass(frozen=True)
-class OperatorMigrate:
-    node: str
-    to: str | None = None
-
-
-Outcome = Union[
-    RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, Quiesced, Resumed, SpareGranted,
-    SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
-    RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
-]
+from torchpass.health_state import State
 
 
 class OperatorRejected(TorchpassError):
@@ -297,6 +137,14 @@ def _pace(prev: RankView, ev: RankProgress, now: float) -> dict[str, Any]:
     return out
 
 
+def _reported(st: CoordState, rank: int, now: float, **said: Any) -> CoordState:
+    """A registered rank spoke (job.status shows when); nothing decide reads changes."""
+    rv = st.ranks.get(rank)
+    if rv is None:
+        return st
+    return replace(st, ranks={**st.ranks, rank: replace(rv, last_report=now, **said)})
+
+
 def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
     return m is not None and m.id == mid and m.phase in phases
 
@@ -306,7 +154,8 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     if isinstance(ev, RankRegistered):
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
-                      now if prev is None or prev.node != ev.node else prev.last_advance)
+                      now if prev is None or prev.node != ev.node else prev.last_advance,
+                      pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
         return replace(st, ranks={**st.ranks, ev.rank: rv}, world_size=ev.world_size)
     if isinstance(ev, RankProgress):
         prev = st.ranks.get(ev.rank)
@@ -315,7 +164,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         advanced = ev.collectives != prev.collectives
         rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
                      node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
-                     **_pace(prev, ev, now))
+                     last_report=now, last_count=ev.collectives, **_pace(prev, ev, now))
         return replace(st, ranks={**st.ranks, ev.rank: rv})
     if isinstance(ev, NodeHealthChanged):
         state = State(ev.state)
@@ -323,17 +172,21 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         since = prev.since if prev is not None and prev.state == state else now
         h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since)
         return replace(st, health={**st.health, ev.node: h})
+    if isinstance(ev, SlurmReachability):
+        return replace(st, slurm_down=None if ev.available else (ev.why or "slurmctld unreachable"))
     if isinstance(ev, SpareAdded):
         if st.spare(ev.node) is not None:
             return st
         return replace(st, spares=st.spares + (SpareView(ev.node, ev.how),))
     if isinstance(ev, Armed):
+        st = _reported(st, ev.rank, now)
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
                 and not ev.accepted:
             refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
             return replace(st, migration=replace(m, refused=refused))
         return st
     if isinstance(ev, Quiesced):
+        st = _reported(st, ev.rank, now, last_count=ev.collectives)
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
                 and ev.collectives == m.pause_at:
             first = m.first_quiesced if m.first_quiesced is not None else now
@@ -346,7 +199,9 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         rv = st.ranks.get(ev.rank)
         ranks = st.ranks
         if rv is not None:
-            ranks = {**ranks, ev.rank: replace(rv, last_advance=now, node=ev.node or rv.node)}
+            said = {"last_count": ev.collectives} if ev.collectives is not None else {}
+            ranks = {**ranks, ev.rank: replace(rv, last_advance=now, node=ev.node or rv.node, generation=ev.generation,
+                                               last_report=now, **said)}
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
         ):
@@ -368,7 +223,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     if isinstance(ev, SpareLost):
         if st.spare(ev.node) is None:
             return st
-        return replace(st, spares=tuple(replace(s, status="lost") if s.node == ev.node else s for s in st.spares))
+        return replace(st, spares=tuple(replace(s, status=SpareStatus.LOST) if s.node == ev.node else s for s in st.spares))
     if isinstance(ev, SnapshotDone):
         if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
             m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
@@ -377,7 +232,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         return st
     if isinstance(ev, SnapshotFailed):
         if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
-            return replace(st, migration=replace(m, failure=Failure("dump", f"rank {ev.rank}: {ev.why}")))
+            return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
         return st
     if isinstance(ev, TransferDone):
         if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and ev.rank in m.ranks:
@@ -387,7 +242,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         return st
     if isinstance(ev, TransferFailed):
         if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and m.failure is None:
-            f = Failure("transfer", f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
+            f = Failure(FailedStep.TRANSFER, f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
             return replace(st, migration=replace(m, failure=f))
         return st
     if isinstance(ev, RestoreDone):
@@ -398,7 +253,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         return st
     if isinstance(ev, RestoreFailed):
         if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and m.failure is None:
-            f = Failure("restore", f"rank {ev.rank}: {ev.why}", ev.target_lost)
+            f = Failure(FailedStep.RESTORE, f"rank {ev.rank}: {ev.why}", ev.target_lost)
             return replace(st, migration=replace(m, failure=f))
         return st
     if isinstance(ev, SourceKilled):
@@ -407,7 +262,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         return st
     if isinstance(ev, KillFailed):
         if _for(m, ev.migration, Phase.KILL_SOURCE) and m.failure is None:
-            return replace(st, migration=replace(m, failure=Failure("kill", ev.why)))
+            return replace(st, migration=replace(m, failure=Failure(FailedStep.KILL, ev.why)))
         return st
     if isinstance(ev, (Drained, DrainFailed)):
         if _for(m, ev.migration, Phase.DRAIN):

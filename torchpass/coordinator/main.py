@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import signal
 import socket
 import sys
@@ -11,10 +13,15 @@ from pathlib import Path
 
 import click
 
-from torchpass import logs
+from torchpass import auth, jobauth, layout, logs
+from torchpass.coordinator.executor import Driver, Executor, TpassdClient
+from torchpass.coordinator.policy import load_policy
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
 from torchpass.coordinator.state import JobState
 from torchpass.errors import TorchpassError
+from torchpass.health import HealthSubscriber
+from torchpass.ports import TPASSD_PUB_PORT
+from torchpass.slurm import client
 
 
 def _own_address() -> str:
@@ -25,17 +32,38 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
-def slurm_munge_socket(conf: str | None = None) -> str | None:
-    """The munged socket Slurm itself uses (AuthInfo=socket=... in slurm.conf), if it names one."""
-    import re
-
+def _slurm_conf_text(conf: str | None = None) -> str | None:
     path = conf or os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError:
         return None
-    m = re.search(r"^\s*AuthInfo\s*=.*?\bsocket=([^,\s]+)", text, re.M | re.I)
+
+
+def slurm_munge_socket(conf: str | None = None) -> str | None:
+    """The munged socket Slurm itself uses (AuthInfo=socket=... in slurm.conf), if it names one."""
+    text = _slurm_conf_text(conf)
+    m = re.search(r"^\s*AuthInfo\s*=.*?\bsocket=([^,\s]+)", text or "", re.M | re.I)
     return m.group(1) if m else None
+
+
+def job_privacy(conf: str | None = None) -> tuple[bool, frozenset[int]]:
+    """(jobs are private, admin uids) from slurm.conf: PrivateData=jobs (or all) hides a job from
+    everyone but its owner and the admins: root and SlurmUser. An unreadable slurm.conf: private."""
+    text = _slurm_conf_text(conf)
+    admins = {0}
+    if text is None:
+        return True, frozenset(admins)
+    m = re.search(r"^\s*SlurmUser\s*=\s*(\S+)", text, re.M | re.I)
+    if m:
+        try:
+            admins.add(int(m.group(1)) if m.group(1).isdigit() else pwd.getpwnam(m.group(1)).pw_uid)
+        except KeyError:
+            pass
+    flags: set[str] = set()
+    for pm in re.finditer(r"^\s*PrivateData\s*=\s*(\S+)", text, re.M | re.I):
+        flags |= {f.strip().lower() for f in pm.group(1).split(",")}
+    return bool(flags & {"jobs", "all"}), frozenset(admins)
 
 
 def _make_driver(job, state_dir, spares, policy_name, log):
@@ -44,15 +72,8 @@ def _make_driver(job, state_dir, spares, policy_name, log):
     Without Slurm or a policy the coordinator still serves the job (status,
     events) but cannot migrate; that is logged, never fatal.
     """
-    from torchpass import auth
-    from torchpass.coordinator.executor import TPASSD_PUB_PORT, Driver, Executor, TpassdClient
-    from torchpass.coordinator.policy import load_policy
-    from torchpass.health import HealthSubscriber
-
     try:
         pol = load_policy(policy_name)
-        from torchpass.slurm import client
-
         slurm = client()
         info = slurm.job(job.job_id)
         nodes = list(info.nodes) if info is not None else []
@@ -109,17 +130,24 @@ def _make_driver(job, state_dir, spares, policy_name, log):
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="0 picks a free port.")
 @click.option("--slurm-poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="How often to ask slurmctld whether the job still runs; the coordinator exits when it has ended.")
+@click.option("--secret-fd", type=click.IntRange(min=0), default=None,
+              help="Read the job secret (64 hex digits, from the plugin) from this fd; rank.* requests must be "
+                   "signed with it. Without it they are accepted unsigned (a coordinator started by hand).")
 @click.option("--log-level", default="info", show_default=True)
-def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_poll_s, log_level):
+def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_poll_s, secret_fd, log_level):
     """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand)."""
     logs.configure(log_level)
     log = logs.get_logger("torchpass.coordinator")
     address = bind_address or _own_address()
     try:
+        secret = jobauth.read_secret_fd(secret_fd) if secret_fd is not None else None
+        private, admins = job_privacy()
         job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
         driver = _make_driver(job, state_dir, spares, policy, log)
         server = CoordinatorServer(job, bind_address=address, port=port, driver=driver,
-                                   munge_socket=driver.executor.tpassd.munge_socket if driver else None)
+                                   munge_socket=(driver.executor.tpassd.munge_socket if driver
+                                                 else auth.default_socket() or slurm_munge_socket()),
+                                   job_secret=secret, private_jobs=private, admin_uids=admins)
         endpoint = f"tcp://{address}:{server.port}"
         write_registration(state_dir, job_id, {
             "job_id": job_id, "endpoint": endpoint, "pid": os.getpid(), "host": socket.gethostname(),
@@ -139,15 +167,17 @@ def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_
 
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    from torchpass.slurm import client
-
     try:
-        server.serve(tick=job_liveness_check(client(), job_id), tick_interval_s=slurm_poll_s)
+        def slurm_changed(available: bool, why: str) -> None:  # in the liveness thread
+            server.later(lambda: server.note_slurm(available, why))
+
+        server.watch(job_liveness_check(client(), job_id, on_change=slurm_changed), slurm_poll_s)
+        server.serve()
     finally:
         if driver is not None and driver.health is not None:
             driver.health.close()
     try:
-        (Path(state_dir) / "jobs" / str(job_id) / "coordinator.json").unlink()
+        layout.coordinator_json(state_dir, job_id).unlink()
     except OSError:
         pass
     log.info("coordinator stopped", job_id=job_id)

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from torchpass import config as tconfig
+from torchpass.coordinator.model import SpareHow
 from torchpass.errors import ConfigError
 
 DEFAULT_POLICIES_DIR = Path("/etc/torchpass/policies")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MIGRATE_STATES = ("degraded", "failed")
-SPARE_STRATEGIES = ("hot", "expand", "companion")
+SPARE_STRATEGIES = tuple(h.value for h in SpareHow)  # ("hot", "expand", "companion")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,23 @@
-"""The coordinator's sockets and main loop (all I/O; decisions live elsewhere)."""
+"""The coordinator's sockets and main loop (all I/O; decisions live elsewhere).
+
+Who may say what (docs/coordinator.md, "Authentication"):
+
+* ``rank.*``: only the job's own ranks, proven by the job secret
+  (torchpass.jobauth; refused with ``unauthenticated`` before any handler
+  runs, so a forged ``rank.armed`` cannot touch a pause). A coordinator
+  started without a secret (by hand) accepts them unsigned and says so in
+  its log and in job.status.
+* ``job.status`` / ``job.events``: as Slurm's PrivateData says: when it
+  hides jobs, only the job's owner or an admin (root, SlurmUser), proven by
+  munge; others get ``forbidden``. Otherwise anyone.
+* ``job.migrate``: the owner or an admin, proven by munge.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -13,17 +27,14 @@ from typing import Any
 import structlog
 import zmq
 
-from torchpass import wire, zmqio
-from torchpass.coordinator.state import JobState, RankState
+from torchpass import auth, jobauth, layout, wire, zmqio
+from torchpass.coordinator import contract as ct
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.model import CoordState
+from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
-
-
-def _mc():
-    from torchpass.coordinator import machine
-
-    return machine
 
 
 class Conflict(TorchpassError):
@@ -32,6 +43,20 @@ class Conflict(TorchpassError):
 
 class NotFound(TorchpassError):
     code = "not_found"
+
+
+class Facts:
+    """The decision state without decisions, for a coordinator that cannot migrate: rank
+    reports are applied (machine.apply) so that job.status has them; nothing is decided."""
+
+    def __init__(self, job_id: int, clock: Callable[[], float]):
+        self.state = CoordState(job_id=job_id)
+        self.clock = clock
+
+    def feed(self, outcome: Any) -> None:
+        self.state = mc.apply(self.state, outcome, self.clock())
+
+    post = feed
 
 
 class CoordinatorServer:
@@ -49,17 +74,31 @@ class CoordinatorServer:
         driver=None,
         owner_uid: int | None = None,
         munge_socket: str | None = None,
+        job_secret: bytes | None = None,
+        private_jobs: bool = False,
+        admin_uids: frozenset[int] = frozenset({0}),
     ):
         self.job = job
         self.driver = driver  # executor.Driver: migration decisions and actions (None: report only)
+        # Where rank reports go: the driver's decision state, or (report only) the same state, kept
+        # by machine.apply alone.
+        self._facts = driver if driver is not None else Facts(job.job_id, clock)
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self.munge_socket = munge_socket
         self.clock = clock
         self.wall = wall
+        # rank.* must carry the job secret's MAC; None: a coordinator started by hand, unsigned.
+        self.verifier = jobauth.JobVerifier(job_secret, wall=wall) if job_secret else None
+        if self.verifier is None:
+            log.warning("rank messages are not authenticated: no job secret (not started by the plugin)",
+                        job_id=job.job_id)
+        self.private_jobs = private_jobs  # Slurm's PrivateData hides jobs: status/events for owner/admins
+        self.viewers = frozenset(admin_uids) | {self.owner_uid}
         self.ctx = context or zmq.Context.instance()
         self.sock, self.port = zmqio.bind_router(self.ctx, bind_address, port)
         self.counters: dict[str, int] = {}
         self._stop = threading.Event()
+        self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.handlers: dict[str, zmqio.Handler] = {
             "rank.register": self._on_register,
             "rank.progress": self._on_progress,
@@ -71,6 +110,38 @@ class CoordinatorServer:
             "job.migrate": self._on_migrate,
         }
 
+    # --- authentication -----------------------------------------------------
+    def _authenticate(self, msg: wire.Message) -> None:
+        """Before any handler: rank.* by the job secret, job.status/events as PrivateData says."""
+        if msg.type.startswith("rank."):
+            if self.verifier is not None:
+                self.verifier.verify(msg)
+        elif msg.type in ("job.status", "job.events") and self.private_jobs:
+            self._owner_or_admin(msg, "see")
+
+    def _owner_or_admin(self, msg: wire.Message, what: str) -> auth.Identity:
+        """The munge identity of ``msg``'s sender, who must own the job or be an admin."""
+        ident = auth.verify(msg.auth, auth.request_digest(msg.type, msg.body, auth.job_target(self.job.job_id)),
+                            self.munge_socket or auth.default_socket())
+        if ident.uid not in self.viewers:
+            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {self.job.job_id} "
+                                   f"(only its owner or an admin may {what} it)")
+        return ident
+
+    def note_slurm(self, available: bool, why: str = "") -> None:
+        """slurmctld stopped (or resumed) answering: an event, and no migration starts meanwhile."""
+        if available:
+            self.job.record(self.wall(), "slurm.available", "slurmctld answers again: migrations are available")
+        else:
+            self.job.record(self.wall(), "slurm.unavailable",
+                            f"slurmctld is unreachable ({why}): no migration starts until it answers; "
+                            "training goes on", error=why)
+        log.warning("slurmctld reachability changed", job_id=self.job.job_id, available=available, why=why)
+        if self.driver is not None:
+            self.driver.feed(ct.SlurmReachability(available, why))
+            if self.driver.executor is not None:
+                self.driver.executor.save_events()
+
     # --- handlers ------------------------------------------------------------
     def _check_job(self, body: dict[str, Any]) -> None:
         if body["job_id"] != self.job.job_id:
@@ -81,46 +152,36 @@ class CoordinatorServer:
         self._check_job(b)
         if not 0 <= b["rank"] < b["world_size"]:
             raise RemoteError("bad_request", f"rank {b['rank']} outside world size {b['world_size']}")
-        if self.job.world_size is not None and b["world_size"] != self.job.world_size:
-            raise Conflict(f"world size {b['world_size']} differs from the job's {self.job.world_size}")
-        self.job.world_size = b["world_size"]
-        now = self.clock()
-        prev = self.job.ranks.get(b["rank"])
-        self.job.ranks[b["rank"]] = RankState(
-            rank=b["rank"], node=b["node"], pid=b["pid"], world_size=b["world_size"],
-            generation=b.get("generation") or 0, registered_at=now, last_report=now,
-            step=prev.step if prev else -1, collectives=prev.collectives if prev else 0,
-        )
+        world = self.state.world_size
+        if world is not None and b["world_size"] != world:
+            raise Conflict(f"world size {b['world_size']} differs from the job's {world}")
+        prev = self.state.ranks.get(b["rank"])
         if prev is None or prev.node != b["node"] or prev.pid != b["pid"]:
             self.job.record(self.wall(), "rank.registered", f"rank {b['rank']} on {b['node']} (pid {b['pid']})",
                             rank=b["rank"], node=b["node"], pid=b["pid"])
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
-        self._feed(_mc().RankRegistered(b["rank"], b["node"], b["world_size"]))
-        return self._with_command(b["rank"], {"generation": self.job.ranks[b["rank"]].generation})
+        generation = b.get("generation") or 0
+        self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation))
+        return self._with_command(b["rank"], {"generation": generation})
 
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
-        self._check_job(b)
-        r = self.job.ranks.get(b["rank"])
-        if r is None:
-            raise NotFound(f"rank {b['rank']} has not registered with job {self.job.job_id}")
-        r.step = b["step"]
-        r.collectives = b["collectives"]
-        if b.get("node"):
-            r.node = b["node"]
-        r.last_report = self.clock()
-        self._feed(_mc().RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
-                                      b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
+        self._rank(b)
+        self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
+                                   b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
         return self._with_command(b["rank"], {})
 
-    # --- migration (driver) ---------------------------------------------------
+    # --- the decision state (driver) ------------------------------------------
+    @property
+    def state(self) -> CoordState:
+        """The job's decision state: its ranks live there and nowhere else."""
+        return self._facts.state
+
     def _feed(self, outcome, decide: bool = True) -> None:
-        if self.driver is None:
-            return
         if decide:
-            self.driver.feed(outcome)
+            self._facts.feed(outcome)
         else:  # frequent progress reports: decided on the next tick
-            self.driver.post(outcome)
+            self._facts.post(outcome)
 
     def _with_command(self, rank: int, result: dict[str, Any]) -> dict[str, Any]:
         ex = self.driver.executor if self.driver is not None else None
@@ -129,49 +190,40 @@ class CoordinatorServer:
             result = {**result, "command": cmd}
         return result
 
-    def _rank(self, b: dict[str, Any]) -> RankState:
+    def _rank(self, b: dict[str, Any]) -> None:
         self._check_job(b)
-        r = self.job.ranks.get(b["rank"])
-        if r is None:
+        if b["rank"] not in self.state.ranks:
             raise NotFound(f"rank {b['rank']} has not registered with job {self.job.job_id}")
-        r.last_report = self.clock()
-        return r
 
     def _on_armed(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
             self.driver.executor.acknowledge(b["rank"], "pause", b["generation"], b["at"])
-        self._feed(_mc().Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"]))
+        self._feed(mc.Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"]))
         return self._with_command(b["rank"], {})
 
     def _on_quiesced(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
-        self._rank(b).collectives = b["collectives"]
+        self._rank(b)
         log.info("rank quiesced", rank=b["rank"], generation=b["generation"], collectives=b["collectives"],
                  hold=b["hold"], sockets=b["sockets"], drain_s=b["drain_s"])
-        self._feed(_mc().Quiesced(b["rank"], b["generation"], b["collectives"], float(b.get("drain_s") or 0.0)))
+        self._feed(mc.Quiesced(b["rank"], b["generation"], b["collectives"], float(b.get("drain_s") or 0.0)))
         return self._with_command(b["rank"], {})
 
     def _on_resumed(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
-        r = self._rank(b)
-        r.node, r.generation, r.collectives = b["node"], b["generation"], b["collectives"]
+        self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
             self.driver.executor.acknowledge(b["rank"], "resume", b["generation"])
         log.info("rank resumed", rank=b["rank"], generation=b["generation"], node=b["node"], moved=b["moved"],
                  rebuild_s=b["rebuild_s"], cancelled=b.get("cancelled", False))
-        self._feed(_mc().Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False))))
+        self._feed(mc.Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False)),
+                              b["collectives"]))
         return self._with_command(b["rank"], {})
 
     def _on_migrate(self, msg: wire.Message) -> dict[str, Any]:
-        from torchpass import auth
-
-        target = f"job:{self.job.job_id}"
-        ident = auth.verify(msg.auth, auth.request_digest(msg.type, msg.body, target),
-                            self.munge_socket or auth.default_socket())
-        if ident.uid not in (0, self.owner_uid):
-            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {self.job.job_id}")
+        ident = self._owner_or_admin(msg, "migrate")
         if self.driver is None:
             raise RemoteError("unavailable", f"the coordinator of job {self.job.job_id} runs without migrations")
         node, to = msg.body["node"], msg.body.get("to")
@@ -185,8 +237,9 @@ class CoordinatorServer:
         return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
 
     def _on_status(self, msg: wire.Message) -> dict[str, Any]:
-        st = self.job.status(self.clock())
-        st["coordinator"] = {"pid": os.getpid(), "port": self.port, "counters": dict(self.counters)}
+        st = self.job.status(self.clock(), self.state)
+        st["coordinator"] = {"pid": os.getpid(), "port": self.port, "counters": dict(self.counters),
+                             "rank_auth": "job-secret" if self.verifier is not None else "none"}
         return st
 
     def _on_events(self, msg: wire.Message) -> dict[str, Any]:
@@ -197,47 +250,95 @@ class CoordinatorServer:
     def stop(self) -> None:
         self._stop.set()
 
-    def serve(self, *, tick: Callable[[], bool] | None = None, tick_interval_s: float = 1.0) -> None:
-        """Serve until stop() or until ``tick`` returns False (the job is gone)."""
+    def later(self, fn: Callable[[], None]) -> None:
+        """Thread-safe: run ``fn`` in the serve thread (which alone touches the job and the driver)."""
+        self._later.put(fn)
+
+    def watch(self, check: Callable[[], bool], interval_s: float) -> threading.Thread:
+        """Run ``check`` every ``interval_s`` in a thread of its own (a slurmctld query can take
+        seconds: the serve loop must not wait for it); stop serving once it returns False."""
+
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    alive = check()
+                except Exception:  # noqa: BLE001 - a bug in the check is not the job ending
+                    log.exception("liveness check failed")
+                    alive = True
+                if not alive:
+                    self.stop()
+                    return
+                self._stop.wait(interval_s)
+
+        t = threading.Thread(target=run, name="job-liveness", daemon=True)
+        t.start()
+        return t
+
+    def serve(self) -> None:
+        """Serve until stop() (a watch() check that found the job gone calls it)."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        next_tick = self.clock()
         try:
             while not self._stop.is_set():
-                if tick is not None and self.clock() >= next_tick:
-                    if not tick():
-                        break
-                    next_tick = self.clock() + tick_interval_s
                 for sock, _ in poller.poll(100 if self.driver is None else 20):
-                    zmqio.serve_one(sock, self.handlers, counters=self.counters)
+                    zmqio.serve_one(sock, self.handlers, authenticate=self._authenticate, counters=self.counters)
+                self._run_later()
                 if self.driver is not None:
                     try:
                         self.driver.pump()
                     except Exception:  # noqa: BLE001 - never stop serving the job over a bug
                         log.exception("driver error")
         finally:
-            if self.driver is not None and self.driver.executor is not None:
-                self.driver.executor.close()
+            self._run_later()  # news that came with the end (the job's last events)
+            if self.driver is not None:
+                self.driver.close()
             self.sock.close(linger=0)
 
+    def _run_later(self) -> None:
+        while not self._later.empty():
+            try:
+                self._later.get_nowait()()
+            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                log.exception("deferred call failed")
 
-def job_liveness_check(client, job_id: int, *, max_failures: int = 30) -> Callable[[], bool]:
+
+SLURM_UNAVAILABLE_AFTER_S = 15.0
+
+
+def job_liveness_check(client, job_id: int, *, clock: Callable[[], float] = time.monotonic,
+                       on_change: Callable[[bool, str], None] | None = None,
+                       unavailable_after_s: float = SLURM_UNAVAILABLE_AFTER_S) -> Callable[[], bool]:
     """A tick that is False once slurmctld says the job has ended.
 
-    Slurm being briefly unreachable is not the job ending: only after
-    ``max_failures`` consecutive failed queries does the coordinator give up.
+    slurmctld not answering is never the job ending, however long it lasts
+    (the batch step's exit and the epilog stop the coordinator of a job that
+    ends meanwhile). Once it has failed every query for
+    ``unavailable_after_s``, ``on_change(False, why)`` is called (no
+    migration starts); ``on_change(True, "")`` when it answers again.
     """
-    failures = 0
+    failing_since: float | None = None
+    down = False
 
     def tick() -> bool:
-        nonlocal failures
+        nonlocal failing_since, down
+        asked = clock()
         try:
             job = client.job(job_id)
         except (SlurmError, TorchpassError) as exc:
-            failures += 1
-            log.warning("cannot query slurm for the job", job_id=job_id, error=str(exc), failures=failures)
-            return failures < max_failures
-        failures = 0
+            now = clock()
+            failing_since = asked if failing_since is None else failing_since  # a query may hang for long
+            log.warning("cannot query slurm for the job", job_id=job_id, error=str(exc),
+                        failing_s=round(now - failing_since, 1))
+            if not down and now - failing_since >= unavailable_after_s:
+                down = True
+                if on_change is not None:
+                    on_change(False, f"no answer for {now - failing_since:.0f} s: {exc}")
+            return True
+        failing_since = None
+        if down:
+            down = False
+            if on_change is not None:
+                on_change(True, "")
         if job is None or not job.active:
             log.info("job has ended; coordinator exits", job_id=job_id, state=job.state if job else "gone")
             return False
@@ -248,10 +349,9 @@ def job_liveness_check(client, job_id: int, *, max_failures: int = 30) -> Callab
 
 def write_registration(state_dir: Path, job_id: int, info: dict[str, Any]) -> Path:
     """Record where this job's coordinator listens, for tpassctl on login nodes."""
-    job_dir = Path(state_dir) / "jobs" / str(job_id)
-    job_dir.mkdir(parents=True, exist_ok=True)
-    path = job_dir / "coordinator.json"
-    tmp = job_dir / f".coordinator.json.{os.getpid()}"
+    path = layout.coordinator_json(state_dir, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(info, indent=1))
     os.replace(tmp, path)
     return path

@@ -1,33 +1,28 @@
-"""The coordinator's view of its job: ranks, progress and an event log."""
+"""The coordinator's record of its job: identity, the event log, and the status it reports.
+
+The ranks themselves (node, pid, progress) live in the decision state
+(``model.CoordState.ranks``), their one home; ``status`` reads them there.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchpass.coordinator.model import CoordState, RankView
 
-@dataclass
-class RankState:
-    rank: int
-    node: str
-    pid: int
-    world_size: int
-    generation: int = 0
-    step: int = -1
-    collectives: int = 0
-    registered_at: float = 0.0  # coordinator clock (monotonic seconds)
-    last_report: float = 0.0
 
-    def as_dict(self, now: float) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "node": self.node,
-            "pid": self.pid,
-            "generation": self.generation,
-            "step": self.step,
-            "collectives": self.collectives,
-            "last_report_age_s": round(max(0.0, now - self.last_report), 3),
-        }
+def rank_status(rv: RankView, now: float) -> dict[str, Any]:
+    """One rank in job.status (``now``: coordinator clock)."""
+    return {
+        "rank": rv.rank,
+        "node": rv.node,
+        "pid": rv.pid,
+        "generation": rv.generation,
+        "step": rv.step,
+        "collectives": rv.last_count,
+        "last_report_age_s": round(max(0.0, now - rv.last_report), 3),
+    }
 
 
 @dataclass
@@ -49,8 +44,6 @@ class JobState:
     spares: int = 0
     policy: str = "default"
     started_wall: float = 0.0
-    world_size: int | None = None
-    ranks: dict[int, RankState] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     _next_seq: int = 1
 
@@ -63,17 +56,18 @@ class JobState:
             del self.events[: len(self.events) - 10_000]
         return ev
 
-    def status(self, now: float) -> dict[str, Any]:
-        steps = [r.step for r in self.ranks.values()]
+    def status(self, now: float, state: CoordState) -> dict[str, Any]:
+        ranks = state.ranks
+        steps = [r.step for r in ranks.values()]
         return {
             "job_id": self.job_id,
             "spares": self.spares,
             "policy": self.policy,
             "started": self.started_wall,
-            "world_size": self.world_size,
-            "registered_ranks": len(self.ranks),
+            "world_size": state.world_size,
+            "registered_ranks": len(ranks),
             "min_step": min(steps) if steps else None,
             "max_step": max(steps) if steps else None,
-            "ranks": [self.ranks[r].as_dict(now) for r in sorted(self.ranks)],
+            "ranks": [rank_status(ranks[r], now) for r in sorted(ranks)],
             "last_event_seq": self.events[-1].seq if self.events else 0,
         }

@@ -16,12 +16,13 @@ import os
 import structlog
 
 from torchpass.errors import ConfigError
-from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, StepInfo
+from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, StepInfo, overlap_step_argv
 from torchpass.slurm.cli import CliSlurmClient
 
 log = structlog.get_logger("torchpass.slurm")
 
-__all__ = ["JobInfo", "NodeInfo", "SpareRequest", "StepInfo", "SlurmClient", "CliSlurmClient", "client"]
+__all__ = ["JobInfo", "NodeInfo", "SpareRequest", "StepInfo", "SlurmClient", "CliSlurmClient", "client",
+           "overlap_step_argv"]
 
 
 def client(backend: str | None = None, environ: dict[str, str] | None = None) -> SlurmClient:

@@ -34,6 +34,7 @@ class JobInfo:
     account: str = ""
     qos: str = ""
     end_time: int | None = None  # epoch seconds the job's time limit ends (None: unlimited/unknown)
+    output: str = ""  # the batch script's stdout file ("": not known)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -76,6 +77,16 @@ class SpareRequest:
     time_limit_min: int | None = None
     immediate_s: int = 30
     expand: bool = False
+
+
+def overlap_step_argv(srun: str, job_id: int, node: str, *, name: str, output: str) -> list[str]:
+    """``srun`` options of a one-task step of a running job (or allocation) on ``node``, beside its
+    other steps, without torchpass's own plugin, appending to ``output``; the program follows.
+
+    Steps are started with ``srun`` itself (a subprocess whose end is the step's end), so
+    this is the one place that spells that command line."""
+    return [srun, f"--jobid={int(job_id)}", "--overlap", "-w", node, "-N1", "-n1", "--torchpass=off",
+            "-o", output, "--open-mode=append", "-J", name]
 
 
 class SlurmClient(ABC):

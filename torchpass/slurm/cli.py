@@ -89,6 +89,7 @@ class CliSlurmClient(SlurmClient):
             account=j.get("account", "") or "",
             qos=j.get("qos", "") or "",
             end_time=_number(j.get("end_time")),
+            output=j.get("standard_output", "") or "",
             extra={"raw_nodes": nodes},
         )
 

@@ -78,6 +78,7 @@ class PyslurmClient(CliSlurmClient):
             account=getattr(j, "account", "") or "",
             qos=getattr(j, "qos", "") or "",
             end_time=int(j.end_time) if getattr(j, "end_time", None) else None,
+            output=getattr(j, "standard_output", "") or "",
         )
 
     def nodes(self) -> list[NodeInfo]:

@@ -1,0 +1,377 @@
+"""The executor's contract: the actions ``decide`` asks for and the outcomes that come back.
+
+Actions (``Action``) are what the executor performs; each docstring names the
+outcome(s) it posts. Outcomes (``Outcome``) are facts that ``machine.apply``
+records: the rank runtime's reports (registered, progress, armed, quiesced,
+resumed), the health subscriber's changes, the operator's requests, and the
+results of the executor's actions. Pure data: importing this loads no I/O
+library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from torchpass.coordinator.model import SpareHow
+from torchpass.health_state import State
+
+
+# ============================================================================
+# Actions (what the executor performs)
+# ============================================================================
+@dataclass(frozen=True)
+class RequestSpare:
+    """Obtain a spare node from slurmctld with this strategy (SpareHow.EXPAND or .COMPANION).
+    Outcome: SpareGranted(migration, node, how) or SpareUnavailable(migration, strategy, why)."""
+
+    migration: str
+    strategy: SpareHow
+    for_node: str
+
+
+@dataclass(frozen=True)
+class PauseAt:
+    """Tell every rank: pause with exactly ``at`` collectives issued, to rebuild as
+    ``generation``. Ranks in ``hold_ranks`` close every socket after quiescing and
+    wait to be dumped. Outcomes: Armed(rank, ...) (refusals matter), Quiesced(rank, ...)."""
+
+    migration: str
+    at: int
+    generation: int
+    hold_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """tpassd on ``node``: CUDA checkpoint + CRIU dump of ``rank``, leaving it running
+    (paused). Outcome: SnapshotDone(migration, rank, image, checksum, durations) or
+    SnapshotFailed(migration, rank, why)."""
+
+    migration: str
+    rank: int
+    node: str
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Make ``image`` readable on ``target`` (a no-op on a shared filesystem: answer at
+    once). Outcome: TransferDone(migration, rank, target, image, checksum, durations) or
+    TransferFailed(migration, rank, target, why, target_lost)."""
+
+    migration: str
+    rank: int
+    image: str
+    checksum: str
+    source: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A job step on ``target`` restores ``rank`` from ``image`` (it stays paused,
+    holding). Outcome: RestoreDone(migration, rank, target, durations) or
+    RestoreFailed(migration, rank, target, why, target_lost)."""
+
+    migration: str
+    rank: int
+    target: str
+    image: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class AbortRestore:
+    """Kill whatever was restored of ``ranks`` on ``target`` (best effort: the target
+    may be dead). No outcome needed."""
+
+    migration: str
+    target: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KillSource:
+    """Kill the paused source copies of ``ranks`` on ``node`` (all restores succeeded).
+    Outcome: SourceKilled(migration, node) or KillFailed(migration, node, why)."""
+
+    migration: str
+    node: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Every rank (the moved ones at their new node) rebuilds its group as
+    ``generation`` with the rendezvous hosted on ``master`` (the node of rank 0; the
+    executor picks the address and port). Outcome: Resumed(rank, generation, ...)."""
+
+    migration: str
+    generation: int
+    master: str
+
+
+@dataclass(frozen=True)
+class ResumeInPlace:
+    """Roll back: every rank resumes where it is (the source copies included) as
+    ``generation`` (a rank not yet torn down simply cancels its pause).
+    Outcome: Resumed(rank, generation, cancelled=...)."""
+
+    migration: str
+    generation: int
+    master: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """scontrol drain ``node`` with ``reason`` ("torchpass: ..."). Outcome: Drained or DrainFailed."""
+
+    migration: str
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Release ``nodes`` from the job (scontrol update NodeList=<the rest>).
+    Outcome: Shrunk or ShrinkFailed."""
+
+    migration: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HandToSlurm:
+    """The node is lost with no clean dump possible: leave it to Slurm's normal
+    behaviour (no torchpass action beyond the event). No outcome needed."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """Record in the job's event log (`tpassctl events`)."""
+
+    kind: str
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Action = Union[
+    RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
+    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Event,
+]
+
+
+# ============================================================================
+# Inputs from the job (rank runtime) and health subscriber
+# ============================================================================
+@dataclass(frozen=True)
+class RankRegistered:
+    rank: int
+    node: str
+    world_size: int
+    pid: int = 0
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    collectives: int
+    step: int = -1
+    node: str | None = None
+    # collectives issued when optimizer step ``boundary_step`` ended (-1: not reported)
+    boundary: int = -1
+    boundary_step: int = -1
+
+
+@dataclass(frozen=True)
+class NodeHealthChanged:
+    node: str
+    state: State | str
+    reasons: tuple[str, ...] = ()
+    reachable: bool = True
+
+
+@dataclass(frozen=True)
+class SpareAdded:
+    """A hot spare of the allocation (the last N nodes with --torchpass=spares=N)."""
+
+    node: str
+    how: SpareHow = SpareHow.HOT
+
+
+# --- rank runtime reports (wire: rank.armed, rank.quiesced, rank.resumed) ---------
+@dataclass(frozen=True)
+class Armed:
+    rank: int
+    at: int
+    generation: int
+    accepted: bool
+    collectives: int
+
+
+@dataclass(frozen=True)
+class Quiesced:
+    rank: int
+    generation: int
+    collectives: int
+    drain_s: float = 0.0  # the rank's pause to torn down (wait for in-flight work, meet the others, close)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    rank: int
+    generation: int
+    node: str | None = None
+    cancelled: bool = False  # armed but never torn down: it simply ran on
+    collectives: int | None = None  # as reported (None: not said)
+
+
+# --- executor outcomes --------------------------------------------------------------
+@dataclass(frozen=True)
+class SpareGranted:
+    migration: str
+    node: str
+    how: SpareHow  # EXPAND or COMPANION
+    allocation: int | None = None  # the slurmctld job id it came from (donor or companion)
+
+
+@dataclass(frozen=True)
+class SpareUnavailable:
+    migration: str
+    strategy: str
+    why: str
+
+
+@dataclass(frozen=True)
+class SpareLost:
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class SnapshotDone:
+    migration: str
+    rank: int
+    image: str
+    checksum: str
+    durations: dict[str, float] = field(default_factory=dict)
+    # tpassd's dump result (pid, images, ...): the executor keeps it for KillSource / AbortRestore.
+    result: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class SnapshotFailed:
+    migration: str
+    rank: int
+    why: str
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    migration: str
+    rank: int
+    target: str
+    image: str  # the path the target reads
+    checksum: str
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    migration: str
+    rank: int
+    target: str
+    why: str
+    target_lost: bool = False
+
+
+@dataclass(frozen=True)
+class RestoreDone:
+    migration: str
+    rank: int
+    target: str
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoreFailed:
+    migration: str
+    rank: int
+    target: str
+    why: str
+    target_lost: bool = False  # the spare itself died (try the next one) vs. the restore failed
+
+
+@dataclass(frozen=True)
+class SourceKilled:
+    migration: str
+    node: str
+
+
+@dataclass(frozen=True)
+class KillFailed:
+    migration: str
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    migration: str
+    node: str
+
+
+@dataclass(frozen=True)
+class DrainFailed:
+    migration: str
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    migration: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShrinkFailed:
+    migration: str
+    why: str
+
+
+@dataclass(frozen=True)
+class OperatorMigrate:
+    node: str
+    to: str | None = None
+
+
+@dataclass(frozen=True)
+class SlurmReachability:
+    """slurmctld stopped answering for a while (available False, why) or answers again."""
+
+    available: bool
+    why: str = ""
+
+
+Outcome = Union[
+    RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, Quiesced, Resumed, SpareGranted,
+    SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
+    RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
+    SlurmReachability,
+]
+
+
+__all__ = [
+    "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
+    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action",
+    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "Quiesced", "Resumed",
+    "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
+    "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
+]

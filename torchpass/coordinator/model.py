@@ -1,0 +1,237 @@
+"""The decision core's state: what ``decide`` reads and returns (pure data, no I/O).
+
+``CoordState`` is the whole decision state of one job: its ranks (the one
+place the coordinator keeps their node and progress), node health, spares,
+and at most one ``Migration`` in flight with its phase (torchpass.coordinator.
+phases). Closed sets of values are enums; each is a ``StrEnum``, so it
+compares equal to, and serialises as, its string value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from torchpass.coordinator.phases import PAUSED_PHASES, Phase, Result
+from torchpass.health_state import State
+
+
+class SpareHow(enum.StrEnum):
+    """Where a spare came from (and, in RequestSpare, the strategy to get one)."""
+
+    HOT = "hot"  # a node of the allocation kept idle (--torchpass=spares=N)
+    EXPAND = "expand"  # allocated by slurmctld and merged into the job
+    COMPANION = "companion"  # allocated by slurmctld as a one-node job of its own
+
+
+class SpareStatus(enum.StrEnum):
+    FREE = "free"
+    RESERVED = "reserved"  # the target of the migration in flight
+    USED = "used"  # ranks moved there
+    LOST = "lost"  # failed: never chosen again
+
+
+class Trigger(enum.StrEnum):
+    """Why a migration started."""
+
+    HEALTH = "health"  # tpassd says the node is in a policy.migrate_on state
+    STALL = "stall"  # a rank of the node stopped advancing
+    OPERATOR = "operator"  # tpassctl migrate
+
+
+class FailedStep(enum.StrEnum):
+    """Which executor step a ``Failure`` reports."""
+
+    DUMP = "dump"
+    TRANSFER = "transfer"
+    RESTORE = "restore"
+    KILL = "kill"
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """What tpassd (through the health subscriber) says about one node."""
+
+    node: str
+    state: State = State.UNKNOWN
+    reasons: tuple[str, ...] = ()
+    reachable: bool = True  # false: tpassd and the node cannot be reached (no dump possible)
+    since: float = 0.0  # coordinator clock when ``state`` last changed
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank: the coordinator's only record of it (decide reads it; job.status shows it)."""
+
+    rank: int
+    node: str
+    collectives: int = 0
+    step: int = -1
+    last_advance: float = 0.0  # coordinator clock when ``collectives`` last grew
+    # For choosing T (see pause_point); set by machine from progress reports.
+    reported_at: float | None = None  # coordinator clock of the last progress report
+    report_gap: float = 0.0  # seconds between its progress reports (smoothed)
+    rate: float = 0.0  # collectives per second (smoothed; 0: not known yet)
+    rate_base: tuple[float, int] | None = None  # (time, collectives) the next rate sample starts from
+    boundary: int = -1  # collectives issued when its last optimizer step ended (-1: not reported)
+    boundary_step: int = -1  # the step that ended there
+    per_step: int = 0  # collectives per optimizer step, from two boundaries (0: not known)
+    # What the rank said of itself, for job.status. Decide reads none of these, so they are left
+    # out of comparisons: two states that decide cannot tell apart compare equal.
+    pid: int = field(default=0, compare=False)
+    generation: int = field(default=0, compare=False)  # the generation it last registered or resumed as
+    last_report: float = field(default=0.0, compare=False)  # coordinator clock of its last message of any kind
+    last_count: int = field(default=0, compare=False)  # collectives in its last message of any kind
+
+
+@dataclass(frozen=True)
+class SpareView:
+    node: str
+    how: SpareHow
+    status: SpareStatus = SpareStatus.FREE
+    # The slurmctld allocation it came from: the donor job merged into this one
+    # ("expand"), or the companion job that holds it and runs its restore step.
+    allocation: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "how", SpareHow(self.how))
+        object.__setattr__(self, "status", SpareStatus(self.status))
+
+
+@dataclass(frozen=True)
+class OperatorRequest:
+    id: str  # the migration id it will run as
+    node: str
+    to: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Image:
+    rank: int
+    path: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An executor outcome said a step failed; ``decide`` acts on it."""
+
+    step: FailedStep
+    why: str
+    target_lost: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step", FailedStep(self.step))
+
+
+@dataclass(frozen=True)
+class Migration:
+    id: str
+    node: str  # the source (bad) node
+    reason: str  # why it moves: health reasons, "rank N stalled", "operator request"
+    trigger: Trigger
+    ranks: tuple[int, ...]  # the ranks on the source node
+    detected: float  # when the trigger was first true
+    started: float
+    phase: Phase
+    phase_started: float
+    deadline: float  # the current phase (or spare request) must be done before this
+    generation: int  # the generation the ranks are armed for (current + 1)
+    requested_to: str | None = None
+    target: str | None = None
+    target_how: SpareHow | None = None
+    tried: tuple[str, ...] = ()  # targets given up on (lost)
+    spare_requested: str | None = None  # strategy of the outstanding RequestSpare
+    spare_failures: tuple[tuple[str, str], ...] = ()  # (strategy, why)
+    pause_at: int | None = None
+    pause_estimate: str = ""  # how T was chosen (for the event)
+    rearms: int = 0
+    refused: tuple[tuple[int, int], ...] = ()  # (rank, collectives) that refused PauseAt(T)
+    quiesced: frozenset[int] = frozenset()
+    images: dict[int, Image] = field(default_factory=dict)  # dumped, on the source side
+    transferred: dict[int, Image] = field(default_factory=dict)  # readable on the target
+    restored: frozenset[int] = frozenset()
+    source_killed: bool = False
+    resumed: frozenset[int] = frozenset()
+    failure: Failure | None = None
+    rollback_reason: str | None = None
+    resume_attempts: int = 0
+    paused_since: float | None = None  # PauseAt sent (ranks train on until they reach T)
+    # Training stands still: the last rank reached T (or, for a rollback before
+    # every rank did, the first one). "paused" in phase_durations runs from here.
+    first_quiesced: float | None = None
+    stood_still_since: float | None = None
+    ready_at: float | None = None  # when the phase's completion condition became true (set by machine)
+    notes: tuple[str, ...] = ()  # drain/shrink problems (training already runs)
+    drain_done: bool = False
+    shrink_done: bool = False
+    phase_durations: dict[str, float] = field(default_factory=dict)
+    tool_durations: dict[str, float] = field(default_factory=dict)  # reported by tpassd/restore (max over ranks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trigger", Trigger(self.trigger))
+
+    @property
+    def paused(self) -> bool:
+        return self.phase in PAUSED_PHASES
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """A finished migration (kept for `tpassctl events` and tests)."""
+
+    id: str
+    node: str
+    target: str | None
+    outcome: Result
+    reason: str
+    phase_durations: dict[str, float]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outcome", Result(self.outcome))
+
+
+@dataclass(frozen=True)
+class CoordState:
+    job_id: int
+    world_size: int | None = None
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    health: dict[str, NodeHealth] = field(default_factory=dict)
+    spares: tuple[SpareView, ...] = ()
+    generation: int = 0  # the process-group generation every rank runs now
+    migration: Migration | None = None
+    operator_requests: tuple[OperatorRequest, ...] = ()
+    deferred: dict[str, float] = field(default_factory=dict)  # node -> no automatic migration before
+    unprotected: frozenset[str] = frozenset()  # nodes deferred because no spare could be had
+    failures: dict[str, int] = field(default_factory=dict)  # node -> failed migrations
+    given_up: frozenset[str] = frozenset()
+    handed: frozenset[str] = frozenset()  # handed to Slurm (lost outright)
+    released: frozenset[str] = frozenset()  # migrated away and shrunk out of the job
+    next_migration: int = 1
+    history: tuple[MigrationRecord, ...] = ()
+    slurm_down: str | None = None  # why slurmctld is unreachable: no migration starts meanwhile
+
+    def node_health(self, node: str) -> NodeHealth:
+        return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
+
+    def rank_nodes(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, list[int]] = {}
+        for r in sorted(self.ranks):
+            out.setdefault(self.ranks[r].node, []).append(r)
+        return {n: tuple(rs) for n, rs in out.items()}
+
+    def spare(self, node: str | None) -> SpareView | None:
+        for s in self.spares:
+            if s.node == node:
+                return s
+        return None
+
+    def all_registered(self) -> bool:
+        return bool(self.ranks) and self.world_size is not None and len(self.ranks) >= self.world_size
+
+
+__all__ = [
+    "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
+    "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState",
+]
