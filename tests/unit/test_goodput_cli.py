@@ -249,3 +249,84 @@ def test_weibull_flag_reaches_the_simulator():
     doc = run_json("--preset", "pretrain-1k", "--weibull-shape", "0.7", "--runs", "200")
     sim = doc["strategies"]["checkpoint_restart"]["simulation"]
     assert sim["failure_process"] == "weibull(shape=0.7)"
+
+
+# --measured --model-size: the migration pause of the model the user asks about (issue 13, item 4)
+def _by_model_results(path: Path) -> Path:
+    # As bench_migration writes it: the headline "mean" is the largest model's stall.
+    path.write_text(json.dumps({
+        "migration_pause_s": {"mean": 7.6, "n": 1, "model": "100M", "by_model": {"10M": 1.2, "100M": 7.6}},
+        "detection_latency_s": {"mean": 0.66, "n": 2},
+    }))
+    return path
+
+
+@pytest.mark.parametrize("size, pause, chosen", [
+    ("10M", 1.2, "measured with the 10M model"),
+    ("100m", 7.6, "measured with the 100M model"),
+    ("30M", 1.2, "from the 10M model, the measured size nearest 30M"),  # 3x from 10M, 3.3x from 100M
+    ("50M", 7.6, "from the 100M model, the measured size nearest 50M"),
+    ("70B", 7.6, "from the 100M model, the measured size nearest 70B"),
+    ("1000000", 1.2, "from the 10M model, the measured size nearest 1000000"),
+])
+def test_measured_pause_is_the_one_for_the_model_size(tmp_path, size, pause, chosen):
+    results = _by_model_results(tmp_path / "migration.json")
+    doc = run_json("--measured", str(results), "--model-size", size, "--no-simulate")
+    assert doc["inputs"]["lm_migrate_s"] == pause
+    assert doc["inputs"]["lm_detect_s"] == 0.66
+    assert any(chosen in w for w in doc["warnings"]), doc["warnings"]
+
+
+def test_measured_without_model_size_says_the_pause_is_the_headline(tmp_path):
+    results = _by_model_results(tmp_path / "migration.json")
+    result = run("--measured", str(results), "--no-simulate")
+    assert result.exit_code == 0, result.output
+    assert "is " + str(results) + "'s headline figure (the 100M model)" in result.stderr
+    assert "--model-size picks" in result.stderr
+    # The table itself used the headline figure.
+    assert run_json("--measured", str(results), "--no-simulate")["inputs"]["lm_migrate_s"] == 7.6
+
+
+def test_measured_model_size_with_discovered_results(tmp_path, monkeypatch):
+    res = tmp_path / "bench/results"
+    res.mkdir(parents=True)
+    _by_model_results(res / "migration.json")
+    newer = res / "tpassd.json"  # detection only: the pause still comes from migration.json
+    newer.write_text('{"detection_latency_s": {"p50": 0.03}}')
+    now = time.time()
+    os.utime(res / "migration.json", (now - 60, now - 60))
+    monkeypatch.chdir(tmp_path)  # --measured with no FILE looks under the current directory
+    doc = run_json("--measured", "--model-size", "10M", "--no-simulate")
+    assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.03, 1.2)
+    assert doc["input_sources"]["lm_migrate_s"] == f"measured {res / 'migration.json'}"
+    assert any("10M model" in w for w in doc["warnings"])
+
+
+def test_measured_model_size_without_per_model_figures_says_so(tmp_path):
+    results = tmp_path / "r.json"
+    results.write_text('{"migration_pause_s": {"mean": 4.0, "model": "100M"}}')
+    doc = run_json("--measured", str(results), "--model-size", "7B", "--no-simulate")
+    assert doc["inputs"]["lm_migrate_s"] == 4.0
+    assert any("pause of 100M only" in w and "used for 7B" in w for w in doc["warnings"]), doc["warnings"]
+
+
+def test_model_size_is_checked(tmp_path):
+    results = _by_model_results(tmp_path / "migration.json")
+    result = run("--model-size", "10M")
+    assert result.exit_code == 2
+    assert "use it with --measured" in result.output
+    result = run("--measured", str(results), "--model-size", "huge")
+    assert result.exit_code == 1
+    assert "model size 'huge' is not a parameter count" in result.output
+    results.write_text('{"migration_pause_s": {"mean": 4.0, "by_model": {"tiny": 1.0}}}')
+    result = run("--measured", str(results), "--model-size", "10M")
+    assert result.exit_code == 1
+    assert "model size 'tiny'" in result.output
+
+
+def test_nearest_size_prefers_the_larger_on_a_tie():
+    from torchpass.goodput.measured import model_params, nearest_size
+
+    assert model_params("1.3B") == 1.3e9
+    assert nearest_size("10M", ["1M", "100M"]) == "100M"  # 10x either way: the longer pause
+    assert nearest_size("2M", ["1M", "100M"]) == "1M"

@@ -408,18 +408,31 @@ def _requests_with_captured_logs(svc) -> list[dict]:
 
 # -- the rank wrapper: do no harm ------------------------------------------------------------------
 USER_PYTHON = "/usr/bin/python3"  # the venv's python lives under /root (0700): not the user's
-REPO = str(Path(rankwrap.__file__).resolve().parents[2])
+_PACKAGE = Path(rankwrap.__file__).resolve().parents[1]  # torchpass/
 
 
-def _as_user_wrapper(user, state_dir: Path, task: str, prefix: tuple[str, ...] = (), **kw) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def user_pythonpath():
+    """A copy of the torchpass package the user can read: the checkout may lie under a
+    directory only root can enter (/root is 0700), and the wrapper needs only the stdlib."""
+    d = Path(tempfile.mkdtemp(prefix="tpass-userpath-", dir="/tmp"))
+    shutil.copytree(_PACKAGE, d / "torchpass", ignore=shutil.ignore_patterns("__pycache__"))
+    for p in [d, *d.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    yield str(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _as_user_wrapper(user, pythonpath: str, state_dir: Path, task: str, prefix: tuple[str, ...] = (),
+                     **kw) -> subprocess.Popen:
     """The wrapper as ``user`` (setpriv execs it: its pid is the Popen's), after ``prefix`` run as root."""
     return subprocess.Popen([*prefix, "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
                              USER_PYTHON, "-m", "torchpass.checkpoint.rankwrap", "--state-dir", str(state_dir), "--",
                              "sh", "-c", task],
-                            cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": REPO, **RANK_ENV}, **kw)
+                            cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath, **RANK_ENV}, **kw)
 
 
-def test_an_ordinary_user_without_a_prepared_namespace_runs_the_task_unprotected(user, shared_tmp):
+def test_an_ordinary_user_without_a_prepared_namespace_runs_the_task_unprotected(user, user_pythonpath, shared_tmp):
     """unshare is refused (EPERM): the wrapper execs the task in its own place. Same pid as the
     task Slurm started, same stdin, same extra fds, the task's own exit code and signal."""
     state = shared_tmp / "ranks"
@@ -427,7 +440,7 @@ def test_an_ordinary_user_without_a_prepared_namespace_runs_the_task_unprotected
     # The task: a Python program that reports its pid and stdin on the inherited fd `w`.
     task = (f"exec {USER_PYTHON} -c 'import os, sys; os.write({w}, f\"pid {{os.getpid()}}\\n\".encode()); "
             f"os.write({w}, (\"got \" + sys.stdin.readline()).encode()); sys.exit(7)'")
-    p = _as_user_wrapper(user, state, task, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = _as_user_wrapper(user, user_pythonpath, state, task, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          pass_fds=(w,))
     os.close(w)
     out, err = p.communicate(b"hello\n", timeout=30)
@@ -441,18 +454,18 @@ def test_an_ordinary_user_without_a_prepared_namespace_runs_the_task_unprotected
     assert not state.exists()  # no record: tpassd will not try to move it
     # A signal ends it as it would end the task (SIGPIPE too, which Python itself ignores).
     for sig, task in ((15, "kill -TERM $$"), (13, "yes | head -c1 >/dev/null; kill -PIPE $$")):
-        p = _as_user_wrapper(user, state, task, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = _as_user_wrapper(user, user_pythonpath, state, task, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         assert p.wait(timeout=30) == -sig
 
 
-def test_a_namespace_prepared_by_root_is_used_not_made_again(user, shared_tmp):
+def test_a_namespace_prepared_by_root_is_used_not_made_again(user, user_pythonpath, shared_tmp):
     """What the SPANK plugin does in task_init_privileged: root unshares CLONE_NEWPID, then the
     task (the wrapper, as the user) forks the rank as PID 1 of that namespace."""
     state = shared_tmp / "ranks"
     state.mkdir()
     os.chown(state, user.pw_uid, user.pw_gid)
     go = shared_tmp / "go"
-    p = _as_user_wrapper(user, state, f"while [ ! -e {go} ]; do sleep 0.05; done; echo pid $$; exit 3",
+    p = _as_user_wrapper(user, user_pythonpath, state, f"while [ ! -e {go} ]; do sleep 0.05; done; echo pid $$; exit 3",
                          prefix=("unshare", "--pid"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
     try:
