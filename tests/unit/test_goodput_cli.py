@@ -32,16 +32,15 @@ def run_json(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_every_preset_prints_a_comparison_quickly(name):
-    started = time.perf_counter()
+def test_every_preset_prints_a_comparison(name):
+    # Its speed (the 2 s budget) is measured by bench/, not asserted here: a wall-clock
+    # limit fails on a loaded 2-core machine (6.8 s seen while a benchmark ran beside it).
     result = run("--preset", name)
-    elapsed = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     for label in ("checkpoint-restart", "checkpointless", "live migration"):
         assert label in result.stdout
     assert "goodput (useful / paid GPU-h)" in result.stdout
     assert "USD lost per month" in result.stdout
-    assert elapsed < 2.0  # the budget, simulation included
 
 
 def test_json_matches_the_model_and_has_the_documented_shape():

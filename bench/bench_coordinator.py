@@ -1,0 +1,1037 @@
+"""Coordinator at scale: the real ``tpass-coordinator`` against simulated ranks and tpassds.
+
+    .venv/bin/python bench/bench_coordinator.py [--sizes 64,512,2048,8192] [--trials 5]
+
+What runs, per size (ranks, 8 per node, plus one hot spare node):
+
+* the real coordinator process, started as the SPANK plugin starts it
+  (slurm_spank/coordinator.c: ``--job-id --state-dir --spares --policy
+  --ready-fd --secret-fd``, stdout/stderr to the job's coordinator.log, the
+  job secret on a pipe), plus ``--bind-address 127.0.0.1``;
+* Slurm replaced at the coordinator's own seam, its Slurm CLI backend
+  (torchpass.slurm.cli): ``scontrol``/``squeue``/``srun``/``salloc``/
+  ``scancel`` on the coordinator's PATH are small shell scripts that print
+  the job (RUNNING, every node), the nodes (each with its own loopback
+  address 127.77.x.y) and ``{"steps": []}``; ``srun`` (the gated restore
+  step launched at the pause) waits for its gate file; a private munged;
+* simulated tpassds (one process): per node the real ``tpassd.publisher``
+  PUB on ADDR:7717 with heartbeats every 1 s (tpassd's default interval)
+  and a ROUTER on ADDR:7718 answering ``tpassd.health`` (the snapshot) and
+  ``tpassd.snapshot`` (``op=dump`` is refused: there is nothing to dump, so
+  every fault ends in the coordinator's rollback, a resume in place on the
+  source, which exercises the same pause and resume fan-out); munge
+  credentials are not verified there;
+* simulated ranks in several load-generator processes (one event loop each,
+  many sockets), speaking the rank protocol of torchpass.runtime.control:
+  ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
+  (every 0.02 s while paused), each request signed with the job secret
+  (torchpass.jobauth.JobSigner) on a new REQ socket with a 2 s time-out
+  (``--connection persistent`` keeps one REQ socket per rank until a
+  time-out); commands from the replies are obeyed: ``pause`` -> ``rank.armed``,
+  stop at collective T -> ``rank.quiesced`` (ranks of the faulty node then
+  close their sockets and wait for the hold file), ``resume`` ->
+  ``rank.resumed``. Collectives advance at 40/s in lockstep.
+
+Measured: the coordinator's CPU (fraction of one core) and RSS over a
+steady-state window, ``job.status`` latency in that window, the fraction of
+rank requests answered (steady state, and over the whole run), then for each
+trial (a ``degraded`` event for one node): fault -> first pause command
+received by a rank of that node (``decision``), fault -> ``migration.started``
+in the coordinator's own event log, pause fan-out (first to last rank
+receiving the pause; pause -> every ``rank.quiesced`` answered) and resume
+fan-out (first to last rank receiving the resume; -> every ``rank.resumed``
+answered). Every phase has a time limit, so every size ends by itself.
+
+Writes bench/results/coordinator.json (sizes merged by ``ranks``) and
+bench/results/coordinator.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import multiprocessing as mp
+import os
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "bench" / "results"
+RANKS_PER_NODE = 8
+JOB_ID = 77001
+PROGRESS_INTERVAL_S = 0.5  # torchpass.runtime.control defaults
+PAUSED_INTERVAL_S = 0.02
+REQUEST_TIMEOUT_S = 2.0
+OUTBOX_RETRY_S = 0.2
+HOLD_POLL_S = 0.02
+HEARTBEAT_S = 1.0  # tpassd's default interval_s
+COLLECTIVES_PER_S = 40.0
+COLLECTIVES_PER_STEP = 10
+SYNC_S = 0.005  # how often a load generator looks at the other ranks (the barrier at T: a store round trip)
+PUB_PORT = 7717  # torchpass.ports (imported in the children; the addresses differ per node)
+
+
+def node_name(i: int) -> str:
+    return f"sim{i:04d}"
+
+
+def node_address(i: int) -> str:
+    return f"127.77.{i // 200}.{i % 200 + 1}"
+
+
+def q(xs: list[float], p: float) -> float | None:
+    """Percentile ``p`` (0-100) in ms of seconds ``xs``; None when empty."""
+    return round(float(np.percentile(np.asarray(xs) * 1000.0, p)), 1) if xs else None
+
+
+# ============================================================================
+# Simulated tpassds (one process, every node)
+# ============================================================================
+def tpassd_sim(nodes: list[tuple[str, str]], conn) -> None:
+    import zmq
+
+    from torchpass import logs, zmqio
+    from torchpass.errors import RemoteError
+    from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_PUB_PORT
+    from tpassd.publisher import Publisher
+
+    logs.configure("error")  # every refused dump would log a warning
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 65536)
+    pubs: dict[str, Publisher] = {}
+    routers: dict[Any, tuple[str, dict]] = {}
+    served = {"health": 0}
+    t0 = time.monotonic()
+
+    def handlers_for(node: str, pub: Publisher) -> dict:
+        def health(msg):
+            served["health"] += 1
+            return {**pub.snapshot(), "checkpoint": {"criu": True, "cuda": False, "bench": "simulated"}}
+
+        def snapshot(msg):
+            key = f"snapshot.{msg.body['op']}"
+            served[key] = served.get(key, 0) + 1
+            if msg.body["op"] == "dump":
+                raise RemoteError("failed", f"bench: the simulated tpassd on {node} does not dump")
+            return {"node": node, "op": msg.body["op"]}
+
+        return {"tpassd.health": health, "tpassd.snapshot": snapshot}
+
+    try:
+        for name, addr in nodes:
+            pub = Publisher(ctx, addr, TPASSD_PUB_PORT, name, secrets.token_hex(4), HEARTBEAT_S)
+            pubs[name] = pub
+            sock, _ = zmqio.bind_router(ctx, addr, TPASSD_CONTROL_PORT)
+            routers[sock] = (name, handlers_for(name, pub))
+            pub.event(time.time(), "node", "healthy", "unknown", [], "healthy", [], {})
+    except zmq.ZMQError as exc:
+        conn.send(("error", f"cannot bind a simulated tpassd ({exc}); is port {PUB_PORT} in use on 127.77.*?"))
+        return
+    conn.send(("ready", len(pubs)))
+    names = list(pubs)
+    hb_next = [t0 + HEARTBEAT_S * i / len(names) for i in range(len(names))]
+    hb_heap = [(t, i) for i, t in enumerate(hb_next)]
+    heapq.heapify(hb_heap)
+    poller = zmq.Poller()
+    for s in routers:
+        poller.register(s, zmq.POLLIN)
+    poller.register(conn.fileno(), zmq.POLLIN)
+    state = {n: "healthy" for n in names}
+
+    def set_state(node: str, new: str) -> float:
+        old = state[node]
+        state[node] = new
+        reasons = ["gpu3: bench: simulated ECC storm"] if new != "healthy" else []
+        comps = {"gpu3": {"state": new, "reasons": reasons}}
+        pub = pubs[node]
+        pub.event(time.time(), "gpu3", new, old, reasons, new, reasons, comps)
+        pub.event(time.time(), "node", new, old, reasons, new, reasons, comps)
+        return time.monotonic(), time.time()
+
+    while True:
+        now = time.monotonic()
+        while hb_heap and hb_heap[0][0] <= now:
+            t, i = heapq.heappop(hb_heap)
+            pubs[names[i]].heartbeat(time.time(), now - t0)
+            heapq.heappush(hb_heap, (t + HEARTBEAT_S, i))
+        wait = max(0.0, min(hb_heap[0][0] - time.monotonic(), 0.05))
+        for s, _ in poller.poll(int(wait * 1000)):
+            if s == conn.fileno():
+                cmd = conn.recv()
+                if cmd[0] == "set":
+                    conn.send(set_state(cmd[1], cmd[2]))
+                elif cmd[0] == "stats":
+                    conn.send(dict(served))
+                else:  # stop
+                    for p in pubs.values():
+                        p.close()
+                    for r in routers:
+                        r.close(linger=0)
+                    ctx.term()
+                    conn.send("stopped")
+                    return
+            else:
+                zmqio.serve_one(s, routers[s][1])
+
+
+# ============================================================================
+# Simulated ranks (one load generator process = an event loop over many ranks)
+# ============================================================================
+class SimRank:
+    """One rank as torchpass.runtime.control.ControlLink + ReconfigurablePG behave on the wire."""
+
+    __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
+                 "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock")
+
+    def __init__(self, rank: int, node: str, signer, t0: float):
+        self.rank, self.node, self.signer = rank, node, signer
+        self.registered = False
+        self.outbox: list[tuple[str, dict]] = []
+        self.inflight = None  # (sock, type, body, t_sent, token)
+        self.holding = False
+        self.hold_file: str | None = None
+        self.armed: tuple[int, int] | None = None  # (at, generation)
+        self.waiting = False  # at T, waiting for every rank to reach T (group intact)
+        self.frozen = False  # torn down at T (rank.quiesced sent)
+        self.generation = 0
+        self.base_t, self.base_c = t0, 0
+        self.armed_reported = None
+        self.seen: set = set()  # commands seen, for first-receipt times
+        self.sock = None  # persistent REQ socket (--connection persistent)
+
+    @property
+    def paused(self) -> bool:
+        return self.waiting or self.frozen
+
+
+class LoadGen:
+    """Many ranks in one event loop. The job's collectives are coupled through shared memory
+    (``wait_at``/``wait_gen``: the T and generation each rank stands at, -1 when running), as in
+    a real job: no rank completes collective T+1 while another stands at T (a running rank's count
+    stops at T+1, where it blocks), and ranks tear down at T only once every rank has reached it."""
+
+    def __init__(self, endpoint: str, job_id: int, world: int, ranks: range, secret: str, t0: float,
+                 persistent: bool, conn, wait_at, wait_gen):
+        import zmq
+
+        from torchpass import jobauth, wire
+
+        self.zmq, self.wire = zmq, wire
+        self.endpoint, self.job_id, self.world = endpoint, job_id, world
+        self.persistent = persistent
+        self.conn = conn
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
+        key = jobauth.parse_secret(secret)
+        self.ranks = [SimRank(r, node_name(r // RANKS_PER_NODE), jobauth.JobSigner(key), t0) for r in ranks]
+        self.wait_at = np.frombuffer(wait_at, dtype=np.int64)
+        self.wait_gen = np.frombuffer(wait_gen, dtype=np.int64)
+        self.cap: int | None = None  # the most collectives any running rank can have issued now
+        self.timers: list[tuple[float, int, int, str]] = []  # (t, seq, rank index, kind)
+        self.deadlines: list[tuple[float, int, int]] = []  # (t, token, rank index)
+        self.by_sock: dict[Any, int] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(conn.fileno(), zmq.POLLIN)
+        self._seq = 0
+        self.events: list[tuple[int, str, int, float]] = []  # (rank, kind, generation, t)
+        self.totals = self._zero()
+        self.window = self._zero()
+        self.rtts: list[float] = []  # rank.progress round trips since the last mark
+        self.resumed_since: set[int] = set()
+
+    def collectives(self, rk: SimRank, now: float) -> int:
+        if rk.paused:
+            return rk.base_c
+        c = rk.base_c + int((now - rk.base_t) * COLLECTIVES_PER_S)
+        return c if self.cap is None else min(c, self.cap)
+
+    def _sync(self, now: float) -> None:
+        """Follow the other ranks: the cap on collectives, and the barrier at T."""
+        standing = self.wait_at[self.wait_at >= 0]
+        cap = int(standing.min()) + 1 if standing.size else None
+        if cap != self.cap:
+            for rk in self.ranks:  # re-base running ranks at what they had issued under the old cap
+                if not rk.paused:
+                    rk.base_c, rk.base_t = self.collectives(rk, now), now
+            self.cap = cap
+        targets = {rk.armed for rk in self.ranks if rk.waiting}
+        for at, gen in targets:
+            if bool(np.all((self.wait_at == at) & (self.wait_gen == gen))):
+                for i, rk in enumerate(self.ranks):
+                    if rk.waiting and rk.armed == (at, gen):
+                        self._quiesce(i, now)
+
+    def _stand(self, rk: SimRank, at: int, gen: int) -> None:
+        self.wait_at[rk.rank], self.wait_gen[rk.rank] = at, gen
+
+    @staticmethod
+    def _zero() -> dict[str, int]:
+        return {"sent": 0, "answered": 0, "timeouts": 0, "error_replies": 0, "refused_pauses": 0}
+
+    def _count(self, key: str) -> None:
+        self.totals[key] += 1
+        self.window[key] += 1
+
+    def _timer(self, t: float, i: int, kind: str = "tick") -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (t, self._seq, i, kind))
+
+    # -- requests -----------------------------------------------------------------
+    def _send(self, i: int, type_: str, body: dict, now: float) -> None:
+        zmq, wire = self.zmq, self.wire
+        rk = self.ranks[i]
+        id_ = wire.new_id()
+        frame = wire.encode(type_, body, id=id_, **rk.signer.envelope(type_, id_, body))
+        sock = rk.sock if self.persistent else None
+        if sock is None:
+            sock = self.ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            rk.sock = sock if self.persistent else None
+        sock.send(frame)
+        self._seq += 1
+        rk.inflight = (sock, type_, body, now, self._seq)
+        self.by_sock[sock] = i
+        self.poller.register(sock, zmq.POLLIN)
+        heapq.heappush(self.deadlines, (now + REQUEST_TIMEOUT_S, self._seq, i))
+        self._count("sent")
+
+    def _finish(self, i: int, keep: bool) -> None:
+        rk = self.ranks[i]
+        sock = rk.inflight[0]
+        self.poller.unregister(sock)
+        del self.by_sock[sock]
+        rk.inflight = None
+        if not (keep and self.persistent):
+            sock.close(linger=0)
+            rk.sock = None
+
+    def _tick(self, i: int, now: float) -> None:
+        rk = self.ranks[i]
+        if rk.inflight is not None:
+            return
+        if rk.holding:
+            if rk.hold_file and os.path.exists(rk.hold_file):
+                rk.holding, rk.hold_file = False, None
+                self.events.append((rk.rank, "unheld", -1, now))
+                self._timer(now, i)
+            else:
+                self._timer(now + HOLD_POLL_S, i)
+            return
+        base = {"job_id": self.job_id, "rank": rk.rank}
+        if not rk.registered:
+            self._send(i, "rank.register", {**base, "world_size": self.world, "node": rk.node,
+                                            "pid": 100000 + rk.rank, "generation": 0}, now)
+        elif rk.outbox:
+            self._send(i, *rk.outbox[0], now)
+        else:
+            c = self.collectives(rk, now)
+            self._send(i, "rank.progress", {**base, "step": c // COLLECTIVES_PER_STEP, "collectives": c,
+                                            "node": rk.node}, now)
+
+    def _post(self, i: int, type_: str, body: dict, now: float) -> None:
+        rk = self.ranks[i]
+        rk.outbox.append((type_, {"job_id": self.job_id, "rank": rk.rank, **body}))
+        if rk.inflight is None and not rk.holding:
+            self._timer(now, i)  # the control thread's condition variable wakes it
+
+    def _reply(self, i: int, now: float) -> None:
+        rk = self.ranks[i]
+        sock, type_, body, t_sent, _ = rk.inflight
+        frame = sock.recv()
+        self._count("answered")
+        try:
+            result = self.wire.decode_reply(frame).unwrap()
+        except Exception:  # noqa: BLE001 - an error reply: the rank treats it as no reply
+            result = None
+            self._count("error_replies")
+        self._finish(i, keep=True)
+        if type_ == "rank.progress":
+            self.rtts.append(now - t_sent)
+        if result is None:
+            self._failed(i, type_, now)
+            return
+        if type_ == "rank.register":
+            rk.registered = True
+            self._handle(i, result, now)
+            self._timer(now, i)
+            return
+        if type_ != "rank.progress":
+            rk.outbox.pop(0)
+            if type_ == "rank.quiesced":
+                self.events.append((rk.rank, "quiesced", body["generation"], now))
+            elif type_ == "rank.resumed":
+                self.events.append((rk.rank, "resumed", body["generation"], now))
+                self.resumed_since.add(rk.rank)
+            self._handle(i, result, now)
+            if type_ == "rank.quiesced" and body["hold"]:
+                rk.holding = True
+                self.events.append((rk.rank, "hold", body["generation"], now))
+            self._timer(now, i)
+            return
+        self._handle(i, result, now)
+        self._timer(now + (PAUSED_INTERVAL_S if rk.paused else PROGRESS_INTERVAL_S), i)
+
+    def _failed(self, i: int, type_: str, now: float) -> None:
+        rk = self.ranks[i]
+        if type_ == "rank.register":
+            self._timer(now + PROGRESS_INTERVAL_S, i)
+        elif type_ == "rank.progress":
+            self._timer(now + (PAUSED_INTERVAL_S if rk.paused else PROGRESS_INTERVAL_S), i)
+        else:
+            self._timer(now + min(PROGRESS_INTERVAL_S, OUTBOX_RETRY_S), i)
+
+    def _handle(self, i: int, result: dict, now: float) -> None:
+        """A command in a reply, as ControlLink._handle and ReconfigurablePG.arm/resume take it."""
+        rk = self.ranks[i]
+        cmd = result.get("command") if isinstance(result, dict) else None
+        if not isinstance(cmd, dict):
+            return
+        kind = cmd.get("command")
+        if kind == "pause":
+            at, gen = int(cmd["at"]), int(cmd["generation"])
+            if ("pause", at, gen) not in rk.seen:
+                rk.seen.add(("pause", at, gen))
+                self.events.append((rk.rank, "pause", gen, now))
+            if rk.frozen or rk.armed == (at, gen):
+                ok = rk.armed == (at, gen)
+            elif self.collectives(rk, now) > at or gen <= rk.generation:
+                ok = False
+            else:  # armed; a rank standing at an earlier T runs on to the new one
+                ok = True
+                if rk.waiting:
+                    rk.waiting = False
+                    rk.base_t = now
+                    self._stand(rk, -1, -1)
+                rk.armed = (at, gen)
+                rk.hold_file = cmd.get("hold_file")
+                self._timer(now + max(0.0, (at - self.collectives(rk, now)) / COLLECTIVES_PER_S), i,
+                            f"reach:{at}:{gen}")
+            if (at, gen, ok) != rk.armed_reported:
+                rk.armed_reported = (at, gen, ok)
+                if not ok:
+                    self._count("refused_pauses")
+                self._post(i, "rank.armed", {"at": at, "generation": gen, "collectives": self.collectives(rk, now),
+                                             "accepted": ok}, now)
+        elif kind == "resume":
+            gen = int(cmd["generation"])
+            if ("resume", gen) not in rk.seen:
+                rk.seen.add(("resume", gen))
+                self.events.append((rk.rank, "resume", gen, now))
+            if rk.armed is None or rk.armed[1] != gen:
+                return  # a repeat, or not for this rank
+            if rk.frozen:  # torn down: rebuild as gen
+                self._post(i, "rank.resumed", {"generation": gen, "collectives": rk.base_c, "rebuild_s": 0.001,
+                                               "node": rk.node, "moved": False}, now)
+            else:  # T not reached (or not torn down): cancelled, the generation adopted
+                self._post(i, "rank.resumed", {"generation": gen, "collectives": self.collectives(rk, now),
+                                               "rebuild_s": 0.0, "node": rk.node, "moved": False,
+                                               "cancelled": True}, now)
+            if rk.paused:
+                rk.base_t = now
+                self._stand(rk, -1, -1)
+            rk.generation = gen
+            rk.armed = rk.armed_reported = None
+            rk.waiting = rk.frozen = False
+            if not rk.holding:
+                rk.hold_file = None
+
+    def _reach(self, i: int, kind: str, now: float) -> None:
+        """The rank's training thread at collective T: it stands there until every rank has."""
+        rk = self.ranks[i]
+        _, at, gen = kind.split(":")
+        at, gen = int(at), int(gen)
+        if rk.armed != (at, gen) or rk.paused:
+            return  # cancelled or re-armed meanwhile
+        c = self.collectives(rk, now)
+        if c < at:  # held back by a rank standing at an earlier T, or early
+            self._timer(now + max(0.005, (at - c) / COLLECTIVES_PER_S), i, kind)
+            return
+        rk.base_c, rk.waiting = at, True
+        self._stand(rk, at, gen)
+        self.events.append((rk.rank, "at_T", gen, now))
+
+    def _quiesce(self, i: int, now: float) -> None:
+        rk = self.ranks[i]
+        at, gen = rk.armed
+        rk.waiting, rk.frozen = False, True
+        self._post(i, "rank.quiesced", {"generation": gen, "collectives": at, "sockets": 0,
+                                        "drain_s": 0.0, "node": rk.node, "pid": 100000 + rk.rank,
+                                        "hold": rk.hold_file is not None}, now)
+
+    # -- the loop ----------------------------------------------------------------------
+    def stats(self, rtts: bool = False) -> dict[str, Any]:
+        return {"totals": dict(self.totals), "window": dict(self.window), "rtts": list(self.rtts) if rtts else [],
+                "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
+                "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
+
+    def command(self, cmd: tuple) -> bool:
+        if cmd[0] == "mark":
+            self.window, self.rtts, self.resumed_since, self.events = self._zero(), [], set(), []
+            self.conn.send("ok")
+        elif cmd[0] == "stats":
+            self.conn.send(self.stats(rtts=len(cmd) > 1 and cmd[1] == "rtts"))
+        elif cmd[0] == "events":
+            self.conn.send(self.events)
+            self.events = []
+        elif cmd[0] == "stuck":  # the ranks that did not resume since the mark, as they stand
+            self.conn.send([{"rank": r.rank, "armed": r.armed, "waiting": r.waiting, "frozen": r.frozen,
+                             "holding": r.holding, "generation": r.generation, "outbox": [t for t, _ in r.outbox],
+                             "seen": sorted(map(str, r.seen))[-4:]}
+                            for r in self.ranks if r.rank not in self.resumed_since][:cmd[1]])
+        else:  # stop
+            self.conn.send(self.stats())
+            return False
+        return True
+
+    def run(self) -> None:
+        now = time.monotonic()
+        for i in range(len(self.ranks)):  # the ranks start within one interval, as srun starts them
+            self._timer(now + PROGRESS_INTERVAL_S * i / len(self.ranks), i)
+        conn_fd = self.conn.fileno()
+        next_sync = now
+        while True:
+            now = time.monotonic()
+            while self.deadlines and self.deadlines[0][0] <= now:
+                _, token, i = heapq.heappop(self.deadlines)
+                rk = self.ranks[i]
+                if rk.inflight is not None and rk.inflight[4] == token:
+                    type_ = rk.inflight[1]
+                    self._finish(i, keep=False)  # Lazy Pirate: a fresh socket next time
+                    self._count("timeouts")
+                    self._failed(i, type_, now)
+            while self.timers and self.timers[0][0] <= now:
+                _, _, i, kind = heapq.heappop(self.timers)
+                if kind == "tick":
+                    self._tick(i, now)
+                else:
+                    self._reach(i, kind, now)
+            if now >= next_sync:
+                self._sync(now)
+                next_sync = now + SYNC_S
+            nxt = min(self.timers[0][0] if self.timers else now + 0.05,
+                      self.deadlines[0][0] if self.deadlines else now + 0.05)
+            wait_ms = max(0, min(int(SYNC_S * 1000), int((nxt - time.monotonic()) * 1000)))
+            for s, _ in self.poller.poll(wait_ms):
+                if s == conn_fd:
+                    if not self.command(self.conn.recv()):
+                        self.ctx.destroy(linger=0)
+                        return
+                else:
+                    self._reply(self.by_sock[s], time.monotonic())
+
+
+def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen) -> None:
+    lim = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lim[1], lim[1]))
+    LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen).run()
+
+
+# ============================================================================
+# Slurm stand-in: the commands the CLI backend runs
+# ============================================================================
+SCONTROL = """#!/bin/sh
+d=$(dirname "$0")
+case "$1 $2" in
+  "show job") cat "$d/job.json" ;;
+  "show nodes") cat "$d/nodes.json" ;;
+  "show hostnames") cat "$d/hostnames" ;;
+  update*) exit 0 ;;
+  *) echo "bench scontrol: unsupported: $*" >&2; exit 1 ;;
+esac
+"""
+SQUEUE = """#!/bin/sh
+d=$(dirname "$0")
+case " $* " in *" --steps "*) echo '{"steps": []}' ;; *) cat "$d/job.json" ;; esac
+"""
+# The gated restore step launched at the pause: wait for the gate (restore_gate's file), then end.
+SRUN = """#!/bin/sh
+gate=""; prev=""
+for a in "$@"; do [ "$prev" = "torchpass.checkpoint.restore_gate" ] && gate="$a"; prev="$a"; done
+i=0
+while [ -n "$gate" ] && [ ! -s "$gate" ] && [ $i -lt 3000 ]; do sleep 0.2; i=$((i+1)); done
+exit 0
+"""
+SALLOC = "#!/bin/sh\necho 'salloc: bench: no spare to allocate' >&2\nexit 1\n"
+SCANCEL = "#!/bin/sh\nexit 0\n"
+
+
+def fake_slurm(d: Path, nodes: int) -> dict[str, str]:
+    """Write the stand-in commands under ``d``; return the coordinator's environment additions."""
+    d.mkdir(parents=True)
+    names = [node_name(i) for i in range(nodes)]
+    nodelist = f"sim[0000-{nodes - 1:04d}]"
+    job = {"jobs": [{"job_id": JOB_ID, "name": "bench", "user_name": "root", "user_id": os.getuid(),
+                     "job_state": ["RUNNING"], "nodes": nodelist, "batch_host": names[0],
+                     "standard_output": str(d / "job.out"), "partition": "bench"}]}
+    (d / "job.json").write_text(json.dumps(job))
+    (d / "nodes.json").write_text(json.dumps({"nodes": [
+        {"name": n, "address": node_address(i), "state": ["ALLOCATED"], "reason": ""} for i, n in enumerate(names)]}))
+    (d / "hostnames").write_text("\n".join(names) + "\n")
+    (d / "slurm.conf").write_text("ClusterName=bench\n")
+    for name, text in (("scontrol", SCONTROL), ("squeue", SQUEUE), ("srun", SRUN), ("salloc", SALLOC),
+                       ("scancel", SCANCEL)):
+        (d / name).write_text(text)
+        (d / name).chmod(0o755)
+    return {"PATH": f"{d}:{os.environ.get('PATH', '/usr/bin:/bin')}", "SLURM_CONF": str(d / "slurm.conf"),
+            "SLURM_JOB_ID": str(JOB_ID), "SLURM_JOB_NODELIST": nodelist, "TORCHPASS_SLURM_BACKEND": "cli"}
+
+
+# ============================================================================
+# One size
+# ============================================================================
+class Coordinator:
+    """The real tpass-coordinator, started as the plugin starts it."""
+
+    def __init__(self, tmp: Path, nodes: int, secret: str, munge_socket: str):
+        from torchpass import layout
+
+        self.state_dir = tmp / "state"
+        jobdir = layout.job_dir(self.state_dir, JOB_ID)
+        jobdir.mkdir(parents=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHPASS_"))}
+        env.update(fake_slurm(tmp / "slurm", nodes), TORCHPASS_MUNGE_SOCKET=munge_socket)
+        ready_r, ready_w = os.pipe()
+        secret_r, secret_w = os.pipe()
+        os.write(secret_w, secret.encode())
+        os.close(secret_w)
+        exe = shutil.which("tpass-coordinator", path=str(Path(sys.executable).parent)) or "tpass-coordinator"
+        argv = [exe, "--job-id", str(JOB_ID), "--state-dir", str(self.state_dir), "--spares", "1",
+                "--policy", "default", "--ready-fd", str(ready_w), "--secret-fd", str(secret_r),
+                "--bind-address", "127.0.0.1"]
+        self.log_path = jobdir / layout.COORDINATOR_LOG
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, env=env, cwd=jobdir, stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT, pass_fds=(ready_w, secret_r), start_new_session=True)
+        os.close(ready_w)
+        os.close(secret_r)
+        line = b""
+        deadline = time.monotonic() + 60
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            chunk = os.read(ready_r, 256)
+            if not chunk:
+                break
+            line += chunk
+        os.close(ready_r)
+        if not line.startswith(b"tcp://"):
+            self.stop()
+            raise RuntimeError(f"tpass-coordinator did not start (ready line {line!r}); "
+                               f"see {jobdir / layout.COORDINATOR_LOG}")
+        self.endpoint = line.decode().strip()
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def rss_mb(self) -> float:
+        return self.ps.memory_info().rss / 1e6
+
+    def log_errors(self) -> list[str]:
+        """Error lines and tracebacks in the coordinator's log (a bug the load brought out)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [ln[:300] for ln in lines if '"level": "error"' in ln or ln.startswith("Traceback")
+                or "[error" in ln]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # as the plugin's epilog stops it
+            _, alive = psutil.wait_procs([self.ps], timeout=15)
+            for p in alive:
+                p.kill()
+        self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def _ask(conns: list, cmd: tuple, timeout_s: float = 30.0) -> list:
+    for c in conns:
+        c.send(cmd)
+    out = []
+    for c in conns:
+        if not c.poll(timeout_s):
+            raise RuntimeError(f"a load generator did not answer {cmd[0]!r} in {timeout_s:g} s")
+        out.append(c.recv())
+    return out
+
+
+def _request(endpoint: str, type_: str, body: dict, timeout_s: float) -> tuple[float, dict | None, str]:
+    from torchpass import zmqio
+    from torchpass.errors import TorchpassError
+
+    t = time.monotonic()
+    try:
+        res = zmqio.request(endpoint, type_, body, timeout_s=timeout_s, retries=0)
+        return time.monotonic() - t, res, ""
+    except TorchpassError as exc:
+        return time.monotonic() - t, None, str(exc)
+
+
+def _fanout(first: dict[tuple[str, int], float], sent: str, acked: str) -> dict[str, Any]:
+    """A command's fan-out: each rank's receipt after the first one, and the last acknowledgement."""
+    got = [t for (k, _r), t in first.items() if k == sent]
+    if not got:
+        return {}
+    t0 = min(got)
+    done = [t for (k, _r), t in first.items() if k == acked]
+    out: dict[str, Any] = {f"{sent}_delays_s": [t - t0 for t in got], f"ranks_{acked}": len(done)}
+    if done:
+        out[f"all_{acked}_s"] = max(done) - t0
+    return out
+
+
+def trial_figures(events: list[tuple[int, str, int, float]], t_fault: float, bad_ranks: set[int]) -> dict[str, Any]:
+    """One fault's figures from the ranks' first-receipt times (seconds, monotonic)."""
+    first: dict[tuple[str, int], float] = {}
+    for r, kind, _gen, t in events:
+        first.setdefault((kind, r), t)
+    pause = {r: t for (k, r), t in first.items() if k == "pause"}
+    out: dict[str, Any] = {"ranks_paused": len(pause)}
+    bad = [t for r, t in pause.items() if r in bad_ranks]
+    if bad:
+        out["decision_s"] = min(bad) - t_fault
+    out.update(_fanout(first, "pause", "quiesced"))
+    out.update(_fanout(first, "resume", "resumed"))
+    return out
+
+
+def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
+    from torchpass.ports import TPASSD_PUB_PORT
+
+    assert TPASSD_PUB_PORT == PUB_PORT
+    nodes = ranks // RANKS_PER_NODE + 1  # + the hot spare (the allocation's last node)
+    gens = args.generators or max(1, min(16, -(-ranks // 1024)))
+    size_deadline = time.monotonic() + args.size_timeout_s
+    load_start = os.getloadavg()
+    spawn = mp.get_context("spawn")
+    secret = secrets.token_hex(32)
+    out: dict[str, Any] = {"ranks": ranks, "nodes": nodes - 1, "spare_nodes": 1, "load_generators": gens,
+                           "connection": args.connection, "loadavg_start": [round(x, 2) for x in load_start]}
+    procs: list = []
+    conns: list = []
+    coord = None
+    with tempfile.TemporaryDirectory(prefix="tpass-bench-coord-") as tmpd:
+        tmp = Path(tmpd)
+        try:
+            tp_conn, child = spawn.Pipe()
+            tp = spawn.Process(target=tpassd_sim, args=([(node_name(i), node_address(i)) for i in range(nodes)],
+                                                        child), daemon=True)
+            tp.start()
+            procs.append(tp)
+            if not tp_conn.poll(120):
+                raise RuntimeError("the simulated tpassds did not come up in 120 s")
+            msg = tp_conn.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(msg[1])
+            coord = Coordinator(tmp, nodes, secret, munge_socket)
+            out["coordinator_pid"] = coord.proc.pid
+            t0 = time.monotonic()
+            per = -(-ranks // gens)
+            wait_at, wait_gen = spawn.RawArray("q", ranks), spawn.RawArray("q", ranks)
+            np.frombuffer(wait_at, dtype=np.int64)[:] = -1  # every rank runs
+            np.frombuffer(wait_gen, dtype=np.int64)[:] = -1
+            for g in range(gens):
+                lo, hi = g * per, min(ranks, (g + 1) * per)
+                a, child = spawn.Pipe()
+                p = spawn.Process(target=loadgen_main, daemon=True,
+                                  args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
+                                        args.connection == "persistent", child, wait_at, wait_gen))
+                p.start()
+                procs.append(p)
+                conns.append(a)
+            # -- registration ---------------------------------------------------------
+            t_reg = time.monotonic()
+            registered = 0
+            while time.monotonic() - t_reg < args.register_timeout_s:
+                registered = sum(s["registered"] for s in _ask(conns, ("stats",)))
+                if registered == ranks:
+                    break
+                time.sleep(0.5)
+            out["registered"] = registered
+            out["register_s"] = round(time.monotonic() - t_reg, 2)
+            print(f"  {ranks} ranks: {registered} registered in {out['register_s']} s", flush=True)
+            # -- steady state ------------------------------------------------------------
+            time.sleep(args.warmup_s)
+            _ask(conns, ("mark",))
+            cpu0, w0 = coord.cpu_s(), time.monotonic()
+            status_lat: list[float] = []
+            status_fail: list[str] = []
+            rss_peak = 0.0
+            last_seq = 0
+            while time.monotonic() - w0 < args.steady_s:
+                lat, res, err = _request(coord.endpoint, "job.status", {}, args.status_timeout_s)
+                if res is None:
+                    status_fail.append(err[:200])
+                else:
+                    status_lat.append(lat)
+                    last_seq = res.get("last_event_seq", last_seq)
+                rss_peak = max(rss_peak, coord.rss_mb())
+                time.sleep(max(0.0, 1.0 - lat))
+            wall = time.monotonic() - w0
+            cpu = coord.cpu_s() - cpu0
+            rss = coord.rss_mb()
+            st = _ask(conns, ("stats", "rtts"))
+            win = {k: sum(s["window"][k] for s in st) for k in st[0]["window"]}
+            rtts = [x for s in st for x in s["rtts"]]
+            done = win["answered"] + win["timeouts"]
+            out.update({
+                "steady_s": round(wall, 1),
+                "cpu_core_fraction": round(cpu / wall, 3),
+                "rss_mb": round(rss, 1),
+                "rss_peak_mb": round(max(rss_peak, rss), 1),
+                "requests_per_s": round(win["sent"] / wall, 1),
+                "wanted_per_s": round(ranks / PROGRESS_INTERVAL_S, 1),
+                "replies_per_s": round(win["answered"] / wall, 1),
+                "replies_fraction": round(win["answered"] / done, 4) if done else 0.0,
+                "error_replies": win["error_replies"],
+                "progress_p50_ms": q(rtts, 50), "progress_p99_ms": q(rtts, 99),
+                "status_p50_ms": q(status_lat, 50), "status_p99_ms": q(status_lat, 99),
+                "status_max_ms": q(status_lat, 100),
+                "status_answered": f"{len(status_lat)}/{len(status_lat) + len(status_fail)}",
+            })
+            if status_fail:
+                out["status_error"] = status_fail[-1]
+            print(f"  {ranks} ranks steady: cpu {out['cpu_core_fraction']:.2f} core, rss {out['rss_mb']} MB, "
+                  f"replies {out['replies_per_s']}/s of {out['wanted_per_s']} wanted "
+                  f"(fraction {out['replies_fraction']}), job.status p50 {out['status_p50_ms']} ms", flush=True)
+            # -- faults ------------------------------------------------------------------
+            trials: list[dict[str, Any]] = []
+            for k in range(args.trials):
+                if time.monotonic() + args.trial_timeout_s + 5 > size_deadline:
+                    out["trials_skipped"] = args.trials - k
+                    break
+                node = k % (nodes - 1)
+                bad = set(range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE))
+                _ask(conns, ("mark",))
+                tp_conn.send(("set", node_name(node), "degraded"))
+                t_fault, wall_fault = tp_conn.recv()
+                ok = False
+                t_end = t_fault + args.trial_timeout_s
+                while time.monotonic() < t_end:
+                    time.sleep(0.2)
+                    if sum(s["resumed_since"] for s in _ask(conns, ("stats",))) >= ranks:
+                        ok = True
+                        break
+                evs = [e for part in _ask(conns, ("events",)) for e in part]
+                fig = trial_figures(evs, t_fault, bad)
+                fig.update(node=node_name(node), complete=ok, t_wall=wall_fault)
+                if not ok and fig["ranks_paused"]:
+                    fig["not_resumed"] = [x for part in _ask(conns, ("stuck", 3)) for x in part][:3]
+                    print(f"  not resumed: {fig['not_resumed']}", flush=True)
+                trials.append(fig)
+                tp_conn.send(("set", node_name(node), "healthy"))
+                tp_conn.recv()
+                print(f"  {ranks} ranks trial {k}: complete={ok} decision "
+                      f"{round(fig.get('decision_s', float('nan')) * 1000, 1)} ms, paused {fig['ranks_paused']}, "
+                      f"resumed {fig.get('ranks_resumed', 0)}", flush=True)
+                time.sleep(args.cooldown_s)
+            _, evres, _ = _request(coord.endpoint, "job.events", {"since_seq": last_seq}, 30.0)
+            started = [e for e in (evres or {}).get("events", []) if e["kind"] == "migration.started"]
+            dec_ev = []
+            for tr in trials:
+                m = [e["time"] - tr["t_wall"] for e in started
+                     if e.get("data", {}).get("node") == tr["node"] and e["time"] >= tr["t_wall"] - 0.001]
+                if m:
+                    dec_ev.append(min(m))
+            dec = [t["decision_s"] for t in trials if "decision_s" in t]
+            pdel = [x for t in trials for x in t.get("pause_delays_s", [])]
+            rdel = [x for t in trials for x in t.get("resume_delays_s", [])]
+            allq = [t["all_quiesced_s"] for t in trials if "all_quiesced_s" in t and t["ranks_quiesced"] == ranks]
+            allr = [t["all_resumed_s"] for t in trials if "all_resumed_s" in t and t.get("ranks_resumed") == ranks]
+            st = _ask(conns, ("stats",))
+            tot = {k: sum(s["totals"][k] for s in st) for k in st[0]["totals"]}
+            done = tot["answered"] + tot["timeouts"]
+            out.update({
+                "trials": len(trials), "trials_complete": sum(t["complete"] for t in trials),
+                "decision_p50_ms": q(dec, 50), "decision_p99_ms": q(dec, 99),
+                "decision_event_p50_ms": q(dec_ev, 50), "decision_event_p99_ms": q(dec_ev, 99),
+                "pause_fanout_p50_ms": q(pdel, 50), "pause_fanout_p99_ms": q(pdel, 99),
+                "pause_fanout_max_ms": q(pdel, 100),
+                "all_quiesced_p50_ms": q(allq, 50), "all_quiesced_max_ms": q(allq, 100),
+                "resume_fanout_p50_ms": q(rdel, 50), "resume_fanout_p99_ms": q(rdel, 99),
+                "resume_fanout_max_ms": q(rdel, 100),
+                "all_resumed_p50_ms": q(allr, 50), "all_resumed_max_ms": q(allr, 100),
+                "trial_details": [{"node": t["node"], "complete": t["complete"], "ranks_paused": t["ranks_paused"],
+                                   "decision_ms": q([t["decision_s"]], 50) if "decision_s" in t else None,
+                                   "all_quiesced_ms": q([t["all_quiesced_s"]], 50) if "all_quiesced_s" in t else None,
+                                   "all_resumed_ms": q([t["all_resumed_s"]], 50) if "all_resumed_s" in t else None,
+                                   **({"not_resumed": t["not_resumed"]} if "not_resumed" in t else {})}
+                                  for t in trials],
+                "refused_pauses": tot["refused_pauses"],
+                "requests_total": tot["sent"], "replies_total": tot["answered"], "timeouts_total": tot["timeouts"],
+                "error_replies_total": tot["error_replies"],
+                "replies_fraction_all": round(tot["answered"] / done, 4) if done else 0.0,
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                "tpassd_served": _tpassd_stats(tp_conn),
+                "generators_cpu_s": None,
+            })
+        finally:
+            gen_cpu = 0.0
+            for c, p in zip(conns, procs[1:]):
+                try:
+                    gen_cpu += sum(psutil.Process(p.pid).cpu_times()[:2])
+                    c.send(("stop",))
+                    c.poll(10) and c.recv()
+                except (OSError, EOFError, psutil.Error):
+                    pass
+            out["generators_cpu_s"] = round(gen_cpu, 1)
+            if coord is not None:
+                out["coordinator_exit"] = coord.stop()
+                if args.keep_logs:
+                    args.keep_logs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(coord.log_path, args.keep_logs / f"coordinator-{ranks}.log")
+                errors = coord.log_errors()
+                out["coordinator_log_errors"] = len(errors)
+                if errors:
+                    out["coordinator_log_error_first"] = errors[0]
+            if procs:
+                try:
+                    tp_conn.send(("stop",))
+                    tp_conn.poll(10) and tp_conn.recv()
+                except (OSError, EOFError):
+                    pass
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    out["wall_s"] = round(args.size_timeout_s - (size_deadline - time.monotonic()), 1)
+    return out
+
+
+def _tpassd_stats(conn) -> dict:
+    conn.send(("stats",))
+    return conn.recv() if conn.poll(10) else {}
+
+
+# ============================================================================
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: r["ranks"])
+    x = [r["ranks"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for key, label in (("decision_p99_ms", "fault -> pause received (p99)"),
+                       ("decision_event_p99_ms", "fault -> decision logged (p99)"),
+                       ("pause_fanout_p99_ms", "pause fan-out (p99)"),
+                       ("resume_fanout_p99_ms", "resume fan-out (p99)"),
+                       ("status_p99_ms", "job.status (p99)")):
+        pts = [(r["ranks"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    for r in rows:
+        if r.get("decision_p99_ms") is None:  # no rank ever saw a pause: nothing to plot
+            ax.text(r["ranks"], 0.5, f"no pause\nreached\n{r.get('registered')}/{r['ranks']}\nregistered",
+                    transform=ax.get_xaxis_transform(), ha="center", va="center", color="tab:red", fontsize=8)
+    ax.axhline(100, color="grey", ls=":", lw=1)
+    ax.axhline(250, color="grey", ls="--", lw=1)
+    ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="latency (goals: 100 / 250 ms)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.plot(x, [r.get("cpu_core_fraction") for r in rows], marker="o", label="CPU (cores)")
+    ax.axhline(0.5, color="grey", ls=":", lw=1)
+    ax2 = ax.twinx()
+    ax2.plot(x, [r.get("rss_mb") for r in rows], marker="s", color="tab:red", label="RSS (MB)")
+    ax2.axhline(500, color="tab:red", ls=":", lw=1)
+    ax.set(xscale="log", xlabel="ranks", ylabel="cores", title="coordinator CPU and RSS (goals: 0.5 / 500 MB)")
+    ax.set_ylim(0, max(1.05, *(r.get("cpu_core_fraction") or 0 for r in rows)))
+    ax2.set_ylim(0, max(550, *(r.get("rss_mb") or 0 for r in rows)))
+    ax2.set_ylabel("MB")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="lower right", fontsize=7)
+    ax = axes[2]
+    ax.plot(x, [r.get("replies_fraction") for r in rows], marker="o", label="steady state")
+    ax.plot(x, [r.get("replies_fraction_all") for r in rows], marker="s", label="whole run")
+    ax.set(xscale="log", ylim=(0, 1.05), xlabel="ranks", ylabel="fraction", title="rank requests answered")
+    ax.legend(fontsize=7)
+    for a in axes:
+        a.set_xlim(min(x) / 1.6, max(x) * 1.6)
+        a.set_xticks(x, [str(v) for v in x])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and exit")
+    ap.add_argument("--sizes", default="64,512,2048,8192", help="comma-separated rank counts (multiples of 8)")
+    ap.add_argument("--trials", type=int, default=5, help="faults per size")
+    ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--steady-s", type=float, default=15.0, help="steady-state window (CPU, RSS, job.status)")
+    ap.add_argument("--register-timeout-s", type=float, default=60.0)
+    ap.add_argument("--trial-timeout-s", type=float, default=30.0)
+    ap.add_argument("--cooldown-s", type=float, default=1.5)
+    ap.add_argument("--status-timeout-s", type=float, default=10.0)
+    ap.add_argument("--size-timeout-s", type=float, default=300.0, help="no new trial starts after this")
+    ap.add_argument("--generators", type=int, default=0, help="load generator processes (0: one per 1024 ranks)")
+    ap.add_argument("--connection", choices=("per-request", "persistent"), default="per-request",
+                    help="per-request: a new REQ socket per request, as torchpass.runtime.control does today")
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
+    ap.add_argument("--out", type=Path, default=RESULTS / "coordinator.json", help="merged by ranks")
+    ap.add_argument("--plot", type=Path, default=RESULTS / "coordinator.png", help="'' for none")
+    args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text())["sizes"], args.plot)
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if any(s < 16 or s % RANKS_PER_NODE for s in sizes):
+        ap.error("every size must be a multiple of 8, at least 16")
+    # Open files, inherited by the coordinator and the load generators: a connection per rank
+    # and more (stale ones). Root may raise the hard limit; others get what the hard limit allows.
+    want = max(65536, 4 * max(sizes) + 4096)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if hard < want:
+            print(f"warning: open files limited to {hard}; {max(sizes)} ranks may want {want}", flush=True)
+    from tpassd.testing import private_munged
+
+    rows = []
+    with private_munged() as munge:
+        for n in sizes:
+            print(f"=== {n} ranks (load average {os.getloadavg()[0]:.2f})", flush=True)
+            rows.append(run_size(n, args, munge.socket))
+            print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}), flush=True)
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    keep = [r for r in old.get("sizes", []) if r["ranks"] not in sizes]
+    merged = sorted(keep + rows, key=lambda r: r["ranks"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "coordinator", "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
+        "client": {"progress_interval_s": PROGRESS_INTERVAL_S, "paused_interval_s": PAUSED_INTERVAL_S,
+                   "timeout_s": REQUEST_TIMEOUT_S, "heartbeat_s": HEARTBEAT_S,
+                   "collectives_per_s": COLLECTIVES_PER_S},
+        "sizes": merged}, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    if str(args.plot) not in ("", "."):
+        plot(merged, args.plot)
+        print(f"wrote {args.plot}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

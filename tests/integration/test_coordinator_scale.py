@@ -1,0 +1,56 @@
+"""The real coordinator at 512 ranks (bench/bench_coordinator.py, shortened): every report answered.
+
+The harness starts the real ``tpass-coordinator`` process (as the SPANK plugin
+does, Slurm replaced by stand-in commands on its PATH) against 512 simulated
+ranks speaking the rank protocol (signed with the job secret, a new REQ
+socket per request, 2 s time-out) and 65 simulated tpassds, then injects two
+node faults. It needs no devcluster and takes about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RANKS = 512
+
+pytestmark = pytest.mark.integration
+
+# Measured on the 2-core development VM with the coordinator of 2026-12-03 (load average 2-3):
+# in steady state the replies take ~0.4 s (p50; p99 1.2 s), so the ranks get 528 of the 1,024
+# reports per second they want answered; during the pauses (paused ranks ask every 20 ms) 551 of
+# 51,102 requests time out (2 s): 98.9 % answered over the run. Strict: it turns green (and the
+# marker must go) once the coordinator keeps up.
+SLOW_TODAY = ("issue 13: at 512 ranks today's coordinator answers 528 of 1,024 reports/s in steady "
+              "state and 98.9 % of all requests (551 time-outs during pauses)")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SLOW_TODAY)
+def test_every_rank_report_is_answered_at_512_ranks(tmp_path):
+    out = tmp_path / "coordinator.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_coordinator.py"), "--sizes", str(RANKS), "--trials", "2",
+         "--warmup-s", "2", "--steady-s", "10", "--register-timeout-s", "20", "--trial-timeout-s", "12",
+         "--size-timeout-s", "50", "--out", str(out), "--plot", ""],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path,
+    )
+    if proc.returncode != 0:  # the harness itself failed: never an expected failure
+        pytest.fail(f"bench_coordinator.py exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    (row,) = json.loads(out.read_text())["sizes"]
+    summary = {k: row.get(k) for k in ("registered", "replies_per_s", "wanted_per_s", "replies_fraction",
+                                       "replies_fraction_all", "timeouts_total", "error_replies_total",
+                                       "trials_complete", "status_p99_ms", "coordinator_log_errors")}
+    assert row["registered"] == RANKS, summary
+    assert row["trials"] == 2 and row["trials_complete"] == 2, summary  # every rank paused and resumed
+    # Every request every rank sent was answered, without an error, within its 2 s.
+    assert row["timeouts_total"] == 0 and row["error_replies_total"] == 0, summary
+    assert row["replies_fraction_all"] == 1.0, summary
+    # ... and in time for the next one: each rank reports every 0.5 s (+ the reply's round trip).
+    assert row["replies_per_s"] >= 0.9 * row["wanted_per_s"], summary
+    assert row["coordinator_log_errors"] == 0, row.get("coordinator_log_error_first")
