@@ -9,10 +9,20 @@ endpoints, asks each for a health snapshot over its (authenticated) request
 socket, applies only events newer than the snapshot's sequence number,
 detects gaps (then re-asks for a snapshot), and marks a publisher UNKNOWN
 after ``missed_heartbeats`` heartbeat intervals without a word.
+
+Publications are bound to their publisher: each followed tpassd has a SUB
+socket of its own, and a publication that arrives on it must name that node
+(envelope sender and body ``node``); one that names another is dropped and
+counted (``wrong_sender``). Every numeric field is range-checked
+(``check_publication``): an interval outside (0, 3600] s, a negative or
+non-increasing seq, NaN or infinity anywhere is dropped and counted
+(``out_of_range``). A dropped publication changes nothing: it never makes
+a node healthy, and it never proves its publisher alive.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +43,60 @@ TOPIC_SAMPLE = b"tpassd.sample"
 TOPIC_EVENT = b"tpassd.event"
 TOPIC_HEARTBEAT = b"tpassd.heartbeat"
 
+# Ranges of a publication's numeric fields (check_publication).
+MAX_INTERVAL_S = 3600.0  # a heartbeat interval above an hour is no heartbeat
+MAX_SEQ = 2**63 - 1
+_STATES = frozenset(s.value for s in State)
+
+
+class OutOfRange(ProtocolError):
+    """A publication's field is outside its range: the publication is dropped."""
+
+
+def _finite(x: Any, name: str) -> None:
+    """Every number in ``x`` (nested lists and dicts included) is finite."""
+    todo, n = [x], 0
+    while todo:
+        v = todo.pop()
+        n += 1
+        if n > 100_000:
+            raise OutOfRange(f"{name}: too deeply nested")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise OutOfRange(f"{name}: {v} is not a finite number")
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, *, low_open: bool = False) -> None:
+    v = body.get(key)
+    if v is None:
+        return  # wire.decode made sure that required fields are there
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < lo or v > hi or (low_open and v == lo):
+        raise OutOfRange(f"{key} {v!r} outside {'(' if low_open else '['}{lo:g}, {hi:g}]")
+
+
+def check_publication(type_: str, body: dict[str, Any], seq: int | None = None) -> None:
+    """Raise OutOfRange unless every numeric field (and state) of a publication (or of a health
+    snapshot) is in range; ``seq``: the publication's envelope seq."""
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ):
+        raise OutOfRange(f"seq {seq!r} outside [0, {MAX_SEQ}]")
+    _finite(body, type_)
+    _number(body, "interval_s", 0.0, MAX_INTERVAL_S, low_open=True)
+    _number(body, "t", 0.0, 1e11)
+    _number(body, "uptime_s", 0.0, 1e11)
+    for key in ("last_event_seq", "prev_event_seq"):
+        _number(body, key, -1, MAX_SEQ)
+        if key in body and not isinstance(body[key], int):
+            raise OutOfRange(f"{key} {body[key]!r} is not an integer")
+    for key in ("state", "previous", "node_state"):
+        if key in body and body[key] not in _STATES:
+            raise OutOfRange(f"{key} {body[key]!r} is not one of {sorted(_STATES)}")
+    if not all(isinstance(r, str) for r in body.get("reasons") or []):
+        raise OutOfRange("reasons must be strings")
+
 
 @dataclass
 class NodeView:
@@ -52,6 +116,7 @@ class NodeView:
     reported_reasons: list[str] = field(default_factory=list)
     need_snapshot: bool = True
     gaps: int = 0
+    received_seq: int = -1  # highest envelope seq received from this incarnation (seq must increase)
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
@@ -101,21 +166,31 @@ class HealthSubscriber:
         self._lock = threading.Lock()
         self._views: dict[str, NodeView] = {}
         self._control: dict[str, str] = {}
-        self.counters = {"malformed": 0, "gaps": 0, "snapshots": 0, "snapshot_failures": 0}
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 100000)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 4096)
-        for topic in (TOPIC_EVENT, TOPIC_HEARTBEAT):
-            self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.counters = {"malformed": 0, "gaps": 0, "snapshots": 0, "snapshot_failures": 0,
+                         "wrong_sender": 0, "out_of_range": 0}
+        self._warned: set[tuple[str, str]] = set()  # (kind, node): dropped publications are logged once
+        # One SUB socket per followed tpassd: what arrives on it must come from that node.
+        self._subs: dict[zmq.Socket, str] = {}
+        self._poller = zmq.Poller()
         for node, (pub, ctl) in publishers.items():
             self._views[node] = NodeView(node=node, endpoint=pub, need_snapshot=snapshot is not None)
             self._control[node] = ctl
-            self._sock.connect(pub)
+            self._subscribe(node, pub)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_snapshot_try: dict[str, float] = {}
-        self._to_connect: list[str] = []  # endpoints added by follow(), connected by the loop's thread
+        self._to_connect: list[tuple[str, str]] = []  # (node, endpoint) added by follow(), for the loop's thread
+
+    def _subscribe(self, node: str, pub: str) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100000)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 4096)
+        for topic in (TOPIC_EVENT, TOPIC_HEARTBEAT):
+            sock.setsockopt(zmq.SUBSCRIBE, topic)
+        sock.connect(pub)
+        self._subs[sock] = node
+        self._poller.register(sock, zmq.POLLIN)
 
     def follow(self, node: str, pub: str, ctl: str) -> None:
         """Also follow ``node`` from now on (a spare obtained while the job runs).
@@ -129,7 +204,7 @@ class HealthSubscriber:
                 return
             self._views[node] = NodeView(node=node, endpoint=pub, need_snapshot=self._snapshot is not None)
             self._control[node] = ctl
-            self._to_connect.append(pub)
+            self._to_connect.append((node, pub))
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> HealthSubscriber:
@@ -142,7 +217,9 @@ class HealthSubscriber:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        self._sock.close(linger=0)
+        for sock in self._subs:
+            sock.close(linger=0)
+        self._subs.clear()
 
     def __enter__(self) -> HealthSubscriber:
         return self.start()
@@ -176,22 +253,40 @@ class HealthSubscriber:
     def poll_once(self, timeout_ms: int = 100) -> None:
         with self._lock:
             connect, self._to_connect = self._to_connect, []
-        for pub in connect:
-            self._sock.connect(pub)
+        for node, pub in connect:
+            self._subscribe(node, pub)
         deadline = self._clock() + timeout_ms / 1000.0
         while True:
             left = max(0, int((deadline - self._clock()) * 1000))
-            if not self._sock.poll(left, zmq.POLLIN):
+            ready = self._poller.poll(left)
+            if not ready:
                 break
-            parts = self._sock.recv_multipart()
-            self.ingest(parts)
+            for sock, _ in ready:
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                self.ingest(parts, self._subs[sock])
             if self._clock() >= deadline:
                 break
         self._fetch_snapshots()
         self.expire()
 
-    def ingest(self, parts: list[bytes]) -> None:
-        """Apply one publication (topic, frame); bad ones are dropped and counted."""
+    def _drop(self, kind: str, node: str, why: str) -> None:
+        """Count a dropped publication; log the first of each kind per node (lock held)."""
+        self.counters[kind] += 1
+        if (kind, node) not in self._warned:
+            self._warned.add((kind, node))
+            log.warning("dropped publication", kind=kind, node=node, why=why)
+        else:
+            log.debug("dropped publication", kind=kind, node=node, why=why)
+
+    def ingest(self, parts: list[bytes], node: str | None = None) -> None:
+        """Apply one publication (topic, frame); bad ones are dropped and counted.
+
+        ``node``: the tpassd followed on the socket it arrived on; the
+        publication must name it (None: taken from the publication, for
+        callers that feed publications by hand)."""
         try:
             if len(parts) != 2:
                 raise ProtocolError(f"publication of {len(parts)} frames, expected 2")
@@ -206,12 +301,23 @@ class HealthSubscriber:
             log.debug("dropped malformed publication", error=str(exc))
             return
         with self._lock:
-            view = self._views.get(msg.sender)
+            view = self._views.get(msg.sender if node is None else node)
             if view is None:
                 self.counters["malformed"] += 1
                 return
-            before = view.state
+            if msg.sender != view.node or msg.body.get("node") != view.node:
+                self._drop("wrong_sender", view.node, f"the publisher followed as {view.node} sent a publication "
+                           f"from {str(msg.sender)[:64]!r} about node {str(msg.body.get('node'))[:64]!r}")
+                return
             body = msg.body
+            try:
+                check_publication(msg.type, body, msg.seq)
+                if body.get("incarnation") == view.incarnation and msg.seq <= view.received_seq:
+                    raise OutOfRange(f"seq {msg.seq} does not follow {view.received_seq}")
+            except OutOfRange as exc:
+                self._drop("out_of_range", view.node, str(exc))
+                return
+            before = view.state
             if body.get("incarnation") != view.incarnation:
                 # A restarted (or first seen) publisher: its seq starts afresh.
                 if view.incarnation is not None:
@@ -220,6 +326,7 @@ class HealthSubscriber:
                 view.seq = -1
                 view.last_event_seq = -1
                 view.need_snapshot = self._snapshot is not None
+            view.received_seq = msg.seq
             if msg.type == "tpassd.heartbeat":
                 view.last_heartbeat = self._clock()
                 view.interval_s = float(body["interval_s"])
@@ -267,6 +374,12 @@ class HealthSubscriber:
             view = self._views[node]
             before = view.state
             try:
+                if result.get("node", node) != node:
+                    raise ValueError(f"snapshot of node {result.get('node')!r}")
+                _number(result, "seq", -1, MAX_SEQ)  # -1: nothing published yet
+                check_publication("tpassd.health", result)
+                if str(result["incarnation"]) != view.incarnation:
+                    view.received_seq = -1  # a restarted publisher counts its seq afresh
                 view.incarnation = str(result["incarnation"])
                 view.seq = int(result["seq"])
                 view.last_event_seq = int(result["last_event_seq"])
@@ -277,7 +390,7 @@ class HealthSubscriber:
                     for c, v in result["components"].items()
                 }
                 view.interval_s = float(result["interval_s"])
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError, OutOfRange) as exc:
                 self.counters["malformed"] += 1
                 log.warning("malformed health snapshot", node=node, error=repr(exc))
                 return

@@ -240,6 +240,17 @@ BODIES: dict[str, dict[str, F]] = {
         "checksum": _f(str, required=False),
         "rank_dir": _f(str, required=False),
     },
+    # --- coordinator -> tpassd: drain this node (tpassd/daemon.py) -----------
+    # slurmctld lets only root and SlurmUser drain, so a job's coordinator asks
+    # the bad node's own tpassd (root). Granted to root and SlurmUser always;
+    # to anyone else only when tpassd's own health view says the node is
+    # degraded or failed and slurmctld says the requester owns job_id, running
+    # on this node. `reason` must start with "torchpass: ". Refusals:
+    # forbidden / conflict. Result: {"node", "reason", "health"}.
+    "tpassd.drain": {
+        "job_id": _f(int),
+        "reason": _f(str),
+    },
 }
 
 

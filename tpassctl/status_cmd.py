@@ -78,9 +78,16 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             row["reachable"] = True
             row.update({k: st[k] for k in ("world_size", "registered_ranks", "min_step", "max_step",
                                            "ranks", "spares", "policy") if k in st})
+            # "unprotected": why the runtime cannot protect the job (None: it can)
+            row["unprotected"] = st.get("unprotected")
+            row["protected"] = not st.get("unprotected")
         except (UnreachableError, TorchpassError) as exc:
             row["reachable"] = False
             row["error"] = str(exc)
+            # Slurm runs the job but its coordinator does not answer: it died, and nothing moves the job.
+            lost = isinstance(exc, UnreachableError) and sj is not None and sj.state == "RUNNING"
+            row["coordinator_lost"] = lost
+            row["protected"] = False if lost else None  # None: not known
         rows.append(row)
     if slurm_error:
         for r in rows:
@@ -98,7 +105,9 @@ def status(obj, job_id, as_json, timeout_s):
     """Show running torchpass jobs: coordinator, ranks, node and last step of each.
 
     Lists every job with a registered coordinator that Slurm reports running
-    (or only JOB_ID), and for each rank the time since its last report.
+    (or only JOB_ID), and for each rank the time since its last report. A job
+    the runtime cannot protect shows UNPROTECTED and why; a running job whose
+    coordinator does not answer shows "coordinator LOST" (nothing migrates it).
     """
     rows = collect(obj.state_dir, job_id, timeout_s)
     if as_json:
@@ -110,7 +119,12 @@ def status(obj, job_id, as_json, timeout_s):
     for row in rows:
         steps = "-" if row.get("min_step") is None else f"{row['min_step']}..{row['max_step']}"
         ranks = f"{row.get('registered_ranks', '?')}/{row.get('world_size') or '?'}"
-        reach = "" if row["reachable"] else f"  UNREACHABLE: {row['error']}"
+        if row.get("coordinator_lost"):
+            reach = f"  coordinator LOST: the job is unprotected (no migrations): {row['error']}"
+        elif not row["reachable"]:
+            reach = f"  UNREACHABLE: {row['error']}"
+        else:
+            reach = f"  UNPROTECTED: {row['unprotected']}" if row.get("unprotected") else ""
         click.echo(
             f"job {row['job_id']}  {row['slurm_state'] or '?'}  coordinator {row['coordinator']['endpoint']}"
             f" (pid {row['coordinator']['pid']} on {row['coordinator']['host']})  ranks {ranks}  step {steps}{reach}"

@@ -9,7 +9,16 @@ Threads (each with a stop path; ``stop()`` joins them all):
               collector an "unknown" for the tick, not the heartbeat.
   nvml-events the NVML event-set watcher (tpassd/collectors/nvml.py).
   control     the authenticated ROUTER endpoint (tpassd/control.py).
+              Requests: health, status, drill, snapshot/restore
+              (tpassd/checkpoint_handlers.py) and drain (``_h_drain``).
   metrics     the Prometheus HTTP endpoint (tpassd/metrics.py).
+
+Drains (docs/tpassd.md, "Drains"): slurmctld lets only root and SlurmUser
+drain a node, so a job's coordinator (the job user) asks the bad node's own
+tpassd. tpassd drains only on its own evidence: its health view says the
+node is degraded or failed, and slurmctld says the requester owns a job
+running on this node. Root and SlurmUser may always ask. Every drain request
+leaves one audit line (``tpassd.audit``).
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ import zmq
 from torchpass import slurm, wire
 from torchpass.auth import AuthFailure
 from torchpass.checkpoint import criu as criu_mod
+from torchpass.checkpoint.service import Audit
 from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import RemoteError, TorchpassError
+from torchpass.slurm import SlurmClient
+from torchpass.slurm.conf import job_privacy
 from torchpass.health_state import State
 from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
@@ -139,6 +151,16 @@ def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
     return owners
 
 
+def slurm_admin_uids() -> frozenset[int]:
+    """root and slurm.conf's SlurmUser: the uids slurmctld lets drain nodes."""
+    return job_privacy()[1]
+
+
+DRAIN_PREFIX = "torchpass: "
+DRAIN_REASON_MAX = 200
+DRAINABLE = (State.DEGRADED.value, State.FAILED.value)
+
+
 class Tpassd:
     def __init__(
         self,
@@ -151,6 +173,8 @@ class Tpassd:
         context: zmq.Context | None = None,
         authenticator: Any = None,
         job_owner_uids: Callable[[], set[int]] | None = None,
+        slurm_client: SlurmClient | None = None,
+        admin_uids: Callable[[], frozenset[int]] = slurm_admin_uids,
         on_tick: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.cfg = cfg
@@ -178,6 +202,9 @@ class Tpassd:
         self.drills = Drills(self.provider, cfg.sysfs_root, self.policy, cfg.drills)
         self._authenticator = authenticator or Authenticator(self.node, cfg.munge_socket)
         self._job_owner_uids = job_owner_uids or slurm_job_owner_uids(self.node)
+        self._slurm = slurm_client  # None: slurm.client() at the first drain
+        self._admin_uids = admin_uids
+        self._admins: frozenset[int] | None = None
         self._on_tick = on_tick
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -206,6 +233,7 @@ class Tpassd:
         self.control.register("tpassd.health", self._h_health, USER)
         self.control.register("tpassd.status", self._h_status, USER)
         self.control.register("tpassd.drill", self._h_drill, OWNER)
+        self.control.register("tpassd.drain", self._h_drain, USER)  # who may: checked per request
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
@@ -383,10 +411,16 @@ class Tpassd:
 
     def _h_drill(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
         b = msg.body
-        if b["kind"] in ROOT_KINDS and ident.uid != 0:
-            # A job owner may drill health readings, not damage a (maybe another user's) snapshot.
-            log.warning("forbidden request refused", type=msg.type, kind=b["kind"], uid=ident.uid, gid=ident.gid)
-            raise AuthFailure("forbidden", f"drill {b['kind']} needs root; uid {ident.uid} is not")
+        if ident.uid != 0:
+            # A job owner may drill health readings, not damage a (maybe another user's) snapshot,
+            # and only on a node where no other user's job runs (a drill moves every job's ranks).
+            others = sorted(self._job_owner_uids() - {ident.uid})
+            why = (f"drill {b['kind']} needs root; uid {ident.uid} is not" if b["kind"] in ROOT_KINDS else
+                   f"drill {b['kind']}: jobs of other users (uids {others}) run on {self.node}; only root may"
+                   if others else None)
+            if why:
+                log.warning("forbidden request refused", type=msg.type, kind=b["kind"], uid=ident.uid, gid=ident.gid)
+                raise AuthFailure("forbidden", why)
         res = self.drills.apply(b["kind"], b.get("gpu"), b.get("port"), b.get("count"))
         if b["kind"] == "clear":
             with self._tick_lock:
@@ -397,6 +431,52 @@ class Tpassd:
         # real fault would; only NVML events wake the sampler early.
         return {"node": self.node, "kind": b["kind"], "applied": res.description, "t": t,
                 "components": res.components}
+
+    def _h_drain(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
+        """Drain this node in Slurm with the coordinator's ``torchpass: ...`` reason, if allowed."""
+        b = msg.body
+        with Audit(ident, "drain", b) as act:
+            act.fields.update(node=self.node, reason=b.get("reason"))
+            reason, health = self._drain_allowed(b, ident)
+            act.fields["health"] = health
+            try:
+                self._slurm_client().drain(self.node, reason)
+            except TorchpassError as exc:
+                raise RemoteError("failed", f"scontrol could not drain {self.node}: {exc}") from None
+            log.warning("node drained", node=self.node, reason=reason, uid=ident.uid, job_id=b["job_id"])
+            return {"node": self.node, "reason": reason, "health": health}
+
+    def _slurm_client(self) -> SlurmClient:
+        if self._slurm is None:
+            self._slurm = slurm.client()
+        return self._slurm
+
+    def _drain_allowed(self, b: dict[str, Any], ident: Any) -> tuple[str, str]:
+        """(the reason, tpassd's node state) of an allowed drain; AuthFailure / RemoteError otherwise."""
+        job_id, reason = b["job_id"], b["reason"]
+        if isinstance(job_id, bool) or job_id < 0:
+            raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
+        if (not reason.startswith(DRAIN_PREFIX) or len(reason) > DRAIN_REASON_MAX
+                or not reason.isprintable()):
+            raise RemoteError("bad_request", f"tpassd.drain: reason must be one printable line starting with "
+                                             f"{DRAIN_PREFIX!r}, at most {DRAIN_REASON_MAX} characters")
+        health = (self.last_sample or {}).get("state", State.UNKNOWN.value)
+        if self._admins is None:
+            self._admins = frozenset(self._admin_uids())
+        if ident.uid in self._admins:
+            return reason, health  # root and SlurmUser may drain any node (as with scontrol)
+        try:
+            job = self._slurm_client().job(job_id)
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"cannot ask Slurm about job {job_id} ({exc})") from None
+        if job is None or job.user_id != ident.uid:
+            raise AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}")
+        if job.state != "RUNNING" or self.node not in job.nodes:
+            raise AuthFailure("forbidden", f"job {job_id} does not run on {self.node}")
+        if health not in DRAINABLE:
+            raise RemoteError("conflict", f"{self.node} is {health} in tpassd's health view; only root or "
+                                          "SlurmUser may drain a node that is not degraded or failed")
+        return reason, health
 
 
 __all__ = ["Tpassd", "RemoteError"]

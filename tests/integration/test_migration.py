@@ -10,13 +10,15 @@ once per rank.
   is paused, CRIU-dumped, restored on the spare inside a job step of the
   same job, the source copy killed, the group rebuilt; the job keeps its id,
   Restarts=0, COMPLETED 0:0, the reference's losses; the node is drained
-  with a torchpass reason and the events carry the phase durations;
+  with a torchpass reason, by its own tpassd (its audit line), and the
+  events carry the phase durations;
 * the restore made to fail on the spare (the ``restore-fail`` drill corrupts
   the verified image, the restore step's SHA-256 check refuses it): the
   coordinator rolls back, training resumes on the source, the job finishes
   unchanged, the events say why, the node is neither drained nor retried;
 * ``tpassctl migrate`` moves a healthy rank on request, and refuses bad
-  requests with a clear message.
+  requests with a clear message; the healthy node is drained only when an
+  admin asked (docs/tpassd.md, "Drains").
 
 Randomness: the node and step come from one seed, printed at the start and
 in every assertion message; ``TORCHPASS_TEST_SEED=N`` replays a run.
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import training_jobs as tj
-from training_jobs import TPASSCTL
+from training_jobs import TPASSCTL, drain_audit
 from training_jobs import job as _job
 from training_jobs import node as _node
 from training_jobs import per_step as _per_step
@@ -159,10 +161,12 @@ def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluste
     assert inj.returncode == 0, (SEED, inj.stderr)
 
     diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
-    # The node was drained with the torchpass reason.
+    # The node was drained with the torchpass reason, by its own tpassd, which saw it degraded.
     n = _node(node)
     assert "DRAIN" in n["state"], (n["state"], diag)
     assert n["reason"].startswith("torchpass: "), (n["reason"], diag)
+    audit = drain_audit(cluster, node, job_id)
+    assert [(a["outcome"], a["health"], a["reason"]) for a in audit] == [("ok", "degraded", n["reason"])], (audit, diag)
     # The events name the phases and their durations.
     events = _events(cluster, job_id)
     done = [e for e in events if e["kind"] == "migration.completed"]
@@ -252,6 +256,16 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
     assert done[0]["data"]["node"] == node and done[0]["data"]["target"] == SPARE, diag
     started = [e for e in events if e["kind"] == "migration.started"]
     assert [e["data"].get("trigger") for e in started] == ["operator"], diag
-    n = _node(node)
-    assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (n["state"], n.get("reason"), diag)
+    # Who drains a healthy node after a requested move (docs/tpassd.md, "Drains"): tpassd, for an
+    # admin (root, SlurmUser) only; the owner's request leaves it in service. The coordinator asks
+    # as the job's owner: this job's owner also asked for the move.
+    n, owner = _node(node), _job(job_id)["user_id"]
+    audit = [(a["requester_uid"], a["health"], a["outcome"]) for a in drain_audit(cluster, node, job_id)]
+    if owner == 0:
+        assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (n["state"], n.get("reason"), diag)
+        assert audit == [(0, "healthy", "ok")], (audit, diag)
+    else:
+        assert "DRAIN" not in n["state"], (n["state"], n.get("reason"), diag)
+        assert audit == [(owner, "healthy", "conflict")], (audit, diag)
+        assert f"drain of {node} failed" in done[0]["message"], diag
     print(f"operator migration {mid} {node} -> {SPARE}: phases {done[0]['data']['phase_durations']}")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import training_jobs as tj
-from training_jobs import TPASSCTL
+from training_jobs import TPASSCTL, drain_audit
 from training_jobs import job as _job
 from training_jobs import node as _node
 from training_jobs import per_step as _per_step
@@ -151,6 +151,9 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, refer
             n = _node(node)
             assert "DRAIN" in n["state"], (node, n["state"])
             assert n["reason"].startswith("torchpass: "), (node, n["reason"])
+            # drained by the node's own tpassd, which found it degraded (docs/tpassd.md, "Drains")
+            audit = drain_audit(cluster, node, job_id)
+            assert [(a["outcome"], a["health"]) for a in audit] == [("ok", "degraded")], (node, audit)
         # No spare allocation is left (the donor merged into the job and ended).
         left = _run(["squeue", "--noheader", "--name", f"torchpass-spare-{job_id}", "--format", "%i %T"]).stdout
         assert left.strip() == "", left

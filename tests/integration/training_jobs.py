@@ -45,6 +45,21 @@ def node(name: str) -> dict:
     return json.loads(run(["scontrol", "show", "node", name, "--json"]).stdout)["nodes"][0]
 
 
+def drain_audit(cluster, node_name: str, job_id: int) -> list[dict]:
+    """The audit lines of ``tpassd.drain`` requests for ``job_id`` in ``node_name``'s tpassd log
+    (requester_uid, health, reason, outcome): who asked tpassd to drain the node, and why it did."""
+    lines = []
+    for ln in (cluster.run_dir / "log" / f"tpassd.{node_name}.log").read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and e.get("event") == "privileged action" and e.get("action") == "drain" \
+                and e.get("job_id") == job_id:
+            lines.append(e)
+    return lines
+
+
 def wait_end(job_id: int, timeout_s: float = 240, context: str = "") -> dict:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

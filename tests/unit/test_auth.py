@@ -7,13 +7,7 @@ import pytest
 
 from torchpass import auth
 from torchpass.errors import AuthError, DependencyError
-from tpassd.testing import MungeDaemon, credential_as, private_munged
-
-
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
+from tpassd.testing import MungeDaemon, credential_as
 
 
 def test_roundtrip_gives_uid_gid(munge):

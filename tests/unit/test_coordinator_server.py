@@ -5,10 +5,15 @@ import threading
 import pytest
 import zmq
 
-from torchpass import wire, zmqio
+from torchpass import auth, wire, zmqio
+from torchpass.coordinator import contract as ct
+from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.phases import Phase
+from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
+from torchpass.health_state import State
 from torchpass.slurm.base import JobInfo
 
 
@@ -176,3 +181,71 @@ def test_slurmctld_outage_counts_from_the_first_query_that_hung():
     assert tick() is True and changes == []  # 10 s without an answer
     clock.t += 1.0
     assert tick() is True and changes == [False]  # 21 s since the first query was sent (11 since it failed)
+
+
+# ============================================================================
+# An unprotected job (issue 11, "do no harm"): the rank runtime says so in `unprotected`
+# ============================================================================
+@pytest.fixture
+def driven(munge):
+    """A coordinator with a decision driver (no executor): 3 ranks on node1..3, hot spare node4."""
+    clock = Clock()
+    job = JobState(job_id=42, spares=1)
+    driver = Driver(job, CoordinatorPolicy(), clock=clock, spares=("node4",))
+    for n in ("node1", "node2", "node3", "node4"):
+        driver.feed(ct.NodeHealthChanged(n, State.HEALTHY))
+    server = CoordinatorServer(job, bind_address="127.0.0.1", clock=clock, wall=lambda: 1e9, driver=driver,
+                               munge_socket=munge.socket)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    for rank in range(3):
+        req(ep, "rank.register", {"job_id": 42, "rank": rank, "world_size": 3, "node": f"node{rank + 1}",
+                                  "pid": 100 + rank})
+    yield server, ep, munge
+    server.stop()
+    t.join(5)
+    assert not t.is_alive()
+
+
+WHY = "process group 'tp' (DeviceMesh) cannot be moved yet"
+
+
+def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_conflict(driven):
+    server, ep, munge = driven
+    assert req(ep, "job.status")["unprotected"] is None
+    req(ep, "rank.progress", {"job_id": 42, "rank": 1, "step": 3, "collectives": 9})
+    assert req(ep, "job.status")["unprotected"] is None
+    req(ep, "rank.progress", {"job_id": 42, "rank": 1, "step": 4, "collectives": 12, "unprotected": WHY})
+    req(ep, "rank.progress", {"job_id": 42, "rank": 1, "step": 5, "collectives": 15, "unprotected": WHY})
+    req(ep, "rank.register", {"job_id": 42, "rank": 2, "world_size": 3, "node": "node3", "pid": 102,
+                              "unprotected": "another reason"})
+    st = req(ep, "job.status")
+    assert st["unprotected"] == f"rank 1 unprotected: {WHY}"
+    events = req(ep, "job.events")["events"]
+    assert [e["kind"] for e in events] == ["rank.registered"] * 3 + ["job.unprotected"]
+    assert events[-1]["message"] == f"rank 1 unprotected: {WHY}" and events[-1]["data"]["rank"] == 1
+    body = {"node": "node2"}
+    with pytest.raises(RemoteError) as exc:
+        zmqio.request(ep, "job.migrate", body, timeout_s=2, retries=0,
+                      auth=auth.credential_for("job.migrate", body, auth.job_target(42), munge.socket))
+    assert exc.value.code == "conflict"
+    assert f"job is unprotected: rank 1 unprotected: {WHY}" in str(exc.value)
+    assert server.driver.state.migration is None and server.driver.state.operator_requests == ()
+
+
+def test_an_armed_refusal_saying_unprotected_rolls_the_pause_back_at_once(driven):
+    server, ep, _ = driven
+    done = threading.Event()
+    # The driver is the serve thread's: the node degrades there (as the health subscriber's news would).
+    server.later(lambda: (server.driver.feed(ct.NodeHealthChanged("node2", State.DEGRADED, ("gpu0: Xid 63",))),
+                          done.set()))
+    assert done.wait(5)
+    m = server.driver.state.migration
+    assert m is not None and m.phase == Phase.PAUSE
+    req(ep, "rank.armed", {"job_id": 42, "rank": 0, "at": m.pause_at, "generation": m.generation,
+                           "collectives": 5, "accepted": False, "unprotected": WHY})
+    m = server.driver.state.migration
+    assert m.phase == Phase.ROLLBACK and m.rollback_reason == f"the job is unprotected (rank 0 unprotected: {WHY})"
+    assert m.rearms == 0
+    assert req(ep, "job.status")["unprotected"] == f"rank 0 unprotected: {WHY}"

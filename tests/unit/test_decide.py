@@ -758,6 +758,7 @@ def test_never_left_paused_and_one_migration_at_a_time(data):
             lambda: mc.SpareGranted(mid, data.draw(hs.sampled_from(("node6", "node7"))), "expand"),
             lambda: mc.SpareUnavailable(mid, m.spare_requested if m and m.spare_requested else "expand", why),
             lambda: mc.RankProgress(rank, data.draw(hs.integers(0, 400))),
+            lambda: mc.RankUnprotected(rank, why),  # the job turns unprotected (for good)
             lambda: "operator",
             *[lambda: "advance"] * 6,  # weighted: the outcomes that complete the current phase
         ]
@@ -1132,3 +1133,80 @@ def test_importing_the_core_loads_neither_zmq_nor_structlog():
     out = subprocess.run([sys.executable, "-c", "import sys, torchpass.health; print('zmq' in sys.modules)"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"
+
+
+# ============================================================================
+# An unprotected job (a rank refuses every pause: issue 11, "do no harm")
+# ============================================================================
+WHY = "process group 'tp' (DeviceMesh) cannot be moved yet"
+
+
+def test_an_unprotected_job_starts_no_migration_and_says_so_once_per_node():
+    sim = Sim()
+    sim.tick(1.0, mc.RankUnprotected(3, WHY))
+    assert sim.state.job_unprotected == f"rank 3 unprotected: {WHY}"
+    d = sim.degrade("node2")
+    assert sim.m is None and not sim.of(d, PauseAt) and not sim.of(d, RequestSpare)
+    assert d.reason == f"no migration starts: the job is unprotected (rank 3 unprotected: {WHY})"
+    (ev,) = sim.events("migration.skipped")
+    assert "node2 needs to move (gpu0: Xid 63 (row remap pending)), but the job is unprotected" in ev.message
+    for _ in range(5):  # later ticks: nothing more to say
+        assert sim.tick(1.0).actions == ()
+    sim.degrade("node3")
+    assert [e.data["node"] for e in sim.events("migration.skipped")] == ["node2", "node3"]
+    with pytest.raises(mc.OperatorRejected, match="job is unprotected: rank 3"):
+        mc.accept_operator(sim.state, "node1", None, sim.now)
+    assert sim.m is None
+
+
+def test_an_operator_request_queued_before_the_job_turned_unprotected_is_dropped():
+    sim = Sim()
+    sim.state, mid = mc.accept_operator(sim.state, "node1", None, sim.now)  # queued, not started yet
+    sim.feed(mc.RankUnprotected(0, WHY))
+    d = sim.tick(1.0)
+    assert sim.m is None and not sim.of(d, PauseAt) and sim.state.operator_requests == ()
+    (ev,) = sim.events("migration.rejected")
+    assert ev.data["migration"] == mid and "the job is unprotected" in ev.message
+
+
+def test_an_armed_refusal_saying_unprotected_rolls_back_at_once_without_a_rearm():
+    sim = Sim()
+    sim.degrade("node2")
+    m = sim.m
+    d = sim.tick(0.1, mc.Armed(4, m.pause_at, m.generation, False, 99, WHY))
+    assert sim.of(d, PauseAt) == []
+    (rip,) = sim.of(d, ResumeInPlace)
+    assert rip.why == f"the job is unprotected (rank 4 unprotected: {WHY})"
+    assert sim.m.phase == Phase.ROLLBACK
+    # Unprotected ranks acknowledge the cancel; the protected ones were armed and cancel too.
+    sim.resume_all(cancelled=True)
+    assert sim.m is None and sim.state.history[-1].outcome == "rolled_back"
+    d = sim.tick(P.retry_backoff_s + 1)  # the node is still degraded, and stays where it is
+    assert sim.m is None and not sim.of(d, PauseAt) and len(sim.events("migration.skipped")) == 1
+
+
+@pytest.mark.parametrize("phase", [Phase.DUMP, Phase.TRANSFER, Phase.RESTORE])
+def test_a_job_that_turns_unprotected_while_paused_rolls_back(phase):
+    sim = Sim()
+    sim.degrade("node2")
+    sim.quiesce_all()
+    if phase != Phase.DUMP:
+        sim.dump_all()
+    if phase == Phase.RESTORE:
+        sim.transfer_all()
+    assert sim.m.phase == phase
+    d = sim.tick(0.1, mc.RankUnprotected(0, WHY))
+    (rip,) = sim.of(d, ResumeInPlace)
+    assert "the job is unprotected" in rip.why and sim.m.phase == Phase.ROLLBACK
+    assert (sim.of(d, AbortRestore) != []) == (phase == Phase.RESTORE)
+
+
+def test_a_job_that_turns_unprotected_while_waiting_for_a_spare_cancels_the_move():
+    sim = Sim(spares=())
+    d = sim.degrade("node2")
+    assert sim.m.phase == Phase.SPARE and sim.of(d, RequestSpare)
+    d = sim.tick(0.5, mc.RankUnprotected(2, WHY))
+    assert sim.m is None and not sim.of(d, PauseAt) and not sim.of(d, ResumeInPlace)
+    assert sim.state.history[-1].outcome == "cancelled"
+    (ev,) = sim.events("migration.cancelled")
+    assert "the job is unprotected (rank 2 unprotected" in ev.message

@@ -23,7 +23,6 @@ from torchpass.coordinator.state import JobState
 from tpassctl.cli import cli
 from tpassctl.events_cmd import events
 from tpassctl.migrate_cmd import auth_target, migrate
-from tpassd.testing import private_munged
 
 for _cmd in (events, migrate):
     if _cmd.name not in cli.commands:
@@ -54,12 +53,6 @@ class MigratingServer(CoordinatorServer):
                         f"{mid}: operator (uid {ident.uid}) asked to move {node}" + (f" to {to}" if to else ""),
                         migration=mid, node=node, to=to, uid=ident.uid)
         return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
-
-
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
 
 
 def _decision_state() -> CoordState:

@@ -7,11 +7,11 @@ import threading
 import pytest
 
 from torchpass import auth, jobauth, wire, zmqio
-from torchpass.coordinator.main import job_privacy
+from torchpass.slurm.conf import job_privacy
 from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.state import JobState
 from torchpass.errors import ConfigError, RemoteError
-from tpassd.testing import credential_as, private_munged
+from tpassd.testing import credential_as
 
 SECRET_A = jobauth.parse_secret("0123456789abcdef" * 4)
 SECRET_B = jobauth.parse_secret("fedcba9876543210" * 4)
@@ -118,12 +118,6 @@ def test_a_rank_of_the_users_other_job_is_refused(two_jobs):
     assert servers[42].counters["auth_failed"] == 1
     st = zmqio.request(eps[42], "job.status", {}, timeout_s=2, retries=0)  # PrivateData off: anyone
     assert st["coordinator"]["rank_auth"] == "job-secret"
-
-
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
 
 
 @pytest.fixture

@@ -190,3 +190,22 @@ def test_what_a_rank_says_of_itself_is_kept_for_status_without_touching_the_deci
     st3 = mc.apply(st2, mc.Resumed(1, 4, "node5", collectives=21), 4.0)
     assert (st3.ranks[1].node, st3.ranks[1].generation, st3.ranks[1].last_count) == ("node5", 4, 21)
     assert mc.apply(st, mc.Armed(1, 30, 4, True, 25), 5.0).ranks[1].last_report == 5.0
+
+
+def test_the_first_rank_that_says_unprotected_makes_the_job_unprotected_for_good():
+    st = job()
+    assert st.job_unprotected is None
+    assert mc.apply(st, mc.RankUnprotected(0, ""), 1.0) == st  # nothing said: nothing changes
+    st = mc.apply(st, mc.RankUnprotected(1, "process group 'tp' (new_group) cannot be moved yet"), 1.0)
+    assert st.job_unprotected == "rank 1 unprotected: process group 'tp' (new_group) cannot be moved yet"
+    assert mc.apply(st, mc.RankUnprotected(0, "another reason"), 2.0).job_unprotected == st.job_unprotected
+
+
+def test_an_armed_refusal_that_says_unprotected_makes_the_job_unprotected():
+    st = with_migration(job(), Phase.PAUSE)
+    plain = mc.apply(st, mc.Armed(0, 50, 1, False, 60), 1.0)
+    assert plain.job_unprotected is None and plain.migration.refused == ((0, 60),)
+    st = mc.apply(st, mc.Armed(0, 50, 1, False, 60, "DeviceMesh"), 1.0)
+    assert st.job_unprotected == "rank 0 unprotected: DeviceMesh"
+    err = pytest.raises(mc.OperatorRejected, mc.accept_operator, replace(st, migration=None), "node1", None, 2.0)
+    assert err.value.code == "conflict" and "job is unprotected: rank 0 unprotected: DeviceMesh" in str(err.value)

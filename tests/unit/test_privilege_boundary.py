@@ -378,17 +378,7 @@ def test_scontrol_listpids_is_parsed_and_bounded_in_time():
 
 
 def test_every_request_leaves_one_audit_line(tmp_path):
-    import structlog
-
-    svc = _service(tmp_path, set)
-    # An earlier test may have configured a level filter (tpassctl's default is warning), which
-    # drops info lines before capture_logs sees them: start from structlog's defaults here.
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        logs = _requests_with_captured_logs(svc)
-    finally:
-        structlog.configure(**saved)
+    logs = _requests_with_captured_logs(_service(tmp_path, set))
     lines = [e for e in logs if e.get("event") == "privileged action"]
     assert [(e["requester_uid"], e["job_id"], e["rank"], e["pid"], e["action"], e["outcome"]) for e in lines] == [
         (0, JOB, RANK, 5_000_000, "snapshot.kill", "ok"), (0, JOB, RANK, None, "snapshot.abort", "forbidden")]

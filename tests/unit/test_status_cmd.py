@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from torchpass.coordinator.server import CoordinatorServer, write_registration
 from torchpass.coordinator.state import JobState
 from torchpass import zmqio
+from torchpass.slurm.base import JobInfo
+from tpassctl import status_cmd
 from tpassctl.cli import cli
 
 
@@ -67,3 +69,50 @@ def test_unreachable_coordinator_is_reported_not_fatal(tmp_path, no_slurm):
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "6", "--timeout", "0.1"])
     assert res.exit_code == 0
     assert "UNREACHABLE: no reply from tcp://127.0.0.1:9" in res.output
+
+
+def test_an_unprotected_job_shows_why_in_text_and_json(tmp_path, coordinator, no_slurm):
+    why = "process group 'tp' (DeviceMesh) cannot be moved yet"
+    zmqio.request(coordinator, "rank.register", {"job_id": 9, "rank": 0, "world_size": 1, "node": "node1", "pid": 10})
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
+    assert job["protected"] is True and job["unprotected"] is None
+    zmqio.request(coordinator, "rank.progress", {"job_id": 9, "rank": 0, "step": 1, "collectives": 3,
+                                                 "unprotected": why})
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
+    assert job["protected"] is False and job["unprotected"] == f"rank 0 unprotected: {why}"
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9"])
+    assert res.exit_code == 0 and f"UNPROTECTED: rank 0 unprotected: {why}" in res.output
+
+
+class _Slurm:
+    """Slurm's view only: it runs job 9 (state as given)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def jobs(self, states=()):
+        return [JobInfo(job_id=9, name="train", user="u", user_id=os.getuid(), state=self.state, nodes=("node1",))]
+
+
+@pytest.mark.parametrize("slurm_state", ["RUNNING", "COMPLETING"])
+def test_a_dead_coordinator_of_a_running_job_shows_as_lost(tmp_path, monkeypatch, slurm_state):
+    server = CoordinatorServer(JobState(job_id=9), bind_address="127.0.0.1")
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    write_registration(tmp_path, 9, {"job_id": 9, "endpoint": ep, "pid": os.getpid(), "host": "h", "uid": os.getuid()})
+    assert zmqio.request(ep, "job.status", {}, timeout_s=2)["job_id"] == 9
+    server.stop()  # the coordinator dies: nothing listens on its endpoint any more
+    t.join(5)
+    monkeypatch.setattr(status_cmd, "client", lambda: _Slurm(slurm_state))
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--timeout", "0.1"])
+    assert res.exit_code == 0, res.output
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json",
+                                              "--timeout", "0.1"]).output)["jobs"][0]
+    if slurm_state == "RUNNING":
+        assert "coordinator LOST: the job is unprotected (no migrations)" in res.output
+        assert "UNREACHABLE" not in res.output
+        assert job["protected"] is False and job["coordinator_lost"] is True
+    else:  # the job is ending: its coordinator exiting is no loss
+        assert "UNREACHABLE" in res.output and "LOST" not in res.output
+        assert job["protected"] is None and job["coordinator_lost"] is False

@@ -8,13 +8,7 @@ from click.testing import CliRunner
 
 from tpassctl.nodes_cmd import inject, nodes
 from tpassd.daemon import Tpassd
-from tpassd.testing import fake_node_config, private_munged
-
-
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
+from tpassd.testing import fake_node_config
 
 
 def test_nodes_and_inject(tmp_path, munge):

@@ -1,5 +1,6 @@
-"""An in-process tpassd (fake NVML, fixture IB tree, private munged) seen
-through its real sockets: drills, auth, subscriber, metrics, shutdown."""
+"""An in-process tpassd (fake NVML, fixture IB tree, private munged, a fake
+Slurm) seen through its real sockets: drills, drains, auth, subscriber,
+metrics, shutdown."""
 
 import threading
 import time
@@ -12,23 +13,40 @@ from structlog.testing import capture_logs
 from torchpass import auth, wire, zmqio
 from torchpass.errors import RemoteError
 from torchpass.health import HealthSubscriber, State
+from torchpass.slurm import JobInfo
 from tpassd.collectors.base import Collector
 from tpassd.daemon import Tpassd
-from tpassd.testing import call, credential_as, fake_node_config, private_munged
+from tpassd.testing import call, credential_as, fake_node_config
 
 
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
+class FakeSlurm:
+    """What tpassd asks Slurm for a drain: a job's owner and nodes; the drain itself."""
+
+    def __init__(self):
+        self.jobs: dict[int, JobInfo] = {}
+        self.drained: list[tuple[str, str]] = []
+
+    def run(self, job_id: int, uid: int, nodes: tuple[str, ...]) -> None:
+        self.jobs[job_id] = JobInfo(job_id, "train", f"u{uid}", uid, "RUNNING", nodes)
+
+    def job(self, job_id):
+        return self.jobs.get(job_id)
+
+    def drain(self, node, reason):
+        self.drained.append((node, reason))
+
+
+SLURM_USER = 64030
 
 
 @pytest.fixture
 def node(tmp_path, munge):
     owners = set()
+    fake = FakeSlurm()
     d = Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15),
-               job_owner_uids=lambda: owners)
+               job_owner_uids=lambda: owners, slurm_client=fake, admin_uids=lambda: frozenset({0, SLURM_USER}))
     d.job_owners = owners
+    d.slurm = fake
     d.start()
     p = d.ports()
     d.ctl = f"tcp://127.0.0.1:{p['control_port']}"
@@ -131,6 +149,89 @@ def test_restore_fail_drill_is_root_only_one_shot_and_cleared(node, munge):
     cleared = call(node.ctl, "node1", "tpassd.drill", {"kind": "clear"}, munge.socket)
     assert "restore-fail disarmed" in cleared["applied"]
     assert node.checkpoint.restore_fault() is False
+
+
+def as_uid(uid, type_, b, munge):
+    return credential_as(uid, uid, auth.request_digest(type_, b, "node1"), munge.socket)
+
+
+def test_a_user_may_drill_only_a_node_no_other_user_runs_jobs_on(node, munge):
+    body = {"kind": "ecc-sbe-storm", "gpu": 0}
+    node.job_owners.update({65534, 1002})  # a shared node: a drill would move user 1002's ranks too
+    with pytest.raises(RemoteError) as ei:
+        zmqio.request(node.ctl, "tpassd.drill", body, auth=as_uid(65534, "tpassd.drill", body, munge), retries=0)
+    assert ei.value.code == "forbidden" and "other users (uids [1002])" in ei.value.remote_message
+    assert call(node.ctl, "node1", "tpassd.drill", body, munge.socket)["kind"] == body["kind"]  # root may
+
+
+def drain(node, uid, job_id, munge, reason="torchpass: gpu0: SBE ECC storm"):
+    body = {"job_id": job_id, "reason": reason}
+    return zmqio.request(node.ctl, "tpassd.drain", body, auth=as_uid(uid, "tpassd.drain", body, munge),
+                         timeout_s=5, retries=0)
+
+
+def drain_refused(node, uid, job_id, munge, **kw) -> RemoteError:
+    with pytest.raises(RemoteError) as ei:
+        drain(node, uid, job_id, munge, **kw)
+    return ei.value
+
+
+def test_a_job_owner_drains_only_a_degraded_node_running_their_job(node, munge):
+    node.slurm.run(7, 1001, ("node1", "node2"))
+    node.slurm.run(8, 1002, ("node2",))
+    assert wait_for(lambda: (node.last_sample or {}).get("state") == "healthy")
+    with capture_logs() as logs:
+        e = drain_refused(node, 1001, 7, munge)  # healthy in tpassd's own view: the owner's word is not enough
+        assert e.code == "conflict" and "node1 is healthy" in e.remote_message
+        assert node.slurm.drained == []
+        call(node.ctl, "node1", "tpassd.drill", {"kind": "ecc-sbe-storm", "gpu": 0}, munge.socket)
+        assert wait_for(lambda: node.last_sample["state"] == "degraded")
+        e = drain_refused(node, 1002, 7, munge)  # another user's job
+        assert e.code == "forbidden" and "uid 1002 does not own job 7" in e.remote_message
+        e = drain_refused(node, 1002, 8, munge)  # their own job, elsewhere
+        assert e.code == "forbidden" and "job 8 does not run on node1" in e.remote_message
+        e = drain_refused(node, 1002, 9, munge)  # no such job
+        assert e.code == "forbidden"
+        for bad in ("operator request", "torchpass: two\nlines", "torchpass: " + "x" * 200):
+            assert drain_refused(node, 1001, 7, munge, reason=bad).code == "bad_request"
+        assert node.slurm.drained == []
+        res = drain(node, 1001, 7, munge)
+    assert res == {"node": "node1", "reason": "torchpass: gpu0: SBE ECC storm", "health": "degraded"}
+    assert node.slurm.drained == [("node1", "torchpass: gpu0: SBE ECC storm")]
+    audit = [e for e in logs if e["event"] == "privileged action" and e["action"] == "drain"]
+    assert [(a["requester_uid"], a["job_id"], a["outcome"]) for a in audit] == [
+        (1001, 7, "conflict"), (1002, 7, "forbidden"), (1002, 8, "forbidden"), (1002, 9, "forbidden"),
+        (1001, 7, "bad_request"), (1001, 7, "bad_request"), (1001, 7, "bad_request"), (1001, 7, "ok")]
+    assert all(a["node"] == "node1" for a in audit) and audit[-1]["reason"] == "torchpass: gpu0: SBE ECC storm"
+
+
+def test_root_and_slurm_user_may_drain_a_healthy_node(node, munge):
+    assert wait_for(lambda: (node.last_sample or {}).get("state") == "healthy")
+    assert call(node.ctl, "node1", "tpassd.drain", {"job_id": 3, "reason": "torchpass: operator request"},
+                munge.socket)["health"] == "healthy"
+    assert drain(node, SLURM_USER, 3, munge, reason="torchpass: operator request")["node"] == "node1"
+    assert node.slurm.drained == [("node1", "torchpass: operator request")] * 2
+
+
+def test_the_executor_drains_through_the_nodes_tpassd(node, munge, tmp_path):
+    """The coordinator's Drain goes to the node's tpassd (here as root), never to Slurm itself."""
+    import queue
+
+    from torchpass.coordinator import contract as ct
+    from torchpass.coordinator.executor import Executor, TpassdClient
+    from torchpass.coordinator.policy import CoordinatorPolicy
+    from torchpass.coordinator.state import JobState
+
+    posted = queue.Queue()
+    tp = TpassdClient(lambda n: "127.0.0.1", port=node.control.port, munge_socket=munge.socket)
+    ex = Executor(JobState(job_id=42, spares=1), state_dir=tmp_path, post=posted.put, policy=CoordinatorPolicy(),
+                  tpassd=tp, slurm=None, prelaunch_restore=False)
+    try:
+        ex._do_Drain(ct.Drain("m1", "node1", "torchpass: rank 2 stalled"), None)
+        assert posted.get(timeout=10) == ct.Drained("m1", "node1")
+        assert node.slurm.drained == [("node1", "torchpass: rank 2 stalled")]
+    finally:
+        ex.close()
 
 
 def test_drill_errors(node, munge):

@@ -16,7 +16,7 @@ from torchpass.errors import ProtocolError
 from torchpass.health import HealthSubscriber
 from tpassd.control import USER, ControlServer
 from tpassd.daemon import Tpassd
-from tpassd.testing import call, fake_node_config, private_munged
+from tpassd.testing import call, fake_node_config
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -86,12 +86,6 @@ def test_subscriber_drops_and_counts_garbage(parts):
         assert s.counters["malformed"] == 1
     finally:
         s.close()
-
-
-@pytest.fixture(scope="module")
-def munge():
-    with private_munged() as m:
-        yield m
 
 
 def test_live_daemon_survives_garbage_on_both_sockets(tmp_path, munge):

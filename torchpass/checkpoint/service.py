@@ -72,14 +72,14 @@ def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
-class _Audit:
+class Audit:
     """The one audit line of a request: filled in as the request goes, logged at its end."""
 
     def __init__(self, ident: auth.Identity, action: str, body: dict[str, Any]):
         self.fields: dict[str, Any] = {"requester_uid": ident.uid, "job_id": body.get("job_id"),
                                        "rank": body.get("rank"), "pid": None, "action": action}
 
-    def __enter__(self) -> "_Audit":
+    def __enter__(self) -> "Audit":
         return self
 
     def __exit__(self, typ, exc, _tb) -> None:
@@ -198,11 +198,11 @@ class CheckpointService:
         safeio.write_at(dfd, path.name, text.encode())
 
     # -- tpassd.snapshot -------------------------------------------------------
-    def _audited(self, kind: str, handler: Callable[[dict[str, Any], _Audit], dict[str, Any]],
+    def _audited(self, kind: str, handler: Callable[[dict[str, Any], Audit], dict[str, Any]],
                  msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
         """Authorize, run ``handler(body, audit)``, and leave the request's one audit line."""
         b = msg.body
-        with _Audit(ident, f"{kind}.{b.get('op')}", b) as act:
+        with Audit(ident, f"{kind}.{b.get('op')}", b) as act:
             # job and rank make every path: integers only (the wire checks too)
             if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
                        for k in ("job_id", "rank")):
@@ -213,7 +213,7 @@ class CheckpointService:
     def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
         return self._audited("snapshot", self._snapshot, msg, ident)
 
-    def _snapshot(self, b: dict[str, Any], act: _Audit) -> dict[str, Any]:
+    def _snapshot(self, b: dict[str, Any], act: Audit) -> dict[str, Any]:
         job_id, rank, op = b["job_id"], b["rank"], b["op"]
         self._check_rank_dir(b, job_id)
         if op == "dump":
@@ -262,7 +262,7 @@ class CheckpointService:
             log.info("snapshot images discarded", job_id=job_id, rank=rank, mb=round(freed / 1e6, 1))
         return round(freed / 1e6, 1)
 
-    def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: _Audit) -> dict[str, Any]:
+    def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: Audit) -> dict[str, Any]:
         dfd = self._open_rank_dir(job_id)
         if dfd is None:
             raise RemoteError("not_found", f"rank {rank} of job {job_id} does not run under rankwrap here "
@@ -398,7 +398,7 @@ class CheckpointService:
     def restore(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
         return self._audited("restore", self._restore, msg, ident)
 
-    def _restore(self, b: dict[str, Any], act: _Audit) -> dict[str, Any]:
+    def _restore(self, b: dict[str, Any], act: Audit) -> dict[str, Any]:
         job_id, rank, op = b["job_id"], b["rank"], b["op"]
         if op == "verify":
             images, dfd = self._open_images(job_id, rank, b["images"])
@@ -438,7 +438,7 @@ class CheckpointService:
             self._corrupt_for_drill(images, dfd, manifest)
         return {"node": self.node, "rank": rank, "files": len(files)}
 
-    def _abort_restored(self, job_id: int, rank: int, images: str, act: _Audit) -> dict[str, Any]:
+    def _abort_restored(self, job_id: int, rank: int, images: str, act: Audit) -> dict[str, Any]:
         nothing = {"node": self.node, "rank": rank, "killed": False}
         dfd = self._open_rank_dir(job_id)
         if dfd is None:

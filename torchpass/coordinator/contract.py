@@ -125,7 +125,9 @@ class ResumeInPlace:
 
 @dataclass(frozen=True)
 class Drain:
-    """scontrol drain ``node`` with ``reason`` ("torchpass: ..."). Outcome: Drained or DrainFailed."""
+    """Ask ``node``'s own tpassd to drain it (``tpassd.drain``) with ``reason`` ("torchpass: ...");
+    tpassd does it as root only on its own evidence (docs/tpassd.md, "Drains"). Outcome: Drained or
+    DrainFailed."""
 
     migration: str
     node: str
@@ -212,6 +214,18 @@ class Armed:
     generation: int
     accepted: bool
     collectives: int
+    # With accepted False: the rank is unprotected (why) and refuses every pause; no later T will do.
+    unprotected: str = ""
+
+
+@dataclass(frozen=True)
+class RankUnprotected:
+    """A rank said it cannot be protected (``why``: e.g. the job made a process group the runtime
+    cannot move yet; wire field ``unprotected`` of rank.register/progress/armed). A job-level fact
+    that never goes away: no migration starts, and a pause in flight is rolled back."""
+
+    rank: int
+    why: str
 
 
 @dataclass(frozen=True)
@@ -360,8 +374,8 @@ class SlurmReachability:
 
 
 Outcome = Union[
-    RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, Quiesced, Resumed, SpareGranted,
-    SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
+    RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, RankUnprotected, Quiesced, Resumed,
+    SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability,
 ]
@@ -370,8 +384,8 @@ Outcome = Union[
 __all__ = [
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action",
-    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "Quiesced", "Resumed",
-    "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
 ]

@@ -218,6 +218,8 @@ def candidates(now: float, st: CoordState, policy: CoordinatorPolicy) -> list[Ca
 
 def check_operator_request(st: CoordState, node: str, to: str | None) -> tuple[str, str] | None:
     """Why `tpassctl migrate` must be refused, as (wire error code, message); None if fine."""
+    if st.job_unprotected is not None:
+        return "conflict", f"job is unprotected: {st.job_unprotected}; torchpass cannot migrate it"
     nodes = st.rank_nodes()
     if node not in nodes:
         return "not_found", (
@@ -443,6 +445,10 @@ def _on_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
     (the node runs on unprotected); a trigger that went away cancels the move."""
     if _source_lost(st, m):
         return _job_lost(out, st, m, now, policy, "failed and unreachable")
+    if st.job_unprotected is not None:
+        return _finish(out, st, m, now, Result.CANCELLED, policy,
+                       f"{m.id}: the job is unprotected ({st.job_unprotected}); not moving {m.node}",
+                       "migration.cancelled")
     if m.trigger == Trigger.HEALTH:
         h = st.node_health(m.node)
         if h.state.value not in policy.migrate_on and not _lost(h):
@@ -544,6 +550,10 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
         return _finish(out, st, m, now, Result.STUCK, policy,
                        f"{m.id}: target {m.target} failed after the source copies were killed; handed to Slurm",
                        "job.stuck")
+
+    # --- the job turned unprotected: its ranks refuse the pause; nothing is killed yet -------
+    if st.job_unprotected is not None and ph in (Phase.PAUSE, Phase.DUMP, Phase.TRANSFER, Phase.RESTORE):
+        return _rollback(out, st, m, now, policy, f"the job is unprotected ({st.job_unprotected})")
 
     done = phase_complete(st, m)
     return _HANDLERS[ph](out, st, m, now, policy, done)
@@ -717,9 +727,12 @@ def _on_shrink(out: _Out, st: CoordState, m: Migration, now: float, policy: Coor
     notes = f" ({'; '.join(m2.notes)})" if m2.notes else ""
     # Say what happened to the node: a shrink that failed leaves it in the job.
     kept = any(n.startswith(("shrink failed", "shrink not confirmed")) for n in m2.notes)
+    # ... and whether its tpassd drained it (it refuses a healthy node for a user's job).
+    drained = not any(n.startswith("drain of") for n in m2.notes)
     return _finish(out, st, m2, now, Result.COMPLETED, policy,
-                   f"{m2.id}: moved ranks {list(m2.ranks)} from {m2.node} to {m2.target}; {m2.node} drained and "
-                   f"{'kept in the job' if kept else 'released'}{notes}", "migration.completed")
+                   f"{m2.id}: moved ranks {list(m2.ranks)} from {m2.node} to {m2.target}; {m2.node} "
+                   f"{'drained' if drained else 'not drained'} and {'kept in the job' if kept else 'released'}"
+                   f"{notes}", "migration.completed")
 
 
 def _on_rebuild(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
@@ -799,9 +812,29 @@ def _new_migration(st: CoordState, now: float, *, mid: str, node: str, reason: s
     )
 
 
+def _skip_unprotected(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """The job is unprotected: drop queued operator requests, and say once per node that a
+    node needing a move is not moved."""
+    why = st.job_unprotected
+    for req in st.operator_requests:
+        out.event("migration.rejected", f"{req.id}: the job is unprotected ({why}); dropped",
+                  migration=req.id, node=req.node)
+    said = st.unprotected_skipped
+    for c in candidates(now, st, policy):
+        if c.node not in said:
+            out.event("migration.skipped", f"{c.node} needs to move ({c.reason}), but the job is unprotected "
+                      f"({why}): not moving it", node=c.node, reason=c.reason, unprotected=why)
+            said = said | {c.node}
+    if not st.operator_requests and said == st.unprotected_skipped:
+        return st
+    return replace(st, operator_requests=(), unprotected_skipped=said)
+
+
 def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     if not st.all_registered() or st.slurm_down:
         return st  # a move needs slurmctld (spare, restore step, drain): wait for it
+    if st.job_unprotected is not None:
+        return _skip_unprotected(out, st, now, policy)
     while st.operator_requests:
         req, rest = st.operator_requests[0], st.operator_requests[1:]
         st = replace(st, operator_requests=rest)
@@ -861,6 +894,8 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
     else:
         if not st.all_registered():
             parts.append(f"waiting for ranks to register ({len(st.ranks)}/{st.world_size or '?'})")
+        elif st.job_unprotected is not None:
+            parts.append(f"no migration starts: the job is unprotected ({st.job_unprotected})")
         elif st.slurm_down:
             parts.append(f"no migration starts while slurmctld is unreachable ({st.slurm_down})")
         else:

@@ -47,7 +47,10 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   one-node job of its own, named ``torchpass-spare-J``, whose only step is
   the restore; cancelled when the coordinator exits. The new node's tpassd is
   followed from then on.
-* Drain, Shrink and every other Slurm query or update: the torchpass.slurm
+* Drain: ``tpassd.drain`` to the drained node's tpassd (root; slurmctld refuses a
+  job user's drain), which drains only a node it finds degraded or failed, unless
+  the coordinator runs as root or SlurmUser.
+* Shrink and every other Slurm query or update: the torchpass.slurm
   client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
   no step of the job still runs on the node (the source's task wrapper waits
   for the moved rank's exit code: releasing its node would kill it and fail
@@ -96,6 +99,8 @@ RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
 # A paused rank waits at most policy.max_pause_s() + this for its resume (the coordinator ends every
 # pause well before; docs/coordinator.md, "Never left paused"): the pause command's deadline_s.
 HOLD_MARGIN_S = 60.0
+# tpassd.drain: tpassd's own scontrol call has a 15 s timeout.
+DRAIN_TIMEOUT_S = 20.0
 
 
 def hold_deadline_s(policy: CoordinatorPolicy) -> float:
@@ -634,9 +639,14 @@ class Executor:
         self._release(a.migration)
 
     def _do_Drain(self, a: ct.Drain, st: CoordState) -> None:
+        # Always through the node's own tpassd (root), whoever runs the coordinator: slurmctld
+        # refuses a job user's drain, and tpassd drains only a node its own health view finds
+        # degraded or failed (root and SlurmUser: any). A refusal is DrainFailed: the migration
+        # still completes, with a note (docs/tpassd.md, "Drains").
         def run() -> None:
             try:
-                self.slurm.drain(a.node, a.reason)
+                self.tpassd.request(a.node, "tpassd.drain", {"job_id": self.job_id, "reason": a.reason},
+                                    DRAIN_TIMEOUT_S)
             except TorchpassError as exc:
                 self.post(ct.DrainFailed(a.migration, a.node, str(exc)))
                 return

@@ -35,6 +35,7 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     Quiesced,
     RankProgress,
     RankRegistered,
+    RankUnprotected,
     RestoreDone,
     RestoreFailed,
     Resumed,
@@ -145,6 +146,18 @@ def _reported(st: CoordState, rank: int, now: float, **said: Any) -> CoordState:
     return replace(st, ranks={**st.ranks, rank: replace(rv, last_report=now, **said)})
 
 
+def unprotected_text(rank: int, why: str) -> str:
+    """How ``CoordState.job_unprotected`` (and the job.unprotected event) say it."""
+    return f"rank {rank} unprotected: {why}"
+
+
+def _unprotected(st: CoordState, rank: int, why: str) -> CoordState:
+    """The job is unprotected from the first rank that said so (a fact that never goes away)."""
+    if not why or st.job_unprotected is not None:
+        return st
+    return replace(st, job_unprotected=unprotected_text(rank, why))
+
+
 def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
     return m is not None and m.id == mid and m.phase in phases
 
@@ -178,8 +191,10 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         if st.spare(ev.node) is not None:
             return st
         return replace(st, spares=st.spares + (SpareView(ev.node, ev.how),))
+    if isinstance(ev, RankUnprotected):
+        return _unprotected(st, ev.rank, ev.why)
     if isinstance(ev, Armed):
-        st = _reported(st, ev.rank, now)
+        st = _unprotected(_reported(st, ev.rank, now), ev.rank, ev.unprotected)
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
                 and not ev.accepted:
             refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
@@ -302,9 +317,9 @@ class ReasonLog:
 
 
 __all__ = [
-    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "Quiesced", "Resumed",
-    "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
-    "ReasonLog",
+    "ReasonLog", "unprotected_text",
 ]

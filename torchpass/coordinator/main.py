@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import pwd
-import re
 import signal
 import socket
 import sys
@@ -22,6 +20,7 @@ from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
 from torchpass.ports import TPASSD_PUB_PORT
 from torchpass.slurm import client
+from torchpass.slurm.conf import job_privacy, slurm_munge_socket
 
 
 def _own_address() -> str:
@@ -30,40 +29,6 @@ def _own_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _slurm_conf_text(conf: str | None = None) -> str | None:
-    path = conf or os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
-
-
-def slurm_munge_socket(conf: str | None = None) -> str | None:
-    """The munged socket Slurm itself uses (AuthInfo=socket=... in slurm.conf), if it names one."""
-    text = _slurm_conf_text(conf)
-    m = re.search(r"^\s*AuthInfo\s*=.*?\bsocket=([^,\s]+)", text or "", re.M | re.I)
-    return m.group(1) if m else None
-
-
-def job_privacy(conf: str | None = None) -> tuple[bool, frozenset[int]]:
-    """(jobs are private, admin uids) from slurm.conf: PrivateData=jobs (or all) hides a job from
-    everyone but its owner and the admins: root and SlurmUser. An unreadable slurm.conf: private."""
-    text = _slurm_conf_text(conf)
-    admins = {0}
-    if text is None:
-        return True, frozenset(admins)
-    m = re.search(r"^\s*SlurmUser\s*=\s*(\S+)", text, re.M | re.I)
-    if m:
-        try:
-            admins.add(int(m.group(1)) if m.group(1).isdigit() else pwd.getpwnam(m.group(1)).pw_uid)
-        except KeyError:
-            pass
-    flags: set[str] = set()
-    for pm in re.finditer(r"^\s*PrivateData\s*=\s*(\S+)", text, re.M | re.I):
-        flags |= {f.strip().lower() for f in pm.group(1).split(",")}
-    return bool(flags & {"jobs", "all"}), frozenset(admins)
 
 
 def _make_driver(job, state_dir, spares, policy_name, log):

@@ -211,6 +211,10 @@ class CoordState:
     next_migration: int = 1
     history: tuple[MigrationRecord, ...] = ()
     slurm_down: str | None = None  # why slurmctld is unreachable: no migration starts meanwhile
+    # The job cannot be protected ("rank R unprotected: why", from the first rank that said so;
+    # machine.RankUnprotected): it never goes away. No migration starts, a pause is rolled back.
+    job_unprotected: str | None = None
+    unprotected_skipped: frozenset[str] = frozenset()  # nodes not moved because of it (said once each)
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))

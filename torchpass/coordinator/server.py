@@ -162,6 +162,7 @@ class CoordinatorServer:
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
         generation = b.get("generation") or 0
         self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation))
+        self._note_unprotected(b)
         return self._with_command(b["rank"], {"generation": generation})
 
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:
@@ -169,6 +170,7 @@ class CoordinatorServer:
         self._rank(b)
         self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
                                    b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
+        self._note_unprotected(b)
         return self._with_command(b["rank"], {})
 
     # --- the decision state (driver) ------------------------------------------
@@ -182,6 +184,20 @@ class CoordinatorServer:
             self._facts.feed(outcome)
         else:  # frequent progress reports: decided on the next tick
             self._facts.post(outcome)
+
+    def _note_unprotected(self, b: dict[str, Any]) -> None:
+        """A rank said it cannot be protected (wire field ``unprotected``): the first time for the
+        job, one event, and the decision core learns it (no migration; a pause rolls back)."""
+        why = b.get("unprotected")
+        if not why or self.state.job_unprotected is not None:
+            return
+        # The event first: what the decision core does about it (a rollback) comes after it.
+        self.job.record(self.wall(), "job.unprotected", mc.unprotected_text(b["rank"], why), rank=b["rank"],
+                        why=why)
+        log.warning("job unprotected", job_id=self.job.job_id, rank=b["rank"], why=why)
+        self._feed(mc.RankUnprotected(b["rank"], why))
+        if self.driver is not None and self.driver.executor is not None:
+            self.driver.executor.save_events()
 
     def _with_command(self, rank: int, result: dict[str, Any]) -> dict[str, Any]:
         ex = self.driver.executor if self.driver is not None else None
@@ -200,7 +216,9 @@ class CoordinatorServer:
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
             self.driver.executor.acknowledge(b["rank"], "pause", b["generation"], b["at"])
-        self._feed(mc.Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"]))
+        self._note_unprotected(b)
+        self._feed(mc.Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"],
+                            b.get("unprotected") or ""))
         return self._with_command(b["rank"], {})
 
     def _on_quiesced(self, msg: wire.Message) -> dict[str, Any]:

@@ -69,5 +69,7 @@ class JobState:
             "min_step": min(steps) if steps else None,
             "max_step": max(steps) if steps else None,
             "ranks": [rank_status(ranks[r], now) for r in sorted(ranks)],
+            # why the job cannot be protected ("rank R unprotected: ..."); None while it can
+            "unprotected": state.job_unprotected,
             "last_event_seq": self.events[-1].seq if self.events else 0,
         }
