@@ -145,21 +145,42 @@ def _log_tail(path: Path, n: int = 6) -> str:
 
 
 # -- running criu -------------------------------------------------------------------------------
+# tpassd's dumps run in this slice, outside tpassd's own CPU and memory caps (docs/admin.md,
+# "criu outside tpassd's caps"; contrib/systemd/torchpass-criu.slice). Restores do not: the
+# restored rank must stay in its restore step's cgroup.
+CRIU_SLICE = "torchpass-criu.slice"
+
+
+def systemd_booted(marker: str = "/run/systemd/system") -> bool:
+    """Whether systemd is PID 1 (sd_booted(3): it creates ``marker`` at boot)."""
+    return os.path.isdir(marker)
+
+
+def scoped(argv: Sequence[str], slice_: str | None, booted: Callable[[], bool] = systemd_booted) -> list[str]:
+    """``argv`` run in a transient scope of ``slice_`` (``systemd-run --scope``, which execs it in
+    place: same pid, fds and namespaces, only its cgroup differs) when systemd is PID 1; else as is."""
+    if slice_ is None or not booted():
+        return list(argv)
+    return ["systemd-run", "--scope", "--quiet", "--collect", f"--slice={slice_}", "--", *argv]
+
+
 def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then: str, *,
-             pass_fds: Sequence[int] = (), net_of: int | None = None) -> subprocess.CompletedProcess:
+             pass_fds: Sequence[int] = (), net_of: int | None = None,
+             slice_: str | None = None) -> subprocess.CompletedProcess:
     """Run ``criu ARGS`` from a file descriptor opened here, in this process's mount namespace.
 
     The binary is opened before anything else (``/proc/self/fd/N`` is what is
     executed), so no later change to the path, and no mount namespace, decides
     which program runs as root. ``net_of``: in the network and UTS namespaces
     of that process (``nsenter --net --uts``, never ``--mount``). Killed after
-    ``timeout_s``: CheckpointError.
+    ``timeout_s``: CheckpointError. ``slice_``: in a scope of that slice (``scoped``).
     """
     fd = os.open(criu.path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         argv = [f"/proc/self/fd/{fd}", *args]
         if net_of is not None:
             argv = ["nsenter", "-t", str(net_of), "--net", "--uts", "--", *argv]
+        argv = scoped(argv, slice_)
         try:
             return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                   timeout=timeout_s, pass_fds=(fd, *pass_fds))
@@ -220,7 +241,8 @@ def dump(
     t0 = time.monotonic()
     with TailHasher(d) as hasher:
         proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running"],
-                        timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of)
+                        timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
+                        slice_=CRIU_SLICE)
         t1 = time.monotonic()
         seconds = t1 - t0
         if proc.returncode != 0:
