@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages torchpass needs on a Debian 12 or 13 host:
 # munge, Slurm 24.11 (slurmd, slurmctld, client, headers), CRIU >= 4.0,
-# iproute2, gcc and make. Idempotent: does nothing when all are present.
+# iproute2, gcc, make and systemd-analyze. Idempotent: does nothing when all are present.
 #
 # Debian 12 (bookworm) ships CRIU 3.17, which fails on current kernels, and
 # Slurm 22.05; both come from the Debian 13 (trixie) suite through an APT pin
@@ -35,7 +35,8 @@ slurm_ok() {
 all_ok() {
   criu_ok && slurm_ok && command -v munged >/dev/null 2>&1 \
     && command -v ip >/dev/null 2>&1 && command -v nsenter >/dev/null 2>&1 \
-    && command -v gcc >/dev/null 2>&1 && command -v make >/dev/null 2>&1
+    && command -v gcc >/dev/null 2>&1 && command -v make >/dev/null 2>&1 \
+    && command -v systemd-analyze >/dev/null 2>&1
 }
 
 if all_ok; then
@@ -76,7 +77,12 @@ if ! apt-get install -y -qq --no-install-recommends "${suite_flag[@]}" "${packag
     || die "apt-get install of ${packages[*]} failed; see /tmp/torchpass-apt.log"
 fi
 
+# systemd-analyze checks the tpassd unit (tests/unit/test_systemd_unit.py); from the
+# machine's own suite, never the pinned one.
+command -v systemd-analyze >/dev/null 2>&1 || apt-get install -y -qq --no-install-recommends systemd \
+  >>/tmp/torchpass-apt.log 2>&1 || die "apt-get install systemd failed; see /tmp/torchpass-apt.log"
+
 criu_ok || die "criu >= 4.0 is required, found '$(criu --version 2>/dev/null | head -1)'; on Debian 12 it comes from trixie"
 slurm_ok || die "Slurm >= 24 with headers (libslurm-dev) is required, found '$(slurmd -V 2>/dev/null)'"
-all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make)"
+all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make, systemd-analyze)"
 echo "install-system-deps: installed (slurm $(slurmd -V | awk '{print $2}'), criu $(criu --version | sed -n 's/^Version: *//p'))"
