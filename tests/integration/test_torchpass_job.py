@@ -101,3 +101,43 @@ def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_bu
     out = (job_dir / "plain.txt").read_text().split()
     assert sorted(out) == sorted(["0:", "0", "1:", "0", "0:", "pythonpath=", "1:", "pythonpath="]), out
     assert not layout.job_dir(cluster.state_dir, job_id).exists()
+
+
+# Steps whose outcome the task wrapper must not change (issue 11, do no harm): stdin that
+# srun forwards, an exit code, a step ended by SIGKILL (srun's answer to a SIGTERM) and
+# one ended by scancel's SIGTERM. The task output goes through the wrapper's relay.
+TRANSPARENT_STEPS = """#!/bin/bash
+#SBATCH -N2 --ntasks-per-node=1
+srun -N1 -n1 sh -c 'echo "wrapped=$(( $$ == 1 ))"'  # the rank is PID 1 of its namespace
+printf 'hello\\n' | srun -l sh -c 'read l; echo "got $l"' | sort
+srun -N1 -n1 sh -c 'exit 3'; echo "exit=$?"
+for how in kill scancel; do
+  rm -f ready.txt
+  srun -N1 -n1 -J victim -o ready.txt sh -c 'echo ready; exec sleep 300' & p=$!
+  until grep -q ready ready.txt 2>/dev/null; do sleep 0.1; done
+  if [ $how = kill ]; then kill -TERM $p  # srun ends its step with SIGKILL
+  else scancel -s TERM $(squeue -h -s -j $SLURM_JOB_ID -o '%i %j' | awk '$2 == "victim" {print $1}')
+  fi
+  wait $p; echo "$how=$?"
+done
+"""
+
+
+def _steps_outcome(job_dir: Path, name: str, args: list[str]) -> tuple[list[str], list[str]]:
+    """(what the batch script printed, srun's lines about its tasks) of TRANSPARENT_STEPS."""
+    d = job_dir / name
+    d.mkdir()
+    job_id = job_id_of(sbatch([*args, "-o", str(d / "out.txt"), "-e", str(d / "err.txt")], TRANSPARENT_STEPS, cwd=d))
+    job = wait_job(job_id, timeout_s=120)
+    out, err = (d / "out.txt").read_text(), (d / "err.txt").read_text()
+    assert job.state == "COMPLETED", out + err
+    tasks = sorted(ln for ln in err.splitlines() if ": task " in ln)
+    return out.splitlines(), tasks
+
+
+def test_the_rank_wrapper_keeps_stdin_exit_codes_and_signals_as_slurm_gives_them(cluster, plugin_built, job_dir):
+    plain = _steps_outcome(job_dir, "plain", [])
+    wrapped = _steps_outcome(job_dir, "torchpass", ["--torchpass"])
+    assert plain[0] == ["wrapped=0", "0: got hello", "1: got hello", "exit=3", "kill=137", "scancel=143"], plain
+    assert sum(": task 0: Terminated" in ln for ln in plain[1]) == 1, plain[1]
+    assert wrapped == (["wrapped=1", *plain[0][1:]], plain[1])

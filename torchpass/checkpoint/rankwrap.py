@@ -5,12 +5,17 @@ Restore:  python -m torchpass.checkpoint.rankwrap --restore IMAGES [--wake-file 
           (``tpass-rankwrap``, the SPANK plugin's ``rank_wrapper``, is ``main``)
 
 Launch mode (what Slurm tracks as the task): ``unshare(CLONE_NEWPID)``, fork;
-the child does ``setsid``, takes /dev/null as stdin and a pipe to the wrapper
-as stdout and as stderr, closes every other fd and execs the program as PID 1
-of its own PID namespace. The wrapper relays the pipes to its own
-stdout/stderr, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 (a namespace
-init ignores signals it has no handler for, so a SIGTERM the program does not
-handle becomes the SIGKILL it would have meant), and writes a record
+the child does ``setsid`` (CRIU refuses a tree whose session leader lies
+outside its PID namespace), takes a pipe to the wrapper as stdout and as
+stderr, keeps stdin and every other fd it inherited from Slurm (srun's stdin
+forwarding or ``--input``, PMI fds), gets SIGPIPE/SIGXFSZ back to default and
+execs the program as PID 1 of its own PID namespace. The wrapper relays the
+pipes to its own stdout/stderr, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
+(a namespace init ignores signals it has no handler for, so a SIGTERM the
+program does not handle becomes the SIGKILL it would have meant, and is
+reported as the SIGTERM), and ends as the rank ended: its exit code, or
+killed by the same signal (core dumps off for that), so Slurm's ExitCode is
+the one without torchpass. It writes a record
 ``D/job<J>/rank<R>.json`` (wrapper pid, rank pid, pipe inodes) that tpassd's
 snapshot action reads. The layout of D is torchpass.layout's RANK_DIR. Default
 D: $TORCHPASS_RANK_STATE_DIR, else the job's shared rank directory
@@ -22,7 +27,8 @@ action): "moving" before the dump, "moved" after it succeeded, "abort" if it
 failed. When the child dies while the marker says moving/moved, that is a
 hand-off, not a failure: with ``--on-handoff wait`` (default) the wrapper
 waits for ``rank<R>.exit`` (written by the restore wrapper wherever the rank
-now runs; the state dir must then be shared) and exits with that code; with
+now runs; the state dir must then be shared: ``code``, and ``signal`` when a
+signal ended the rank) and ends the same way; with
 ``--on-handoff exit0`` it exits 0 at once (the job's batch side must then
 wait for the moved rank).
 
@@ -54,6 +60,7 @@ import ctypes
 import errno
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -134,13 +141,17 @@ class Paths:
         return (rec.get("wrapper_pid") == wrapper_pid and rec.get("node") == socket.gethostname()
                 and rec.get("restored_from") == restored_from and not rec.get("aborted"))
 
-    def write_exit(self, code: int, restored_from: str) -> None:
-        """The moved rank's exit code, with the copy that reports it (see read_exit)."""
-        write_json(self.exit, {"code": code, "wrapper_pid": os.getpid(), "node": socket.gethostname(),
-                               "restored_from": restored_from})
+    def write_exit(self, result: int, restored_from: str) -> None:
+        """The moved rank's end (``Relay.wait``'s result), with the copy that reports it (see
+        read_exit): ``code`` shell-style, and ``signal`` S when signal S ended it."""
+        got = {"code": shell_code(result), "wrapper_pid": os.getpid(), "node": socket.gethostname(),
+               "restored_from": restored_from}
+        if result < 0:
+            got["signal"] = -result
+        write_json(self.exit, got)
 
     def read_exit(self) -> int | None:
-        """The moved rank's exit code, or None while there is none from the copy the record
+        """The moved rank's exit code (-S: signal S ended it), or None while there is none from the copy the record
         names. A copy whose move was called off after its restore (rollback: the record
         names the copy that kept running) must never decide the rank's exit: the task
         wrapper Slurm tracks would report its 137 to srun while training goes on."""
@@ -156,7 +167,8 @@ class Paths:
         if (rec.get("aborted") or rec.get("wrapper_pid") != got.get("wrapper_pid")
                 or rec.get("node") != got.get("node") or rec.get("restored_from") != got.get("restored_from")):
             return None
-        return got["code"]
+        sig = got.get("signal")
+        return -sig if isinstance(sig, int) and not isinstance(sig, bool) and sig > 0 else got["code"]
 
     def marker(self) -> str:
         try:
@@ -190,6 +202,7 @@ class Relay:
         self.fds = dict(fds)  # read fd -> our fd
         self.child: int | None = None
         self.pending: list[int] = []
+        self.substituted: int | None = None  # the first signal we had to send as SIGKILL
         for s in FORWARDED:
             signal.signal(s, lambda sig, _f: self.pending.append(sig))
 
@@ -201,6 +214,7 @@ class Relay:
                     os.kill(self.child, sig)
                 else:  # a namespace init ignores it: do what the default action would
                     os.kill(self.child, signal.SIGKILL)
+                    self.substituted = self.substituted or sig
             except ProcessLookupError:
                 pass
 
@@ -233,7 +247,10 @@ class Relay:
                 data = data[n:]
 
     def wait(self, pid: int) -> int:
-        """Relay until ``pid`` has exited; returns a shell-style exit code."""
+        """Relay until ``pid`` has exited; returns its exit code, or -S when signal S ended
+        it (subprocess's convention). A SIGKILL we sent in place of a forwarded signal S
+        the rank had no handler for counts as S: without the namespace, S would have
+        ended it."""
         while True:
             try:
                 got, status = os.waitpid(pid, os.WNOHANG)
@@ -244,8 +261,39 @@ class Relay:
                 end = time.monotonic() + 1.0
                 while self.fds and time.monotonic() < end:
                     self.pump(0.05)
-                return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+                code = os.waitstatus_to_exitcode(status)
+                if code == -signal.SIGKILL and self.substituted:
+                    return -self.substituted
+                return code
             self.pump(0.05)
+
+
+def shell_code(result: int) -> int:
+    """A shell-style exit code (128+S for signal S) from ``Relay.wait``'s result."""
+    return 128 - result if result < 0 else result
+
+
+def exit_like(result: int) -> int:
+    """End this process the way the rank ended (``Relay.wait``'s result): a signal S kills
+    it by S (handler back to default, core dumps off for that self-kill: the rank made its
+    own), so Slurm's ExitCode shows 0:S as without torchpass. Returns the exit code."""
+    if result >= 0:
+        return result
+    sig = -result
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (OSError, ValueError):
+        pass
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler to reset
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    os.kill(os.getpid(), sig)
+    return shell_code(result)  # a signal whose default action does not end a process
 
 
 def pid_ns_prepared(ns: str = "/proc/self/ns") -> bool:
@@ -266,14 +314,19 @@ def pid_ns_prepared(ns: str = "/proc/self/ns") -> bool:
         return False
 
 
+def default_signals() -> None:
+    """Signal dispositions back to what the task would get without us: Python ignores
+    SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec."""
+    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, *FORWARDED):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def run_unprotected(argv: list[str], rank: str, why: str) -> None:
     """Do no harm: become the task itself, as if torchpass were not there (same pid as the
     task Slurm started, same stdin and file descriptors, its exit code or signal is the
     task's). Says so in one line first. Returns only if the program cannot be executed."""
     say(f"rank {rank} unprotected: {why}")
-    # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec.
-    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, *FORWARDED):
-        signal.signal(s, signal.SIG_DFL)
+    default_signals()
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
@@ -334,14 +387,13 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
         unprotected(argv, rank, f"its PID namespace is gone (fork: {exc.strerror})")
     if pid == 0:  # PID 1 of the new namespace
         try:
+            # CRIU refuses a tree whose session leader is outside its PID namespace
             os.setsid()
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
+            # stdin and every inherited fd stay as Slurm gave them; the wrapper's own fds
+            # (os.pipe, Python's) are close-on-exec
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            os.closerange(3, 65536)
-            for s in FORWARDED:
-                signal.signal(s, signal.SIG_DFL)
+            default_signals()
             os.execvp(argv[0], argv)
         except BaseException as exc:  # noqa: BLE001
             os.write(2, f"torchpass: cannot start {argv[0]}: {exc}\n".encode())
@@ -448,14 +500,15 @@ def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: di
     })
 
 
-def finish_restored(paths: Paths, images: str, code: int) -> int:
-    """After the restored rank ended with ``code``: report it as the rank's exit code,
+def finish_restored(paths: Paths, images: str, result: int) -> int:
+    """After the restored rank ended with ``result`` (``Relay.wait``'s): report it as the rank's exit,
     unless the rank record no longer names this copy. Then either the rank moved on
     (a later restore wrapper holds it and reports its exit), or this copy's move was
     rolled back after the restore (tpassd put the previous copy's record back and
     killed this one; training goes on there). Either way this step ends with 0, so
     the node can be released, and writes nothing: the 137 of an aborted copy is not
-    the rank's exit."""
+    the rank's exit. Returns this step's exit code (shell-style)."""
+    code = shell_code(result)
     rank = paths.record.stem.removeprefix("rank")
     if not paths.names(os.getpid(), images):
         rec = paths.read_record()
@@ -467,7 +520,7 @@ def finish_restored(paths: Paths, images: str, code: int) -> int:
             say(f"rank {rank}: its move to {socket.gethostname()} was called off{where}; "
                 f"this copy ends (its exit {code} is not the rank's)")
         return 0
-    paths.write_exit(code, images)
+    paths.write_exit(result, images)
     return code
 
 
@@ -503,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     if not prog:
         ap.error("give the program after --")
     try:
-        return launch(prog, args.state_dir, args.on_handoff, args.timens)
+        return exit_like(launch(prog, args.state_dir, args.on_handoff, args.timens))
     except OSError as exc:
         say(f"cannot make the rank's PID namespace ({exc}); needs CAP_SYS_ADMIN (root or the SPANK plugin)")
         return 1
