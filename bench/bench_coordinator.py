@@ -24,7 +24,8 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
 * simulated ranks in several load-generator processes (one event loop each,
   many sockets), speaking the rank protocol of torchpass.runtime.control:
   ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
-  (every 0.02 s while paused), each request signed with the job secret
+  (every 0.02 s while paused; or less often, as the coordinator's
+  ``report_every_s``/``paused_every_s`` ask), each request signed with the job secret
   (torchpass.jobauth.JobSigner) on a new REQ socket with a 2 s time-out
   (``--connection persistent`` keeps one REQ socket per rank until a
   time-out); commands from the replies are obeyed: ``pause`` -> ``rank.armed``,
@@ -75,6 +76,7 @@ RANKS_PER_NODE = 8
 JOB_ID = 77001
 PROGRESS_INTERVAL_S = 0.5  # torchpass.runtime.control defaults
 PAUSED_INTERVAL_S = 0.02
+MAX_HINT_S = 10.0  # torchpass.runtime.control.MAX_HINT_S
 REQUEST_TIMEOUT_S = 2.0
 OUTBOX_RETRY_S = 0.2
 HOLD_POLL_S = 0.02
@@ -195,7 +197,8 @@ class SimRank:
     """One rank as torchpass.runtime.control.ControlLink + ReconfigurablePG behave on the wire."""
 
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
-                 "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock")
+                 "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
+                 "hint_s", "paused_hint_s")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
@@ -212,6 +215,13 @@ class SimRank:
         self.armed_reported = None
         self.seen: set = set()  # commands seen, for first-receipt times
         self.sock = None  # persistent REQ socket (--connection persistent)
+        self.hint_s = 0.0  # the coordinator's backpressure hints (report_every_s, paused_every_s)
+        self.paused_hint_s = 0.0
+
+    def every(self) -> float:
+        """Seconds to the next report, as ControlLink.every_s/paused_every_s choose them."""
+        every = max(PROGRESS_INTERVAL_S, self.hint_s)
+        return min(max(PAUSED_INTERVAL_S, self.paused_hint_s), every) if self.paused else every
 
     @property
     def paused(self) -> bool:
@@ -384,20 +394,23 @@ class LoadGen:
             self._timer(now, i)
             return
         self._handle(i, result, now)
-        self._timer(now + (PAUSED_INTERVAL_S if rk.paused else PROGRESS_INTERVAL_S), i)
+        self._timer(now + rk.every(), i)
 
     def _failed(self, i: int, type_: str, now: float) -> None:
         rk = self.ranks[i]
         if type_ == "rank.register":
             self._timer(now + PROGRESS_INTERVAL_S, i)
         elif type_ == "rank.progress":
-            self._timer(now + (PAUSED_INTERVAL_S if rk.paused else PROGRESS_INTERVAL_S), i)
+            self._timer(now + rk.every(), i)
         else:
             self._timer(now + min(PROGRESS_INTERVAL_S, OUTBOX_RETRY_S), i)
 
     def _handle(self, i: int, result: dict, now: float) -> None:
         """A command in a reply, as ControlLink._handle and ReconfigurablePG.arm/resume take it."""
         rk = self.ranks[i]
+        if isinstance(result, dict):
+            rk.hint_s = min(float(result.get("report_every_s") or 0.0), MAX_HINT_S)
+            rk.paused_hint_s = min(float(result.get("paused_every_s") or 0.0), MAX_HINT_S)
         cmd = result.get("command") if isinstance(result, dict) else None
         if not isinstance(cmd, dict):
             return
@@ -475,7 +488,8 @@ class LoadGen:
 
     # -- the loop ----------------------------------------------------------------------
     def stats(self, rtts: bool = False) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "window": dict(self.window), "rtts": list(self.rtts) if rtts else [],
+        return {"totals": dict(self.totals), "window": dict(self.window),
+                "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks), "rtts": list(self.rtts) if rtts else [],
                 "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
                 "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
 
@@ -597,7 +611,7 @@ def fake_slurm(d: Path, nodes: int) -> dict[str, str]:
 class Coordinator:
     """The real tpass-coordinator, started as the plugin starts it."""
 
-    def __init__(self, tmp: Path, nodes: int, secret: str, munge_socket: str):
+    def __init__(self, tmp: Path, nodes: int, secret: str, munge_socket: str, profile: Path | None = None):
         from torchpass import layout
 
         self.state_dir = tmp / "state"
@@ -613,10 +627,13 @@ class Coordinator:
         argv = [exe, "--job-id", str(JOB_ID), "--state-dir", str(self.state_dir), "--spares", "1",
                 "--policy", "default", "--ready-fd", str(ready_w), "--secret-fd", str(secret_r),
                 "--bind-address", "127.0.0.1"]
+        if profile is not None:  # cProfile writes it when the coordinator exits (SIGTERM: a clean exit)
+            argv = [sys.executable, "-m", "cProfile", "-o", str(profile), *argv]
         self.log_path = jobdir / layout.COORDINATOR_LOG
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, env=env, cwd=jobdir, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT, pass_fds=(ready_w, secret_r), start_new_session=True)
+        self.ps = psutil.Process(self.proc.pid)  # before any stop()
         os.close(ready_w)
         os.close(secret_r)
         line = b""
@@ -629,10 +646,9 @@ class Coordinator:
         os.close(ready_r)
         if not line.startswith(b"tcp://"):
             self.stop()
-            raise RuntimeError(f"tpass-coordinator did not start (ready line {line!r}); "
-                               f"see {jobdir / layout.COORDINATOR_LOG}")
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"tpass-coordinator did not start (ready line {line!r}); its log ends:\n{tail}")
         self.endpoint = line.decode().strip()
-        self.ps = psutil.Process(self.proc.pid)
 
     def cpu_s(self) -> float:
         t = self.ps.cpu_times()
@@ -740,7 +756,8 @@ def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
             msg = tp_conn.recv()
             if msg[0] != "ready":
                 raise RuntimeError(msg[1])
-            coord = Coordinator(tmp, nodes, secret, munge_socket)
+            coord = Coordinator(tmp, nodes, secret, munge_socket,
+                                args.profile / f"coordinator-{ranks}.prof" if args.profile else None)
             out["coordinator_pid"] = coord.proc.pid
             t0 = time.monotonic()
             per = -(-ranks // gens)
@@ -798,6 +815,8 @@ def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
                 "rss_peak_mb": round(max(rss_peak, rss), 1),
                 "requests_per_s": round(win["sent"] / wall, 1),
                 "wanted_per_s": round(ranks / PROGRESS_INTERVAL_S, 1),
+                # what the coordinator's backpressure (report_every_s) asked for at the end
+                "asked_per_s": round(sum(s["asked_per_s"] for s in st), 1),
                 "replies_per_s": round(win["answered"] / wall, 1),
                 "replies_fraction": round(win["answered"] / done, 4) if done else 0.0,
                 "error_replies": win["error_replies"],
@@ -810,6 +829,7 @@ def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
                 out["status_error"] = status_fail[-1]
             print(f"  {ranks} ranks steady: cpu {out['cpu_core_fraction']:.2f} core, rss {out['rss_mb']} MB, "
                   f"replies {out['replies_per_s']}/s of {out['wanted_per_s']} wanted "
+                  f"({out['asked_per_s']} asked) "
                   f"(fraction {out['replies_fraction']}), job.status p50 {out['status_p50_ms']} ms", flush=True)
             # -- faults ------------------------------------------------------------------
             trials: list[dict[str, Any]] = []
@@ -922,7 +942,7 @@ def _tpassd_stats(conn) -> dict:
 
 
 # ============================================================================
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -960,7 +980,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax2.set_ylabel("MB")
     ax.legend(loc="upper left", fontsize=7)
     ax2.legend(loc="lower right", fontsize=7)
+    if before:
+        bx = [r["ranks"] for r in before]
+        ax.plot(bx, [r.get("cpu_core_fraction") for r in before], ls="--", color="grey", label="CPU before")
     ax = axes[2]
+    if before:
+        ax.plot(bx, [r.get("replies_fraction") for r in before], ls="--", color="grey",
+                label="steady state, before")
     ax.plot(x, [r.get("replies_fraction") for r in rows], marker="o", label="steady state")
     ax.plot(x, [r.get("replies_fraction_all") for r in rows], marker="s", label="whole run")
     ax.set(xscale="log", ylim=(0, 1.05), xlabel="ranks", ylabel="fraction", title="rank requests answered")
@@ -987,12 +1013,15 @@ def main() -> int:
     ap.add_argument("--generators", type=int, default=0, help="load generator processes (0: one per 1024 ranks)")
     ap.add_argument("--connection", choices=("per-request", "persistent"), default="per-request",
                     help="per-request: a new REQ socket per request, as torchpass.runtime.control does today")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
     ap.add_argument("--out", type=Path, default=RESULTS / "coordinator.json", help="merged by ranks")
     ap.add_argument("--plot", type=Path, default=RESULTS / "coordinator.png", help="'' for none")
     args = ap.parse_args()
     if args.plot_only:
-        plot(json.loads(args.out.read_text())["sizes"], args.plot)
+        old = json.loads(args.out.read_text())
+        plot(old["sizes"], args.plot, old.get("before", []))
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if any(s < 16 or s % RANKS_PER_NODE for s in sizes):
@@ -1025,10 +1054,12 @@ def main() -> int:
         "client": {"progress_interval_s": PROGRESS_INTERVAL_S, "paused_interval_s": PAUSED_INTERVAL_S,
                    "timeout_s": REQUEST_TIMEOUT_S, "heartbeat_s": HEARTBEAT_S,
                    "collectives_per_s": COLLECTIVES_PER_S},
+        # the coordinator before issue 13's fixes, measured by this harness (kept for the plot)
+        **{k: old[k] for k in ("before", "before_generated") if k in old},
         "sizes": merged}, indent=1) + "\n")
     print(f"wrote {args.out}", flush=True)
     if str(args.plot) not in ("", "."):
-        plot(merged, args.plot)
+        plot(merged, args.plot, old.get("before", []))
         print(f"wrote {args.plot}", flush=True)
     return 0
 

@@ -103,6 +103,9 @@ BODIES: dict[str, dict[str, F]] = {
         "boundary_step": _f(int, required=False),
         "unprotected": _f(str, required=False),  # as in rank.register (issue 11, runtime)
     },
+    # The coordinator's reply to every rank.* message may carry, besides "command", the
+    # backpressure hints "report_every_s" and "paused_every_s" (seconds): report (poll while
+    # paused) no more often than that (torchpass.runtime.control; issue 13).
     # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
     # Publications on tpassd's PUB socket, multipart [topic, frame] with the
     # topic equal to the type. Envelope: seq = per-publisher sequence number

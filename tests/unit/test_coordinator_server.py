@@ -249,3 +249,45 @@ def test_an_armed_refusal_saying_unprotected_rolls_the_pause_back_at_once(driven
     assert m.phase == Phase.ROLLBACK and m.rollback_reason == f"the job is unprotected (rank 0 unprotected: {WHY})"
     assert m.rearms == 0
     assert req(ep, "job.status")["unprotected"] == f"rank 0 unprotected: {WHY}"
+
+
+def test_replies_to_ranks_carry_backpressure_hints_that_grow_with_the_job_and_the_load(served):
+    from torchpass.coordinator import server as srv
+
+    server, ep, clock = served
+    res = req(ep, "rank.register", {"job_id": 42, "rank": 0, "world_size": 3000, "node": "n1", "pid": 1})
+    assert res["report_every_s"] == pytest.approx(3000 / srv.PROGRESS_BUDGET_PER_S, abs=1e-3)
+    assert res["paused_every_s"] == pytest.approx(3000 / srv.PAUSED_BUDGET_PER_S, abs=1e-3)
+    assert "report_every_s" not in req(ep, "job.status")  # only rank.* replies
+
+    t = [0.0]
+    pace = srv.Pace(lambda: t[0])
+    for _ in range(20):  # serving takes 90 % of the time: the intervals grow, up to the cap
+        t[0] += 1.0
+        pace.busy(0.9)
+    assert pace.factor == srv.PACE_FACTOR_MAX
+    assert pace.hint(1500)["report_every_s"] == pytest.approx(srv.PACE_FACTOR_MAX)
+    for _ in range(20):  # idle again: back to the job's own size
+        t[0] += 1.0
+        pace.busy(0.05)
+    assert pace.factor == 1.0
+    assert pace.hint(None) == {}
+
+
+def test_the_rank_side_honours_the_hints_within_bounds():
+    from torchpass.runtime import control
+
+    class PG:
+        paused = False
+
+    link = control.ControlLink(PG(), endpoint="tcp://127.0.0.1:1", job_id=1, rank=0, interval_s=0.5,
+                               paused_interval_s=0.02)
+    assert (link.every_s(), link.paused_every_s()) == (0.5, 0.02)
+    link._handle({"report_every_s": 2.0, "paused_every_s": 0.3})
+    assert (link.every_s(), link.paused_every_s()) == (2.0, 0.3)
+    link._handle({"report_every_s": 0.1, "paused_every_s": 0.0})  # never more often than its own setting
+    assert (link.every_s(), link.paused_every_s()) == (0.5, 0.02)
+    link._handle({"report_every_s": 1e6, "paused_every_s": 1e6, "command": None})  # bounded
+    assert link.every_s() == control.MAX_HINT_S and link.paused_every_s() == control.MAX_HINT_S
+    link._handle({"report_every_s": "x"})  # not a number: ignored
+    assert link.every_s() == control.MAX_HINT_S

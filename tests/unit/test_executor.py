@@ -280,3 +280,48 @@ def test_forged_rank_armed_does_not_consume_a_pending_pause(tmp_path):
     finally:
         server.stop()
         t.join(5)
+
+
+def test_a_batch_of_reports_is_decided_once_and_leaves_earlier_states_untouched(tmp_path, monkeypatch):
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
+    decided: list[int] = []
+    real = d.decide
+    monkeypatch.setattr(d, "decide", lambda: (decided.append(1), real())[1])
+    before = d.state
+    d.begin_batch()
+    for r in range(3):
+        d.feed(mc.RankProgress(r, 10 + r, 1, None))
+    d.feed(mc.RankRegistered(0, "n1", 3, pid=7))
+    assert decided == []  # nothing decided inside the batch
+    d.end_batch()
+    assert decided == [1]  # once for the batch
+    assert [before.ranks[r].collectives for r in range(3)] == [0, 0, 0]  # the pre-batch state is unchanged
+    assert [d.state.ranks[r].collectives for r in range(3)] == [10, 11, 12]
+    assert d.state.ranks[0].pid == 7
+    # After the batch, reports copy again: the state of the batch is not written into.
+    batch_state = d.state
+    d.feed(mc.RankProgress(1, 20, 2, None))
+    assert batch_state.ranks[1].collectives == 11 and d.state.ranks[1].collectives == 20
+
+
+def test_progress_reports_alone_are_decided_on_the_progress_tick(tmp_path, monkeypatch):
+    from torchpass.coordinator import executor as exmod
+
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
+    now = [1000.0]
+    d.clock = lambda: now[0]
+    decided: list[float] = []
+    real = d.decide
+    monkeypatch.setattr(d, "decide", lambda: (decided.append(now[0]), real())[1])
+    d.pump()
+    assert decided == [1000.0]
+    d.post(mc.RankProgress(0, 5, 1, None))
+    now[0] += exmod.PROGRESS_TICK_S / 2
+    d.pump()
+    assert decided == [1000.0] and d.state.ranks[0].collectives == 5  # applied, not yet decided on
+    now[0] += exmod.PROGRESS_TICK_S / 2
+    d.pump()
+    assert len(decided) == 2
+    d.post(mc.Quiesced(0, 1, 5))  # anything else: decided at once
+    d.pump()
+    assert len(decided) == 3

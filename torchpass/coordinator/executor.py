@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -746,6 +746,14 @@ class Executor:
             self._cancel(alloc)
 
 
+# Driver.pump: with nothing new, decide (and read the health view) this often; after progress
+# reports only, at most this often (a report changes a rank's pace and stall clock, which are
+# read in seconds, not milliseconds).
+IDLE_TICK_S = 0.2
+PROGRESS_TICK_S = 0.05
+HEALTH_POLL_S = 0.1  # the health view is read at most this often (each read copies every node's)
+
+
 class Driver:
     """Owns the decision state; everything here runs in the serve thread."""
 
@@ -761,6 +769,11 @@ class Driver:
         self.health = health
         self._fed_health: dict[str, tuple] = {}
         self._next_decide = 0.0
+        self._owned: dict | None = None  # the ranks dict of a batch (begin_batch), written in place
+        self._batch_fed = False  # an outcome was fed during the batch: decide at its end
+        self._progress_fed = False  # progress reports applied since the last decision
+        self._last_decide = float("-inf")
+        self._next_health = 0.0
         for s in spares:
             self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
 
@@ -769,8 +782,31 @@ class Driver:
         self.queue.put(outcome)
 
     def feed(self, outcome: Any) -> None:
-        self.state = mc.apply(self.state, outcome, self.clock())
-        self.decide()
+        """Apply ``outcome`` and decide now; within a batch (begin_batch) decide once at its end."""
+        self.state = mc.apply(self.state, outcome, self.clock(), owned=self._owned)
+        if self._owned is None:
+            self.decide()
+        elif isinstance(outcome, mc.RankProgress):
+            self._progress_fed = True  # decided on the next progress tick (pump)
+        else:
+            self._batch_fed = True
+
+    def begin_batch(self) -> None:
+        """The server read a batch of messages: their outcomes apply to one private copy of the
+        ranks (machine.apply ``owned``), and end_batch() decides once for all of them."""
+        if self._owned is None:
+            self._own_ranks()
+            self._batch_fed = False
+
+    def _own_ranks(self) -> None:
+        self.state = replace(self.state, ranks=dict(self.state.ranks))
+        self._owned = self.state.ranks
+
+    def end_batch(self) -> None:
+        """Stop writing into the batch's ranks, then pump (drain, health, decide once)."""
+        self._owned = None
+        fed, self._batch_fed = self._batch_fed, False
+        self.pump(force=fed)
 
     def decide(self) -> None:
         d = dc.decide(self.clock(), self.state, self.policy)
@@ -798,7 +834,8 @@ class Driver:
                                                                        reachable), self.clock())
 
     def _drain(self) -> bool:
-        """Apply every posted outcome (the executor sees each first); True if any reached the state."""
+        """Apply every posted outcome (the executor sees each first); True if any but a progress
+        report reached the state (progress reports: decided on the progress tick)."""
         fed = False
         while True:
             try:
@@ -809,16 +846,36 @@ class Driver:
                 continue
             if isinstance(outcome, AbortsFinished):
                 continue  # no executor to act on it
-            self.state = mc.apply(self.state, outcome, self.clock())
-            fed = True
+            self.state = mc.apply(self.state, outcome, self.clock(), owned=self._owned)
+            if isinstance(outcome, mc.RankProgress):
+                self._progress_fed = True
+            else:
+                fed = True
 
-    def pump(self) -> None:
-        """Drain posted outcomes, follow health, decide on a tick."""
-        fed = self._drain()
+    def pump(self, force: bool = False) -> None:
+        """Drain posted outcomes, follow health, decide on a tick (or when ``force`` or anything
+        was drained: once for all of them)."""
+        if self._owned is None and self.queue.qsize() > 1:  # one copy of the ranks for all of them
+            self._own_ranks()
+            try:
+                fed = self._drain()
+            finally:
+                self._owned = None
+        else:
+            fed = self._drain()
+        fed = fed or force
         now = self.clock()
+        # Progress reports are many (every rank every 0.5 s) and urgent to nobody: they are decided
+        # on at most every PROGRESS_TICK_S, everything else at once, and nothing new every 0.2 s.
+        if self._progress_fed and now >= self._last_decide + PROGRESS_TICK_S:
+            fed = True
         if fed or now >= self._next_decide:
-            self._poll_health()
-            self._next_decide = now + 0.2
+            if now >= self._next_health:  # the health view costs a pass over every node
+                self._poll_health()
+                self._next_health = now + HEALTH_POLL_S
+            self._next_decide = now + IDLE_TICK_S
+            self._last_decide = now
+            self._progress_fed = False
             self.decide()
 
     def close(self) -> None:

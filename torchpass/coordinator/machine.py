@@ -54,6 +54,7 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
 )
 from torchpass.coordinator.decide import check_operator_request, phase_complete
 from torchpass.coordinator.model import (
+    RANK_NODES_CACHE,
     CoordState,
     FailedStep,
     Failure,
@@ -138,12 +139,24 @@ def _pace(prev: RankView, ev: RankProgress, now: float) -> dict[str, Any]:
     return out
 
 
-def _reported(st: CoordState, rank: int, now: float, **said: Any) -> CoordState:
+def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView] | None) -> CoordState:
+    """``st`` with ``ranks[rank] = rv``: in place when the caller owns ``st.ranks`` (a batch of
+    reports, Driver.begin_batch: one copy of the ranks per batch instead of one per report),
+    otherwise on a copy."""
+    if owned is not None and st.ranks is owned:
+        owned[rank] = rv
+        st.__dict__.pop(RANK_NODES_CACHE, None)
+        return st
+    return replace(st, ranks={**st.ranks, rank: rv})
+
+
+def _reported(st: CoordState, rank: int, now: float, owned: dict[int, RankView] | None = None,
+              **said: Any) -> CoordState:
     """A registered rank spoke (job.status shows when); nothing decide reads changes."""
     rv = st.ranks.get(rank)
     if rv is None:
         return st
-    return replace(st, ranks={**st.ranks, rank: replace(rv, last_report=now, **said)})
+    return _put_rank(st, rank, replace(rv, last_report=now, **said), owned)
 
 
 def unprotected_text(rank: int, why: str) -> str:
@@ -162,14 +175,15 @@ def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
     return m is not None and m.id == mid and m.phase in phases
 
 
-def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
+def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None) -> CoordState:
     m = st.migration
     if isinstance(ev, RankRegistered):
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
                       now if prev is None or prev.node != ev.node else prev.last_advance,
                       pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
-        return replace(st, ranks={**st.ranks, ev.rank: rv}, world_size=ev.world_size)
+        st = _put_rank(st, ev.rank, rv, owned)
+        return st if st.world_size == ev.world_size else replace(st, world_size=ev.world_size)
     if isinstance(ev, RankProgress):
         prev = st.ranks.get(ev.rank)
         if prev is None:
@@ -178,7 +192,7 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
                      node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
                      last_report=now, last_count=ev.collectives, **_pace(prev, ev, now))
-        return replace(st, ranks={**st.ranks, ev.rank: rv})
+        return _put_rank(st, ev.rank, rv, owned)
     if isinstance(ev, NodeHealthChanged):
         state = State(ev.state)
         prev = st.health.get(ev.node)
@@ -194,14 +208,14 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     if isinstance(ev, RankUnprotected):
         return _unprotected(st, ev.rank, ev.why)
     if isinstance(ev, Armed):
-        st = _unprotected(_reported(st, ev.rank, now), ev.rank, ev.unprotected)
+        st = _unprotected(_reported(st, ev.rank, now, owned), ev.rank, ev.unprotected)
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
                 and not ev.accepted:
             refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
             return replace(st, migration=replace(m, refused=refused))
         return st
     if isinstance(ev, Quiesced):
-        st = _reported(st, ev.rank, now, last_count=ev.collectives)
+        st = _reported(st, ev.rank, now, owned, last_count=ev.collectives)
         if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
                 and ev.collectives == m.pause_at:
             first = m.first_quiesced if m.first_quiesced is not None else now
@@ -212,16 +226,15 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
         return st
     if isinstance(ev, Resumed):
         rv = st.ranks.get(ev.rank)
-        ranks = st.ranks
         if rv is not None:
             said = {"last_count": ev.collectives} if ev.collectives is not None else {}
-            ranks = {**ranks, ev.rank: replace(rv, last_advance=now, node=ev.node or rv.node, generation=ev.generation,
-                                               last_report=now, **said)}
+            st = _put_rank(st, ev.rank, replace(rv, last_advance=now, node=ev.node or rv.node,
+                                                generation=ev.generation, last_report=now, **said), owned)
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
         ):
-            return replace(st, ranks=ranks, migration=replace(m, resumed=m.resumed | {ev.rank}))
-        return replace(st, ranks=ranks)
+            return replace(st, migration=replace(m, resumed=m.resumed | {ev.rank}))
+        return st
     if isinstance(ev, SpareGranted):
         spares = st.spares
         if st.spare(ev.node) is None:
@@ -294,9 +307,14 @@ def _apply(st: CoordState, ev: Outcome, now: float) -> CoordState:
     raise TypeError(f"not an outcome: {ev!r}")
 
 
-def apply(state: CoordState, outcome: Outcome, now: float) -> CoordState:
-    """The state after ``outcome`` arrived at ``now`` (coordinator clock)."""
-    st = _apply(state, outcome, now)
+def apply(state: CoordState, outcome: Outcome, now: float, *, owned: dict[int, RankView] | None = None
+          ) -> CoordState:
+    """The state after ``outcome`` arrived at ``now`` (coordinator clock).
+
+    ``owned``: a ranks dict that the caller alone holds (it copied it for a batch of reports);
+    when it is ``state.ranks``, rank updates write into it instead of copying every rank.
+    """
+    st = _apply(state, outcome, now, owned)
     m = st.migration
     if m is not None and m.ready_at is None and m is not state.migration and phase_complete(st, m):
         st = replace(st, migration=replace(m, ready_at=now))

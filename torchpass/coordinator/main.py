@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import click
+import zmq
 
 from torchpass import auth, jobauth, layout, logs
 from torchpass.coordinator.executor import Driver, Executor, TpassdClient
@@ -21,6 +22,8 @@ from torchpass.health import HealthSubscriber
 from torchpass.ports import TPASSD_PUB_PORT
 from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy, slurm_munge_socket
+
+MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and headroom above it
 
 
 def _own_address() -> str:
@@ -69,8 +72,11 @@ def _make_driver(job, state_dir, spares, policy_name, log):
     health = None
     try:
         pubs = {n: (f"tcp://{address_of(n)}:{TPASSD_PUB_PORT}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
+        # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
+        # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
+        zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
         health = HealthSubscriber(pubs, snapshot=snapshot).start()
-    except (OSError, TorchpassError) as exc:
+    except (OSError, TorchpassError, zmq.ZMQError) as exc:
         log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
     driver = Driver(job, pol, health=health, spares=hot)
     def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too

@@ -192,6 +192,9 @@ class MigrationRecord:
         object.__setattr__(self, "outcome", Result(self.outcome))
 
 
+RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
+
+
 @dataclass(frozen=True)
 class CoordState:
     job_id: int
@@ -220,10 +223,18 @@ class CoordState:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
 
     def rank_nodes(self) -> dict[str, tuple[int, ...]]:
+        """Each node's ranks, in rank order. Computed once per state (decide asks several times);
+        machine drops it when it updates the ranks of a state in place (a batch of reports).
+        Callers must not modify the returned dict."""
+        cached = self.__dict__.get(RANK_NODES_CACHE)
+        if cached is not None:
+            return cached
         out: dict[str, list[int]] = {}
         for r in sorted(self.ranks):
             out.setdefault(self.ranks[r].node, []).append(r)
-        return {n: tuple(rs) for n, rs in out.items()}
+        nodes = {n: tuple(rs) for n, rs in out.items()}
+        self.__dict__[RANK_NODES_CACHE] = nodes  # not a field: frozen, equality and replace() ignore it
+        return nodes
 
     def spare(self, node: str | None) -> SpareView | None:
         for s in self.spares:

@@ -59,6 +59,66 @@ class Facts:
     post = feed
 
 
+# Backpressure (issue 13): every reply to a rank says how often it should report
+# ("report_every_s") and, while paused at T, poll ("paused_every_s"); the rank takes the larger
+# of its own setting and these. The coordinator's load grows with the ranks, so the intervals do:
+# the job's ranks together send about PROGRESS_BUDGET_PER_S progress reports (PAUSED_BUDGET_PER_S
+# polls while paused), times a factor that grows while serving takes more than BUSY_HIGH of the
+# serve thread's time (measured each second) and shrinks back below BUSY_LOW.
+PROGRESS_BUDGET_PER_S = 1500.0
+PAUSED_BUDGET_PER_S = 2500.0
+BUSY_HIGH, BUSY_LOW = 0.6, 0.3
+PACE_FACTOR_MAX = 4.0
+
+
+class Pace:
+    """The backpressure hints of the replies (see PROGRESS_BUDGET_PER_S)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.factor = 1.0
+        self._busy_s = 0.0
+        self._since = clock()
+
+    def busy(self, seconds: float) -> None:
+        """The serve thread spent ``seconds`` serving a batch."""
+        self._busy_s += seconds
+        now = self.clock()
+        span = now - self._since
+        if span < 1.0:
+            return
+        frac = self._busy_s / span
+        if frac > BUSY_HIGH:
+            self.factor = min(PACE_FACTOR_MAX, self.factor * 1.5)
+        elif frac < BUSY_LOW:
+            self.factor = max(1.0, self.factor / 1.5)
+        self._busy_s, self._since = 0.0, now
+
+    def hint(self, world: int | None) -> dict[str, float]:
+        if not world:
+            return {}
+        return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
+                "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3)}
+
+
+# At most this many messages are read before the batch is decided on and answered: a reply
+# waits for at most this many handlers (~30 us each) and one decision.
+BATCH_MAX = 512
+
+
+class _Batch:
+    """The messages of one serve_batch: their replies, each with the rank whose command it takes."""
+
+    __slots__ = ("msg_id", "pending", "replies")
+
+    def __init__(self) -> None:
+        self.msg_id = ""  # of the message being handled (_authenticate)
+        # (message id, rank, result) of the message being handled when it may take a command
+        # (set by _with_command): its reply is encoded again if the batch's decision gave one.
+        self.pending: tuple[str, int, dict[str, Any]] | None = None
+        self.replies: list[tuple[list[bytes], bytes, tuple[str, int, dict[str, Any]] | None]] = []
+
+
 class CoordinatorServer:
     """Serves one job. ``clock`` is monotonic seconds, ``wall`` epoch seconds."""
 
@@ -99,6 +159,8 @@ class CoordinatorServer:
         self.counters: dict[str, int] = {}
         self._stop = threading.Event()
         self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._batch: _Batch | None = None  # the messages being served (serve loop), else None
+        self.pace = Pace(clock)
         self.handlers: dict[str, zmqio.Handler] = {
             "rank.register": self._on_register,
             "rank.progress": self._on_progress,
@@ -113,6 +175,8 @@ class CoordinatorServer:
     # --- authentication -----------------------------------------------------
     def _authenticate(self, msg: wire.Message) -> None:
         """Before any handler: rank.* by the job secret, job.status/events as PrivateData says."""
+        if self._batch is not None:
+            self._batch.msg_id = msg.id
         if msg.type.startswith("rank."):
             if self.verifier is not None:
                 self.verifier.verify(msg)
@@ -180,7 +244,7 @@ class CoordinatorServer:
         return self._facts.state
 
     def _feed(self, outcome, decide: bool = True) -> None:
-        if decide:
+        if decide or self._batch is not None:  # in a batch the driver decides once, at its end
             self._facts.feed(outcome)
         else:  # frequent progress reports: decided on the next tick
             self._facts.post(outcome)
@@ -200,6 +264,10 @@ class CoordinatorServer:
             self.driver.executor.save_events()
 
     def _with_command(self, rank: int, result: dict[str, Any]) -> dict[str, Any]:
+        result = {**result, **self.pace.hint(self.state.world_size)}
+        if self._batch is not None:  # the command is added after the batch's decision (_reply_batch)
+            self._batch.pending = (self._batch.msg_id, rank, result)
+            return result
         ex = self.driver.executor if self.driver is not None else None
         cmd = ex.command_for(rank) if ex is not None else None
         if cmd is not None:
@@ -298,19 +366,69 @@ class CoordinatorServer:
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                for sock, _ in poller.poll(100 if self.driver is None else 20):
-                    zmqio.serve_one(sock, self.handlers, authenticate=self._authenticate, counters=self.counters)
-                self._run_later()
-                if self.driver is not None:
-                    try:
-                        self.driver.pump()
-                    except Exception:  # noqa: BLE001 - never stop serving the job over a bug
-                        log.exception("driver error")
+                if poller.poll(100 if self.driver is None else 20):
+                    self._serve_batch()
+                else:
+                    self._run_later()
+                    self._pump()
         finally:
             self._run_later()  # news that came with the end (the job's last events)
             if self.driver is not None:
                 self.driver.close()
             self.sock.close(linger=0)
+
+    def _pump(self, force: bool = False) -> None:
+        if self.driver is not None:
+            try:
+                self.driver.pump(force=force)
+            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                log.exception("driver error")
+
+    def _serve_batch(self) -> None:
+        """Read every message that is ready (up to BATCH_MAX), apply them all, decide once, then
+        reply to each: a reply carries the command that decision gave its rank (as when each
+        message was decided on by itself), at the cost of one decision per batch, not per message."""
+        started = time.perf_counter()
+        batch = _Batch()
+        self._batch = batch
+        if self.driver is not None:
+            self.driver.begin_batch()
+        try:
+            for _ in range(BATCH_MAX):
+                try:
+                    parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) < 3 or parts[-2] != b"":  # not a REQ envelope: nobody to reply to
+                    self.counters["dropped"] = self.counters.get("dropped", 0) + 1
+                    continue
+                batch.pending = None
+                reply = zmqio.handle_frame(parts[-1], self.handlers, authenticate=self._authenticate,
+                                           counters=self.counters)
+                batch.replies.append((parts[:-1], reply, batch.pending))
+        finally:
+            self._batch = None
+            if self.driver is not None:
+                try:
+                    self.driver.end_batch()
+                except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                    log.exception("driver error")
+        self._run_later()
+        self._reply_batch(batch)
+        self.pace.busy(time.perf_counter() - started)
+
+    def _reply_batch(self, batch: _Batch) -> None:
+        ex = self.driver.executor if self.driver is not None else None
+        for envelope, reply, pending in batch.replies:
+            if pending is not None and ex is not None:
+                msg_id, rank, result = pending
+                cmd = ex.command_for(rank)
+                if cmd is not None:  # the reply was encoded without it: once more, with it
+                    reply = wire.encode_ok(msg_id, {**result, "command": cmd})
+            try:
+                self.sock.send_multipart(envelope + [reply], zmq.NOBLOCK)
+            except zmq.Again:  # the peer's queue is full (it gave up): nothing to answer
+                self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + 1
 
     def _run_later(self) -> None:
         while not self._later.empty():

@@ -40,6 +40,9 @@ from collections import deque
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
 from torchpass.runtime.say import say
 
+# The longest report interval a coordinator's backpressure hint can ask for (report_every_s).
+MAX_HINT_S = 10.0
+
 
 def _netns_inode() -> int:
     try:
@@ -69,6 +72,10 @@ class ControlLink(PauseListener):
         self._node = node
         self.interval_s = interval_s
         self.paused_interval_s = min(interval_s, paused_interval_s)
+        # The coordinator's backpressure (issue 13): every reply may ask for longer intervals
+        # (report_every_s, paused_every_s); the larger of ours and its own is used.
+        self.hint_s = 0.0
+        self.paused_hint_s = 0.0
         self.request_timeout_s = request_timeout_s
         self.auth = auth
         self._start_host = socket.gethostname()
@@ -205,11 +212,26 @@ class ControlLink(PauseListener):
                 # the resume comes only in a reply, and every rank stands still
                 # until the last one has it. Measured: up to one interval (0.5 s)
                 # of every migration's pause went here.
-                self._sleep(self.paused_interval_s if self.pg.paused else self.interval_s)
+                self._sleep(self.paused_every_s() if self.pg.paused else self.every_s())
         except Exception as exc:  # noqa: BLE001 - never take training down
             say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
         finally:
             self._close()
+
+    def every_s(self) -> float:
+        """Seconds between progress reports: ours, or longer if the coordinator asks."""
+        return max(self.interval_s, self.hint_s)
+
+    def paused_every_s(self) -> float:
+        """Seconds between polls while paused at T (never longer than between reports)."""
+        return min(max(self.paused_interval_s, self.paused_hint_s), self.every_s())
+
+    def _pace(self, result: dict) -> None:
+        """Take the reply's backpressure hints (bounded: a confused coordinator cannot silence us)."""
+        for key, attr in (("report_every_s", "hint_s"), ("paused_every_s", "paused_hint_s")):
+            v = result.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+                setattr(self, attr, min(float(v), MAX_HINT_S))
 
     def _sleep(self, seconds: float) -> None:
         with self._cv:
@@ -230,6 +252,8 @@ class ControlLink(PauseListener):
 
     # -- commands -----------------------------------------------------------------
     def _handle(self, result: dict) -> None:
+        if isinstance(result, dict):
+            self._pace(result)
         cmd = result.get("command") if isinstance(result, dict) else None
         if not isinstance(cmd, dict):
             return
