@@ -19,9 +19,9 @@ development) and otherwise rolls the migration back, resumes every rank and
 records a ``migration.illegal_transition`` event: a bug in the core must
 never leave the job paused.
 
-Strict mode: ``TORCHPASS_STRICT_TRANSITIONS=1`` (``0`` turns it off), else on
-while pytest runs a test (``PYTEST_CURRENT_TEST`` is set), else off.
-``decide(..., strict=...)`` overrides both.
+Strict mode: ``TORCHPASS_STRICT_TRANSITIONS=1`` (the test suite sets it for
+itself and every coordinator its jobs start: tests/conftest.py), else off.
+``decide(..., strict=...)`` overrides it.
 """
 
 from __future__ import annotations
@@ -124,10 +124,7 @@ def check_result(migration: str, phase: Phase, result: Result) -> None:
 
 def strict_default() -> bool:
     """Whether an illegal transition raises (see the module docstring)."""
-    env = os.environ.get("TORCHPASS_STRICT_TRANSITIONS")
-    if env is not None and env != "":
-        return env != "0"
-    return bool(os.environ.get("PYTEST_CURRENT_TEST"))
+    return os.environ.get("TORCHPASS_STRICT_TRANSITIONS", "") not in ("", "0")
 
 
 __all__ = ["Phase", "Result", "PAUSED_PHASES", "TRANSITIONS", "RESULTS", "IllegalTransition", "legal",
