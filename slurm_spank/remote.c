@@ -7,9 +7,10 @@
  * PYTHONPATH to the tasks; in the batch step also export the job secret
  * (TORCHPASS_JOB_SECRET: every srun of the batch script hands it on to its
  * tasks) and hide the hot spares from a plain srun.  Every task of the
- * other steps: a new PID namespace for its children (task_init_privileged,
- * as root), then the rank wrapper (task_init).  Batch step exit: stop the
- * coordinator (the epilog repeats that as a backstop).
+ * other steps: a new PID namespace for its children with a root-made init
+ * (task_init_privileged, as root), then the rank wrapper (task_init); in a
+ * restore step, the root restore agent (task_init_privileged).  Batch step
+ * exit: stop the coordinator (the epilog repeats that as a backstop).
  *
  * Steps of jobs without --torchpass return at the first line of each hook.
  */
@@ -21,6 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <dlfcn.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 
 #include <slurm/slurm.h>
 
@@ -30,6 +35,9 @@
 #include "layout.h"
 #include "pythonpath.h"
 #include "tpass.h"
+
+/* the PID namespace init, installed beside torchpass.so (tpass_init.c) */
+#define TPASS_INIT_PROGRAM "tpass-init"
 
 static struct {
 	bool is_batch;
@@ -466,28 +474,184 @@ static bool wraps_rank(void)
 }
 
 /*
- * In the task, as root, before Slurm switches to the job user: the task's
- * children get a new PID namespace, so the rank wrapper (running as the job
- * user, without CAP_SYS_ADMIN) forks the rank as its PID 1.  The wrapper
- * sees that /proc/self/ns/pid_for_children differs from /proc/self/ns/pid
- * and does not unshare itself.  The task itself stays in the node's
- * namespace (Slurm tracks and signals it as before).  A failure never fails
- * the task: the wrapper then runs the rank unprotected.
- *
- * The first process the task forks becomes the namespace's PID 1: a
- * TaskProlog (slurm.conf) or srun --task-prolog, which slurmstepd forks from
- * the task after this hook, takes that place and the namespace dies with
- * it; the wrapper then cannot fork and runs the rank unprotected.
+ * May root execute path for a job?  A regular executable (not a symlink)
+ * owned by root and writable by root alone; -1 (and why, in err) otherwise.
  */
+static int root_program(const char *path, char *err, size_t errlen)
+{
+	struct stat st;
+
+	if (lstat(path, &st) < 0) {
+		snprintf(err, errlen, "%s: %s", path, strerror(errno));
+		return -1;
+	}
+	if (!S_ISREG(st.st_mode) || st.st_uid != 0 || (st.st_mode & 022) ||
+	    !(st.st_mode & S_IXUSR)) {
+		snprintf(err, errlen, "%s is not a root-owned executable writable by root alone", path);
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * tpass-init, beside this plugin (same directory as torchpass.so), if it is
+ * a regular executable owned by root and writable by root alone: what the
+ * PID namespace's init execs.  -1 (and why, in err) otherwise.
+ */
+static int init_program(char *path, size_t len, char *err, size_t errlen)
+{
+	Dl_info info;
+	char *slash;
+
+	if (!dladdr((void *)&init_program, &info) || !info.dli_fname ||
+	    info.dli_fname[0] != '/') {
+		snprintf(err, errlen, "cannot tell where torchpass.so is");
+		return -1;
+	}
+	snprintf(path, len, "%s", info.dli_fname);
+	slash = strrchr(path, '/');
+	snprintf(slash + 1, len - (size_t)(slash + 1 - path), "%s", TPASS_INIT_PROGRAM);
+	return root_program(path, err, errlen);
+}
+
+/* In the forked child: exec tpass-init UID GID TASK [GID...] as root. */
+static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pid_t task)
+{
+	char *argv[4 + 256 + 1], ids[3 + 256][16];
+	char *const envp[] = { "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
+	gid_t *gids = NULL;
+	int ngids = 0, n = 0;
+
+	if (spank_get_item(sp, S_JOB_SUPPLEMENTARY_GIDS, &gids, &ngids) != ESPANK_SUCCESS)
+		ngids = 0;
+	if (ngids > 256)
+		ngids = 256;
+	snprintf(ids[0], sizeof(ids[0]), "%u", (unsigned)R.uid);
+	snprintf(ids[1], sizeof(ids[1]), "%u", (unsigned)R.gid);
+	snprintf(ids[2], sizeof(ids[2]), "%d", (int)task);
+	argv[n++] = (char *)prog;
+	for (int i = 0; i < 3; i++)
+		argv[n++] = ids[i];
+	for (int i = 0; i < ngids; i++) {
+		snprintf(ids[3 + i], sizeof(ids[3 + i]), "%u", (unsigned)gids[i]);
+		argv[n++] = ids[3 + i];
+	}
+	argv[n] = NULL;
+	syscall(SYS_close_range, 3U, ~0U, 0);
+	execve(prog, argv, envp);
+	_exit(127);
+}
+
+/*
+ * In the task, as root, before Slurm switches to the job user (issue 9).
+ *
+ * Launch steps: unshare(CLONE_NEWPID), so the task's children land in a new
+ * PID namespace, and fork its PID 1: tpass-init (tpass_init.c), executed as
+ * root, which becomes the job's uid/gids/groups with CAP_SYS_ADMIN only
+ * (CRIU needs it in the root of a dumped tree).  The rank wrapper, running
+ * as the user, sees that /proc/self/ns/pid differs from pid_for_children
+ * and that its child is that init, and double-forks the rank into the
+ * namespace, where it is reparented to the init.  The task itself stays in
+ * the node's namespace (Slurm tracks and signals it as before).  User code
+ * never holds a capability.  A failure never fails the task: without
+ * tpass-init nothing is unshared and the wrapper runs the rank as it can
+ * (unprotected for an ordinary user).
+ *
+ * Restore steps (the coordinator's srun --torchpass=off carries
+ * TORCHPASS_RESTORE_RANK=R): the task becomes a child subreaper (kept
+ * across setuid and execve) and forks a root restore agent (the rank
+ * wrapper with --root-agent, clean environment, fds >= 3 closed) that
+ * checks the user-side wrapper's request and runs criu restore -d
+ * (torchpass.checkpoint.restore_agent); the restored tree is reparented to
+ * the task, in the restore step, and its exit status is the step's.
+ *
+ * The first process the task forks becomes the namespace's PID 1: that is
+ * tpass-init, so a TaskProlog no longer takes that place.
+ */
+static void __attribute__((noreturn)) exec_agent(const char *job, const char *rank, pid_t task)
+{
+	char tpid[32], uid[32];
+	char *const envp[] = { "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
+
+	syscall(SYS_close_range, 3U, ~0U, 0);
+	snprintf(tpid, sizeof(tpid), "%d", (int)task);
+	snprintf(uid, sizeof(uid), "%u", (unsigned)R.uid);
+	execle(tpass.conf.rank_wrapper, tpass.conf.rank_wrapper, "--root-agent",
+	       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
+	       "--jobs-state-dir", tpass.conf.state_dir, (char *)NULL, envp);
+	_exit(127);
+}
+
+static bool is_number(const char *s)
+{
+	return s[0] && strlen(s) <= 10 && strspn(s, "0123456789") == strlen(s);
+}
+
+/*
+ * The rank's job is this step's, or (a restore step in a companion
+ * allocation) TORCHPASS_RESTORE_JOB: the agent then restores only a snapshot
+ * whose manifest names this step's uid as the job's owner.
+ */
+static void start_restore_agent(spank_t sp)
+{
+	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 64];
+	pid_t task = getpid(), pid;
+
+	if (get_env(sp, "TORCHPASS_RESTORE_RANK", rank, sizeof(rank)) < 0)
+		return;
+	if (root_program(tpass.conf.rank_wrapper, err, sizeof(err)) < 0) {
+		tpass_error("job %u: no restore agent: rank_wrapper %s", R.job_id, err);
+		return;
+	}
+	if (get_env(sp, "TORCHPASS_RESTORE_JOB", job, sizeof(job)) < 0)
+		snprintf(job, sizeof(job), "%u", R.job_id);
+	if (!is_number(rank) || !is_number(job)) {
+		tpass_error("job %u: TORCHPASS_RESTORE_RANK='%.15s' TORCHPASS_RESTORE_JOB='%.15s': not numbers; no restore agent",
+			    R.job_id, rank, job);
+		return;
+	}
+	if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+		tpass_error("job %u: restore: cannot become a child subreaper: %s",
+			    R.job_id, strerror(errno));
+		return;
+	}
+	pid = fork();
+	if (pid == 0)
+		exec_agent(job, rank, task);
+	if (pid < 0)
+		tpass_error("job %u: restore: cannot fork the restore agent: %s",
+			    R.job_id, strerror(errno));
+}
+
 int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
 {
-	(void)sp;
+	char prog[TPASS_PATH_MAXLEN + 64], err[TPASS_ERR_MAXLEN + 64];
+	pid_t task = getpid(), pid;
+
 	(void)ac;
 	(void)av;
+	if (tpass.opts.given && tpass.opts.off && !R.is_batch && tpass.conf_ok &&
+	    tpass.conf.rank_wrapper[0]) {
+		start_restore_agent(sp);
+		return 0;
+	}
 	if (!wraps_rank())
 		return 0;
-	if (unshare(CLONE_NEWPID) < 0)
+	if (init_program(prog, sizeof(prog), err, sizeof(err)) < 0) {
+		tpass_error("job %u: no init for the rank's PID namespace (%s); ordinary users' ranks run but cannot be migrated",
+			    R.job_id, err);
+		return 0;
+	}
+	if (unshare(CLONE_NEWPID) < 0) {
 		tpass_error("job %u: cannot make a PID namespace for the rank: %s; it runs but cannot be migrated",
+			    R.job_id, strerror(errno));
+		return 0;
+	}
+	pid = fork();
+	if (pid == 0)
+		exec_init(sp, prog, task);
+	if (pid < 0)
+		tpass_error("job %u: cannot start the rank's PID namespace init: %s; it runs but cannot be migrated",
 			    R.job_id, strerror(errno));
 	return 0;
 }

@@ -122,6 +122,17 @@ def rank_job_dir(rank_dir: PathLike, job: int | str) -> Path:
     return Path(rank_dir) / _job_name(job)
 
 
+def restore_request_file(rank_job_dir: PathLike, rank: int | str, agent_pid: int) -> Path:
+    """RANK_DIR/jobJ/rankR.restore-req.AGENTPID: the restore wrapper's request to the plugin's root agent
+    (named per agent, so a restore step started before a dump never reads an earlier move's request)."""
+    return Path(rank_job_dir) / f"{_rank_name(rank)}.restore-req.{agent_pid}"
+
+
+def restore_result_file(rank_job_dir: PathLike, rank: int | str, agent_pid: int) -> Path:
+    """RANK_DIR/jobJ/rankR.restore-res.AGENTPID: the root agent's answer."""
+    return Path(rank_job_dir) / f"{_rank_name(rank)}.restore-res.{agent_pid}"
+
+
 def rank_record(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
     """RANK_DIR/jobJ/rankR.json."""
     return rank_job_dir(rank_dir, job) / (_rank_name(rank) + RECORD_SUFFIX)

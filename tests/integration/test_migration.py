@@ -42,6 +42,7 @@ from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
 
+from slurm_helpers import tpassctl
 from torchpass import layout
 
 pytestmark = pytest.mark.integration
@@ -60,8 +61,9 @@ def _rng(name: str) -> random.Random:
     return random.Random(f"{SEED}:{name}")
 
 
-def _submit(job_dir: Path, tag: str) -> int:
-    return tj.submit(job_dir, tag, STEPS, nodes=4)
+def _submit(job_dir: Path, tag: str, user=None) -> int:
+    """As ``user`` (a JobUser: the tests' ordinary job user; root if None)."""
+    return tj.submit(job_dir, tag, STEPS, nodes=4, user=user and user.name)
 
 
 def _wait_end(job_id: int, timeout_s: float = 240) -> dict:
@@ -110,12 +112,13 @@ def _assert_finished_unchanged(cluster, job_id: int, out_path: Path, reference: 
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, plugin_built, tmp_path_factory) -> dict:
-    """The fault-free run of the job, once for every test of this module."""
+def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
+    """The fault-free run of the job (as the job user), once for every test of this module."""
     print(f"\ntest_migration seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = tmp_path_factory.mktemp("ref")
-    d.chmod(0o777)
-    ref_id = _submit(d, "ref")
+    d = jobs_base / f"test_migration-ref-{os.getpid()}"
+    d.mkdir(mode=0o755)
+    os.chown(d, job_user.uid, job_user.gid)
+    ref_id = _submit(d, "ref", job_user)
     ref = _wait_end(ref_id)
     text = (d / f"ref.{ref_id}.out").read_text()
     assert ref["job_state"][0] == "COMPLETED", text[-3000:]
@@ -148,12 +151,15 @@ def clean(cluster):
                          f" health {health}")
 
 
-def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluster, reference, job_dir, clean):
-    rng = _rng("drill")
+@pytest.mark.parametrize("as_root", [False, True], ids=["job-user", "root-job"])
+def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluster, reference, job_dir, clean,
+                                                                          job_user, as_root):
+    """An ordinary user's job, and (the suite's one root job that migrates) root's."""
+    rng = _rng("drill" if not as_root else "drill-root")
     node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
-    what = f"ecc-sbe-storm on {node} at step {at}"
+    what = f"ecc-sbe-storm on {node} at step {at}" + (" (root's job)" if as_root else "")
     print(f"\n{what} (seed={SEED})")
-    job_id = _submit(job_dir, "mig")
+    job_id = _submit(job_dir, "mig", None if as_root else job_user)
     clean.append(job_id)
     out_path = job_dir / f"mig.{job_id}.out"
     _wait_step(out_path, at)
@@ -179,12 +185,12 @@ def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluste
     print(f"migration {node} -> {SPARE} (drill at step {at}): phases {pd} tools {done[0]['data'].get('tool_durations')}")
 
 
-def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_dir, clean):
+def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_dir, clean, job_user):
     rng = _rng("rollback")
     node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
     what = f"restore-fail armed on {SPARE}, ecc-sbe-storm on {node} at step {at}"
     print(f"\n{what} (seed={SEED})")
-    job_id = _submit(job_dir, "rb")
+    job_id = _submit(job_dir, "rb", job_user)
     clean.append(job_id)
     out_path = job_dir / f"rb.{job_id}.out"
     arm = _run([*TPASSCTL, "inject", "--node", SPARE, "--fault", "restore-fail"])
@@ -211,7 +217,8 @@ def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_d
     print(f"rolled back: {msg}; phases {rolled[0]['data']['phase_durations']}")
 
 
-def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster, reference, job_dir, clean):
+def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster, reference, job_dir, clean, job_user,
+                                                                        other_user):
     rng = _rng("migrate")
     node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
     what = f"tpassctl migrate {node} --to {SPARE} at step {at}"
@@ -226,14 +233,15 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
     _run(["scancel", str(plain_id)])
     assert r.returncode == 1 and "no torchpass coordinator registered" in r.stderr, (r.stdout, r.stderr)
 
-    job_id = _submit(job_dir, "op")
+    job_id = _submit(job_dir, "op", job_user)
     clean.append(job_id)
     out_path = job_dir / f"op.{job_id}.out"
     _wait_step(out_path, 1)  # every rank registered before its first step
 
-    def migrate(*args: str, as_nobody: bool = False) -> subprocess.CompletedProcess:
-        pre = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_nobody else []
-        return _run([*pre, *TPASSCTL, "migrate", str(job_id), *args])
+    def migrate(*args: str, as_other: bool = False) -> subprocess.CompletedProcess:
+        """As the job's owner (who asks for the move: the node is not drained), or as another user
+        (with the job Python's tpassctl: root's venv may be unreadable to users)."""
+        return tpassctl("migrate", str(job_id), *args, user=(other_user if as_other else job_user).name)
 
     for args, want in ((("--node", "node9"), "node node9 runs no rank of job"),
                        (("--node", SPARE), f"node {SPARE} runs no rank of job"),
@@ -241,8 +249,8 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
                        (("--node", node, "--to", node), f"--to {node} is the node being migrated")):
         r = migrate(*args)
         assert r.returncode == 1 and want in r.stderr, (args, r.stdout, r.stderr, SEED)
-    r = migrate("--node", node, as_nobody=True)
-    assert r.returncode == 1 and "uid 65534 does not own job" in r.stderr, (r.stdout, r.stderr)
+    r = migrate("--node", node, as_other=True)
+    assert r.returncode == 1 and f"uid {other_user.uid} does not own job" in r.stderr, (r.stdout, r.stderr)
 
     _wait_step(out_path, at)
     r = migrate("--node", node, "--to", SPARE, "--json")
@@ -260,12 +268,13 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
     # admin (root, SlurmUser) only; the owner's request leaves it in service. The coordinator asks
     # as the job's owner: this job's owner also asked for the move.
     n, owner = _node(node), _job(job_id)["user_id"]
-    audit = [(a["requester_uid"], a["health"], a["outcome"]) for a in drain_audit(cluster, node, job_id)]
+    # (a refused drain's audit line names no health: tpassd refused before it recorded one)
+    audit = [(a["requester_uid"], a.get("health"), a["outcome"]) for a in drain_audit(cluster, node, job_id)]
     if owner == 0:
         assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (n["state"], n.get("reason"), diag)
         assert audit == [(0, "healthy", "ok")], (audit, diag)
     else:
         assert "DRAIN" not in n["state"], (n["state"], n.get("reason"), diag)
-        assert audit == [(owner, "healthy", "conflict")], (audit, diag)
+        assert [(uid, outcome) for uid, _h, outcome in audit] == [(owner, "conflict")], (audit, diag)
         assert f"drain of {node} failed" in done[0]["message"], diag
     print(f"operator migration {mid} {node} -> {SPARE}: phases {done[0]['data']['phase_durations']}")

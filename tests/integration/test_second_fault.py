@@ -33,6 +33,7 @@ ends. Both tests compare with one fault-free run (2 ranks in both shapes).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -59,8 +60,9 @@ FIRST_FAULT_AT_STEP = 10
 COMPANION_POLICY = "tpcompanion-bc"  # a file name no other test uses (/etc/torchpass/policies is global)
 
 
-def _submit(job_dir: Path, tag: str, nodes: int = 3, torchpass: str = "spares=1") -> int:
-    return tj.submit(job_dir, tag, STEPS, nodes=nodes, torchpass=torchpass)
+def _submit(job_dir: Path, tag: str, user, nodes: int = 3, torchpass: str = "spares=1") -> int:
+    """As ``user``, the tests' ordinary job user (a JobUser)."""
+    return tj.submit(job_dir, tag, STEPS, nodes=nodes, torchpass=torchpass, user=user.name)
 
 
 def _events(state_dir: Path, job_id: int) -> list[dict]:
@@ -80,11 +82,12 @@ def _wait(pred, timeout_s: float, what: str, diag) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, plugin_built, tmp_path_factory) -> list[str]:
+def reference(cluster, plugin_built, jobs_base, job_user) -> list[str]:
     """The fault-free run: the loss lines of 2 ranks (the same with or without a hot spare)."""
-    job_dir = tmp_path_factory.mktemp("ref")
-    job_dir.chmod(0o777)
-    ref_id = _submit(job_dir, "ref")
+    job_dir = jobs_base / f"test_second_fault-ref-{os.getpid()}"
+    job_dir.mkdir(mode=0o755)
+    os.chown(job_dir, job_user.uid, job_user.gid)
+    ref_id = _submit(job_dir, "ref", job_user)
     ref = _wait_end(ref_id)
     ref_out = (job_dir / f"ref.{ref_id}.out").read_text()
     assert ref["job_state"][0] == "COMPLETED", ref_out[-3000:]
@@ -105,10 +108,10 @@ def _diag(cluster, job_id: int, out_path: Path):
     return diag
 
 
-def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, reference, job_dir):
+def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, reference, job_dir, job_user):
     t_start = time.monotonic()
     ref_lines = reference
-    job_id = _submit(job_dir, "two")
+    job_id = _submit(job_dir, "two", job_user)
     out_path = job_dir / f"two.{job_id}.out"
     diag = _diag(cluster, job_id, out_path)
 
@@ -169,12 +172,12 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, refer
             _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
 
 
-def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir):
+def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir, job_user):
     t_start = time.monotonic()
     policy = Path("/etc/torchpass/policies") / f"{COMPANION_POLICY}.toml"
     policy.parent.mkdir(parents=True, exist_ok=True)
     policy.write_text('spare_strategies = ["hot", "companion"]\n')
-    job_id = _submit(job_dir, "comp", nodes=2, torchpass=f"spares=0,policy={COMPANION_POLICY}")
+    job_id = _submit(job_dir, "comp", job_user, nodes=2, torchpass=f"spares=0,policy={COMPANION_POLICY}")
     out_path = job_dir / f"comp.{job_id}.out"
     diag = _diag(cluster, job_id, out_path)
     # The drill goes to rank 1's node, whichever the job got: an earlier test may leave
@@ -221,14 +224,15 @@ def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir):
             _run(["scontrol", "update", f"NodeName={bad}", "State=RESUME"])
 
 
-def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_spare(cluster, reference, job_dir):
+def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_spare(cluster, reference, job_dir,
+                                                                                     job_user):
     """The rank moved node2 -> node3, then node3 -> node4 is called off *after* node4's restore
     succeeded: the root-only drill ``kill-fail`` on node3 makes its tpassd refuse the kill of
     the source copy, so the coordinator aborts node4's copy and resumes on node3. node4's
     killed copy must not decide the rank's exit (the training step's task wrapper on node2
     waits for it: its 137 would fail the job), and the rank record must name node3 again."""
     t_start = time.monotonic()
-    job_id = _submit(job_dir, "kf")
+    job_id = _submit(job_dir, "kf", job_user)
     out_path = job_dir / f"kf.{job_id}.out"
     diag = _diag(cluster, job_id, out_path)
     rank_dir = layout.rank_records_dir(cluster.state_dir, job_id)

@@ -14,6 +14,7 @@ CheckpointError and never a half-restored process.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -164,9 +165,61 @@ def scoped(argv: Sequence[str], slice_: str | None, booted: Callable[[], bool] =
     return ["systemd-run", "--scope", "--quiet", "--collect", f"--slice={slice_}", "--", *argv]
 
 
+# Capability names (linux/capability.h) for setpriv, which takes names, not numbers.
+CAP_NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
+             "linux_immutable", "net_bind_service", "net_broadcast", "net_admin", "net_raw", "ipc_lock", "ipc_owner",
+             "sys_module", "sys_rawio", "sys_chroot", "sys_ptrace", "sys_pacct", "sys_admin", "sys_boot", "sys_nice",
+             "sys_resource", "sys_time", "sys_tty_config", "mknod", "lease", "audit_write", "audit_control", "setfcap",
+             "mac_override", "mac_admin", "syslog", "wake_alarm", "block_suspend", "audit_read", "perfmon", "bpf",
+             "checkpoint_restore")
+SETPRIV = "/usr/bin/setpriv"
+
+
+@dataclass(frozen=True)
+class Creds:
+    """Who criu runs as for an ordinary user's dump: the user's ids, with every capability this
+    process may hold (its bounding set) as inheritable and ambient ones."""
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    caps: tuple[str, ...]
+
+
+def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
+    with open(f"{proc}/{pid}/status", "rb") as f:
+        text = f.read(1 << 16).decode(errors="replace")
+    return {k: v.split() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
+
+
+def owner_creds(pid: int, proc: str = "/proc") -> Creds:
+    """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(as_owner=...)``).
+
+    Why not as root: root may lack CAP_SYS_RESOURCE (this machine's bounding set
+    has it off), and then root's criu cannot read another uid's rlimits ("Can't
+    get rlimit"); with the owner's ids it can, given CAP_SYS_ADMIN, SYS_PTRACE,
+    DAC_OVERRIDE... as ambient capabilities and ``--unprivileged``."""
+    try:
+        st, own = _status(pid, proc), _status("self", proc)
+        bnd = int(own["CapBnd"][0], 16)
+    except (OSError, KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
+    return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]), groups=tuple(int(g) for g in st.get("Groups", [])),
+                 caps=tuple(n for i, n in enumerate(CAP_NAMES) if bnd >> i & 1))
+
+
+def as_creds_argv(setpriv_fd: int, creds: Creds) -> list[str]:
+    """setpriv (executed from ``setpriv_fd``, opened in this mount namespace) that runs what follows
+    with ``creds``."""
+    caps = ",".join(f"+{c}" for c in creds.caps)
+    groups = ",".join(map(str, creds.groups))
+    return [f"/proc/self/fd/{setpriv_fd}", f"--reuid={creds.uid}", f"--regid={creds.gid}",
+            f"--groups={groups}" if groups else "--clear-groups",
+            f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", "--"]
+
+
 def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then: str, *,
              pass_fds: Sequence[int] = (), net_of: int | None = None,
-             slice_: str | None = None) -> subprocess.CompletedProcess:
+             slice_: str | None = None, creds: Creds | None = None) -> subprocess.CompletedProcess:
     """Run ``criu ARGS`` from a file descriptor opened here, in this process's mount namespace.
 
     The binary is opened before anything else (``/proc/self/fd/N`` is what is
@@ -174,10 +227,21 @@ def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then:
     which program runs as root. ``net_of``: in the network and UTS namespaces
     of that process (``nsenter --net --uts``, never ``--mount``). Killed after
     ``timeout_s``: CheckpointError. ``slice_``: in a scope of that slice (``scoped``).
+    ``creds``: as that user with those capabilities (setpriv, also opened here;
+    criu then gets ``--unprivileged``).
     """
     fd = os.open(criu.path, os.O_RDONLY | os.O_CLOEXEC)
+    helper = None
     try:
         argv = [f"/proc/self/fd/{fd}", *args]
+        if creds is not None:
+            try:
+                helper = os.open(SETPRIV, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise CheckpointError(f"cannot open {SETPRIV} ({exc.strerror}): dumping an ordinary user's rank "
+                                      "needs setpriv (apt install util-linux)") from None
+            argv = [*as_creds_argv(helper, creds), *argv, "--unprivileged"]
+            pass_fds = (*pass_fds, helper)
         if net_of is not None:
             argv = ["nsenter", "-t", str(net_of), "--net", "--uts", "--", *argv]
         argv = scoped(argv, slice_)
@@ -188,6 +252,65 @@ def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then:
             raise CheckpointError(f"{what} did not finish in {timeout_s:g} s and was killed; {then}") from None
     finally:
         os.close(fd)
+        if helper is not None:
+            os.close(helper)
+
+
+# -- image size and free space -------------------------------------------------------------------
+# What a dump writes besides the tree's memory (core, fd and mm images, dump.log, the
+# manifest) and how far the page images may exceed the /proc counts: a margin, so that a
+# snapshot_dir that is nearly full refuses the dump before CRIU starts rather than in its middle.
+IMAGE_MARGIN_BYTES = 16 << 20
+IMAGE_MARGIN_FRACTION = 0.10
+
+
+def image_estimate(pid: int, proc: str = "/proc") -> int:
+    """Roughly the bytes a dump of ``pid``'s tree writes: the private memory CRIU copies out of
+    each of its processes (anonymous and shared-memory pages, resident or swapped), plus a margin."""
+    total = 0
+    for p in tree_pids(pid, proc):
+        try:
+            st = _status(p, proc)
+        except OSError:  # gone since: nothing of it to dump
+            continue
+        total += sum(int(st[k][0]) * 1024 for k in ("RssAnon", "RssShmem", "VmSwap") if st.get(k))  # "N kB"
+    return int(total * (1 + IMAGE_MARGIN_FRACTION)) + IMAGE_MARGIN_BYTES
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (what df shows as free)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(who: str, root: str | os.PathLike, need: int, free: int, during: bool = False) -> CheckpointError:
+    """The one line of a dump that does not fit on the image disk."""
+    when = " (the disk filled up during the dump)" if during else ""
+    return CheckpointError(f"no space for {who}'s image on {root}: need ~{-(-need // 1_000_000)} MB, "
+                           f"{free // 1_000_000} MB free{when}; free space there or set snapshot_dir to a larger "
+                           "disk (the partial image was removed; the rank was left running)")
+
+
+def check_space(who: str, root: str | os.PathLike, need: int) -> int:
+    """Free bytes on ``root``; ``no_space`` when fewer than ``need``."""
+    free = free_bytes(root)
+    if free < need:
+        raise no_space(who, root, need, free)
+    return free
+
+
+def _out_of_space(log: Path) -> bool:
+    """Whether CRIU's log says a write failed for lack of space (ENOSPC, or EDQUOT of a quota)."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return False
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
 
 
 # -- dump -------------------------------------------------------------------------------------
@@ -209,6 +332,11 @@ def dump(
     meta: dict | None = None,
     timeout_s: float = DUMP_TIMEOUT_S,
     net_of: int | None = None,
+    fds_of: int | None = None,
+    creds: Creds | None = None,
+    who: str | None = None,
+    space_root: str | os.PathLike | None = None,
+    estimate: Callable[[int], int] = image_estimate,
 ) -> DumpResult:
     """Dump the process tree rooted at ``pid`` into ``images``, leaving it running.
 
@@ -223,10 +351,33 @@ def dump(
     before CRIU runs. CRIU leaves the task running (``--leave-running``),
     on success too: it stays paused, so a later failure can resume it in
     place; kill it before the restored copy elsewhere may run.
+
+    ``fds_of``: the process whose stdin/stdout/stderr the manifest records
+    (the rank, when ``pid`` is its namespace's init, which holds only
+    /dev/null). ``creds``: run criu as that user (``owner_creds``).
+
+    Space: when ``space_root`` (the disk's snapshot_dir) holds less than ``estimate(pid)``
+    free, or a write fails for lack of space (CRIU's ENOSPC, the manifest's), one
+    ``no_space`` line naming ``who`` (default "pid P"). A dump that fails for any reason
+    removes what it wrote in ``images``: no partial image stays behind.
     """
     d = make_private_dir(images)
     if any(d.iterdir()):
         raise CheckpointError(f"image directory {d} is not empty; use a fresh directory per snapshot")
+    try:
+        return _dump_into(criu, pid, d, wait_no_sockets_s=wait_no_sockets_s, meta=meta, timeout_s=timeout_s,
+                          net_of=net_of, fds_of=fds_of, creds=creds, who=who or f"pid {pid}",
+                          space_root=space_root or d.parent, estimate=estimate)
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+
+
+def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta: dict | None, timeout_s: float,
+               net_of: int | None, fds_of: int | None, creds: Creds | None, who: str, space_root: str | os.PathLike,
+               estimate: Callable[[int], int]) -> DumpResult:
+    need = estimate(pid)
+    free = check_space(who, space_root, need)
     deadline = time.monotonic() + wait_no_sockets_s
     while socks := open_sockets(pid):
         if time.monotonic() >= deadline:
@@ -237,20 +388,27 @@ def dump(
         time.sleep(0.01)
     info = dict(meta or {})
     for fd in (0, 1, 2):
-        info[f"fd{fd}"] = fd_target(pid, fd)
+        info[f"fd{fd}"] = fd_target(fds_of or pid, fd)
     t0 = time.monotonic()
     with TailHasher(d) as hasher:
         proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running"],
                         timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
-                        slice_=CRIU_SLICE)
+                        slice_=CRIU_SLICE, creds=creds)
         t1 = time.monotonic()
         seconds = t1 - t0
         if proc.returncode != 0:
+            if _out_of_space(d / "dump.log"):
+                raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
             raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
                                   f"{_log_tail(d / 'dump.log')}; the rank was left running")
         hashed = hasher.finish()
     info["dump_s"] = round(seconds, 4)
-    manifest = write_manifest(d, info, hashed)
+    try:
+        manifest = write_manifest(d, info, hashed)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True) from None
+        raise
     size = sum(f["size"] for f in manifest["files"].values())
     return DumpResult(d, seconds, size, manifest, hash_s=time.monotonic() - t1)
 
@@ -349,6 +507,16 @@ def _kill_restored(pid: int) -> None:
     try:
         os.waitpid(pid, 0)
     except ChildProcessError:
+        # not our child (the root restore agent's tree goes to the restore task, its
+        # subreaper): gone, or a zombie its reaper has yet to collect
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        while time.monotonic() < deadline and _running(pid):
             time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read(4096).rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False

@@ -46,8 +46,16 @@ wrapper likewise takes an exit code only from the copy the record names.
 
 The PID namespace: when the SPANK plugin prepared it as root in
 task_init_privileged (``/proc/self/ns/pid`` differs from
-``pid_for_children``), the wrapper only forks; else it unshares itself
-(root). When it may not (an ordinary user, no plugin help), it does no
+``pid_for_children``), the wrapper does not unshare; the plugin's
+tpass-init is then PID 1 there (our child: ``namespace_init``) and the
+wrapper double-forks the rank under it (the record's ``pid`` is tpass-init,
+the root of the tree a dump takes, ``rank_pid`` the rank; tpass-init exits
+with the rank's status, see ``Relay.wait``). Without tpass-init it forks
+the rank as PID 1; without a prepared namespace it unshares itself (root).
+In a restore step the plugin started its root restore agent for
+(``TORCHPASS_RESTORE_RANK``), ``--restore`` asks that agent to restore
+(``restore_via_agent``, torchpass.checkpoint.restore_agent); without one,
+root restores in-process and anyone else is refused. When it may not (an ordinary user, no plugin help), it does no
 harm: one line ``torchpass: rank R unprotected: WHY`` on stderr, then it
 execs the task in its own place (same pid, stdin and fds; the task's exit
 code or signal is the step's), without live migration.
@@ -246,14 +254,22 @@ class Relay:
                     break
                 data = data[n:]
 
-    def wait(self, pid: int) -> int:
+    def wait(self, pid: int, init: bool = False) -> int:
         """Relay until ``pid`` has exited; returns its exit code, or -S when signal S ended
         it (subprocess's convention). A SIGKILL we sent in place of a forwarded signal S
         the rank had no handler for counts as S: without the namespace, S would have
-        ended it."""
+        ended it. ``init``: ``pid`` is the plugin's tpass-init, which exits with the
+        rank's code and names a signal that ended the rank in its comm (``init_signal``),
+        read before it is reaped."""
         while True:
             try:
-                got, status = os.waitpid(pid, os.WNOHANG)
+                if init:
+                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                    got, sig = (pid, init_signal(pid)) if info is not None else (0, None)
+                    if got:
+                        _, status = os.waitpid(pid, 0)
+                else:
+                    (got, status), sig = os.waitpid(pid, os.WNOHANG), None
             except ChildProcessError:
                 return 255
             if got == pid:
@@ -261,11 +277,62 @@ class Relay:
                 end = time.monotonic() + 1.0
                 while self.fds and time.monotonic() < end:
                     self.pump(0.05)
-                code = os.waitstatus_to_exitcode(status)
+                code = -sig if sig else os.waitstatus_to_exitcode(status)
                 if code == -signal.SIGKILL and self.substituted:
                     return -self.substituted
                 return code
             self.pump(0.05)
+
+
+INIT_SIGNAL_PREFIX = "tpass-sig:"  # tpass_init.c: the name it takes when a signal ended the rank
+
+
+def init_signal(pid: int, proc: str = "/proc") -> int | None:
+    """The signal that ended the rank under the exited tpass-init ``pid`` (still a zombie), if any."""
+    try:
+        name = Path(f"{proc}/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    tail = name[len(INIT_SIGNAL_PREFIX):] if name.startswith(INIT_SIGNAL_PREFIX) else ""
+    return int(tail) if tail.isdigit() and 0 < int(tail) < 65 else None
+
+
+def children(pid: int, proc: str = "/proc") -> list[int]:
+    """``pid``'s children (of all its threads)."""
+    out = []
+    try:
+        for tid in os.listdir(f"{proc}/{pid}/task"):
+            with open(f"{proc}/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def wait_child_of(pid: int, timeout_s: float = 10.0, proc: str = "/proc") -> int:
+    """The first child of ``pid`` (the rank under a restored tpass-init)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        got = children(pid, proc)
+        if got:
+            return got[0]
+        if time.monotonic() > end:
+            raise OSError(errno.ESRCH, f"no child of pid {pid} appeared within {timeout_s:g} s")
+        time.sleep(0.002)
+
+
+def namespace_init(proc: str = "/proc") -> int | None:
+    """Our child that is PID 1 of another PID namespace: the plugin's tpass-init (forked by
+    task_init_privileged before this program was executed); None without one."""
+    for c in children(os.getpid(), proc):
+        try:
+            with open(f"{proc}/{c}/status") as f:
+                ns = next((ln.split()[1:] for ln in f if ln.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if len(ns) > 1 and ns[-1] == "1":
+            return c
+    return None
 
 
 def shell_code(result: int) -> int:
@@ -375,20 +442,28 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
             p.unlink()
         except FileNotFoundError:
             pass
+    # The plugin's tpass-init, PID 1 of the prepared namespace (an ordinary user's rank must
+    # not be that PID 1: CRIU needs CAP_SYS_ADMIN in the root of the dumped tree).
+    init = namespace_init()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    info_r, info_w = os.pipe()  # under tpass-init: the rank's pid, as the node sees it
     try:
         pid = os.fork()
     except OSError as exc:
         if exc.errno != errno.ENOMEM:
             raise
         # The prepared namespace's first process already exited (e.g. a TaskProlog ran
-        # in it): no process can enter it any more.
+        # in it, or tpass-init could not start): no process can enter it any more.
         unprotected(argv, rank, f"its PID namespace is gone (fork: {exc.strerror})")
-    if pid == 0:  # PID 1 of the new namespace
+    if pid == 0:  # PID 1 of the new namespace, or (under tpass-init) the middle of a double fork
         try:
+            if init is not None and os.fork() != 0:
+                os._exit(0)  # the rank is orphaned into the namespace: tpass-init reaps it
             # CRIU refuses a tree whose session leader is outside its PID namespace
             os.setsid()
+            if init is not None:
+                os.write(info_w, os.readlink("/proc/self").encode())  # /proc is the node's
             # stdin and every inherited fd stay as Slurm gave them; the wrapper's own fds
             # (os.pipe, Python's) are close-on-exec
             os.dup2(out_w, 1)
@@ -400,14 +475,23 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
         os._exit(127)
     os.close(out_w)
     os.close(err_w)
+    os.close(info_w)
+    root = pid
+    if init is not None:
+        os.waitpid(pid, 0)
+        got = os.read(info_r, 32)
+        root, pid = init, int(got) if got.strip().isdigit() else 0
+    os.close(info_r)
     relay = Relay({out_r: 1, err_r: 2})
-    relay.child = pid
+    relay.child = pid or None
+    # "pid": the root of the tree a dump takes; "rank_pid": the rank (the same without tpass-init)
     write_json(paths.record, {
-        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "node": socket.gethostname(),
+        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": root, "rank_pid": pid or root,
+        "node": socket.gethostname(),
         "stdout": f"pipe:[{os.fstat(out_r).st_ino}]", "stderr": f"pipe:[{os.fstat(err_r).st_ino}]",
         "argv": argv, "started": time.time(),
     })
-    code = relay.wait(pid)
+    code = relay.wait(root, init=init is not None)
     marker = paths.marker()
     if marker in ("moving", "moved"):
         # the dump killed it: the rank lives on elsewhere
@@ -430,6 +514,15 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     from torchpass.checkpoint import criu as criu_mod
     from torchpass.checkpoint.manifest import read_manifest
 
+    # The plugin's root restore agent is this task's child in a restore step it knows
+    # (TORCHPASS_RESTORE_RANK); without it (no plugin: unit tests, tools) root restores in-process.
+    agents = children(os.getpid()) if os.environ.get(RESTORE_RANK_ENV) else []
+    if agents:
+        return restore_via_agent(images, state_dir, wake_file, agents)
+    if os.geteuid() != 0:
+        say(f"restore of {images}: an ordinary user's rank is restored by torchpass's SPANK plugin (its root "
+            f"restore agent, started for steps with {RESTORE_RANK_ENV}=R), not by this wrapper; not restoring")
+        return 1
     set_child_subreaper()
     try:
         c = criu_mod.find_criu(criu_bin)
@@ -463,28 +556,100 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     finally:
         for w in inherit:
             os.close(w)
-    relay.child = pid
+    init = bool(meta.get("init"))
+    rank_pid = wait_child_of(pid) if init else pid
+    relay.child = rank_pid
     if gpu or meta.get("gpu"):
         # GPU state back from host memory before the rank may run on (it is
         # still locked by the driver until then)
         from torchpass.checkpoint.cuda import CudaCheckpoint
 
         try:
-            CudaCheckpoint.load().resume(pid)
+            CudaCheckpoint.load().resume(rank_pid)
         except TorchpassError as exc:
             say(f"restored rank {rank} but its CUDA state did not come back ({exc}); killing it")
             os.kill(pid, signal.SIGKILL)
-            relay.wait(pid)
+            relay.wait(pid, init=init)
             return 1
-    take_over(paths, job, rank, pid, str(images), meta, seconds)
-    if wake_file:
-        Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(wake_file).touch()
-    code = relay.wait(pid)
+    take_over(paths, job, rank, pid, str(images), meta, seconds, rank_pid=rank_pid)
+    wake(wake_file)
+    code = relay.wait(pid, init=init)
     return finish_restored(paths, str(images), code)
 
 
-def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float) -> None:
+def wake(wake_file: str | None) -> None:
+    """The restored rank's runtime reopens its control link when this file exists."""
+    if wake_file:
+        Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(wake_file).touch()
+
+
+RESTORE_RANK_ENV = "TORCHPASS_RESTORE_RANK"  # set on the restore srun: the plugin starts its restore agent
+# ... and the rank's job, which is not the step's when it runs in a companion allocation
+RESTORE_JOB_ENV = "TORCHPASS_RESTORE_JOB"
+
+
+def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents: list[int]) -> int:
+    """User side of a root restore (torchpass.checkpoint.restore_agent). The plugin made this task
+    a child subreaper and forked the root agent as its child. We hand it two pipes (by fd
+    number: it opens them through /proc/OURPID/fd) and the image path, in a request file
+    named after the agent's pid (a request of an earlier move's step is never taken); it runs
+    criu restore -d as root and the restored tree (tpass-init and the rank) is reparented to us."""
+    from torchpass.checkpoint import criu as criu_mod
+    from torchpass.checkpoint import restore_agent
+
+    job = os.environ.get(RESTORE_JOB_ENV) or os.environ.get("SLURM_JOB_ID") or identity()[0]
+    rank = os.environ[RESTORE_RANK_ENV]
+    paths = Paths(state_dir, job, rank)
+    if len(agents) != 1:
+        say(f"restore: expected the plugin's root restore agent as this task's only child, found {agents}; "
+            "is torchpass's SPANK plugin loaded on this node?")
+        return 1
+    agent = agents[0]
+    req, res = restore_agent.request_file(paths.dir, rank, agent), restore_agent.result_file(paths.dir, rank, agent)
+    relays, fds = {}, {}
+    for fd in (1, 2):
+        r, w = os.pipe()
+        relays[r], fds[str(fd)] = fd, w
+    write_json(req, {"images": str(images), "fds": fds})
+    # criu (and its hashing) has its own timeout in the agent; this is for an agent that never answers
+    deadline = time.monotonic() + criu_mod.RESTORE_TIMEOUT_S + 60.0
+    while (got := os.waitpid(agent, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            say(f"restore: the root restore agent (pid {agent}) did not answer in "
+                f"{criu_mod.RESTORE_TIMEOUT_S + 60.0:g} s; not restoring")
+            return 1
+        time.sleep(0.01)
+    status = got[1]
+    for w in fds.values():
+        os.close(w)
+    try:
+        out = json.loads(res.read_text())
+    except (OSError, ValueError):
+        out = {"error": f"the root restore agent exited {os.waitstatus_to_exitcode(status)} without a result"}
+    for p in (req, res):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    if not isinstance(out, dict) or "error" in out or not isinstance(out.get("pid"), int):
+        say(str(out.get("error") if isinstance(out, dict) else out))
+        return 1
+    pid, rank_pid = out["pid"], out.get("rank_pid", out["pid"])
+    if pid not in children(os.getpid()):
+        say(f"restore: the restored tree (pid {pid}) was not reparented to this task; not taking it over")
+        return 1
+    relay = Relay(relays)
+    relay.child = rank_pid
+    meta = out.get("meta") or {}
+    take_over(paths, job, rank, pid, str(images), meta, float(out.get("restore_s", 0.0)), rank_pid=rank_pid)
+    wake(wake_file)
+    code = relay.wait(pid, init=pid != rank_pid)
+    return finish_restored(paths, str(images), code)
+
+
+def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float,
+              rank_pid: int | None = None) -> None:
     """The rank record now names this restored copy. The record it replaces is kept as
     ``previous``: if this move is called off after the restore, tpassd puts it back."""
     previous = paths.read_record()
@@ -494,7 +659,7 @@ def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: di
         previous = previous["previous"]
     previous.pop("previous", None)
     write_json(paths.record, {
-        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid,
+        "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "rank_pid": rank_pid or pid,
         "node": socket.gethostname(), "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": images,
         "restore_s": round(seconds, 4), "started": time.time(), "previous": previous,
     })
@@ -548,7 +713,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--criu")
     ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
     ap.add_argument("--error-file", help="restore: also append why a restore failed to this file")
+    ap.add_argument("--root-agent", action="store_true",
+                    help="the SPANK plugin's root restore agent (torchpass.checkpoint.restore_agent)")
+    ap.add_argument("--job", type=int)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--task-pid", type=int)
+    ap.add_argument("--uid", type=int)
+    ap.add_argument("--jobs-state-dir")
     args = ap.parse_args(own)
+    if args.root_agent:
+        from torchpass.checkpoint import restore_agent
+
+        return restore_agent.main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir)
     if args.restore:
         global _error_file
         _error_file = args.error_file

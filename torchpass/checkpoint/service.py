@@ -94,7 +94,8 @@ class CheckpointService:
                  job_pids: Callable[[int], set[int]] = procs.slurm_job_pids, proc: str = "/proc",
                  restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None,
                  gpu_in_use: Callable[[int], bool] | None = None, cuda_loader: Callable[[], Any] | None = None,
-                 dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S):
+                 dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S,
+                 image_estimate: Callable[[int], int] = criu_mod.image_estimate):
         self.snapshot_dir = Path(snapshot_dir)
         # The job state directory (STATE_DIR, whose jobs/J/ranks is the job's rank
         # directory): the only place tpassd looks for rank records.
@@ -110,6 +111,10 @@ class CheckpointService:
         self.job_pids = job_pids
         self.proc = proc
         self.dump_timeout_s = dump_timeout_s
+        # How many bytes a dump of a tree will write (checked against snapshot_dir's free
+        # space before anything moves, and again right before CRIU, after a CUDA suspend
+        # brought the GPU state into host memory). Injectable: tests make it miss.
+        self.image_estimate = image_estimate
         # The restore-fail fault drill (tpassd/drills.py): True once when armed.
         self.restore_fault = restore_fault or (lambda: False)
         # The kill-fail drill: True once when armed; the next op=kill is refused.
@@ -269,28 +274,38 @@ class CheckpointService:
                                            f"(no {marker.parent}); it cannot be snapshotted")
         try:
             rec = self._read_record(dfd, job_id, rank)
+            # "pid": the root of the tree to dump (the PID namespace's init that the plugin
+            # made, or the rank itself when it is PID 1); "rank_pid": the rank, the init's child.
             pid, wrapper = rec.get("pid"), rec.get("wrapper_pid")
+            rank_pid = rec.get("rank_pid", pid)
             act.fields["pid"] = pid
             if rec.get("node") not in (None, self.node):
                 raise RemoteError("not_found", f"rank {rank} of job {job_id} (pid {pid}) does not run on {self.node}")
             # Slurm's and the kernel's word, not the record's: the wrapper is the job's,
-            # and the rank is its child; both in tpassd's own namespaces.
+            # the tree's root its child, the rank the root's child (or the root itself);
+            # all in tpassd's own namespaces.
             view = self._job_view(job_id)
             with self._pin(job_id, wrapper, dump=True, view=view) as w, \
                     self._pin(job_id, pid, parent=wrapper, dump=True, view=view) as p:
-                return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w)
+                if rank_pid == pid:
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, p, view[1])
+                with self._pin(job_id, rank_pid, parent=pid, dump=True, view=view) as r:
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, r, view[1])
         finally:
             os.close(dfd)
 
     def _dump_pinned(self, job_id: int, rank: int, generation: int, marker: Path, dfd: int,
-                     p: procs.Pinned, w: procs.Pinned) -> dict[str, Any]:
-        pid = p.pid
+                     p: procs.Pinned, w: procs.Pinned, r: procs.Pinned, owner: int) -> dict[str, Any]:
+        pid = r.pid  # the rank: its GPU state, its stdout/stderr
         try:
             c = criu_mod.find_criu(self.criu_binary)
         except TorchpassError as exc:
             raise RemoteError("unavailable", str(exc)) from None
         images = layout.images_dir(self.snapshot_dir, job_id, rank, generation)
         criu_mod.make_private_dir(layout.snapshot_job_dir(self.snapshot_dir, job_id))
+        who = f"rank {rank}"
+        # A full image disk refuses the move before the rank is touched (no marker, no CUDA).
+        criu_mod.check_space(who, self.snapshot_dir, self.image_estimate(p.pid))
         gpu = self.gpu_in_use(pid)
         cuda = None
         if gpu:
@@ -302,9 +317,8 @@ class CheckpointService:
         t0 = time.monotonic()
         self._write(dfd, marker, "moving\n")
         cuda_touched = False
-        cuda_error = None
         try:
-            if not (p.alive() and w.alive()):
+            if not (p.alive() and w.alive() and r.alive()):
                 raise CheckpointError(f"rank {rank} of job {job_id} (pid {pid}) exited before its dump")
             if cuda is not None:
                 # The runtime destroyed its NCCL communicators at the pause; the driver
@@ -312,32 +326,45 @@ class CheckpointService:
                 cuda_touched = True
                 cuda.suspend(pid)
             entered = procs.foreign_namespaces(w.pid, self.proc, procs.ENTERED_NAMESPACES)
-            res = criu_mod.dump(c, pid, images, timeout_s=self.dump_timeout_s, net_of=w.pid if entered else None,
+            # An ordinary user's tree is dumped with the user's ids (criu_mod.owner_creds says why).
+            creds = criu_mod.owner_creds(p.pid, self.proc) if owner != 0 else None
+            res = criu_mod.dump(c, p.pid, images, timeout_s=self.dump_timeout_s, net_of=w.pid if entered else None,
+                                fds_of=pid, creds=creds, who=who, space_root=self.snapshot_dir,
+                                estimate=self.image_estimate,
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
-                                      "gpu": gpu})
-        except CheckpointError:
+                                      "gpu": gpu, "init": p.pid != pid, "uid": owner})
+        except BaseException as exc:
+            # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
+            # the GPU state goes back first, and only then does the marker call the move
+            # off, so nothing resumes the rank while CUDA still holds it locked.
+            stuck = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
             self._write(dfd, marker, "abort\n")
+            if stuck and isinstance(exc, TorchpassError):
+                raise CheckpointError(f"{exc}; and rank {rank}'s CUDA state was not given back ({stuck}): it "
+                                      "cannot resume, cancel the job") from None
             raise
-        finally:
-            if cuda_touched:
-                # The source copy stays alive (held) until the move commits: give it its
-                # GPU state back, after a dump and after an aborted one (a suspend that
-                # failed half way included), so a rollback can resume it in place.
-                try:
-                    cuda.resume(pid)
-                except CheckpointError as exc:
-                    cuda_error = str(exc)
-                    log.error("CUDA state of the source copy not resumed", job_id=job_id, rank=rank, pid=pid,
-                              error=cuda_error)
+        # The source copy stays alive (held) until the move commits: give it its GPU
+        # state back, so that a later rollback can resume it in place.
+        cuda_error = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
         self._write(dfd, marker, "moved\n")
         out = {"images": str(res.images), "checksum": checksum_of(read_manifest_bytes(res.images)),
                "bytes": res.bytes, "criu_dump_s": round(res.seconds, 4), "total_s": round(time.monotonic() - t0, 4),
-               "pid": pid, "wrapper_pid": w.pid, "node": self.node}
+               "pid": p.pid, "wrapper_pid": w.pid, "node": self.node}
         if cuda_error:
             out["cuda_resume_error"] = cuda_error
         log.info("rank dumped (left running)", job_id=job_id, rank=rank, images=out["images"],
                  mb=round(res.bytes / 1e6, 1), dump_s=out["criu_dump_s"])
         return out
+
+    @staticmethod
+    def _resume_cuda(cuda: Any, job_id: int, rank: int, pid: int) -> str | None:
+        """Restore and unlock the rank's CUDA state, whatever state a suspend left it in; the error, if any."""
+        try:
+            cuda.resume(pid)
+        except CheckpointError as exc:
+            log.error("CUDA state of the source copy not resumed", job_id=job_id, rank=rank, pid=pid, error=str(exc))
+            return str(exc)
+        return None
 
     def _pin_unless_gone(self, job_id: int, pid: int, *, parent: int | None = None) -> procs.Pinned | None:
         """The checked, pinned process; None if it is gone (RemoteError if it is not the job's)."""

@@ -1,0 +1,182 @@
+/*
+ * tpass-init - PID 1 of a rank's PID namespace (issue 9).
+ *
+ *   tpass-init UID GID PARENT [GID...]
+ *
+ * Executed as root by the plugin's task_init_privileged hook (remote.c) in
+ * the child it forks right after unshare(CLONE_NEWPID), so this process is
+ * PID 1 of the namespace the task's children will land in.  It becomes the
+ * job's uid, gid and groups with CAP_SYS_ADMIN as its only capability
+ * (CRIU's parasite in the root of a dumped tree must mount a proc for the
+ * namespace: without that capability an ordinary user's rank cannot be
+ * dumped), keeps no fd but /dev/null, gets its own session, cwd /tmp, and is
+ * not dumpable (the user may kill it, ending their own job, but cannot
+ * ptrace it or use its capability).  The rank wrapper (PARENT, the task,
+ * running as the user) double-forks the rank so that it is orphaned into the
+ * namespace and reparented to us; we then wait for it and exit with its exit
+ * code.  A rank ended by signal S cannot be mirrored (a namespace init
+ * cannot die by a signal it sends itself): we name ourselves "tpass-sig:S"
+ * and exit 128+S; the wrapper reads that name from our zombie before it
+ * reaps us, and ends by S itself (torchpass.checkpoint.rankwrap).
+ *
+ * Built by slurm_spank/Makefile and installed next to torchpass.so, owned by
+ * root and writable by root alone (the plugin checks that before it runs it).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+
+#define TPASS_INIT_MAX_GROUPS 256
+
+/* exit codes before the rank exists (the wrapper then runs it unprotected) */
+enum { E_USAGE = 120, E_SETUP = 121, E_CAPS = 122, E_NO_RANK = 126 };
+
+static int parse_id(const char *s, unsigned long *out)
+{
+	char *end;
+
+	if (!s || !*s || strspn(s, "0123456789") != strlen(s))
+		return -1;
+	errno = 0;
+	*out = strtoul(s, &end, 10);
+	return errno || *out > 0x7fffffffUL ? -1 : 0;
+}
+
+/* Our child's pid in our namespace (the last NSpid), 0 if unknown. */
+static pid_t ns_pid_of(pid_t host)
+{
+	char path[64], line[256];
+	pid_t ns = 0;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)host);
+	if (!(f = fopen(path, "re")))
+		return 0;
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "NSpid:", 6)) {
+			char *p = line + 6, *end;
+			long v;
+
+			while ((v = strtol(p, &end, 10)), end != p) {
+				ns = (pid_t)v;
+				p = end;
+			}
+		}
+	fclose(f);
+	return ns;
+}
+
+/* The first process reparented to us: the rank.  0 when the wrapper died first. */
+static pid_t wait_for_rank(pid_t parent)
+{
+	char buf[256], path[64];
+
+	snprintf(path, sizeof(path), "/proc/%d", (int)parent);
+	for (;;) {
+		FILE *f = fopen("/proc/thread-self/children", "re");
+		pid_t host = 0, ns;
+
+		buf[0] = '\0';
+		if (f) {
+			if (!fgets(buf, sizeof(buf), f))
+				buf[0] = '\0';
+			fclose(f);
+		}
+		host = (pid_t)atoi(buf);
+		if (host > 0 && (ns = ns_pid_of(host)) > 0)
+			return ns;
+		/* PARENT is a host pid; /proc is the node's (no mount namespace) */
+		if (host <= 0 && access(path, F_OK) < 0)
+			return 0;
+		usleep(5000);
+	}
+}
+
+static void drop_privileges(uid_t uid, gid_t gid, gid_t *groups, int ngroups)
+{
+	struct __user_cap_header_struct hdr = { _LINUX_CAPABILITY_VERSION_3, 0 };
+	struct __user_cap_data_struct data[2];
+	unsigned bit = 1U << (CAP_SYS_ADMIN % 32);
+
+	if (prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) < 0 ||
+	    setgroups((size_t)ngroups, groups) < 0 ||
+	    setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
+		_exit(E_SETUP);
+	memset(data, 0, sizeof(data));
+	data[CAP_SYS_ADMIN / 32].permitted = bit;
+	data[CAP_SYS_ADMIN / 32].effective = bit;
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		_exit(E_CAPS);
+	prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0);
+	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+}
+
+int main(int argc, char **argv)
+{
+	gid_t groups[TPASS_INIT_MAX_GROUPS];
+	unsigned long uid, gid, parent, v;
+	sigset_t all;
+	pid_t rank;
+	int ngroups = 0, fd, st;
+
+	if (argc < 4 || argc - 4 > TPASS_INIT_MAX_GROUPS ||
+	    parse_id(argv[1], &uid) || parse_id(argv[2], &gid) ||
+	    parse_id(argv[3], &parent) || !parent)
+		return E_USAGE;
+	for (int i = 4; i < argc; i++) {
+		if (parse_id(argv[i], &v))
+			return E_USAGE;
+		groups[ngroups++] = (gid_t)v;
+	}
+	if (!ngroups)
+		groups[ngroups++] = (gid_t)gid;
+	sigfillset(&all);
+	sigprocmask(SIG_UNBLOCK, &all, NULL);
+	for (int s = 1; s < NSIG; s++)
+		signal(s, SIG_DFL);
+	syscall(SYS_close_range, 3U, ~0U, 0);
+	fd = open("/dev/null", O_RDWR);
+	if (fd < 0)
+		return E_SETUP;
+	dup2(fd, 0);
+	dup2(fd, 1);
+	dup2(fd, 2);
+	if (fd > 2)
+		close(fd);
+	setsid();
+	if (chdir("/tmp") < 0) /* CRIU's parasite makes a directory in the cwd */
+		return E_SETUP;
+	drop_privileges((uid_t)uid, (gid_t)gid, groups, ngroups);
+	prctl(PR_SET_NAME, "tpass-init", 0, 0, 0);
+	rank = wait_for_rank((pid_t)parent);
+	if (!rank)
+		_exit(E_NO_RANK);
+	for (;;) {
+		pid_t got = waitpid(-1, &st, 0);
+
+		if (got < 0 && errno == EINTR)
+			continue;
+		if (got < 0)
+			_exit(E_NO_RANK);
+		if (got != rank)
+			continue; /* an orphan of the rank's: reaped, as an init does */
+		if (WIFEXITED(st))
+			_exit(WEXITSTATUS(st));
+		{
+			char name[16];
+
+			snprintf(name, sizeof(name), "tpass-sig:%d", WTERMSIG(st));
+			prctl(PR_SET_NAME, name, 0, 0, 0);
+		}
+		_exit(128 + WTERMSIG(st));
+	}
+}

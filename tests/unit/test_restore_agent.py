@@ -1,0 +1,185 @@
+"""The root restore agent trusts only Slurm and its own checks (issue 9, deliver 1).
+
+The agent runs as root in an ordinary user's restore step
+(torchpass.checkpoint.restore_agent). Everything the user hands it (the
+request file, the image path in it, the fd numbers of its pipes) is checked
+before criu runs: real files, real directories, real processes; criu itself
+is not needed to refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchpass import layout
+from torchpass.checkpoint import manifest as mf
+from torchpass.checkpoint import restore_agent as ra
+from test_privilege_boundary import shared_tmp, user  # noqa: F401
+
+JOB, RANK, GEN = 7, 1, 3
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the agent's checks are about root-owned directories")
+
+
+OWNER = 1001
+
+
+def _snapshot(root: Path, job: int = JOB, rank: int = RANK, meta_job: int = JOB, meta_rank: int = RANK,
+              owner: int = OWNER) -> Path:
+    d = layout.images_dir(root, job, rank, GEN)
+    d.mkdir(parents=True, mode=0o700)
+    (d / "pages-1.img").write_bytes(b"x" * 100)
+    mf.write_manifest(d, {"job": meta_job, "rank": meta_rank, "uid": owner, "fd1": "pipe:[1]", "fd2": "/dev/null"})
+    return d
+
+
+@root_only
+def test_the_jobs_snapshot_under_a_root_owned_tree_is_accepted(tmp_path):
+    d = _snapshot(tmp_path / "snap")
+    path, manifest = ra.check_images(str(d), JOB, RANK, OWNER)
+    assert path == d and manifest["meta"]["job"] == JOB
+
+
+@root_only
+@pytest.mark.parametrize("how", ["relative", "other rank", "other job", "not a snapshot dir"])
+def test_an_image_path_that_is_not_this_ranks_snapshot_is_refused(tmp_path, how):
+    d = _snapshot(tmp_path / "snap")
+    asked = {"relative": os.path.relpath(d), "other rank": str(layout.images_dir(tmp_path / "snap", JOB, 2, GEN)),
+             "other job": str(layout.images_dir(tmp_path / "snap", 8, RANK, GEN)), "not a snapshot dir": str(tmp_path)}
+    with pytest.raises(ra.Refused, match="refused"):
+        ra.check_images(asked[how], JOB, RANK, OWNER)
+
+
+@root_only
+def test_a_manifest_of_another_job_or_rank_is_refused(tmp_path):
+    """The directory name is right but the snapshot inside is another rank's (a rename by root
+    error, or an old bug): the manifest decides."""
+    d = _snapshot(tmp_path / "snap", meta_rank=2)
+    with pytest.raises(ra.Refused, match="holds job 7 rank 2, not job 7 rank 1"):
+        ra.check_images(str(d), JOB, RANK, OWNER)
+
+
+@root_only
+def test_a_snapshot_of_another_users_job_is_refused(tmp_path):
+    """A restore step in a companion allocation names the rank's job itself (TORCHPASS_RESTORE_JOB):
+    a user naming another user's job gets nothing restored."""
+    d = _snapshot(tmp_path / "snap", owner=1002)
+    with pytest.raises(ra.Refused, match="of a job of uid 1002, not of uid 1001"):
+        ra.check_images(str(d), JOB, RANK, OWNER)
+
+
+@root_only
+def test_a_snapshot_under_a_user_owned_directory_is_refused(shared_tmp, user):  # noqa: F811
+    """A user who owns a directory on the path could swap the images for their own choice."""
+    base = shared_tmp / "mine"
+    base.mkdir()
+    d = _snapshot(base)
+    os.chown(base, user.pw_uid, user.pw_gid)
+    with pytest.raises(ra.Refused, match="not a root-owned directory"):
+        ra.check_images(str(d), JOB, RANK, OWNER)
+
+
+@root_only
+def test_a_symlink_on_the_image_path_is_refused(tmp_path):
+    real = _snapshot(tmp_path / "real")
+    (tmp_path / "snap").symlink_to(tmp_path / "real")
+    with pytest.raises(ra.Refused, match="symlink"):
+        ra.check_images(str(layout.images_dir(tmp_path / "snap", JOB, RANK, GEN)), JOB, RANK, OWNER)
+    assert real.is_dir()
+
+
+def _rank_dir(state: Path) -> Path:
+    d = layout.rank_job_dir(layout.rank_records_dir(state, JOB), JOB)
+    d.mkdir(parents=True)
+    return d
+
+
+def _alive_pidfd() -> int:
+    return os.pidfd_open(os.getpid())
+
+
+@root_only
+def test_a_request_not_written_by_the_job_user_is_refused(tmp_path, user):  # noqa: F811
+    d = _rank_dir(tmp_path)
+    req = ra.request_file(d, RANK, os.getpid())
+    req.write_text(json.dumps({"images": "/x"}))  # root's, not the user's
+    pidfd = _alive_pidfd()
+    try:
+        with pytest.raises(ra.Refused, match=f"not a regular file of uid {user.pw_uid}"):
+            ra.wait_request(str(tmp_path), JOB, RANK, user.pw_uid, pidfd)
+        req.unlink()
+        req.symlink_to(tmp_path / "elsewhere")
+        os.lchown(req, user.pw_uid, user.pw_gid)
+        with pytest.raises(ra.Refused, match="not a regular file"):
+            ra.wait_request(str(tmp_path), JOB, RANK, user.pw_uid, pidfd)
+    finally:
+        os.close(pidfd)
+
+
+@root_only
+def test_the_job_users_request_is_read(tmp_path, user):  # noqa: F811
+    d = _rank_dir(tmp_path)
+    req = ra.request_file(d, RANK, os.getpid())
+    req.write_text(json.dumps({"images": "/x", "fds": {"1": 5}}))
+    os.chown(req, user.pw_uid, user.pw_gid)
+    pidfd = _alive_pidfd()
+    try:
+        dfd, got = ra.wait_request(str(tmp_path), JOB, RANK, user.pw_uid, pidfd)
+        os.close(dfd)
+    finally:
+        os.close(pidfd)
+    assert got == {"images": "/x", "fds": {"1": 5}}
+
+
+def test_the_agent_exits_when_its_task_is_gone(tmp_path):
+    """A restore step called off at its gate: the task exits, the agent with it (no request ever)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    pidfd = os.pidfd_open(p.pid)
+    p.wait()
+    try:
+        assert ra.wait_request(str(tmp_path), JOB, RANK, os.getuid(), pidfd, poll_s=0.001) is None
+    finally:
+        os.close(pidfd)
+
+
+def test_a_task_fd_that_is_not_a_pipe_is_refused(tmp_path):
+    f = open(tmp_path / "plain", "w")
+    try:
+        with pytest.raises(ra.Refused, match="not a pipe"):
+            ra.task_pipes(os.getpid(), {"1": f.fileno()}, {"fd1": "pipe:[123]"})
+    finally:
+        f.close()
+    r, w = os.pipe()
+    try:
+        got = ra.task_pipes(os.getpid(), {"1": w, "2": w}, {"fd1": "pipe:[123]", "fd2": "/dev/null"})
+        assert list(got.values()) == ["pipe:[123]"]  # only where the dumped rank had a pipe
+        for fd in got:
+            os.close(fd)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_the_result_never_follows_a_planted_symlink(tmp_path):
+    d = tmp_path / "ranks"
+    d.mkdir()
+    target = tmp_path / "target"
+    target.write_text("unchanged")
+    ra.result_file(d, RANK, os.getpid()).symlink_to(target)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(FileExistsError):
+            ra.write_result(dfd, RANK, os.getuid(), {"pid": 1})
+    finally:
+        os.close(dfd)
+    assert target.read_text() == "unchanged"
+
+
+def test_the_agent_refuses_to_run_for_a_task_that_is_not_its_parent(tmp_path, capsys):
+    assert ra.main(JOB, RANK, os.getpid(), os.getuid(), str(tmp_path)) == 2
+    assert "parent is not the task" in capsys.readouterr().err

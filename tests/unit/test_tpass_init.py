@@ -1,0 +1,96 @@
+"""tpass-init, PID 1 of a rank's PID namespace, with the real rank wrapper (issue 9, deliver 1).
+
+What the SPANK plugin's task_init_privileged does, done here by a small
+root script: unshare(CLONE_NEWPID), fork, exec slurm_spank/tpass-init UID
+GID TASK; then the task execs the rank wrapper, which finds tpass-init as
+its child and double-forks the rank under it. tpass-init runs as the job's
+uid with CAP_SYS_ADMIN as its only capability; the rank's exit code, or the
+signal that ended it, is what the wrapper ends with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchpass.checkpoint import rankwrap as rw
+from torchpass.checkpoint.procs import read_stat
+from test_privilege_boundary import RANK_ENV
+from test_rankwrap_transparent import _record
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = 65534
+CAP_SYS_ADMIN = 21
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tpass-init is started by root (the SPANK plugin)")
+
+
+@pytest.fixture(scope="module")
+def init_program() -> Path:
+    subprocess.run(["make", "-s", "-C", str(REPO / "slurm_spank"), "tpass-init"], check=True, timeout=120)
+    return REPO / "slurm_spank" / "tpass-init"
+
+
+PLUGIN = """
+import os, sys
+from torchpass.checkpoint import rankwrap as rw
+rw.unshare(rw.CLONE_NEWPID)
+task = os.getpid()
+if os.fork() == 0:
+    os.execv(sys.argv[1], [sys.argv[1], sys.argv[2], sys.argv[2], str(task)])
+sys.exit(rw.exit_like(rw.launch(sys.argv[4:], sys.argv[3], "wait", False)))
+"""
+
+
+def _task(init: Path, state: Path, script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PLUGIN, str(init), str(NOBODY), str(state), "sh", "-c", script],
+                            env={**os.environ, **RANK_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _status(pid: int) -> dict[str, list[str]]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return {k: v.split() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
+
+
+def test_the_rank_runs_under_tpass_init_which_holds_only_cap_sys_admin(tmp_path, init_program):
+    p = _task(init_program, tmp_path, "echo pid $$; sleep 1; exit 3")
+    rec = _record(tmp_path, p)
+    init, rank = rec["pid"], rec["rank_pid"]
+    assert init != rank and read_stat(rank).ppid == init and read_stat(init).ppid == p.pid
+    st = _status(init)
+    assert st["Uid"] == [str(NOBODY)] * 4 and st["Gid"] == [str(NOBODY)] * 4
+    assert int(st["CapEff"][0], 16) == 1 << CAP_SYS_ADMIN and int(st["CapInh"][0], 16) == 0
+    assert st["NSpid"][-1] == "1" and Path(f"/proc/{init}/comm").read_text().strip() == "tpass-init"
+    out, err = p.communicate(timeout=30)
+    # the rank is PID 2 or more of the namespace, its exit code the task's
+    assert p.returncode == 3 and out.startswith(b"pid ") and out != b"pid 1\n", err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_rank_ended_by_a_signal_ends_the_task_by_that_signal(tmp_path, init_program, sig):
+    """tpass-init cannot die by the rank's signal (a namespace init ignores its own); it names it
+    in its comm and the wrapper ends by it (Slurm's ExitCode 0:S, as without torchpass)."""
+    p = _task(init_program, tmp_path, "sleep 30")
+    rec = _record(tmp_path, p)
+    os.kill(rec["rank_pid"], sig)
+    p.communicate(timeout=30)
+    assert p.returncode == -sig
+
+
+def test_killing_tpass_init_ends_the_rank(tmp_path, init_program):
+    """What the move's kill of the source copy does: the namespace goes, the rank with it."""
+    p = _task(init_program, tmp_path, "sleep 30")
+    rec = _record(tmp_path, p)
+    os.kill(rec["pid"], signal.SIGKILL)
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL and not Path(f"/proc/{rec['rank_pid']}").exists()
+
+
+@pytest.mark.parametrize("argv", [[], ["x", "1", "2"], ["1", "1"], ["1", "1", "0"], ["-1", "1", "2"]])
+def test_tpass_init_refuses_bad_arguments(init_program, argv):
+    assert subprocess.run([str(init_program), *argv], timeout=10).returncode == 120

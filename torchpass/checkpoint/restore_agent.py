@@ -1,0 +1,257 @@
+"""The root restore agent: restores a rank with root privileges inside its restore step.
+
+An ordinary user's rank cannot be restored by the user (CRIU restores
+credentials, namespaces and a PID 1 with CAP_SYS_ADMIN), and a tree restored
+by tpassd would descend from tpassd, outside the restore step, with its exit
+status lost. So the SPANK plugin, in the restore step's
+``task_init_privileged`` (the coordinator's restore ``srun`` carries
+``TORCHPASS_RESTORE_RANK=R``), makes the task a child subreaper and forks
+this agent as root: ``tpass-rankwrap --root-agent --job J --rank R
+--task-pid TASK --uid UID --jobs-state-dir STATE_DIR`` with a clean
+environment and no fd above 2. UID (S_JOB_UID) and STATE_DIR come from
+Slurm and plugstack.conf; J is the step's job (S_JOB_ID), or the rank's job
+named by ``TORCHPASS_RESTORE_JOB`` when the step runs in a companion
+allocation: that one the user chooses, so the snapshot must also be of a job
+of UID's (below).
+
+The user-side restore wrapper (``rankwrap.restore_via_agent``, the task)
+writes ``rank{R}.restore-req.{AGENTPID}`` into the job's rank directory:
+``{"images": PATH, "fds": {"1": N, "2": M}}`` (pipes it holds). The agent
+trusts nothing in it that it does not check itself:
+
+* the request is a regular file owned by the job's uid, read capped, the
+  rank directory walked from STATE_DIR without following a symlink;
+* PATH is ``layout.images_dir(ROOT, J, R, G)`` for this job and rank, and
+  every directory on it, ``/`` included, is root-owned and writable by
+  root alone (``safeio.open_root_owned_dir``): only tpassd can have
+  written it;
+* the manifest (tpassd's, root's) names this job and rank and the job's
+  owner as UID, and the files' SHA-256 match it
+  (checked while CRIU restores; a mismatch kills the restored tree before
+  it may run);
+* N and M must be pipes of the task (``/proc/TASK/fd/N``);
+
+then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` as root, with
+a timeout (``criu.RESTORE_TIMEOUT_S``). The restored tree keeps the
+credentials in its image (the user's uid, gids and groups; tpass-init's
+CAP_SYS_ADMIN, the rank none), is reparented to the task (the subreaper),
+hence stays in the restore step, and its exit status reaches Slurm through
+the task. The result ``rank{R}.restore-res.{AGENTPID}`` (``{"pid", "rank_pid",
+"restore_s", "meta"}`` or ``{"error"}``) is written O_EXCL|O_NOFOLLOW and
+given to the job's uid. One audit line per request (``audit``): to syslog
+(authpriv) where /dev/log exists, else to the step's stderr.
+
+If the task exits first (a cancelled gate: the move was called off), the
+agent exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torchpass import layout
+from torchpass.checkpoint import criu as criu_mod
+from torchpass import layout
+from torchpass.checkpoint import safeio
+from torchpass.checkpoint.manifest import read_manifest
+from torchpass.errors import TorchpassError
+
+POLL_S = 0.02
+SYSLOG_SOCKET = "/dev/log"
+MAX_REQUEST_BYTES = 64 << 10
+
+
+request_file = layout.restore_request_file
+result_file = layout.restore_result_file
+
+
+class Refused(Exception):
+    """A request the agent does not act on (one line: why)."""
+
+
+def audit(**fields: Any) -> None:
+    """One audit line: to syslog (authpriv: root's journal, not the job's output) where the node
+    has one, else to the step's stderr (the devcluster's nodes have no /dev/log)."""
+    line = "torchpass: restore agent audit " + " ".join(f"{k}={v}" for k, v in fields.items())
+    if os.path.exists(SYSLOG_SOCKET):
+        import syslog
+
+        syslog.openlog("tpass-restore-agent", syslog.LOG_PID, syslog.LOG_AUTHPRIV)
+        syslog.syslog(syslog.LOG_NOTICE, line)
+        return
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _task_alive(pidfd: int) -> bool:
+    import signal
+
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_request(state_dir: str, job: int, rank: int, uid: int, task_pidfd: int,
+                 poll_s: float = POLL_S) -> tuple[int, dict[str, Any]] | None:
+    """(rank directory fd, request) once the task wrote it; None when the task ended first."""
+    parts = layout.rank_job_dir(layout.rank_records_dir(state_dir, job), job).relative_to(state_dir).parts
+    name = request_file(Path("."), rank, os.getpid()).name
+    while _task_alive(task_pidfd):
+        try:
+            dfd = safeio.open_dir(state_dir, parts)
+        except FileNotFoundError:
+            time.sleep(poll_s)
+            continue
+        except OSError as exc:
+            raise Refused(f"job {job}'s rank directory: {exc}") from None
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.close(dfd)
+            time.sleep(poll_s)
+            continue
+        try:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                raise Refused(f"restore request {name} is not a regular file of uid {uid}; refused")
+            try:
+                req = json.loads(safeio.read_regular(name, MAX_REQUEST_BYTES, dir_fd=dfd))
+            except (OSError, ValueError) as exc:
+                raise Refused(f"restore request {name}: {exc}") from None
+            if not isinstance(req, dict):
+                raise Refused(f"restore request {name} is not an object; refused")
+            return dfd, req
+        except BaseException:
+            os.close(dfd)
+            raise
+    return None
+
+
+def check_images(images: Any, job: int, rank: int, uid: int) -> tuple[Path, dict[str, Any]]:
+    """The snapshot path and its manifest (files present, sizes right), if it is job/rank's snapshot
+    under a root-owned tree, of a job of ``uid``'s (tpassd writes the owner into the manifest);
+    Refused otherwise."""
+    if not isinstance(images, str) or not os.path.isabs(images):
+        raise Refused(f"restore request: images {images!r} is not an absolute path; refused")
+    parsed = layout.parse_images_dir(images, job, rank)
+    if parsed is None:
+        raise Refused(f"{images} is not a snapshot directory of rank {rank} of job {job} "
+                      "(SNAPSHOT_DIR/jobJ/rankR.genG); refused")
+    path = layout.images_dir(parsed[0], job, rank, parsed[1])
+    try:
+        os.close(safeio.open_root_owned_dir(path))
+    except OSError as exc:
+        raise Refused(f"snapshot {path}: {exc}") from None
+    try:
+        manifest = read_manifest(path)
+    except TorchpassError as exc:
+        raise Refused(str(exc)) from None
+    meta = manifest.get("meta") or {}
+    if meta.get("job") != job or meta.get("rank") != rank:
+        raise Refused(f"snapshot {path} holds job {meta.get('job')} rank {meta.get('rank')}, not job {job} "
+                      f"rank {rank}; refused")
+    if meta.get("uid") != uid:
+        raise Refused(f"snapshot {path} is of a job of uid {meta.get('uid')}, not of uid {uid}; refused")
+    return path, manifest
+
+
+def task_pipes(task: int, fds: Any, meta: dict[str, Any]) -> dict[int, str]:
+    """Our fds opened on the task's pipes, for ``--inherit-fd`` (only where the manifest had a pipe)."""
+    inherit: dict[int, str] = {}
+    if not isinstance(fds, dict):
+        return inherit
+    for fd in (1, 2):
+        key, n = criu_mod.pipe_key(meta.get(f"fd{fd}")), fds.get(str(fd))
+        if not key or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            continue
+        link = f"/proc/{task}/fd/{n}"
+        try:
+            if not os.readlink(link).startswith("pipe:"):
+                raise Refused(f"fd {n} of the restore task is not a pipe; refused")
+            inherit[os.open(link, os.O_WRONLY | os.O_CLOEXEC)] = key
+        except OSError as exc:
+            raise Refused(f"cannot open fd {n} of the restore task ({exc.strerror})") from None
+    return inherit
+
+
+def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int) -> dict[str, Any]:
+    images, manifest = check_images(req.get("images"), job, rank, uid)
+    meta = manifest.get("meta") or {}
+    inherit = task_pipes(task, req.get("fds"), meta)
+    try:
+        c = criu_mod.find_criu(None)
+        pidfile = images / "restored.pid"
+        try:
+            pidfile.unlink()
+        except FileNotFoundError:
+            pass
+        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit, checked=manifest)
+    finally:
+        for fd in inherit:
+            os.close(fd)
+    from torchpass.checkpoint.rankwrap import wait_child_of
+
+    rank_pid = wait_child_of(pid) if meta.get("init") else pid
+    if meta.get("gpu"):
+        from torchpass.checkpoint.cuda import CudaCheckpoint
+
+        try:
+            CudaCheckpoint.load().resume(rank_pid)
+        except TorchpassError as exc:
+            os.kill(pid, 9)
+            raise TorchpassError(f"restored rank {rank} but its CUDA state did not come back ({exc}); "
+                                 "killed it") from None
+    return {"pid": pid, "rank_pid": rank_pid, "restore_s": round(seconds, 4), "meta": meta, "images": str(images)}
+
+
+def write_result(dfd: int, rank: int, uid: int, out: dict[str, Any]) -> None:
+    name = result_file(Path("."), rank, os.getpid()).name
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+    try:
+        os.write(fd, json.dumps(out).encode())
+        os.fchown(fd, uid, -1)
+    finally:
+        os.close(fd)
+
+
+def main(job: int | None, rank: int | None, task: int | None, uid: int | None, state_dir: str | None) -> int:
+    if None in (job, rank, task, uid, state_dir) or not os.path.isabs(state_dir or ""):
+        sys.stderr.write("torchpass: restore agent: needs --job --rank --task-pid --uid --jobs-state-dir\n")
+        return 2
+    if os.getppid() != task:
+        sys.stderr.write(f"torchpass: restore agent: my parent is not the task {task}; exiting\n")
+        return 2
+    try:
+        pidfd = os.pidfd_open(task)
+    except OSError:
+        return 0
+    fields = {"requester_uid": uid, "job_id": job, "rank": rank, "action": "restore"}
+    dfd = -1
+    try:
+        got = wait_request(state_dir, job, rank, uid, pidfd)
+        if got is None:
+            return 0  # the step ended at its gate: nothing to restore
+        dfd, req = got
+        try:
+            out = restore(task, req, job, rank, uid)
+            audit(**fields, pid=out["pid"], images=out["images"], outcome="ok")
+        except (Refused, TorchpassError, OSError) as exc:
+            out = {"error": str(exc)}
+            audit(**fields, pid=None, images=req.get("images"), outcome="refused" if isinstance(exc, Refused)
+                  else "failed", error=json.dumps(str(exc)))
+        write_result(dfd, rank, uid, out)
+        return 0 if "error" not in out else 1
+    except Refused as exc:
+        audit(**fields, pid=None, outcome="refused", error=json.dumps(str(exc)))
+        return 1
+    finally:
+        os.close(pidfd)
+        if dfd >= 0:
+            os.close(dfd)
