@@ -1,6 +1,9 @@
 """`make demo`: a local cluster, a DDP job under sbatch --torchpass, a fault, a live migration.
 
 1. Brings up (or replaces) the devcluster "dev" on 10.77.0.0/24 (4 nodes).
+   Jobs are submitted by the ordinary user tpuser1 (--user), as on a real
+   cluster, and run the devcluster's job Python (`make jobvenv`); the fault
+   drill and the node's resume afterwards are an admin's (root) commands.
 2. Runs examples/train.sbatch (an unmodified DDP script, 3 training nodes
    plus node4 as a hot spare) once without a fault: the reference losses.
 3. Runs the same job again, shows `tpassctl status` while it trains, and at
@@ -13,7 +16,7 @@
 
 The cluster stays up afterwards (the faulty node is resumed, the drill
 cleared) so you can keep using it; `tpassctl devcluster down` removes it.
-Options: --no-fault (only the plain job), --seed N (replay a run).
+Options: --no-fault (only the plain job), --seed N (replay a run), --user NAME.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import pwd
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -40,13 +45,41 @@ def sh(argv, **kw):
     return subprocess.run(argv, check=True, text=True, **kw)
 
 
-def submit(work: Path, tag: str) -> tuple[int, Path]:
-    env = {**os.environ, "PYTHON": sys.executable, "TRAIN_PY": str(HERE / "train_ddp.py"),
-           "STEPS": str(STEPS), "TRAIN_ARGS": TRAIN_ARGS}
+class User:
+    """The demo's job user: runs sbatch and watches its job with the job Python's tpassctl."""
+
+    def __init__(self, name: str, job_python: Path):
+        self.pw = pwd.getpwnam(name)
+        self.job_python = job_python
+        self.tpassctl = str(job_python.parent / "tpassctl")
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "HOME": self.pw.pw_dir, "USER": self.pw.pw_name, "LOGNAME": self.pw.pw_name,
+                "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", **extra}
+
+    def run(self, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(["runuser", "-u", self.pw.pw_name, "--", *argv], text=True, env=self.env(),
+                              cwd="/", **kw)
+
+
+def prepare_work(work: Path, user: User) -> None:
+    """The user's own copies of the job script and training script (this checkout may be unreadable to them)."""
+    work.mkdir(exist_ok=True)
+    os.chown(work, user.pw.pw_uid, user.pw.pw_gid)
+    work.chmod(0o755)
+    for name in ("train.sbatch", "train_ddp.py"):
+        shutil.copyfile(HERE / name, work / name)
+        os.chown(work / name, user.pw.pw_uid, user.pw.pw_gid)
+
+
+def submit(work: Path, tag: str, user: User) -> tuple[int, Path]:
+    env = user.env(PYTHON=str(user.job_python), TRAIN_PY=str(work / "train_ddp.py"),
+                   STEPS=str(STEPS), TRAIN_ARGS=TRAIN_ARGS)
     argv = ["sbatch", "--parsable", "-N4", "--torchpass=spares=1", "-o", str(work / f"{tag}-%j.out"),
-            "-D", str(work), str(HERE / "train.sbatch")]
-    print("$ " + " ".join(argv[:1] + argv[2:4]) + " examples/train.sbatch", flush=True)
-    job_id = int(sh(argv, capture_output=True, env=env).stdout.strip().split(";")[0])
+            "-D", str(work), str(work / "train.sbatch")]
+    print(f"{user.pw.pw_name}$ " + " ".join(argv[:1] + argv[2:4]) + " examples/train.sbatch", flush=True)
+    proc = sh(["runuser", "-u", user.pw.pw_name, "--", *argv], capture_output=True, env=env, cwd=work)
+    job_id = int(proc.stdout.strip().split(";")[0])
     return job_id, work / f"{tag}-{job_id}.out"
 
 
@@ -83,6 +116,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fault", action="store_true", help="run the job once, without a fault drill")
     ap.add_argument("--seed", type=int, default=None, help="seed choosing the faulty node and step")
+    ap.add_argument("--user", default="tpuser1", help="the ordinary user that submits the jobs (made if missing)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int(time.time())
     rng = random.Random(seed)
@@ -92,18 +126,19 @@ def main() -> int:
 
     t0 = time.monotonic()
     print("== bringing up the devcluster 'dev' (4 nodes, 10.77.0.0/24)", flush=True)
-    cluster = Devcluster.up(DevclusterSpec(name="dev"))
+    users = (args.user,) + tuple(u for u in DevclusterSpec().job_users if u != args.user)
+    cluster = Devcluster.up(DevclusterSpec(name="dev", job_users=users))
     os.environ.update(cluster.env())
     sh(["sinfo"])
     slurm = client()
+    user = User(args.user, cluster.job_python)
     work = Path("/tmp/torchpass-demo")
-    work.mkdir(exist_ok=True)
-    work.chmod(0o777)
+    prepare_work(work, user)
 
     ref_lines: list[str] = []
     if not args.no_fault:
         print(f"\n== reference run without a fault ({STEPS} steps, 3 ranks, 1M parameters, Adam)", flush=True)
-        ref_id, ref_out = submit(work, "reference")
+        ref_id, ref_out = submit(work, "reference", user)
         ref = wait_end(slurm, ref_id)
         ref_lines = step_lines(ref_out)
         print(f"job {ref_id}: {ref.state if ref else 'unknown'}, {len(ref_lines)} step lines", flush=True)
@@ -116,7 +151,7 @@ def main() -> int:
     fault_step = rng.randrange(10, 40)
     print("\n== the same job" + ("" if args.no_fault else
           f"; at step {fault_step} an ECC error storm on {node} (seed {seed})"), flush=True)
-    job_id, out = submit(work, "faulted" if not args.no_fault else "job")
+    job_id, out = submit(work, "faulted" if not args.no_fault else "job", user)
     print(f"submitted job {job_id}", flush=True)
 
     injected = args.no_fault
@@ -127,17 +162,17 @@ def main() -> int:
         if job.state != "RUNNING":
             return
         if not injected and last_step(out) >= fault_step:
-            print(f"\n$ tpassctl inject --node {node} --fault ecc-sbe-storm   (training is at step {last_step(out)})",
+            print(f"\nroot$ tpassctl inject --node {node} --fault ecc-sbe-storm   (training is at step {last_step(out)})",
                   flush=True)
             subprocess.run([TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"], text=True)
             injected = True
             time.sleep(0.5)
-            print("$ tpassctl nodes", flush=True)
-            subprocess.run([TPASSCTL, "nodes"], text=True)
+            print(f"{user.pw.pw_name}$ tpassctl nodes", flush=True)
+            user.run([user.tpassctl, "nodes"])
             shown = 0.0
         elif time.monotonic() - shown > 4:
-            print(f"\n$ tpassctl status {job_id}", flush=True)
-            subprocess.run([TPASSCTL, "status", str(job_id)], text=True)
+            print(f"\n{user.pw.pw_name}$ tpassctl status {job_id}", flush=True)
+            user.run([user.tpassctl, "status", str(job_id)])
             shown = time.monotonic()
 
     try:
@@ -152,8 +187,8 @@ def main() -> int:
           f" restarts {job.restarts if job else '?'} (same job id throughout)", flush=True)
     ok = job is not None and job.state == "COMPLETED"
     if not args.no_fault:
-        print(f"\n$ tpassctl events {job_id}", flush=True)
-        subprocess.run([TPASSCTL, "events", str(job_id)], text=True)
+        print(f"\n{user.pw.pw_name}$ tpassctl events {job_id}", flush=True)
+        user.run([user.tpassctl, "events", str(job_id)])
         same = per_step(lines) == per_step(ref_lines)
         print(f"\n== losses: {len(lines)} step lines vs {len(ref_lines)} in the reference; "
               + ("every step bit-identical (float.hex), no step lost or repeated" if same else

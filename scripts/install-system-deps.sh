@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the system packages torchpass needs on a Debian 12 or 13 host:
 # munge, Slurm 24.11 (slurmd, slurmctld, client, headers), CRIU >= 4.0,
-# iproute2, gcc, make and systemd-analyze. Idempotent: does nothing when all are present.
+# iproute2, gcc, make, systemd-analyze and python3-venv (the job Python, see
+# torchpass/devcluster/jobpython.py, is a venv made from /usr/bin/python3). Idempotent: does nothing when all are present.
 #
 # Debian 12 (bookworm) ships CRIU 3.17, which fails on current kernels, and
 # Slurm 22.05; both come from the Debian 13 (trixie) suite through an APT pin
@@ -21,6 +22,8 @@ case "$debian_major" in
 esac
 
 packages=(munge slurmd slurmctld slurm-client libslurm-dev criu iproute2 gcc make util-linux procps)
+# The system Python's venv module (with ensurepip), from the machine's own suite.
+py_packages=(python3 python3-venv)
 
 criu_ok() {
   command -v criu >/dev/null 2>&1 || return 1
@@ -36,8 +39,9 @@ all_ok() {
   criu_ok && slurm_ok && command -v munged >/dev/null 2>&1 \
     && command -v ip >/dev/null 2>&1 && command -v nsenter >/dev/null 2>&1 \
     && command -v gcc >/dev/null 2>&1 && command -v make >/dev/null 2>&1 \
-    && command -v systemd-analyze >/dev/null 2>&1
+    && command -v systemd-analyze >/dev/null 2>&1 && venv_ok
 }
+venv_ok() { /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1; }
 
 if all_ok; then
   echo "install-system-deps: all present (slurm $(slurmd -V | awk '{print $2}'), criu $(criu --version | sed -n 's/^Version: *//p'))"
@@ -82,7 +86,10 @@ fi
 command -v systemd-analyze >/dev/null 2>&1 || apt-get install -y -qq --no-install-recommends systemd \
   >>/tmp/torchpass-apt.log 2>&1 || die "apt-get install systemd failed; see /tmp/torchpass-apt.log"
 
+venv_ok || apt-get install -y -qq --no-install-recommends "${py_packages[@]}" \
+  >>/tmp/torchpass-apt.log 2>&1 || die "apt-get install ${py_packages[*]} failed; see /tmp/torchpass-apt.log"
+
 criu_ok || die "criu >= 4.0 is required, found '$(criu --version 2>/dev/null | head -1)'; on Debian 12 it comes from trixie"
 slurm_ok || die "Slurm >= 24 with headers (libslurm-dev) is required, found '$(slurmd -V 2>/dev/null)'"
-all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make, systemd-analyze)"
+all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make, systemd-analyze, python3 -m venv)"
 echo "install-system-deps: installed (slurm $(slurmd -V | awk '{print $2}'), criu $(criu --version | sed -n 's/^Version: *//p'))"

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from torchpass.devcluster import Devcluster, DevclusterSpec
-from torchpass.devcluster.cluster import DEFAULT_BASE_DIR
+from torchpass.devcluster.cluster import DEFAULT_BASE_DIR, DEFAULT_JOB_USERS
 
 name_option = click.option("--name", default="dev", show_default=True, help="Cluster name (1-8 lowercase letters/digits).")
 base_option = click.option("--base-dir", type=click.Path(path_type=Path, file_okay=False), default=DEFAULT_BASE_DIR,
@@ -31,10 +31,16 @@ def devcluster():
 @click.option("--nodes", type=click.IntRange(1, 16), default=4, show_default=True)
 @click.option("--subnet", default="10.77.0", show_default=True, help="First three octets of a private /24 for the nodes.")
 @click.option("--no-tpassd", is_flag=True, help="Do not start a tpassd on each node.")
-def up(name, base_dir, nodes, subnet, no_tpassd):
+@click.option("--user", "users", multiple=True,
+              help="An ordinary job user to create if missing (repeatable) [default: tpuser1, tpuser2].")
+@click.option("--job-python", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Interpreter jobs run; every job user must be able to run it [default: the job venv, make jobvenv].")
+def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python):
     """Bring the cluster up (replacing any leftover of the same name)."""
-    c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd))
+    c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd,
+                                     job_users=tuple(users) or DEFAULT_JOB_USERS, job_python=job_python))
     click.echo(f"devcluster {name!r} up: {', '.join(c.node_names)} on {subnet}.0/24")
+    click.echo(f"job users: {', '.join(c.job_users)}; job Python: {c.job_python}")
     click.echo(f'use it with: eval "$(tpassctl devcluster env --name {name})"')
 
 

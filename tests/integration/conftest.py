@@ -3,18 +3,27 @@
 The cluster's name and subnet come from TORCHPASS_TEST_CLUSTER and
 TORCHPASS_TEST_SUBNET (defaults "t" and 10.78.0, apart from the demo's
 10.77.0) so that a developer's own devcluster keeps running beside the tests.
+
+Jobs are submitted as an ordinary user (``job_user``, tpuser1: real clusters
+have no root jobs) with the cluster's job Python (``cluster.job_python``), in
+a ``job_dir`` that user owns under a directory every user can reach (pytest's
+own tmp dirs are 0700 root).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
+from torchpass.errors import DevclusterError
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +54,13 @@ def cluster():
         nodes=4,
         tpassd=os.environ.get("TORCHPASS_TEST_NO_TPASSD") != "1",
     )
-    c = Devcluster.up(spec)
+    failure = None
+    try:
+        c = Devcluster.up(spec)
+    except DevclusterError as exc:  # e.g. no job Python the job users can run: one line says what to run
+        failure = f"devcluster {spec.name!r} did not come up: {exc}"
+    if failure:
+        pytest.fail(failure, pytrace=False)
     saved = {k: os.environ.get(k) for k in c.env()}
     os.environ.update(c.env())
     try:
@@ -62,9 +77,59 @@ def cluster():
         assert not leftover, f"devcluster left namespaces behind: {leftover}"
 
 
-@pytest.fixture
-def job_dir(tmp_path_factory) -> Path:
-    """A directory every node can read and write (one machine: a shared fs)."""
-    d = tmp_path_factory.mktemp("job")
-    d.chmod(0o777)
+@dataclass(frozen=True)
+class JobUser:
+    """An unprivileged user of the devcluster (made by its bring-up)."""
+
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+
+def _job_user(name: str) -> JobUser:
+    pw = pwd.getpwnam(name)
+    return JobUser(pw.pw_name, pw.pw_uid, pw.pw_gid, Path(pw.pw_dir))
+
+
+@pytest.fixture(scope="session")
+def job_user(cluster) -> JobUser:
+    """The user the tests' jobs run as (tpuser1)."""
+    return _job_user(cluster.job_users[0])
+
+
+@pytest.fixture(scope="session")
+def other_user(cluster) -> JobUser:
+    """A second ordinary user (tpuser2): must not see or steer job_user's jobs."""
+    return _job_user(cluster.job_users[1])
+
+
+@pytest.fixture(scope="session")
+def jobs_base(cluster) -> Path:
+    """/tmp/torchpass-it-NAME: reachable by every user, emptied at the start of each session
+    (kept after it, for a look at the jobs' output)."""
+    base = Path("/tmp") / f"torchpass-it-{cluster.spec.name}"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    return base
+
+
+def make_job_dir(base: Path, name: str, owner: JobUser | None) -> Path:
+    """A fresh directory under ``base`` owned by ``owner`` (root if None)."""
+    d = base / name
+    n = 1
+    while d.exists():
+        n += 1
+        d = base / f"{name}{n}"
+    d.mkdir(mode=0o755)
+    if owner is not None:
+        os.chown(d, owner.uid, owner.gid)
     return d
+
+
+@pytest.fixture
+def job_dir(request, jobs_base, job_user) -> Path:
+    """A directory the job user owns and every node reaches (one machine: a shared fs).
+    Root (the test, a root job) writes in it too."""
+    return make_job_dir(jobs_base, request.node.name[:60].replace("/", "_").replace("[", "-").rstrip("]"), job_user)

@@ -10,6 +10,8 @@ import subprocess
 import pytest
 
 from torchpass.devcluster import Devcluster, DevclusterSpec
+from torchpass.devcluster.cluster import REPO_ROOT
+from torchpass.errors import DevclusterError
 from torchpass.slurm import client
 
 from slurm_helpers import job_id_of, sbatch, wait_job
@@ -25,11 +27,44 @@ def test_nodes_idle_with_own_names_and_addresses(cluster):
         assert f"inet {cluster.node_address(name)}/24" in out
 
 
-def test_sbatch_across_three_nodes_completes(cluster, job_dir):
-    proc = sbatch(["-N3", "-o", str(job_dir / "out.txt")], "#!/bin/sh\nsrun hostname | sort\n", cwd=job_dir)
+def test_sbatch_across_three_nodes_completes(cluster, job_dir, job_user):
+    proc = sbatch(["-N3", "-o", str(job_dir / "out.txt")], "#!/bin/sh\nsrun sh -c 'echo $(hostname) $(id -u)' | sort\n",
+                  cwd=job_dir, user=job_user.name)
     job = wait_job(job_id_of(proc), timeout_s=60)
     assert job.state == "COMPLETED" and job.exit_code == 0
-    assert (job_dir / "out.txt").read_text().split() == ["node1", "node2", "node3"]
+    uid = str(job_user.uid)
+    assert (job_dir / "out.txt").read_text().split() == ["node1", uid, "node2", uid, "node3", uid]
+
+
+def test_job_users_exist_and_run_the_job_python(cluster, job_user, other_user):
+    """Bring-up made (or found) two ordinary users; plugstack.conf names the job Python's
+    programs and runtime, which both users can run, never root's interpreter or this checkout."""
+    assert cluster.job_users == ("tpuser1", "tpuser2")
+    assert 0 < job_user.uid != other_user.uid > 0
+    plug = (cluster.run_dir / "etc" / "plugstack.conf").read_text()
+    bindir = cluster.job_python.parent
+    assert f"coordinator={bindir / 'tpass-coordinator'} " in plug and f"rank_wrapper={bindir / 'tpass-rankwrap'}" in plug
+    assert str(REPO_ROOT) not in plug, plug  # the plugin too is a copy in the run dir
+    assert plug.startswith(f"optional {cluster.run_dir / 'lib' / 'torchpass.so'} ")
+    for user in (job_user, other_user):
+        out = subprocess.run(["runuser", "-u", user.name, "--", str(cluster.job_python), "-c",
+                              "import os, torchpass; print(os.getuid(), torchpass.__file__)"],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr
+        uid, where = out.stdout.split()
+        assert int(uid) == user.uid and not where.startswith(str(REPO_ROOT) + "/"), out.stdout
+
+
+def test_a_job_python_the_users_cannot_run_fails_bring_up_in_one_line(tmp_path):
+    """tmp_path is root's 0700 directory: a Python in it is what a pyenv under /root is to a job user."""
+    hidden = tmp_path / "python"
+    hidden.symlink_to("/usr/bin/python3")
+    spec = DevclusterSpec(name="nopy", nodes=1, subnet="10.75.0", tpassd=False, job_python=hidden)
+    with pytest.raises(DevclusterError) as exc:
+        Devcluster.up(spec)
+    msg = str(exc.value)
+    assert "\n" not in msg and "tpuser1 cannot use the job Python" in msg and "make jobvenv" in msg, msg
+    assert not spec.run_dir.exists()
 
 
 def test_env_command_points_plain_slurm_commands_at_the_cluster(cluster):
@@ -66,9 +101,9 @@ def test_up_after_a_crashed_run_and_down_leave_nothing():
 
 
 def test_bad_spec_is_refused_with_a_clear_message():
-    from torchpass.errors import DevclusterError
-
     with pytest.raises(DevclusterError, match="cluster name"):
         DevclusterSpec(name="Bad Name").validate()
     with pytest.raises(DevclusterError, match="--nodes 40 is out of range"):
         DevclusterSpec(nodes=40).validate()
+    with pytest.raises(DevclusterError, match="ordinary user name"):
+        DevclusterSpec(job_users=("root",)).validate()

@@ -1,9 +1,8 @@
 """The SPANK plugin end to end: real sbatch/srun/salloc against the devcluster.
 
-Jobs run as root here (the devcluster's Python lives under /root), except
-the PID-namespace test, which submits as nobody with a stand-in coordinator
-and rank wrapper; the privilege drop of the coordinator for ordinary users
-is covered by the plugin's design and was checked by hand (docs/spank.md).
+Jobs run as an ordinary user here (tpuser1, the ``job_user`` fixture) with
+the devcluster's job Python, except the PID-namespace test, which submits as
+nobody with a stand-in coordinator and rank wrapper.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,39 +22,48 @@ import pytest
 from torchpass import layout
 from torchpass.slurm import client
 
-from slurm_helpers import job_id_of, wait_job, wait_running
+from slurm_helpers import job_id_of, job_python, sbatch, submit_env, user_run, wait_job, wait_running
 
 pytestmark = pytest.mark.integration
 
-RUNTIME_BOOT = Path(__file__).resolve().parents[2] / "torchpass" / "runtime" / "boot"
-PY = sys.executable
+# Who submits: the job user, set by the autouse fixture below (one per session).
+USER: str | None = None
 
 
 @pytest.fixture(autouse=True)
-def _plugin(plugin_built, cluster):
+def _plugin(plugin_built, cluster, job_user):
     """Every test here needs the plugin loaded by the session's cluster."""
+    global USER
+    USER = job_user.name
     conf = (cluster.run_dir / "etc" / "plugstack.conf").read_text()
-    assert str(plugin_built) in conf, f"the devcluster's plugstack.conf does not load the plugin: {conf!r}"
+    # the devcluster loads a copy in its run dir (job users cannot read every checkout)
+    loaded = Path(conf.split()[1]) if conf.startswith("optional ") else None
+    assert loaded and loaded.read_bytes() == plugin_built.read_bytes(), \
+        f"the devcluster's plugstack.conf does not load the plugin: {conf!r}"
+
+
+@pytest.fixture
+def runtime_boot(cluster) -> Path:
+    """The runtime_path the devcluster's plugstack.conf gives the plugin (the job Python's torchpass)."""
+    conf = (cluster.run_dir / "etc" / "plugstack.conf").read_text()
+    return Path(re.search(r"runtime_path=(\S+)", conf).group(1))
 
 
 def _env() -> dict[str, str]:
     """The submitter's environment without torchpass variables, so anything
     TORCHPASS_* a job sees comes from the plugin."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_") and k != "PYTHONPATH"}
+    return {k: v for k, v in submit_env(USER).items() if k != "PYTHONPATH"}
 
 
 def _run(argv: list[str], *, env: dict | None = None, cwd: Path | None = None,
          timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, env=env or _env(), cwd=cwd, timeout=timeout)
+    """A Slurm client command as the job user."""
+    return user_run(argv, user=USER, env=env or _env(), cwd=cwd, timeout=timeout)
 
 
 def _submit(args: list[str], script: str, job_dir: Path, *, env: dict | None = None) -> int:
-    path = job_dir / f"job-{time.monotonic_ns()}.sh"
-    path.write_text(script)
-    path.chmod(0o755)
-    proc = _run(["sbatch", "--parsable", "-o", str(job_dir / "out.%j"), *args, str(path)], env=env, cwd=job_dir)
-    assert proc.returncode == 0, f"sbatch failed: {proc.stderr.strip()}"
-    return job_id_of(proc)
+    return job_id_of(sbatch(["-o", str(job_dir / "out.%j"), *args], script, cwd=job_dir, user=USER,
+                            env=env or _env()))
 
 
 def _out(job_dir: Path, job_id: int) -> str:
@@ -168,7 +175,7 @@ def test_salloc_and_srun_outside_a_batch_job_are_refused(job_dir):
 
 # ------------------------------------------------------------------- runtime
 
-def test_job_without_torchpass_is_untouched(cluster, job_dir):
+def test_job_without_torchpass_is_untouched(cluster, job_dir, runtime_boot):
     script = f"""#!/bin/sh
 env > {job_dir}/env.batch
 srun sh -c 'env > {job_dir}/env.$SLURM_PROCID'
@@ -178,17 +185,17 @@ srun sh -c 'env > {job_dir}/env.$SLURM_PROCID'
     envs = [_read_env(job_dir / f"env.{i}") for i in ("batch", 0, 1, 2)]
     for env in envs:
         assert not [k for k in env if k.startswith("TORCHPASS_")]
-        assert str(RUNTIME_BOOT) not in env.get("PYTHONPATH", "")
+        assert str(runtime_boot) not in env.get("PYTHONPATH", "")
     assert not layout.job_dir(cluster.state_dir, job_id).exists()
     assert _coordinator_pids(cluster, job_id) == []
     assert "tpass" not in _out(job_dir, job_id)
 
 
-def test_torchpass_job_env_runtime_and_exactly_one_coordinator(cluster, job_dir):
+def test_torchpass_job_env_runtime_and_exactly_one_coordinator(cluster, job_dir, runtime_boot):
     script = f"""#!/bin/sh
 env > {job_dir}/env.batch
 srun sh -c 'env > {job_dir}/env.$SLURM_PROCID; \
-  {PY} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
+  {job_python()} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
 touch {job_dir}/running
 while [ ! -e {job_dir}/release ]; do sleep 0.2; done
 """
@@ -209,8 +216,8 @@ while [ ! -e {job_dir}/release ]; do sleep 0.2; done
         assert env["TORCHPASS_SPARES"] == "0"
         assert env["TORCHPASS_POLICY"] == "default"
         assert env["TORCHPASS_NODE"] == env["SLURMD_NODENAME"]
-        assert env["PYTHONPATH"].split(":")[0] == str(RUNTIME_BOOT)
-        assert env["PYTHONPATH"].split(":").count(str(RUNTIME_BOOT)) == 1
+        assert env["PYTHONPATH"].split(":")[0] == str(runtime_boot)
+        assert env["PYTHONPATH"].split(":").count(str(runtime_boot)) == 1
         assert (job_dir / f"rt.{rank}").read_text().strip() == "1"  # runtime loaded, script unchanged
         hosts.add(env["SLURMD_NODENAME"])
     assert hosts == {"node1", "node2", "node3"}
@@ -302,7 +309,7 @@ def test_spares_not_below_the_node_count_fail_the_job_not_the_node(cluster, job_
 
 # ------------------------------------------------------------- nested sruns
 
-def test_nested_srun_off_repeat_and_mismatch(cluster, job_dir):
+def test_nested_srun_off_repeat_and_mismatch(cluster, job_dir, runtime_boot):
     script = f"""#!/bin/sh
 srun --torchpass=off sh -c 'env > {job_dir}/env.off.$SLURM_PROCID'
 srun --torchpass=spares=0,policy=default sh -c 'env > {job_dir}/env.same.$SLURM_PROCID'
@@ -313,24 +320,24 @@ srun --torchpass=spares=1 true 2> {job_dir}/mismatch.err; echo $? > {job_dir}/mi
     for rank in range(2):
         off = _read_env(job_dir / f"env.off.{rank}")
         assert not [k for k in off if k.startswith("TORCHPASS_")], off
-        assert str(RUNTIME_BOOT) not in off.get("PYTHONPATH", "")
+        assert str(runtime_boot) not in off.get("PYTHONPATH", "")
         same = _read_env(job_dir / f"env.same.{rank}")
         assert same["TORCHPASS_JOB_ID"] == str(job_id)
     assert (job_dir / "mismatch.rc").read_text().strip() != "0"
     assert "differs from job" in (job_dir / "mismatch.err").read_text()
 
 
-def test_runtime_opt_out_and_strict_value(cluster, job_dir):
+def test_runtime_opt_out_and_strict_value(cluster, job_dir, runtime_boot):
     script = f"""#!/bin/sh
 srun sh -c 'env > {job_dir}/env.$SLURM_PROCID; \
-  {PY} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
+  {job_python()} -c "import sys; print(int(\\"torchpass.runtime.hook\\" in sys.modules))" > {job_dir}/rt.$SLURM_PROCID'
 """
     job_id = _submit(["-N2", "--torchpass"], script, job_dir, env={**_env(), "TORCHPASS_RUNTIME": "0"})
     assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
     for rank in range(2):
         env = _read_env(job_dir / f"env.{rank}")
         assert env["TORCHPASS_JOB_ID"] == str(job_id)
-        assert str(RUNTIME_BOOT) not in env.get("PYTHONPATH", "")
+        assert str(runtime_boot) not in env.get("PYTHONPATH", "")
         assert (job_dir / f"rt.{rank}").read_text().strip() == "0"
 
     bad = _submit(["-N1", "--torchpass"], f"#!/bin/sh\ntouch {job_dir}/ran\n", job_dir,
@@ -388,15 +395,15 @@ with open(out, "w") as f:
 os.execv(sys.argv[2], sys.argv[2:])
 """
 
-# The devcluster's Python lives under /root, which an ordinary user cannot
-# read: a coordinator that only reports an address is enough here.
+# A coordinator that only reports an address is enough here.
 FAKE_COORDINATOR = "#!/bin/sh\necho tcp://127.0.0.1:9 >&3\nexec sleep 600\n"
 
 
 def test_the_ranks_pid_namespace_is_made_by_root_for_an_ordinary_user(cluster):
-    """task_init_privileged gives the task's children a PID namespace, so the
-    rank wrapper of a non-root job forks the rank as PID 1 without
-    CAP_SYS_ADMIN; the batch script and --torchpass=off steps get none."""
+    """task_init_privileged gives the task's children a PID namespace whose PID 1
+    is tpass-init (root-made, the job's uid, CAP_SYS_ADMIN only), so the rank
+    wrapper of a non-root job forks the rank into it without CAP_SYS_ADMIN; the
+    batch script and --torchpass=off steps get none."""
     user = pwd.getpwnam("nobody")
     d = Path(tempfile.mkdtemp(prefix="tpass-pidns-"))
     d.chmod(0o755)
@@ -430,8 +437,9 @@ srun --torchpass=off sh -c '{same} > {out}/off.$SLURM_PROCID'
         assert job.state == "COMPLETED", output
         assert sorted(p.name for p in out.glob("probe.*")) == ["probe.0", "probe.1"], output
         for rank in range(2):
-            # the job user's task, its children in a namespace of their own, the first one PID 1 there
-            assert (out / f"probe.{rank}").read_text().split() == [str(user.pw_uid), "1", "1"]
+            # the job user's task, its children in a namespace of their own, the first one PID 2
+            # there (PID 1 is tpass-init)
+            assert (out / f"probe.{rank}").read_text().split() == [str(user.pw_uid), "1", "2"]
         assert [(out / f"off.{rank}").read_text().strip() for rank in range(2)] == ["0", "0"]
         assert (out / "batch").read_text().strip() == "0"
     finally:

@@ -2,23 +2,20 @@
 
 The training script is examples/train_ddp.py, which knows nothing about
 torchpass; the SPANK plugin starts the coordinator and loads the runtime.
+Every job here is an ordinary user's (``job_user``), as on a real cluster.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from slurm_helpers import job_id_of, sbatch, wait_job, wait_running
+from slurm_helpers import job_id_of, job_python, sbatch, tpassctl, wait_job, wait_running
+from training_jobs import train_script
 
 from torchpass import layout
-from torchpass.devcluster.cluster import REPO_ROOT
-
-TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
 
 
 def coordinator_pids(job_id: int) -> list[int]:
@@ -41,19 +38,20 @@ def coordinator_pids(job_id: int) -> list[int]:
     return pids
 
 
-def status_json(job_id: int) -> dict:
-    out = subprocess.run([TPASSCTL, "status", str(job_id), "--json"], capture_output=True, text=True, timeout=30)
+def status_json(job_id: int, user: str | None = None) -> dict:
+    out = tpassctl("status", str(job_id), "--json", user=user)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["jobs"][0]
 
 
-def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin_built, job_dir):
+def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin_built, job_dir, job_user):
     env_script = (
         f"#!/bin/bash\n#SBATCH -N3 --ntasks-per-node=1\n"
         f"export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29511\n"
-        f"srun --kill-on-bad-exit=1 {sys.executable} {REPO_ROOT}/examples/train_ddp.py --steps 60 --sleep 0.1\n"
+        f"srun --kill-on-bad-exit=1 {job_python()} {train_script(job_dir)} --steps 60 --sleep 0.1\n"
     )
-    job_id = job_id_of(sbatch(["--torchpass", "-o", str(job_dir / "out.txt")], env_script, cwd=job_dir))
+    job_id = job_id_of(sbatch(["--torchpass", "-o", str(job_dir / "out.txt")], env_script, cwd=job_dir,
+                              user=job_user.name))
     wait_running(job_id)
 
     # Wait until all three ranks have registered and report steps.
@@ -61,7 +59,7 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
     st = {}
     while time.monotonic() < deadline:
         try:
-            st = status_json(job_id)
+            st = status_json(job_id, job_user.name)  # the owner sees their job
         except AssertionError:
             st = {}
         if st.get("registered_ranks") == 3 and (st.get("min_step") or -1) >= 0:
@@ -93,9 +91,9 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
     assert coordinator_pids(job_id) == []
 
 
-def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_built, job_dir):
+def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_built, job_dir, job_user):
     script = "#!/bin/bash\n#SBATCH -N2\nsrun -l sh -c 'env | grep ^TORCHPASS_ | wc -l; echo pythonpath=${PYTHONPATH:-}'\n"
-    job_id = job_id_of(sbatch(["-o", str(job_dir / "plain.txt")], script, cwd=job_dir))
+    job_id = job_id_of(sbatch(["-o", str(job_dir / "plain.txt")], script, cwd=job_dir, user=job_user.name))
     job = wait_job(job_id, timeout_s=60)
     assert job.state == "COMPLETED"
     out = (job_dir / "plain.txt").read_text().split()
@@ -108,7 +106,7 @@ def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_bu
 # one ended by scancel's SIGTERM. The task output goes through the wrapper's relay.
 TRANSPARENT_STEPS = """#!/bin/bash
 #SBATCH -N2 --ntasks-per-node=1
-srun -N1 -n1 sh -c 'echo "wrapped=$(( $$ == 1 ))"'  # the rank is PID 1 of its namespace
+srun -N1 -n1 sh -c 'echo "wrapped=$(( PPID == 1 ))"'  # the rank's parent is tpass-init, PID 1 of its namespace
 printf 'hello\\n' | srun -l sh -c 'read l; echo "got $l"' | sort
 srun -N1 -n1 sh -c 'exit 3'; echo "exit=$?"
 for how in kill scancel; do
@@ -123,11 +121,15 @@ done
 """
 
 
-def _steps_outcome(job_dir: Path, name: str, args: list[str]) -> tuple[list[str], list[str]]:
-    """(what the batch script printed, srun's lines about its tasks) of TRANSPARENT_STEPS."""
+def _steps_outcome(job_dir: Path, name: str, args: list[str], user) -> tuple[list[str], list[str]]:
+    """(what the batch script printed, srun's lines about its tasks) of TRANSPARENT_STEPS, run by
+    ``user`` (a JobUser; root if None)."""
     d = job_dir / name
     d.mkdir()
-    job_id = job_id_of(sbatch([*args, "-o", str(d / "out.txt"), "-e", str(d / "err.txt")], TRANSPARENT_STEPS, cwd=d))
+    if user is not None:
+        os.chown(d, user.uid, user.gid)
+    job_id = job_id_of(sbatch([*args, "-o", str(d / "out.txt"), "-e", str(d / "err.txt")], TRANSPARENT_STEPS, cwd=d,
+                              user=user and user.name))
     job = wait_job(job_id, timeout_s=120)
     out, err = (d / "out.txt").read_text(), (d / "err.txt").read_text()
     assert job.state == "COMPLETED", out + err
@@ -136,8 +138,9 @@ def _steps_outcome(job_dir: Path, name: str, args: list[str]) -> tuple[list[str]
 
 
 def test_the_rank_wrapper_keeps_stdin_exit_codes_and_signals_as_slurm_gives_them(cluster, plugin_built, job_dir):
-    plain = _steps_outcome(job_dir, "plain", [])
-    wrapped = _steps_outcome(job_dir, "torchpass", ["--torchpass"])
+    # The suite's root job: a root task goes through the same plugin hooks and wrapper as a user's.
+    plain = _steps_outcome(job_dir, "plain", [], None)
+    wrapped = _steps_outcome(job_dir, "torchpass", ["--torchpass"], None)
     assert plain[0] == ["wrapped=0", "0: got hello", "1: got hello", "exit=3", "kill=137", "scancel=143"], plain
     assert sum(": task 0: Terminated" in ln for ln in plain[1]) == 1, plain[1]
     assert wrapped == (["wrapped=1", *plain[0][1:]], plain[1])

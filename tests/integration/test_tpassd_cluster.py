@@ -2,6 +2,7 @@
 IB tree) in its own namespaces; we watch them from the root namespace.
 
 Run with e.g. TORCHPASS_TEST_SUBNET=10.79.0 TORCHPASS_TEST_CLUSTER=t3.
+Drills are an admin's (root); node health is anyone's, so an ordinary user reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 
 import pytest
+from slurm_helpers import tpassctl as tpassctl_as
 
 from torchpass import auth, zmqio
 from torchpass.health import HealthSubscriber, State
@@ -30,8 +32,18 @@ def tpassctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
                           env=os.environ)
 
 
+USER: str | None = None  # who reads node health: the job user (set by the fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _user(job_user):
+    global USER
+    USER = job_user.name
+
+
 def nodes_json() -> dict:
-    out = tpassctl("nodes", "--json")
+    out = tpassctl_as("nodes", "--json", user=USER)
+    assert out.returncode == 0, out.stderr
     return {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
 
 

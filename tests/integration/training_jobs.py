@@ -4,12 +4,16 @@ example under --torchpass, read its per-step losses, wait for the job's end."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from slurm_helpers import job_id_of, job_python, sbatch, submit_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -21,17 +25,29 @@ def run(argv, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
 
 
-def submit(job_dir: Path, tag: str, steps: int, nodes: int, torchpass: str = "spares=1") -> int:
-    """sbatch examples/train_ddp.py (1M parameters, one rank per training node); the job id."""
-    script = job_dir / f"{tag}.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"srun {sys.executable} {TRAIN} --steps {steps} --params 1M --sleep 0.05\n"
-    )
-    proc = run(["sbatch", "--parsable", f"-N{nodes}", "--ntasks-per-node=1", f"--torchpass={torchpass}",
-                "-o", str(job_dir / f"{tag}.%j.out"), str(script)], cwd=job_dir)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.strip().split(";")[0])
+def train_script(job_dir: Path) -> Path:
+    """examples/train_ddp.py copied into ``job_dir`` (owned by its owner, as a user's own
+    script would be): the checkout itself may be unreadable to job users."""
+    dst = job_dir / TRAIN.name
+    if not dst.exists():
+        shutil.copyfile(TRAIN, dst)
+        st = job_dir.stat()
+        os.chown(dst, st.st_uid, st.st_gid)
+    return dst
+
+
+def submit(job_dir: Path, tag: str, steps: int, nodes: int, torchpass: str = "spares=1",
+           user: str | None = None) -> int:
+    """sbatch examples/train_ddp.py (1M parameters, one rank per training node) as ``user``
+    (root if None), run by the job Python; the job id. The job's coordinator is strict
+    (tests/conftest.py's TORCHPASS_STRICT_TRANSITIONS)."""
+    strict = {k: v for k, v in os.environ.items() if k == "TORCHPASS_STRICT_TRANSITIONS"}
+    proc = sbatch(["-N", str(nodes), "--ntasks-per-node=1", f"--torchpass={torchpass}",
+                   "-o", str(job_dir / f"{tag}.%j.out")],
+                  "#!/bin/bash\n"
+                  f"srun {job_python()} {train_script(job_dir)} --steps {steps} --params 1M --sleep 0.05\n",
+                  cwd=job_dir, user=user, env={**submit_env(user), **strict})
+    return job_id_of(proc)
 
 
 def job(job_id: int) -> dict:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,8 +18,10 @@ from pathlib import Path
 import structlog
 
 import torchpass
-from torchpass.devcluster.tpassd_node import start_args
+from torchpass.devcluster import jobpython
+from torchpass.devcluster.tpassd_node import ports_toml, start_args
 from torchpass.errors import DependencyError, DevclusterError
+from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 
 log = structlog.get_logger("torchpass.devcluster")
 
@@ -27,6 +29,9 @@ DEFAULT_BASE_DIR = Path("/run/torchpass/devcluster")
 REPO_ROOT = Path(torchpass.__file__).resolve().parent.parent
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _SUBNET_RE = re.compile(r"^10\.(\d{1,3})\.(\d{1,3})$")
+_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
+# Unprivileged users made on bring-up if missing (nodes share the host's /etc/passwd).
+DEFAULT_JOB_USERS = ("tpuser1", "tpuser2")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,15 @@ class DevclusterSpec:
     # Start a tpassd on every node (the health daemon, with fake GPUs).
     tpassd: bool = True
     plugin: Path | None = None  # default: <repo>/slurm_spank/torchpass.so if built
+    # Ordinary users that submit jobs; created (useradd -m) if missing.
+    job_users: tuple[str, ...] = DEFAULT_JOB_USERS
+    # The interpreter jobs, coordinators and rank wrappers run: it must be
+    # usable by every job user. Default: the job venv (jobpython.py), refreshed
+    # from this checkout on every bring-up.
+    job_python: Path | None = None
+    # tpassd's (pub, control, metrics) ports on every node; the coordinator and
+    # tpassctl read them from RUN_DIR/etc/tpassd-ports.toml ($TORCHPASS_TPASSD_CONFIG).
+    tpassd_ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT)
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -52,6 +66,14 @@ class DevclusterSpec:
         m = _SUBNET_RE.match(self.subnet)
         if not m or not (0 <= int(m.group(1)) <= 255 and 0 <= int(m.group(2)) <= 255):
             raise DevclusterError(f"subnet {self.subnet!r} must look like 10.X.Y (a private /24)")
+        pub, control, metrics = self.tpassd_ports
+        if not (1 <= pub <= 65535 and 1 <= control <= 65535 and pub != control
+                and (metrics == -1 or 1 <= metrics <= 65535)):
+            raise DevclusterError(f"tpassd ports {self.tpassd_ports} must be two distinct ports 1..65535 "
+                                  "(pub, control) and a metrics port or -1")
+        for user in self.job_users:
+            if not _USER_RE.match(user) or user == "root":
+                raise DevclusterError(f"job user {user!r} must be an ordinary user name (lowercase, not root)")
 
     @property
     def run_dir(self) -> Path:
@@ -93,6 +115,7 @@ class _State:
     links: list[str] = field(default_factory=list)
     up: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    job_python: str = ""  # what plugstack.conf names (resolved at bring-up)
 
 
 def _run(argv: list[str], *, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -151,6 +174,7 @@ class Devcluster:
         self.run_dir = spec.run_dir
         self._state_path = self.run_dir / "cluster.json"
         self._state: _State | None = None
+        self._runtime_dir: Path | None = None  # torchpass.runtime as the job Python sees it
 
     # --- public ----------------------------------------------------------
     @classmethod
@@ -180,8 +204,12 @@ class Devcluster:
             raise DevclusterError(f"{path} is unreadable ({exc}); run 'tpassctl devcluster down --name {name}'") from None
         spec_d = data["spec"]
         spec_d["base_dir"] = Path(spec_d["base_dir"])
-        if spec_d.get("plugin"):
-            spec_d["plugin"] = Path(spec_d["plugin"])
+        for key in ("plugin", "job_python"):
+            if spec_d.get(key):
+                spec_d[key] = Path(spec_d[key])
+        spec_d["job_users"] = tuple(spec_d.get("job_users", DEFAULT_JOB_USERS))
+        if "tpassd_ports" in spec_d:
+            spec_d["tpassd_ports"] = tuple(spec_d["tpassd_ports"])
         cluster = cls(DevclusterSpec(**spec_d))
         cluster._state = _State(**data)
         return cluster
@@ -202,6 +230,15 @@ class Devcluster:
         return self.run_dir / "state"
 
     @property
+    def job_python(self) -> Path:
+        """The interpreter jobs run (every job user can run it); use it in job scripts."""
+        return Path(self._require_state().job_python)
+
+    @property
+    def job_users(self) -> tuple[str, ...]:
+        return self.spec.job_users
+
+    @property
     def slurm_conf(self) -> Path:
         return self.run_dir / "etc" / "slurm.conf"
 
@@ -210,13 +247,19 @@ class Devcluster:
         return self.run_dir / "munge" / "munge.socket.2"
 
     def env(self) -> dict[str, str]:
-        """Exports that make plain Slurm commands and tpassctl talk to this cluster."""
-        return {
+        """Exports that make plain Slurm commands and tpassctl talk to this cluster,
+        and name the interpreter job scripts should run (TORCHPASS_JOB_PYTHON)."""
+        env = {
             "SLURM_CONF": str(self.slurm_conf),
             "TORCHPASS_STATE_DIR": str(self.state_dir),
             "TORCHPASS_MUNGE_SOCKET": str(self.munge_socket),
             "TORCHPASS_DEVCLUSTER": self.spec.name,
+            # Where tpassd listens (torchpass.tpassd_ports): slurmd hands it on to the coordinator.
+            "TORCHPASS_TPASSD_CONFIG": str(self.run_dir / "etc" / "tpassd-ports.toml"),
         }
+        if self._state is not None and self._state.job_python:
+            env["TORCHPASS_JOB_PYTHON"] = self._state.job_python
+        return env
 
     def slurmd_pid(self, node: str) -> int:
         state = self._require_state()
@@ -301,6 +344,8 @@ class Devcluster:
         self._state = _State(spec={k: str(v) if isinstance(v, Path) else v for k, v in asdict(spec).items()})
         self._save()
 
+        self._ensure_users()
+        self._state.job_python = str(self._prepare_job_python())
         self._start_munge()
         self._make_network()
         self._write_configs()
@@ -316,6 +361,24 @@ class Devcluster:
         self._state.up = True
         self._save()
         log.info("devcluster up", name=spec.name, nodes=spec.nodes, seconds=round(time.monotonic() - t0, 2))
+
+    def _ensure_users(self) -> None:
+        for user in self.spec.job_users:
+            try:
+                pwd.getpwnam(user)
+            except KeyError:
+                # 0700 homes are fine: only the user needs theirs (a restored rank writes to it).
+                _run(["useradd", "--create-home", "--shell", "/bin/bash", user])
+                log.info("job user created", user=user, uid=pwd.getpwnam(user).pw_uid)
+
+    def _prepare_job_python(self) -> Path:
+        """The job Python, refreshed from this checkout when it is the job venv; checked usable by every job user."""
+        if self.spec.job_python is not None:
+            python = Path(self.spec.job_python)
+        else:
+            python = jobpython.ensure(jobpython.job_venv(), create=False)
+        self._runtime_dir = jobpython.check_usable(python, list(self.spec.job_users))
+        return python
 
     def _start_munge(self) -> None:
         md = self.run_dir / "munge"
@@ -358,12 +421,16 @@ class Devcluster:
         hosts = [f"127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
         hosts += [f"{spec.node_address(i)} {spec.node_name(i)}" for i in range(1, spec.nodes + 1)]
         (rd / "etc" / "hosts").write_text("\n".join(hosts) + "\n")
-        plugin = spec.plugin or (REPO_ROOT / "slurm_spank" / "torchpass.so")
-        coordinator = Path(sys.executable).parent / "tpass-coordinator"
-        runtime = REPO_ROOT / "torchpass" / "runtime" / "boot"
+        (rd / "etc" / "tpassd-ports.toml").write_text("\n".join(ports_toml(spec.tpassd_ports)) + "\n")
+        built = spec.plugin or (REPO_ROOT / "slurm_spank" / "torchpass.so")
+        plugin = self._install_plugin(built) if built.exists() else built
+        # Jobs run as their users: the programs and the runtime come from the job
+        # Python (readable by them), never from root's interpreter or this checkout.
+        bindir = Path(self._state.job_python).parent
+        runtime = self._runtime_dir / "boot"
         plug_line = (
-            f"optional {plugin} coordinator={coordinator} state_dir={self.state_dir}"
-            f" runtime_path={runtime} rank_wrapper={Path(sys.executable).parent / 'tpass-rankwrap'}\n"
+            f"optional {plugin} coordinator={bindir / 'tpass-coordinator'} state_dir={self.state_dir}"
+            f" runtime_path={runtime} rank_wrapper={bindir / 'tpass-rankwrap'}\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():
@@ -415,6 +482,20 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         for i in range(1, n + 1):
             (rd / spec.node_name(i) / "spool").mkdir(parents=True, exist_ok=True)
 
+    def _install_plugin(self, built: Path) -> Path:
+        """Copy the plugin and the programs it runs from beside itself (tpass-*) into RUN_DIR/lib.
+
+        The job user's sbatch and srun load the plugin too, and the checkout it was
+        built in may be unreadable to them (a clone under /root); RUN_DIR is
+        root-owned and 0755, as an installed plugin's directory is."""
+        lib = self.run_dir / "lib"
+        lib.mkdir(mode=0o755, exist_ok=True)
+        for src in [built, *sorted(built.parent.glob("tpass-*"))]:
+            if src.is_file() and (src == built or os.access(src, os.X_OK)):
+                shutil.copyfile(src, lib / src.name)
+                os.chmod(lib / src.name, 0o755)
+        return lib / built.name
+
     def _start_slurmctld(self) -> None:
         rd = self.run_dir
         _run(["slurmctld", "-f", str(self.slurm_conf), "-i"], env={**os.environ, **self.env()})
@@ -460,7 +541,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         node = spec.node_name(i)
         node_dir = rd / node / "tpassd"
         node_dir.mkdir(parents=True, exist_ok=True)
-        argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket)
+        argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports)
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(

@@ -1,7 +1,7 @@
 """How the devcluster starts a real tpassd on each node, by its command line:
 fake NVML (8 GPUs, drills on) and a fixture InfiniBand tree (4 ports, rebuilt
 by ``tpassd --fixture-sysfs`` on every start), bound to the node's address on
-the default ports, authenticated with the cluster's munged.
+the cluster's tpassd ports (the defaults unless the spec says otherwise), authenticated with the cluster's munged.
 
 The devcluster runs the installed ``tpassd`` program; it imports nothing from
 the tpassd package (torchpass never imports tpassd)."""
@@ -30,8 +30,16 @@ def tpassd_program() -> str:
     return found
 
 
+def ports_toml(ports: tuple[int, int, int]) -> list[str]:
+    """tpassd's port keys (pub, control, metrics): in each node's config and in the
+    cluster-wide file its callers read (torchpass.tpassd_ports)."""
+    pub, control, metrics = ports
+    return [f"pub_port = {int(pub)}", f"control_port = {int(control)}", f"metrics_port = {int(metrics)}"]
+
+
 def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
-               interval_s: float = 1.0) -> list[str]:
+               interval_s: float = 1.0,
+               ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT)) -> list[str]:
     """Write the node's config and policy under ``node_dir``; return tpassd's argv."""
     node_dir = Path(node_dir)
     node_dir.mkdir(parents=True, exist_ok=True)
@@ -44,9 +52,7 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
     cfg.write_text("\n".join([
         f"node_name = {_toml_str(node_name)}",
         f"bind_address = {_toml_str(address)}",
-        f"pub_port = {TPASSD_PUB_PORT}",
-        f"control_port = {TPASSD_CONTROL_PORT}",
-        f"metrics_port = {TPASSD_METRICS_PORT}",
+        *ports_toml(ports),
         f"interval_s = {float(interval_s)}",
         'nvml_provider = "fake"',
         "fake_gpus = 8",
