@@ -17,9 +17,9 @@ import click
 
 from torchpass import auth, zmqio
 from torchpass.drill_kinds import KINDS
-from torchpass.errors import DependencyError, RemoteError, SlurmError, TorchpassError
-from torchpass.ports import TPASSD_CONTROL_PORT
+from torchpass.errors import ConfigError, DependencyError, RemoteError, SlurmError, TorchpassError
 from torchpass.slurm import client
+from torchpass.tpassd_ports import tpassd_ports
 
 
 def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
@@ -32,11 +32,16 @@ def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def discover(endpoints: tuple[str, ...], only: tuple[str, ...], control_port: int) -> dict[str, dict[str, Any]]:
+def discover(endpoints: tuple[str, ...], only: tuple[str, ...], control_port: int | None) -> dict[str, dict[str, Any]]:
     """node -> {"endpoint", "slurm_state"}."""
     explicit = _parse_endpoints(endpoints)
     found: dict[str, dict[str, Any]] = {n: {"endpoint": ep, "slurm_state": None} for n, ep in explicit.items()}
     if not explicit:
+        if control_port is None:
+            try:
+                control_port = tpassd_ports().control_port
+            except ConfigError as exc:
+                raise click.ClickException(f"{exc}; or pass --control-port")
         try:
             for n in client().nodes():
                 found[n.name] = {"endpoint": f"tcp://{n.address}:{control_port}", "slurm_state": "+".join(n.state)}
@@ -78,8 +83,9 @@ def node_health(node: str, info: dict[str, Any], munge_socket: str | None, timeo
 _common = [
     click.option("--endpoint", "endpoints", multiple=True, metavar="NODE=tcp://HOST:PORT",
                  help="Ask this tpassd instead of discovering nodes from Slurm (repeatable)."),
-    click.option("--control-port", type=int, default=TPASSD_CONTROL_PORT, show_default=True,
-                 help="tpassd control port on nodes discovered from Slurm."),
+    click.option("--control-port", type=int, default=None,
+                 help="tpassd control port on nodes discovered from Slurm "
+                      "[default: control_port of tpassd's config, /etc/torchpass/tpassd.toml or $TORCHPASS_TPASSD_CONFIG]."),
     click.option("--munge-socket", envvar="TORCHPASS_MUNGE_SOCKET", default=None,
                  help="munged socket (env TORCHPASS_MUNGE_SOCKET)."),
     click.option("--timeout", "timeout_s", type=float, default=1.0, show_default=True,

@@ -1,7 +1,8 @@
 """tpassd's settings: one typed object, defaults -> /etc/torchpass/tpassd.toml
--> environment (TPASSD_<KEY>) -> command-line flags. Unknown keys are
-rejected by name. Every key is documented in docs/tpassd.md and
-contrib/tpassd.toml.example."""
+(or $TORCHPASS_TPASSD_CONFIG) -> environment (TPASSD_<KEY>) -> command-line
+flags. Unknown keys are rejected by name. Every key is documented in
+docs/tpassd.md and contrib/tpassd.toml.example. The coordinator and tpassctl
+read tpassd's ports from the same file and variables (torchpass/tpassd_ports.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from pathlib import Path
 from torchpass import config as tconfig
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
-
-DEFAULT_CONFIG = Path("/etc/torchpass/tpassd.toml")
-ENV_PREFIX = "TPASSD"
+from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG
+from torchpass.tpassd_ports import ENV_PREFIX, tpassd_config_path
 
 PROVIDERS = ("auto", "nvml", "fake", "none")
 
@@ -41,6 +41,9 @@ class TpassdConfig:
     munge_socket: str = ""  # "" = $MUNGE_SOCKET or munge's default socket
     drills: bool = False  # accept fault drills (needs nvml_provider = fake or a non-/sys sysfs_root)
     ports_file: Path | None = None  # write the bound ports here as JSON (port 0 in tests)
+    # Remove ended jobs' migration images and hold files (tpassd/sweep.py) at start and
+    # this often; 0 = never (then use the Epilog helper, contrib/epilog.d/torchpass-sweep).
+    sweep_interval_s: float = 300.0
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -58,6 +61,8 @@ class TpassdConfig:
                 raise ConfigError(f"{name} must be 0..65535, got {v}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
+        if self.sweep_interval_s != 0 and not 10 <= self.sweep_interval_s <= 86400:
+            raise ConfigError(f"sweep_interval_s must be 0 (off) or 10..86400, got {self.sweep_interval_s}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -70,6 +75,6 @@ class TpassdConfig:
 
 def load_config(path: Path | None = None, flags: dict | None = None, environ: dict | None = None,
                 required_file: bool = False) -> TpassdConfig:
-    path = DEFAULT_CONFIG if path is None else Path(path)
+    path = tpassd_config_path(environ) if path is None else Path(path)
     return tconfig.load(TpassdConfig, path=path, env_prefix=ENV_PREFIX, flags=flags, environ=environ,
                         required_file=required_file)

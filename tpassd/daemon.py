@@ -8,10 +8,14 @@ Threads (each with a stop path; ``stop()`` joins them all):
   collector   one worker per collector, so a hung NVML call costs that
               collector an "unknown" for the tick, not the heartbeat.
   nvml-events the NVML event-set watcher (tpassd/collectors/nvml.py).
-  control     the authenticated ROUTER endpoint (tpassd/control.py).
-              Requests: health, status, drill, snapshot/restore
-              (tpassd/checkpoint_handlers.py) and drain (``_h_drain``).
+  control     the authenticated ROUTER endpoint (tpassd/control.py): one
+              front thread answers health and status itself and hands
+              drill, drain (``_h_drain``) and snapshot/restore
+              (tpassd/checkpoint_handlers.py) to a bounded pool of
+              workers ("tpassd-op-N"), each request with its own deadline.
   metrics     the Prometheus HTTP endpoint (tpassd/metrics.py).
+  sweep       at start and every ``sweep_interval_s``: removes the images and
+              hold files of jobs Slurm no longer lists (tpassd/sweep.py).
 
 Drains (docs/tpassd.md, "Drains"): slurmctld lets only root and SlurmUser
 drain a node, so a job's coordinator (the job user) asks the bad node's own
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
 import time
 import uuid
@@ -44,7 +49,7 @@ from torchpass.errors import RemoteError, TorchpassError
 from torchpass.slurm import SlurmClient
 from torchpass.slurm.conf import job_privacy
 from torchpass.health_state import State
-from tpassd.checkpoint_handlers import register as register_checkpoint
+from tpassd.checkpoint_handlers import job_state_dir, register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
 from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
@@ -57,6 +62,7 @@ from tpassd.nvml_provider import select_provider
 from tpassd.policy import Policy, load_policy
 from tpassd.publisher import Publisher
 from tpassd.rules import RuleEngine
+from tpassd.sweep import Sweeper
 
 log = structlog.get_logger("tpassd")
 
@@ -212,6 +218,8 @@ class Tpassd:
         self._started = 0.0
         self._workers: list[_Worker] = []
         self._thread: threading.Thread | None = None
+        self._sweep_thread: threading.Thread | None = None
+        self.sweeper: Sweeper | None = None
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
         self.metrics = None
@@ -230,8 +238,10 @@ class Tpassd:
                                    cfg.interval_s)
         self.control = ControlServer(self.ctx, cfg.bind_address, cfg.control_port, self._authenticator,
                                      self._job_owner_uids)
-        self.control.register("tpassd.health", self._h_health, USER)
-        self.control.register("tpassd.status", self._h_status, USER)
+        # health and status read memory only: answered by the control front thread itself;
+        # every other request runs on a worker with its own deadline (tpassd/control.py).
+        self.control.register("tpassd.health", self._h_health, USER, inline=True)
+        self.control.register("tpassd.status", self._h_status, USER, inline=True)
         self.control.register("tpassd.drill", self._h_drill, OWNER)
         self.control.register("tpassd.drain", self._h_drain, USER)  # who may: checked per request
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
@@ -249,6 +259,11 @@ class Tpassd:
         self.control.start()
         self._thread = threading.Thread(target=self._loop, name="tpassd-sampler", daemon=True)
         self._thread.start()
+        self.sweeper = Sweeper(cfg.snapshot_dir, job_state_dir(cfg), self._slurm_client,
+                               busy_jobs=self.control.busy_jobs)
+        if cfg.sweep_interval_s > 0:
+            self._sweep_thread = threading.Thread(target=self._sweep_loop, name="tpassd-sweep", daemon=True)
+            self._sweep_thread.start()
         if cfg.ports_file:
             tmp = Path(f"{cfg.ports_file}.tmp")
             tmp.write_text(json.dumps(self.ports()))
@@ -268,6 +283,10 @@ class Tpassd:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self._sweep_thread is not None:
+            # It may be in a Slurm call (15 s timeout): a daemon thread, not waited for long.
+            self._sweep_thread.join(timeout=2)
+            self._sweep_thread = None
         if self.control is not None:
             self.control.close()
         if self.metrics is not None:
@@ -292,6 +311,18 @@ class Tpassd:
 
     def wake(self) -> None:
         self._wake.set()
+
+    # -- the sweep -------------------------------------------------------------
+    def _sweep_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                res = self.sweeper.sweep()
+                if res.removed or res.aborted or res.kept_busy:
+                    log.info("sweep done", **res.as_dict())
+            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps
+                log.exception("sweep failed")
+            # +-10 %: the tpassds of a cluster started together do not all ask slurmctld at once
+            self._stop.wait(self.cfg.sweep_interval_s * random.uniform(0.9, 1.1))
 
     # -- the sampler -----------------------------------------------------------
     def _loop(self) -> None:
@@ -436,9 +467,10 @@ class Tpassd:
         """Drain this node in Slurm with the coordinator's ``torchpass: ...`` reason, if allowed."""
         b = msg.body
         with Audit(ident, "drain", b) as act:
-            act.fields.update(node=self.node, reason=b.get("reason"))
+            # health first, so that a refused drain's audit line names the state it was refused on
+            act.fields.update(node=self.node, reason=b.get("reason"),
+                              health=(self.last_sample or {}).get("state", State.UNKNOWN.value))
             reason, health = self._drain_allowed(b, ident)
-            act.fields["health"] = health
             try:
                 self._slurm_client().drain(self.node, reason)
             except TorchpassError as exc:

@@ -3,6 +3,13 @@
     tpassd [--config /etc/torchpass/tpassd.toml] [--node-name N] [--bind-address A]
            [--interval S] [--nvml-provider auto|nvml|fake|none] [--sysfs-root DIR] ...
     tpassd --check-config [--config FILE]
+    tpassd --sweep-job JOBID [--config FILE]
+
+``--sweep-job J`` (a node ``Epilog=`` helper, contrib/epilog.d): remove job
+J's migration images under snapshot_dir and its hold files under the jobs'
+state directory (tpassd/sweep.py), without following any link, and exit.
+Refused while Slurm says the job is running or pending; the running
+tpassd's own sweep catches what a dump still running then writes.
 
 ``--fixture-sysfs`` (the devcluster and benches, which run tpassd with fake
 GPUs): before starting, rebuild a healthy fixture InfiniBand tree (4 ACTIVE
@@ -23,17 +30,22 @@ import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from torchpass import logs
+from torchpass import logs, slurm
 from torchpass.errors import TorchpassError
+from torchpass.slurm import SlurmClient
+from tpassd.checkpoint_handlers import job_state_dir
+from torchpass.tpassd_ports import CONFIG_ENV
 from tpassd.config import DEFAULT_CONFIG, load_config
 from tpassd.daemon import Tpassd
 from tpassd.drills import write_fixture_tree
 from tpassd.policy import load_policy
+from tpassd.sweep import Sweeper
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpassd", description="torchpass node health daemon")
-    p.add_argument("--config", type=Path, default=None, help=f"config file (default {DEFAULT_CONFIG}; optional there)")
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"config file (default ${CONFIG_ENV} or {DEFAULT_CONFIG}; optional there)")
     p.add_argument("--check-config", action="store_true", help="validate the config and policy, print them, exit")
     p.add_argument("--node-name")
     p.add_argument("--bind-address")
@@ -51,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ports-file", type=Path)
     p.add_argument("--drills", action="store_true", default=None, help="accept fault drills (fake provider only)")
     p.add_argument("--log-level")
+    p.add_argument("--sweep-job", type=int, metavar="JOBID",
+                   help="remove this ended job's migration images and hold files, then exit (Epilog)")
     p.add_argument("--fixture-sysfs", action="store_true",
                    help="rebuild a healthy fixture InfiniBand tree under sysfs_root first (never /sys)")
     return p
@@ -58,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    not_config = ("config", "check_config", "fixture_sysfs")
+    not_config = ("config", "check_config", "fixture_sysfs", "sweep_job")
     flags = {k: v for k, v in vars(args).items() if k not in not_config and v is not None}
     try:
         cfg = load_config(args.config, flags=flags, required_file=args.config is not None)
@@ -74,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"config": plain(asdict(cfg)), "policy": asdict(policy)}, indent=2, default=str))
         print("tpassd: configuration OK", file=sys.stderr)
         return 0
+    if args.sweep_job is not None:
+        return sweep_job(cfg, args.sweep_job)
     if args.fixture_sysfs:
         if cfg.sysfs_root.resolve() == Path("/sys"):
             print("tpassd: --fixture-sysfs needs a sysfs_root other than /sys", file=sys.stderr)
@@ -94,6 +110,31 @@ def main(argv: list[str] | None = None) -> int:
             pass
     finally:
         daemon.stop()
+    return 0
+
+
+STILL_RUNNING = ("RUNNING", "PENDING", "SUSPENDED", "CONFIGURING", "REQUEUED", "RESIZING")
+
+
+def sweep_job(cfg, job_id: int, slurm_client: SlurmClient | None = None) -> int:
+    """``tpassd --sweep-job J``: one ended job's files; prints what it removed as JSON."""
+    logs.configure(cfg.log_level)
+    if job_id < 1:
+        print(f"tpassd: --sweep-job needs a job id >= 1, got {job_id}", file=sys.stderr)
+        return 2
+    sl = slurm_client or slurm.client()
+    try:
+        info = sl.job(job_id)
+    except TorchpassError as exc:  # the Epilog's word that the job ended is enough
+        info = None
+        print(f"tpassd: cannot ask Slurm about job {job_id} ({exc}); sweeping on the Epilog's word",
+              file=sys.stderr)
+    if info is not None and info.state in STILL_RUNNING:
+        print(f"tpassd: job {job_id} is {info.state}; its migration files are in use, not removed "
+              "(run --sweep-job from the Epilog, once the job ended)", file=sys.stderr)
+        return 1
+    res = Sweeper(cfg.snapshot_dir, job_state_dir(cfg), lambda: sl).sweep_job(job_id)
+    print(json.dumps({"job_id": job_id, **res.as_dict()}))
     return 0
 
 

@@ -69,14 +69,15 @@ class MungeDaemon:
 
 
 def fake_node_config(tmp: Path, node: str = "node1", munge_socket: str = "", **over: Any) -> TpassdConfig:
-    """A config for a tpassd on 127.0.0.1 with ephemeral ports, 8 fake GPUs, 4 fixture IB ports."""
+    """A config for a tpassd on 127.0.0.1 with ephemeral ports, 8 fake GPUs, 4 fixture IB ports,
+    and no sweep (it would ask this machine's Slurm about the test's job ids; pass sweep_interval_s)."""
     sysfs = tmp / "sys"
     write_fixture_tree(sysfs)
     for d in ("state", "snapshots"):
         (tmp / d).mkdir(parents=True, exist_ok=True)
     cfg = TpassdConfig(node_name=node, bind_address="127.0.0.1", pub_port=0, control_port=0, metrics_port=0,
                        nvml_provider="fake", sysfs_root=sysfs, state_dir=tmp / "state",
-                       snapshot_dir=tmp / "snapshots", munge_socket=munge_socket, drills=True)
+                       snapshot_dir=tmp / "snapshots", munge_socket=munge_socket, drills=True, sweep_interval_s=0)
     return replace(cfg, **over) if over else cfg
 
 
@@ -97,6 +98,20 @@ def private_munged():
             yield m
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_for(pred, timeout: float = 5.0, what: str = "", poll_s: float = 0.01) -> bool:
+    """Poll ``pred`` until it is true (True) or ``timeout`` seconds pass: False, or, when ``what``
+    says what was awaited, AssertionError naming it."""
+    end = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= end:
+            if what:
+                raise AssertionError(f"{what}: not within {timeout:g} s")
+            return False
+        time.sleep(poll_s)
 
 
 def credential_as(uid: int, gid: int, payload: bytes, socket: str) -> str:

@@ -16,7 +16,7 @@ from torchpass.health import HealthSubscriber, State
 from torchpass.slurm import JobInfo
 from tpassd.collectors.base import Collector
 from tpassd.daemon import Tpassd
-from tpassd.testing import call, credential_as, fake_node_config
+from tpassd.testing import call, credential_as, fake_node_config, wait_for
 
 
 class FakeSlurm:
@@ -59,15 +59,6 @@ def subscriber(d, munge, **kw):
     def snap(node, ep):
         return call(ep, node, "tpassd.health", munge_socket=munge.socket)
     return HealthSubscriber({d.node: (d.pub, d.ctl)}, snapshot=snap, **kw).start()
-
-
-def wait_for(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 DRILLS = [

@@ -19,7 +19,7 @@ from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, 
 from torchpass.coordinator.state import JobState
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
-from torchpass.ports import TPASSD_PUB_PORT
+from torchpass.tpassd_ports import tpassd_ports
 from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy, slurm_munge_socket
 
@@ -42,6 +42,7 @@ def _make_driver(job, state_dir, spares, policy_name, log):
     """
     try:
         pol = load_policy(policy_name)
+        ports = tpassd_ports()  # the nodes' own tpassd.toml: one place for a site to move a port
         slurm = client()
         info = slurm.job(job.job_id)
         nodes = list(info.nodes) if info is not None else []
@@ -64,14 +65,14 @@ def _make_driver(job, state_dir, spares, policy_name, log):
         return socket.gethostbyname(node)
 
     munge_socket = auth.default_socket() or slurm_munge_socket()
-    tp = TpassdClient(address_of, munge_socket=munge_socket)
+    tp = TpassdClient(address_of, port=ports.control_port, munge_socket=munge_socket)
 
     def snapshot(node: str, endpoint: str) -> dict:
         return tp.request(node, "tpassd.health", {}, 2.0)
 
     health = None
     try:
-        pubs = {n: (f"tcp://{address_of(n)}:{TPASSD_PUB_PORT}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
+        pubs = {n: (f"tcp://{address_of(n)}:{ports.pub_port}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
         # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
         # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
         zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
@@ -81,7 +82,7 @@ def _make_driver(job, state_dir, spares, policy_name, log):
     driver = Driver(job, pol, health=health, spares=hot)
     def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too
         if health is not None:
-            health.follow(node, f"tcp://{address_of(node)}:{TPASSD_PUB_PORT}", f"tcp://{address_of(node)}:{tp.port}")
+            health.follow(node, f"tcp://{address_of(node)}:{ports.pub_port}", f"tcp://{address_of(node)}:{tp.port}")
 
     driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
                                address_of=address_of, follow=follow)

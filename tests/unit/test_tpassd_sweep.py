@@ -1,0 +1,211 @@
+"""tpassd removes an ended job's migration images and hold files, and follows no link a user
+planted (tpassd/sweep.py; issue 9, "Migration images are removed when the job ends, whatever way it
+ends"). Slurm's job list comes from a fake client (the Tpassd/Sweeper seam for the Slurm client);
+every path and process is real. On 5ac7044 nothing removed them (there was no tpassd/sweep.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchpass import layout
+from torchpass.errors import SlurmError
+from torchpass.slurm import JobInfo
+from tpassd.main import sweep_job
+from tpassd.sweep import Sweeper, dump_processes
+from tpassd.testing import wait_for
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir_only(monkeypatch):
+    """tpassd takes the jobs' state directory from $TORCHPASS_STATE_DIR when set (a shell with a
+    devcluster's env): these tests must sweep their own tmp_path, never that one."""
+    monkeypatch.delenv("TORCHPASS_STATE_DIR", raising=False)
+
+
+class FakeSlurm:
+    def __init__(self, states: dict[int, str] | None = None, fail: bool = False):
+        self.states = states or {}
+        self.fail = fail
+        self.asked = 0
+
+    def jobs(self, *, user=None, states=("RUNNING",)):
+        self.asked += 1
+        if self.fail:
+            raise SlurmError("'squeue --json' did not finish in 15 s; is slurmctld up?")
+        return [JobInfo(j, "train", "u", 1001, s, ("n1",)) for j, s in self.states.items()
+                if not states or s in states]
+
+    def job(self, job_id):
+        s = self.states.get(job_id)
+        return None if s is None else JobInfo(job_id, "train", "u", 1001, s, ("n1",))
+
+
+def images(snap, job, rank, gen=1, size=1000):
+    d = layout.images_dir(snap, job, rank, gen)
+    d.mkdir(parents=True)
+    (d / "pages-1.img").write_bytes(b"x" * size)
+    return d
+
+
+def hold(state, job, migration=1, rank=0):
+    f = layout.hold_file(state, job, migration, rank)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text("hold\n")
+    return f
+
+
+@pytest.fixture
+def tree(tmp_path):
+    snap, state, victim = tmp_path / "snap", tmp_path / "state", tmp_path / "victim"
+    for d in (snap, state, victim):
+        d.mkdir()
+    (victim / "precious").write_text("keep me\n")
+    (victim / "hold").mkdir()
+    (victim / "hold" / "1.rank0").write_text("not the job's\n")
+    return snap, state, victim
+
+
+def unchanged(victim):
+    assert (victim / "precious").read_text() == "keep me\n"
+    assert (victim / "hold" / "1.rank0").read_text() == "not the job's\n"
+
+
+def test_ended_jobs_files_go_running_jobs_stay(tree):
+    snap, state, victim = tree
+    ended, running, completing = images(snap, 5, 1), images(snap, 6, 0), images(snap, 9, 0)
+    h5, h6 = hold(state, 5), hold(state, 6)
+    (layout.job_dir(state, 5) / "events.json").write_text("[]")  # the event log outlives the job
+    slurm = FakeSlurm({6: "RUNNING", 9: "COMPLETING"})
+    res = Sweeper(snap, state, lambda: slurm).sweep()
+    assert not ended.exists() and not layout.snapshot_job_dir(snap, 5).exists()
+    assert not h5.parent.exists() and layout.events_json(state, 5).exists()
+    assert running.exists() and completing.exists() and h6.exists()
+    assert sorted(res.removed) == sorted([str(layout.snapshot_job_dir(snap, 5)), str(h5.parent)])
+
+
+def test_nothing_is_removed_when_slurm_cannot_say(tree):
+    snap, state, _ = tree
+    d, h = images(snap, 5, 1), hold(state, 5)
+    res = Sweeper(snap, state, lambda: FakeSlurm(fail=True)).sweep()
+    assert d.exists() and h.exists() and "nothing removed" in res.skipped
+
+
+def test_no_candidate_no_slurm_call(tree):
+    snap, state, _ = tree
+    slurm = FakeSlurm()
+    assert Sweeper(snap, state, lambda: slurm).sweep().removed == []
+    assert slurm.asked == 0
+
+
+def test_planted_symlinks_are_unlinked_never_followed(tree):
+    """Links in the last component and in intermediate ones, in the user's hold directory and in
+    the snapshot directory: each is removed or refused; every target is left unchanged."""
+    snap, state, victim = tree
+    images(snap, 5, 1)
+    (layout.snapshot_job_dir(snap, 5) / "rank0.gen1").symlink_to(victim)  # a link as an image dir
+    layout.snapshot_job_dir(snap, 7).symlink_to(victim)  # the job's whole snapshot dir a link
+    h = hold(state, 5)
+    (h.parent / "2.rank0").symlink_to(victim / "precious")  # a link as a hold file
+    (h.parent / "sub").mkdir()
+    (h.parent / "sub" / "deeper").symlink_to(victim)  # a link to a directory, one level down
+    layout.job_dir(state, 7).mkdir(parents=True)
+    (layout.job_dir(state, 7) / layout.HOLD).symlink_to(victim / "hold")  # the hold dir itself a link
+    layout.job_dir(state, 8).symlink_to(victim)  # an intermediate directory a link (victim/hold exists)
+    res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+    unchanged(victim)
+    assert set(os.listdir(victim)) == {"precious", "hold"}
+    assert not os.path.lexists(layout.snapshot_job_dir(snap, 5))
+    assert not os.path.lexists(layout.snapshot_job_dir(snap, 7))  # the link itself unlinked
+    assert not os.path.lexists(h.parent)
+    assert not os.path.lexists(layout.job_dir(state, 7) / layout.HOLD)
+    assert os.path.islink(layout.job_dir(state, 8))  # refused: not walked through, not removed
+    assert str(layout.job_dir(state, 8) / layout.HOLD) not in res.removed
+
+
+def test_a_dump_still_running_when_its_job_ended_is_aborted_then_removed(tree):
+    snap, state, _ = tree
+    d = images(snap, 5, 1)
+    other = images(snap, 6, 1)
+    # A stand-in for criu: a child of this process whose argv is a dump into the job's images.
+    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "dump", "-t", "1", "-D", str(d)])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "dump", "-D", str(other)])
+    try:
+        assert wait_for(lambda: [p.pid for p in dump_processes(snap, 5)] == [fake.pid])
+        busy = lambda: {5} if fake.poll() is None else set()  # noqa: E731 - the op ends when its criu does
+        res = Sweeper(snap, state, lambda: FakeSlurm({6: "RUNNING"}), busy_jobs=busy).sweep()
+        assert res.aborted == [fake.pid] and fake.wait(5) == -9
+        assert not d.exists() and res.kept_busy == []
+        assert bystander.poll() is None and other.exists()
+    finally:
+        for p in (fake, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_an_op_that_does_not_end_keeps_the_files(tree):
+    snap, state, _ = tree
+    d = images(snap, 5, 1)
+    res = Sweeper(snap, state, lambda: FakeSlurm({}), busy_jobs=lambda: {5}, busy_wait_s=0.1).sweep()
+    assert res.kept_busy == [5] and d.exists()
+
+
+def test_sweep_job_for_the_epilog(tree, capsys):
+    from tpassd.testing import fake_node_config
+
+    snap, state, _ = tree
+    cfg = fake_node_config(snap.parent / "node", snapshot_dir=snap, state_dir=state)
+    d, h = images(snap, 5, 1), hold(state, 5)
+    assert sweep_job(cfg, 5, FakeSlurm({5: "RUNNING"})) == 1
+    assert "is RUNNING" in capsys.readouterr().err and d.exists() and h.exists()
+    assert sweep_job(cfg, 5, FakeSlurm({5: "COMPLETING"})) == 0
+    assert not d.exists() and not h.exists()
+    assert '"job_id": 5' in capsys.readouterr().out
+    d = images(snap, 5, 2)
+    assert sweep_job(cfg, 5, FakeSlurm(fail=True)) == 0  # the Epilog's word is enough
+    assert not d.exists()
+
+
+def test_tpassd_sweeps_at_start(tmp_path, munge):
+    from tpassd.daemon import Tpassd
+    from tpassd.testing import fake_node_config
+
+    cfg = fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15,
+                           sweep_interval_s=300)
+    d, h = images(cfg.snapshot_dir, 5, 1), hold(cfg.state_dir, 5)
+    kept = images(cfg.snapshot_dir, 6, 1)
+    node = Tpassd(cfg, slurm_client=FakeSlurm({6: "RUNNING"})).start()
+    try:
+        assert wait_for(lambda: not d.exists() and not h.exists())
+        assert kept.exists()
+    finally:
+        node.stop()
+
+
+def test_sweep_interval_is_validated(tmp_path):
+    from tpassd.config import load_config
+    from torchpass.errors import ConfigError
+
+    assert load_config(tmp_path / "none.toml", flags={"sweep_interval_s": 0}).sweep_interval_s == 0
+    with pytest.raises(ConfigError, match="sweep_interval_s must be 0"):
+        load_config(tmp_path / "none.toml", flags={"sweep_interval_s": 1})
+
+
+def test_the_epilog_script_sweeps_the_job_and_always_exits_0(tree):
+    from pathlib import Path
+
+    snap, state, _ = tree
+    script = Path(__file__).resolve().parents[2] / "contrib" / "epilog.d" / "torchpass-sweep"
+    conf = snap.parent / "tpassd.toml"
+    conf.write_text(f'snapshot_dir = "{snap}"\nstate_dir = "{state}"\nnvml_provider = "none"\n')
+    d, h = images(snap, 5, 1), hold(state, 5)
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "5", "TPASSD": str(Path(sys.executable).with_name("tpassd")),
+           "TPASSD_CONFIG_FILE": str(conf), "SLURM_CONF": str(snap.parent / "no-slurm.conf")}
+    assert subprocess.run([str(script)], env=env, timeout=60).returncode == 0
+    assert not d.exists() and not h.exists()
+    env["TPASSD_CONFIG_FILE"] = str(snap.parent / "missing.toml")  # tpassd fails: still 0
+    assert subprocess.run([str(script)], env=env, timeout=60).returncode == 0
