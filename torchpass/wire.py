@@ -52,6 +52,7 @@ ERROR_CODES = frozenset(
         "conflict",  # valid request that the current state does not allow
         "unavailable",  # a dependency is missing (e.g. criu) or not ready
         "failed",  # the action was attempted and failed; message says why
+        "timeout",  # the server gave up waiting for the action (its deadline); it may still finish
         "internal",  # a bug; details are in the server's log, not the reply
     }
 )
@@ -160,11 +161,15 @@ BODIES: dict[str, dict[str, F]] = {
     # rank.* request (register, progress, armed, quiesced, resumed), as
     # result["command"]; it repeats a command on every reply until the rank
     # acknowledges it, and the rank treats repeats as no-ops:
-    #   {"command": "pause", "at": T, "generation": g, "hold_file": PATH?}
+    #   {"command": "pause", "at": T, "generation": g, "hold_file": PATH?,
+    #    "deadline_s": D, "fallback": {resume command}, "join_s": J}
     #       stop with exactly T collectives issued, tear down, rebuild as
     #       generation g (> current). With hold_file: after rank.quiesced,
     #       close every socket and wait until PATH exists (it is being dumped).
-    #       Acknowledged by rank.armed.
+    #       Acknowledged by rank.armed. No resume within D s (wall clock) of
+    #       quiescing: apply fallback once (a held copy first claims
+    #       PATH.claim); a fallback group not rebuilt within J s fails the
+    #       rank with one line (docs/coordinator.md, "Never left paused").
     #   {"command": "resume", "generation": g, "master_addr": A, "master_port": P}
     #       rebuild as generation g with the rendezvous store at A:P (rank 0
     #       serves it). Sent before the ranks have torn down, it cancels the

@@ -9,11 +9,13 @@ from typing import Any
 
 import click
 
-from torchpass import auth, layout, zmqio
+from torchpass import auth, coordinator_lost, layout, zmqio
 from torchpass.errors import TorchpassError, UnreachableError
 from tpassctl.status_cmd import discover_coordinators
 
 # The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
+# The saved log holds at most 10,000 events (JobState.record).
+SAVED_EVENTS_MAX_BYTES = 64 * 1024 * 1024
 PHASE_ORDER = ("detect", "spare", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "rollback",
                "drain", "shrink", "paused", "total")
 
@@ -56,18 +58,21 @@ def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
     Trusted only if the file belongs to the owner of jobs/J (created by the
     root plugin for the job's user), like registrations in discover_coordinators.
     """
-    job_dir = layout.job_dir(state_dir, job_id)
     path = layout.events_json(state_dir, job_id)
-    try:
-        if path.stat().st_uid != job_dir.stat().st_uid:
-            return None
-        events = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    events = coordinator_lost.read_job_file(state_dir, job_id, path, max_bytes=SAVED_EVENTS_MAX_BYTES)
     if not isinstance(events, list):
         return None
     return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(path),
             "events": [e for e in events if isinstance(e, dict)]}
+
+
+def with_lost_note(state_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Add the event ``coordinator.lost`` from a rank's note (the coordinator could not record it)."""
+    note = coordinator_lost.read(state_dir, row["job_id"])
+    if note is not None:
+        last = max((int(e.get("seq", 0) or 0) for e in row["events"]), default=0)
+        row["events"] = [*row["events"], coordinator_lost.as_event(note, last + 1)]
+    return row
 
 
 def _when(t: Any) -> str:
@@ -104,20 +109,21 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
         if job_id in regs:
             rows = [fetch(job_id, regs[job_id], since_seq, timeout_s)]
             if not rows[0]["reachable"]:
-                if saved is None:
+                if saved is None and coordinator_lost.read(obj.state_dir, job_id) is None:
                     raise click.ClickException(f"job {job_id}: {rows[0]['error']}")
-                rows = [saved]
+                rows = [saved or rows[0]]  # a lost coordinator that saved nothing: its note only
         elif saved is not None:
             rows = [saved]
         else:
             registration(obj.state_dir, job_id)  # raises the one-line "no coordinator" error
             rows = []
         for row in rows:
-            if row.get("saved"):
+            with_lost_note(obj.state_dir, row)
+            if row.get("saved") or since_seq:
                 row["events"] = [e for e in row["events"] if int(e.get("seq", 0) or 0) > since_seq]
     else:
         regs = discover_coordinators(obj.state_dir)
-        rows = [fetch(j, regs[j], since_seq, timeout_s) for j in sorted(regs)]
+        rows = [with_lost_note(obj.state_dir, fetch(j, regs[j], since_seq, timeout_s)) for j in sorted(regs)]
     if as_json:
         click.echo(json.dumps({"jobs": rows}, indent=1))
         return
@@ -131,7 +137,8 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
             click.echo(f"job {row['job_id']} (coordinator gone; saved log {row['saved']})")
         if row.get("error"):
             click.echo(f"  ERROR: {row['error']}")
-            continue
+            if not row["events"]:  # a lost coordinator's note still shows below
+                continue
         if not row["events"]:
             click.echo("  no events")
             continue

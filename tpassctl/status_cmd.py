@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from torchpass import auth, layout, zmqio
+from torchpass import auth, coordinator_lost, layout, zmqio
 from torchpass.errors import SlurmError, TorchpassError, UnreachableError, DependencyError
 from torchpass.slurm import client
 
@@ -88,6 +88,12 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             lost = isinstance(exc, UnreachableError) and sj is not None and sj.state == "RUNNING"
             row["coordinator_lost"] = lost
             row["protected"] = False if lost else None  # None: not known
+        # A rank's note that its link had no answer (torchpass.coordinator_lost): the coordinator is
+        # lost even if it still answers us (the ranks cannot reach it), and even if Slurm cannot say.
+        note = coordinator_lost.read(state_dir, jid)
+        if note is not None:
+            row.update(coordinator_lost=True, protected=False, lost=note)
+            row.setdefault("error", coordinator_lost.message(note))
         rows.append(row)
     if slurm_error:
         for r in rows:
@@ -120,7 +126,8 @@ def status(obj, job_id, as_json, timeout_s):
         steps = "-" if row.get("min_step") is None else f"{row['min_step']}..{row['max_step']}"
         ranks = f"{row.get('registered_ranks', '?')}/{row.get('world_size') or '?'}"
         if row.get("coordinator_lost"):
-            reach = f"  coordinator LOST: the job is unprotected (no migrations): {row['error']}"
+            why = coordinator_lost.message(row["lost"]) if row.get("lost") else row["error"]
+            reach = f"  coordinator LOST: the job is unprotected (no migrations): {why}"
         elif not row["reachable"]:
             reach = f"  UNREACHABLE: {row['error']}"
         else:

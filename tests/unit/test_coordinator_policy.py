@@ -70,3 +70,15 @@ def test_the_documented_policy_file_is_the_defaults(tmp_path):
 
     documented = {line.split("=")[0].strip() for line in block.splitlines() if "=" in line and not line.startswith("#")}
     assert documented == {f.name for f in dataclasses.fields(CoordinatorPolicy)}
+
+
+def test_hold_deadline_is_computed_unless_a_test_policy_sets_it(tmp_path):
+    """A paused rank's own deadline (docs/coordinator.md, "Never left paused"): 3630 s by default."""
+    from torchpass.coordinator.executor import hold_deadline_s
+
+    assert hold_deadline_s(CoordinatorPolicy()) == CoordinatorPolicy().max_pause_s() + 60.0 == 3630.0
+    (tmp_path / "short.toml").write_text("hold_deadline_s = 20\n")
+    assert hold_deadline_s(load_policy("short", policies_dir=tmp_path)) == 20.0
+    (tmp_path / "bad.toml").write_text("hold_deadline_s = -1\n")
+    with pytest.raises(ConfigError, match="hold_deadline_s must be >= 0"):
+        load_policy("bad", policies_dir=tmp_path)

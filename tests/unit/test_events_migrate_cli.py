@@ -209,3 +209,26 @@ def test_events_of_a_finished_job_come_from_its_saved_log(tmp_path):
     events.write_text("{not json")
     res = run(tmp_path, "events", "21")
     assert res.exit_code == 1 and "job 21 has no torchpass coordinator registered" in res.output
+
+
+def test_events_list_a_rank_s_coordinator_lost_note(tmp_path):
+    """The coordinator died (kill -9: it saved nothing, its registration is left): the note is the event."""
+    from torchpass import coordinator_lost
+
+    write_registration(tmp_path, 23, {"job_id": 23, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                      "uid": os.getuid()})
+    res = run(tmp_path, "events", "23", "--timeout", "0.1")
+    assert res.exit_code == 1 and "coordinator unreachable" in res.output  # no note yet: as before
+    coordinator_lost.create(tmp_path, 23, {"time": 1_700_000_000.0, "rank": 0, "node": "node1", "error": "no reply"})
+    res = run(tmp_path, "events", "23", "--timeout", "0.1")
+    assert res.exit_code == 0, res.output
+    assert "ERROR: coordinator unreachable" in res.output
+    assert ("coordinator.lost  rank 0 on node1: the coordinator does not answer (no reply); the job is "
+            "unprotected") in res.output
+    # Beside a saved log, after its last event.
+    layout.events_json(tmp_path, 23).write_text(json.dumps(
+        [{"seq": 5, "time": 1_699_999_999.0, "kind": "migration.started", "message": "m1", "data": {}}]))
+    got = json.loads(run(tmp_path, "events", "23", "--json", "--timeout", "0.1").output)["jobs"][0]["events"]
+    assert [(e["seq"], e["kind"]) for e in got] == [(5, "migration.started"), (6, "coordinator.lost")]
+    got = json.loads(run(tmp_path, "events", "23", "--json", "--since", "5", "--timeout", "0.1").output)
+    assert [e["kind"] for e in got["jobs"][0]["events"]] == ["coordinator.lost"]

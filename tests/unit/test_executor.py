@@ -125,6 +125,8 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     # What every paused rank was told to do on its own after deadline_s without a resume: this same
     # resume in place (docs/coordinator.md, "Never left paused"); 3630 s with the default policy.
     assert all(pause[r]["fallback"] == resume and pause[r]["deadline_s"] == 3630.0 for r in range(3))
+    # ... and how long the ranks of that fallback wait for each other before failing (the rebuild's timeout)
+    assert all(pause[r]["join_s"] == ex.policy.rebuild_timeout_s for r in range(3))
     assert hf.exists()  # the held source copy wakes up where it is
     assert ("n2", "tpassd.snapshot") in [(n, t) for n, t, b in tp.calls if b["op"] == "abort"]
     for r in range(3):

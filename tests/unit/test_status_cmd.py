@@ -116,3 +116,29 @@ def test_a_dead_coordinator_of_a_running_job_shows_as_lost(tmp_path, monkeypatch
     else:  # the job is ending: its coordinator exiting is no loss
         assert "UNREACHABLE" in res.output and "LOST" not in res.output
         assert job["protected"] is None and job["coordinator_lost"] is False
+
+
+def _note_lost(state_dir, job_id, uid=None):
+    from torchpass import coordinator_lost
+
+    coordinator_lost.create(state_dir, job_id, {"time": 1_700_000_000.0, "rank": 2, "node": "node3",
+                                               "error": "no reply from tcp://10.0.0.1:4000 within 2 s"})
+    if uid is not None:
+        os.chown(coordinator_lost.path(state_dir, job_id), uid, -1)
+
+
+def test_a_rank_s_coordinator_lost_note_shows_even_while_the_coordinator_answers_us(tmp_path, coordinator, no_slurm):
+    """The ranks could not reach it for 30 s (torchpass.runtime.control): nothing protects the job."""
+    _note_lost(tmp_path, 9)
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9"])
+    assert res.exit_code == 0, res.output
+    assert ("coordinator LOST: the job is unprotected (no migrations): rank 2 on node3: the coordinator does not "
+            "answer (no reply from tcp://10.0.0.1:4000 within 2 s); the job is unprotected") in res.output
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
+    assert job["coordinator_lost"] is True and job["protected"] is False and job["lost"]["rank"] == 2
+
+
+def test_a_coordinator_lost_note_of_another_user_is_ignored(tmp_path, coordinator, no_slurm):
+    _note_lost(tmp_path, 9, uid=os.getuid() + 4242)  # not the owner of jobs/9: anyone could have dropped it
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
+    assert job["protected"] is True and "coordinator_lost" not in job

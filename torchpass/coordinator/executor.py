@@ -76,6 +76,7 @@ from typing import Any, NamedTuple
 import structlog
 
 from torchpass import auth, layout, zmqio
+from torchpass.checkpoint.rankwrap import RESTORE_JOB_ENV, RESTORE_RANK_ENV
 from torchpass.checkpoint.restore_gate import write_gate
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import decide as dc
@@ -105,7 +106,7 @@ DRAIN_TIMEOUT_S = 20.0
 
 def hold_deadline_s(policy: CoordinatorPolicy) -> float:
     """How long a paused rank may wait for its resume: 3630 s with the default policy."""
-    return policy.max_pause_s() + HOLD_MARGIN_S
+    return policy.hold_deadline_s or policy.max_pause_s() + HOLD_MARGIN_S
 
 
 def resume_port(job_id: int, generation: int, ports: tuple[int, int]) -> int:
@@ -371,7 +372,8 @@ class Executor:
         fallback = self._resume_command(a.generation, dc.in_place_master(st))
         for r in st.ranks:
             cmd = {"command": "pause", "at": a.at, "generation": a.generation,
-                   "deadline_s": hold_deadline_s(self.policy), "fallback": dict(fallback)}
+                   "deadline_s": hold_deadline_s(self.policy), "fallback": dict(fallback),
+                   "join_s": self.policy.rebuild_timeout_s}  # the fallback's ranks wait this long for each other
             if r in a.hold_ranks:
                 p = self._hold(a.migration, r)
                 p.parent.mkdir(parents=True, exist_ok=True)
@@ -461,6 +463,8 @@ class Executor:
         argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == SpareHow.COMPANION else None, gate)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
+        # The plugin starts its root restore agent for this step (torchpass.checkpoint.restore_agent).
+        env[RESTORE_RANK_ENV], env[RESTORE_JOB_ENV] = str(a.rank), str(self.job_id)
         errf = self.restore_err(a)
         errf.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

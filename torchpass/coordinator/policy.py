@@ -88,6 +88,12 @@ class CoordinatorPolicy:
     finalize_timeout_s: float = 120.0  # drain, then shrink (training already runs)
     # Resume / resume-in-place commands sent before the job is declared stuck.
     max_resume_attempts: int = 3
+    # A paused rank with no resume this long after it quiesced resumes in place on its own
+    # (the coordinator died: docs/coordinator.md, "Never left paused"). 0: max_pause_s() + 60 s,
+    # 3630 s with these defaults, beyond every phase's own deadline. A smaller value is for tests
+    # that kill the coordinator: below the time a migration really takes, ranks would leave a
+    # pause the coordinator still runs.
+    hold_deadline_s: float = 0.0
     # Ports (inclusive range) of each generation's rendezvous store on rank 0's
     # node. Below Linux's default ephemeral range (ip_local_port_range
     # 32768-60999): a port in it can be held by any outgoing connection on that
@@ -128,7 +134,7 @@ class CoordinatorPolicy:
                      "restore_timeout_s", "kill_timeout_s", "rebuild_timeout_s", "finalize_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("stall_s", "spare_retry_s", "retry_backoff_s"):
+        for name in ("stall_s", "spare_retry_s", "retry_backoff_s", "hold_deadline_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.pause_margin_collectives < 1:

@@ -25,23 +25,51 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
   (``resume`` with the pause's generation) with ``rank.resumed``
   ``cancelled: true``: refused cleanly, never a rank waiting at T.
 
+* never left paused (docs/coordinator.md, "Never left paused"): every pause
+  carries ``deadline_s`` (D) and ``fallback`` (the resume in place the
+  coordinator itself would send). A quiesced rank with no resume D seconds
+  after it quiesced (wall clock: a restored copy must not trust another
+  host's monotonic clock) applies ``fallback`` once and is unprotected from
+  then on; a held copy first claims the rank with
+  ``open(hold_file + ".claim", O_CREAT|O_EXCL)`` (the source copy at D, a
+  restored copy at D + 60 s, so the source wins whenever it is alive; the
+  loser exits 0 without touching the group). If the ranks of that resume do
+  not all join within ``join_s``, each one says so in one line and exits 1:
+  Slurm ends the job at once instead of at its time limit.
+* a link with no answer for ``lost_after_s`` (30 s) notes
+  STATE_DIR/jobs/J/coordinator.lost once for the whole job
+  (torchpass.coordinator_lost): tpassctl status and events show it.
+
 Every request is sent with its own short-lived socket, so between requests
 the link holds no TCP connection either.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import socket
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
 from torchpass.runtime.say import say
 
 # The longest report interval a coordinator's backpressure hint can ask for (report_every_s).
 MAX_HINT_S = 10.0
+# A restored copy claims its rank this much later than the source copy would: the source wins
+# whenever it is alive (docs/coordinator.md, "Never left paused").
+RESTORED_CLAIM_DELAY_S = 60.0
+# How long the ranks of a resume in place without the coordinator wait for each other (the pause
+# command's join_s, the policy's rebuild_timeout_s, when it has one).
+FALLBACK_JOIN_S = 120.0
+# No answer from the coordinator for this long: it is lost (TORCHPASS_COORDINATOR_LOST_S).
+COORDINATOR_LOST_S = 30.0
+# The fallback rendezvous' own keys on rank 0's store (beside the generations' gen<g>/ keys).
+FALLBACK_KEY = "torchpass-fallback/gen{gen}"
 
 
 def _netns_inode() -> int:
@@ -64,6 +92,13 @@ class ControlLink(PauseListener):
         paused_interval_s: float = 0.02,
         request_timeout_s: float = 2.0,
         auth: str | None = None,
+        state_dir: str | None = None,
+        rank_dir: str | None = None,
+        lost_after_s: float = COORDINATOR_LOST_S,
+        claim_delay_s: float = RESTORED_CLAIM_DELAY_S,
+        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        exit: Callable[[int], None] = os._exit,
     ):
         self.pg = pg
         self.endpoint = endpoint
@@ -90,6 +125,21 @@ class ControlLink(PauseListener):
         self._holding = False
         self.registered = False
         self.errors = 0
+        # Never left paused: the accepted pause (its deadline_s, fallback, join_s), when this rank
+        # quiesced for it (wall clock), and why it resumed without the coordinator (then unprotected).
+        self.state_dir = state_dir
+        self.rank_dir = rank_dir  # the rank wrapper's record directory (the hand-off marker lives there)
+        self.lost_after_s = lost_after_s
+        self.claim_delay_s = claim_delay_s
+        self.wall = wall
+        self.clock = clock
+        self._exit = exit
+        self._pause: dict | None = None
+        self._quiesced_wall: float | None = None
+        self.fell_back: str | None = None
+        self._rebuilt = threading.Event()
+        self._failing_since: float | None = None
+        self.lost_noted = False
         pg.listener = self
 
     @classmethod
@@ -108,6 +158,9 @@ class ControlLink(PauseListener):
             interval_s=float(env.get("TORCHPASS_PROGRESS_INTERVAL", "0.5")),
             paused_interval_s=float(env.get("TORCHPASS_PAUSED_POLL_INTERVAL", "0.02")),
             auth=signer_from_env(env),  # every rank.* request signed with the job secret
+            state_dir=env.get("TORCHPASS_STATE_DIR") or None,
+            rank_dir=env.get("TORCHPASS_RANK_STATE_DIR") or None,
+            lost_after_s=float(env.get("TORCHPASS_COORDINATOR_LOST_S", COORDINATOR_LOST_S)),
         )
         return link
 
@@ -160,16 +213,39 @@ class ControlLink(PauseListener):
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
                 say(f"coordinator {self.endpoint} did not answer {type_} ({exc}); will keep trying")
+            self._note_silence(str(exc))
             return None
         self.errors = 0
+        self._failing_since = None
         return result
+
+    def _note_silence(self, error: str) -> None:
+        """No answer for lost_after_s: the first rank of the job to notice notes coordinator.lost."""
+        now = self.clock()
+        if self._failing_since is None:
+            self._failing_since = now
+        if self.lost_noted or now - self._failing_since < self.lost_after_s:
+            return
+        self.lost_noted = True
+        from torchpass import coordinator_lost  # no torch, no zmq
+
+        record = {"time": self.wall(), "rank": self.rank, "node": self.node, "error": error}
+        try:
+            if self.state_dir is None:
+                raise OSError("TORCHPASS_STATE_DIR is not set")
+            if not coordinator_lost.create(self.state_dir, self.job_id, record):
+                return  # another rank noted it (and said so)
+            where = ""
+        except OSError as exc:
+            where = f" (cannot note it in the state directory: {exc})"
+        say(f"the coordinator does not answer; the job is unprotected{where}")
 
     def _base(self) -> dict:
         return {"job_id": self.job_id, "rank": self.rank}
 
     def _unprotected(self) -> dict:
         """``unprotected``: why this rank refuses pauses, in every report once it does."""
-        why = self.pg.unprotected
+        why = self.pg.unprotected or self.fell_back
         return {"unprotected": why} if why else {}
 
     def _run(self) -> None:
@@ -186,6 +262,9 @@ class ControlLink(PauseListener):
                 else:
                     self._sleep(self.interval_s)
             while not self._stop:
+                if self._expired():
+                    self._expire()
+                    continue
                 with self._cv:
                     item = self._outbox.popleft() if self._outbox else None
                 if item is not None:
@@ -239,16 +318,150 @@ class ControlLink(PauseListener):
                 self._cv.wait(seconds)
 
     def _hold(self) -> None:
-        """Close every socket and wait for the hold file (dump + restore happen now)."""
+        """Close every socket and wait for the hold file (dump + restore happen now).
+
+        At the pause's deadline with no hold file (the coordinator is gone) it
+        leaves the wait still holding; the control loop then claims the rank.
+        """
         path = self._hold_file
         self._close()
         self._holding = True
         try:
             while not self._stop and path and not os.path.exists(path):
+                if self._expired():
+                    return
                 time.sleep(0.02)  # short sleeps restart cleanly after a restore
+            self._hold_file = None  # released: the coordinator's decision stands, no claim
         finally:
             self._holding = False
-            self._hold_file = None
+
+    # -- never left paused ------------------------------------------------------------
+    def deadline(self) -> float | None:
+        """Wall-clock time at which this quiesced rank stops waiting for the coordinator (None: not due)."""
+        p, q = self._pause, self._quiesced_wall
+        if p is None or q is None:
+            return None
+        d = q + p["deadline_s"]
+        if self._hold_file is not None and self.moved:
+            d += self.claim_delay_s  # a restored copy: the source copy claims first
+        return d
+
+    def _expired(self) -> bool:
+        d = self.deadline()
+        return d is not None and self.wall() >= d
+
+    def _expire(self) -> None:
+        """No resume by the deadline: claim the rank if held, then resume in place (once)."""
+        hold = self._hold_file
+        if hold is not None and not os.path.exists(hold):
+            won = self._claim(hold)
+            if won is None:
+                return self._exit(1)
+            if not won:
+                say(f"rank {self.rank}: another copy of this rank went on ({hold}.claim exists): this copy exits")
+                return self._exit(0)
+            if not self.moved:
+                self._call_off_handoff()
+        self._hold_file = None
+        self._fall_back()
+
+    def _call_off_handoff(self) -> None:
+        """The source copy goes on where it is: call the hand-off off as a rollback's tpassd does
+        (``op=abort``: marker "abort"; the rank record back to this copy if a restored copy had
+        taken it), so that this copy's task wrapper reports its exit code instead of waiting for
+        a moved rank's, and the restored copy's wrapper writes none (torchpass.checkpoint.rankwrap)."""
+        rank_dir = self.rank_dir
+        if not rank_dir:
+            return
+        from torchpass import layout
+        from torchpass.checkpoint import safeio
+
+        record = layout.rank_record(rank_dir, self.job_id, self.rank)
+        try:
+            dfd = os.open(record.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            say(f"rank {self.rank}: cannot call the move off in {record.parent} ({exc}); its task may wait "
+                "for a moved copy")
+            return
+        try:
+            try:
+                rec = json.loads(safeio.read_regular(record.name, safeio.MAX_RECORD_BYTES, dir_fd=dfd))
+            except (OSError, ValueError):
+                rec = {}
+            prev = rec.get("previous") if isinstance(rec, dict) else None
+            if rec.get("restored_from") and isinstance(prev, dict) and prev.get("wrapper_pid"):
+                safeio.write_at(dfd, record.name, json.dumps(prev).encode())
+            safeio.write_at(dfd, layout.handoff(rank_dir, self.job_id, self.rank).name, b"abort\n")
+        except OSError as exc:
+            say(f"rank {self.rank}: cannot call the move off in {record.parent} ({exc}); its task may wait "
+                "for a moved copy")
+        finally:
+            os.close(dfd)
+
+    def _claim(self, hold: str) -> bool | None:
+        """``hold_file.claim``, O_CREAT|O_EXCL on the shared state directory: exactly one copy gets it."""
+        try:
+            fd = os.open(hold + ".claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            say(f"rank {self.rank}: cannot claim the rank ({hold}.claim: {exc}); not resuming, so that no two "
+                "copies of it go on")
+            return None
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return True
+
+    def _fall_back(self) -> None:
+        """Apply the pause's ``fallback`` as if the coordinator had sent it; unprotected from now on."""
+        p, self._pause, self._quiesced_wall = self._pause, None, None
+        d = p["deadline_s"]
+        self.fell_back = f"resumed in place without the coordinator (no resume in {d:g} s)"
+        with self._cv:
+            self._outbox.clear()  # what the coordinator never took (rank.quiesced) is moot now
+        say(f"no resume from the coordinator in {d:g} s: resuming in place (the job is unprotected from now on)")
+        fb = p["fallback"]
+        gen, rv = int(fb["generation"]), Rendezvous(str(fb["master_addr"]), int(fb["master_port"]))
+        self._rebuilt.clear()
+        self.pg.resume(gen, rv)
+        threading.Thread(target=self._watch_join, args=(gen, rv, p["join_s"]), name="torchpass-fallback",
+                         daemon=True).start()
+
+    def _watch_join(self, gen: int, rv: Rendezvous, join_s: float) -> None:
+        """Every rank of the fallback must join within join_s; else one line and exit 1.
+
+        Each rank sets its own key on rank 0's store (its own client, beside the
+        rebuild's), so the line names who is missing: rank 0 itself when its
+        store never answers.
+        """
+        import torch.distributed as dist
+
+        end = self.clock() + join_s
+        prefix = FALLBACK_KEY.format(gen=gen)
+        store = None
+        while not self._rebuilt.wait(0.2):
+            left = end - self.clock()
+            if left <= 0:
+                break
+            if store is None:
+                try:
+                    store = dist.TCPStore(rv.master_addr, rv.master_port, self.pg.size(), False,
+                                          datetime.timedelta(seconds=max(0.5, min(2.0, left))),
+                                          wait_for_workers=False)
+                    store.set(f"{prefix}/rank{self.rank}", self.node)
+                except Exception:  # noqa: BLE001 - rank 0's store is not up (yet)
+                    store = None
+        if self._rebuilt.is_set():
+            return
+        try:
+            missing = ([r for r in range(self.pg.size()) if not store.check([f"{prefix}/rank{r}"])]
+                       if store is not None else [0])
+        except Exception:  # noqa: BLE001 - rank 0 went away meanwhile
+            missing = [0]
+        who = (f"rank(s) {', '.join(map(str, missing))} did not join within {join_s:g} s "
+               "(the moved rank has no live copy)" if missing else f"the group did not rebuild within {join_s:g} s")
+        say(f"rank {self.rank}: resume in place without the coordinator failed: {who}; the job cannot go on")
+        self._exit(1)
 
     # -- commands -----------------------------------------------------------------
     def _handle(self, result: dict) -> None:
@@ -262,14 +475,20 @@ class ControlLink(PauseListener):
             if kind == "pause":
                 at, gen = int(cmd["at"]), int(cmd["generation"])
                 hold = cmd.get("hold_file")
-                ok = self.pg.arm(at, gen)
-                if ok:
-                    self._hold_file = str(hold) if hold else None
+                # Set before arming: the training thread may reach T (on_quiesced reads both) at once.
+                before = self._hold_file, self._pause
+                self._hold_file, self._pause = (str(hold) if hold else None), _pause_terms(cmd)
+                ok = self.fell_back is None and self.pg.arm(at, gen)  # after a fallback: unprotected
+                if not ok:
+                    self._hold_file, self._pause = before
                 self._report_armed(at, gen, ok)
             elif kind == "resume":
                 gen = int(cmd["generation"])
                 rv = Rendezvous(str(cmd["master_addr"]), int(cmd["master_port"]))
-                if self.pg.resume(gen, rv) == "cancelled":
+                how = self.pg.resume(gen, rv)
+                if how:  # the coordinator settled the pause: no deadline runs any more
+                    self._pause = self._quiesced_wall = None
+                if how == "cancelled":
                     self.on_resumed(self.pg, {"generation": self.pg.generation, "rebuild_s": 0.0,
                                               "cancelled": True})
                     self._hold_file = None
@@ -293,6 +512,8 @@ class ControlLink(PauseListener):
 
     # -- PauseListener (called from the pausing training thread) --------------------
     def on_quiesced(self, pg: ReconfigurablePG, info: dict) -> None:
+        if self._pause is not None:
+            self._quiesced_wall = self.wall()  # D counts from here
         hold = self._hold_file is not None
         self._post("rank.quiesced", {**self._base(), "generation": int(info["next_generation"]),
                                      "collectives": pg.collectives, "sockets": int(info["sockets"]),
@@ -300,6 +521,7 @@ class ControlLink(PauseListener):
                                      "hold": hold})
 
     def on_resumed(self, pg: ReconfigurablePG, info: dict) -> None:
+        self._rebuilt.set()
         self._armed_reported = None
         body = {**self._base(), "generation": pg.generation, "collectives": pg.collectives,
                 "rebuild_s": float(info["rebuild_s"]), "node": self.node, "moved": self.moved}
@@ -312,6 +534,16 @@ class ControlLink(PauseListener):
         # now: the coordinator cancels it (every report also says why).
         if dropped is not None:
             self._report_armed(dropped[0], dropped[1], False)
+
+
+def _pause_terms(cmd: dict) -> dict | None:
+    """A pause command's deadline_s, fallback and join_s (None: an older coordinator sent none)."""
+    fb = cmd.get("fallback")
+    if (not isinstance(fb, dict) or cmd.get("deadline_s") is None
+            or any(k not in fb for k in ("generation", "master_addr", "master_port"))):
+        return None
+    return {"deadline_s": float(cmd["deadline_s"]), "fallback": fb,
+            "join_s": float(cmd.get("join_s") or FALLBACK_JOIN_S)}
 
 
 __all__ = ["ControlLink", "count_sockets"]
