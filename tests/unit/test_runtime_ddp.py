@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from torchpass.runtime import boot_dir
-from torchpass.runtime.testing import MiniCoordinator, free_port
+from torchpass.runtime.testing import MiniCoordinator, finish_ranks, free_port, launch_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -29,36 +27,12 @@ JOB = 4242
 
 
 def launch(tmp: Path, tag: str, runtime: bool, coordinator: str | None = None, args=ARGS):
-    port = free_port()
-    procs = []
-    for r in range(WORLD):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
-        env.update(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB), TORCHPASS_DEBUG="1",
-                   TORCHPASS_PROGRESS_INTERVAL="0.05")
-        if not runtime:
-            env["TORCHPASS_RUNTIME"] = "0"
-        if coordinator:
-            env["TORCHPASS_COORDINATOR"] = coordinator
-        out = open(tmp / f"{tag}.{r}.out", "w")
-        err = open(tmp / f"{tag}.{r}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *args], env=env, stdout=out, stderr=err,
-                                      stdin=subprocess.DEVNULL, close_fds=True))
-    return procs
+    return launch_ranks([sys.executable, str(TRAIN), *args], WORLD, tmp, tag, runtime=runtime, job_id=JOB,
+                        coordinator=coordinator, env={"TORCHPASS_DEBUG": "1"})
 
 
 def finish(procs, tmp: Path, tag: str, timeout: float = 120) -> list[list[str]]:
-    try:
-        for p in procs:
-            p.wait(timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, (tmp / f"{tag}.{r}.err").read_text()[-3000:]
-    return [(tmp / f"{tag}.{r}.out").read_text().splitlines() for r in range(WORLD)]
+    return finish_ranks(procs, tmp, tag, timeout)[0]
 
 
 def step_counts(err: str) -> dict[int, int]:

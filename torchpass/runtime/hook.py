@@ -9,16 +9,20 @@ never imported by the hook itself.
 
 The patched ``init_process_group`` resolves rank, world size and the
 rendezvous address the way torch would (arguments, ``tcp://`` init method,
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or SLURM_PROCID/SLURM_NTASKS), builds
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; like torch, never SLURM_*), builds
 the switchable store itself, and calls the real ``init_process_group`` with
 ``backend="torchpass"``: torch's own bookkeeping makes the
 ``ReconfigurablePG`` the default group. Anything it cannot cover (a user
 store, ``file://``, ``mpi``/``ucc`` backends, an explicit torchpass-disable)
 falls back to the real call with one ``torchpass:`` line on stderr.
 
-Subgroups (new_group, split_group, DeviceMesh) are made as torch makes them,
-on the same store the default group uses; the hook watches their
-registration and marks the job unprotected (pg.py ``mark_unprotected``).
+Subgroups: torch's ``new_group`` (DeviceMesh, new_subgroups, ...) hands the
+making of the group to the ``ReconfigurablePG``, which makes a
+reconfigurable subgroup (pg.py ``new_group``); the hook passes on the
+backend the script asked for, and lets torch make the group natively when
+the runtime cannot serve that backend. Native groups (split_group, those)
+are watched at registration and mark the job unprotected (pg.py
+``mark_unprotected``).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def plan_for(backend, init_method, world_size, rank, store, timeout) -> tuple["Plan | None", str]:
+def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=None) -> tuple["Plan | None", str]:
     """Decide whether the runtime can wrap this init; (None, reason) when not."""
     import torch
 
@@ -123,25 +127,27 @@ def plan_for(backend, init_method, world_size, rank, store, timeout) -> tuple["P
     reported = "nccl" if use_nccl else "gloo"
     if b is not None and "," in b:
         reported = b
-    addr = os.environ.get("MASTER_ADDR")
-    port = _env_int("MASTER_PORT")
-    if init_method not in (None, "", "env://"):
-        u = urlparse(str(init_method))
-        if u.scheme != "tcp":
-            return None, f"init_method {init_method!r} is not covered (env:// and tcp:// are)"
-        addr, port = u.hostname, u.port
-        for part in (u.query or "").split("&"):
-            k, _, v = part.partition("=")
-            if k == "rank" and rank in (None, -1):
-                rank = int(v)
-            elif k == "world_size" and world_size in (None, -1):
-                world_size = int(v)
+    elif b in (None, "undefined") and device_id is None:
+        reported = "undefined"  # what torch's own init_process_group() reports (it binds backends lazily)
+    # Resolved exactly as torch's env:// and tcp:// rendezvous handlers do (arguments, then the
+    # URL's query, then for env:// only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; never SLURM_*):
+    # where torch would fail, the real call runs and fails the same way (do no harm).
+    u = urlparse(str(init_method or "env://"))
+    if u.scheme not in ("env", "tcp"):
+        return None, f"init_method {init_method!r} is not covered (env:// and tcp:// are)"
+    query = dict(part.partition("=")[::2] for part in (u.query or "").split("&") if part)
     if rank in (None, -1):
-        rank = _env_int("RANK", "SLURM_PROCID")
+        rank = int(query["rank"]) if "rank" in query else None
     if world_size in (None, -1):
-        world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+        world_size = int(query["world_size"]) if "world_size" in query else None
+    if u.scheme == "tcp":
+        addr, port = u.hostname, u.port
+    else:
+        addr, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+        rank = _env_int("RANK") if rank is None else rank
+        world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     if rank is None or world_size is None or not addr or not port:
-        return None, "rank, world size or MASTER_ADDR/MASTER_PORT unknown"
+        return None, "rank, world size or the rendezvous address unknown (as torch would need them)"
     if timeout is None:
         from torch.distributed.distributed_c10d import default_pg_timeout
 
@@ -179,7 +185,7 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
         store=store, group_name=group_name, pg_options=pg_options, device_id=device_id, **kw,
     )
     try:
-        plan, why = plan_for(backend, init_method, world_size, rank, store, timeout)
+        plan, why = plan_for(backend, init_method, world_size, rank, store, timeout, device_id)
     except Exception as exc:  # noqa: BLE001
         plan, why = None, f"{type(exc).__name__}: {exc}"
     if plan is None:
@@ -216,18 +222,59 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
             pass
     state["pg"] = pg
     state.pop("fallback", None)
+    _route_new_groups(c10d)
     _watch_groups(c10d)
     _count_steps(pg)
     _start_control(pg, plan)
     return None
 
 
+def _route_new_groups(c10d) -> None:
+    """Pass the backend a ``new_group`` call asks for on to the ReconfigurablePG.
+
+    torch's ``_new_group_with_tag`` hands the group to the default group's
+    ``new_group`` without the backend. Nothing, the default group's backend
+    or "gloo" (a CPU-only group) are served by a reconfigurable subgroup; any
+    other (e.g. "nccl" when the default group is gloo) hides the method for
+    the call, so torch makes the group natively as it would without the
+    runtime, and the job runs unprotected (``_watch_groups``).
+    """
+    orig = getattr(c10d, "_new_group_with_tag", None)
+    if orig is None or hasattr(orig, "__torchpass_orig__"):
+        return
+
+    @functools.wraps(orig)
+    def new_group_with_tag(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        pg = state.get("pg")
+        if pg is None or c10d._world.default_pg is not pg:
+            return orig(ranks, timeout, backend, *args, **kwargs)
+        try:
+            b = str(backend).lower() if backend else ""
+            served = b in ("", "undefined", "gloo", c10d._world.pg_map[pg][0]) and (b != "nccl" or pg._use_nccl)
+        except Exception as exc:  # noqa: BLE001 - the script's call goes on; torch makes the group natively
+            say(f"could not look at the new group's backend ({type(exc).__name__}: {exc})")
+            b, served = "", False
+        if not served:
+            pg.new_group = None  # torch skips a default group whose new_group is not callable
+        pg.next_backend = b
+        try:
+            return orig(ranks, timeout, backend, *args, **kwargs)
+        finally:
+            pg.next_backend = ""
+            if not served:
+                del pg.new_group
+
+    new_group_with_tag.__torchpass_orig__ = orig
+    c10d._new_group_with_tag = new_group_with_tag
+
+
 def _watch_groups(c10d) -> None:
-    """Mark the default group unprotected as soon as the job registers another one.
+    """Mark the default group unprotected as soon as the job registers a native group.
 
     Every group torch makes (new_group, split_group, shrink_group, DeviceMesh)
     goes through ``_register_pg_in_world``; the wrapper calls it unchanged,
-    then asks the current ReconfigurablePG to look. Any error of its own is
+    then asks the current ReconfigurablePG to look (its own reconfigurable
+    subgroups do not count). Any error of its own is
     reported and swallowed: the group the script asked for exists either way.
     (``arm`` looks again, for a torch that registers groups another way.)
     """
@@ -320,7 +367,8 @@ def unpatch() -> None:
     if orig is not None:
         c10d.init_process_group = orig
         dist.init_process_group = orig
-    orig = getattr(c10d._register_pg_in_world, "__torchpass_orig__", None)
-    if orig is not None:
-        c10d._register_pg_in_world = orig
+    for name in ("_register_pg_in_world", "_new_group_with_tag"):
+        orig = getattr(getattr(c10d, name), "__torchpass_orig__", None)
+        if orig is not None:
+            setattr(c10d, name, orig)
     _patched = False

@@ -76,6 +76,28 @@ def count_sockets(pid: int | str = "self") -> int:
     return n
 
 
+def child_sockets(pid: int | str = "self") -> list[tuple[int, int]]:
+    """(pid, sockets) of every descendant of ``pid`` that holds a socket (DataLoader workers
+    share tensors by passing fds over Unix sockets; helper processes): the tree CRIU dumps."""
+    found, todo = [], [str(pid)]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [k for t in os.listdir(f"/proc/{p}/task")
+                    for k in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            try:
+                n = count_sockets(k)
+            except OSError:
+                continue
+            if n:
+                found.append((int(k), n))
+            todo.append(k)
+    return found
+
+
 def local_address_towards(host: str, port: int) -> str:
     """The local IP address the kernel would use to reach ``host`` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -111,7 +133,158 @@ _PAUSED = frozenset({PGState.AT_T, PGState.DOWN, PGState.REBUILDING})
 _TORN_DOWN = frozenset({PGState.DOWN, PGState.REBUILDING})
 
 
-class ReconfigurablePG(dist.ProcessGroup):
+class _ForwardingGroup(dist.ProcessGroup):
+    """What the default group and its subgroups share: a Python ProcessGroup
+    (the object torch, DDP, FSDP, DTensor and DeviceMesh keep) forwarding every
+    call to one *inner* native group that can be destroyed and built again.
+
+    Subclasses decide what happens before a collective (``_before_collective``)
+    and where the inner group is built (``_build``).
+    """
+
+    def __init__(self, rank: int, size: int, timeout: datetime.timedelta, use_nccl: bool):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._group_name = ""
+        self._group_desc = ""
+        self._timeout = timeout
+        self._use_nccl = use_nccl
+        self._inner: dist.ProcessGroup | None = None
+        self._works: list = []
+
+    # -- identity -------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
+        return BACKEND_NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    # The native ProcessGroup keeps its name on its registered backends; this
+    # one has none (they live on the inner group), so it keeps them itself.
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    # -- the inner group ----------------------------------------------------------
+    def _gloo_device(self, rv: Rendezvous):
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        if ifname and os.path.exists(f"/sys/class/net/{ifname}"):
+            return dist.ProcessGroupGloo.create_device(interface=ifname)
+        # After a move the interface names and addresses differ: take the
+        # address the kernel routes towards the rendezvous host.
+        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))
+
+    def _make_inner(self, st: dist.Store, rv: Rendezvous) -> None:
+        """Build the inner native group on ``st`` (a generation's prefix of the switchable store)."""
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self._timeout
+        opts._devices = [self._gloo_device(rv)]
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
+        inner = dist.ProcessGroup(st, self._rank, self._size)
+        if self._use_nccl:
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = self._timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", st), self._rank, self._size, nccl_opts)
+            inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+            inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        else:
+            inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        self._inner = inner
+
+    def _drop_inner(self) -> None:
+        """Destroy the inner group (its sockets close when the last reference goes)."""
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            try:
+                inner.shutdown()  # NCCL: destroys communicators; gloo: nothing
+            except Exception:  # noqa: BLE001 - best effort, the refs go anyway
+                pass
+            del inner
+
+    def _drain(self) -> None:
+        """Wait for every Work this rank issued, then drop the references.
+
+        Collectives: ``wait()`` (some gloo collectives return a Work whose
+        is_completed() never turns true; waiting a finished collective again
+        is harmless), then a CUDA synchronize when NCCL is in use (NCCL's
+        wait() only orders streams). Point-to-point: poll is_completed(),
+        never a second wait() (gloo p2p Work.wait() twice hangs).
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        works, self._works = self._works, []
+        p2p = [w for kind, w in works if kind == "p2p"]
+        for kind, w in works:
+            if kind == "coll" and not w.is_completed():
+                w.wait()
+        if self._use_nccl and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        while p2p:
+            p2p = [w for w in p2p if not w.is_completed()]
+            if p2p and time.monotonic() > deadline:
+                raise RuntimeError("torchpass: outstanding send/recv did not finish before the pause")
+            if p2p:
+                time.sleep(0.0005)
+        del works, p2p
+
+    def shutdown(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        inner = self._inner
+        if inner is not None:
+            try:
+                inner.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        self.shutdown()
+
+    def inner(self) -> dist.ProcessGroup:
+        if self._inner is None:
+            raise RuntimeError("torchpass: the process group is paused or destroyed")
+        return self._inner
+
+    # -- forwarding ----------------------------------------------------------------
+    def _before_collective(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _collective(self, name: str, args, kwargs):
+        self._before_collective()
+        work = getattr(self._inner, name)(*args, **kwargs)
+        works = self._works
+        if len(works) >= 32:
+            # Drop finished ones. Some Works never report completion (gloo's
+            # reduce_scatter_tensor): past 256, the oldest collectives are
+            # waited for (finished long ago) and dropped, so the list stays bounded.
+            works[:] = [kw for kw in works if not kw[1].is_completed()]
+            while len(works) > 256 and works[0][0] == "coll":
+                works.pop(0)[1].wait()
+        works.append(("coll", work))
+        return work
+
+    def _p2p(self, name: str, args, kwargs):
+        inner = self._inner
+        if inner is None:
+            raise RuntimeError("torchpass: point-to-point call while the process group is paused")
+        work = getattr(inner, name)(*args, **kwargs)
+        self._works.append(("p2p", work))
+        return work
+
+
+class ReconfigurablePG(_ForwardingGroup):
     """The default process group, reconfigurable: one outer object, one inner native group per generation.
 
     Life cycle (``state``, a PGState; every change under ``_cv``)::
@@ -158,13 +331,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         generation: int = 0,
         on_collective: Callable[[int], None] | None = None,
     ):
-        super().__init__(rank, size)
-        self._rank = rank
-        self._size = size
-        self._group_name = ""
-        self._group_desc = ""
-        self._timeout = timeout
-        self._use_nccl = use_nccl
+        super().__init__(rank, size, timeout, use_nccl)
         self.store = store if store is not None else SwitchableStore()
         self.generation = generation
         self.rendezvous = rendezvous
@@ -175,8 +342,10 @@ class ReconfigurablePG(dist.ProcessGroup):
         self.boundary: tuple[int, int] = (-1, -1)
         self.listener: PauseListener | None = None
         self.last_reconfigure_s: float | None = None
-        self._inner: dist.ProcessGroup | None = None
-        self._works: list = []
+        # the job's other groups (new_group, DeviceMesh), in the order they were
+        # made: the same on every rank, so rebuilding in this order cannot deadlock
+        self.subgroups: list[ReconfigurableSubgroup] = []
+        self.next_backend = ""  # the backend the script asks new_group for (hook.py sets it for the call)
         self._cv = threading.Condition()
         self._state = PGState.RUNNING
         self._armed: tuple[int, int] | None = None  # (at, generation)
@@ -184,30 +353,6 @@ class ReconfigurablePG(dist.ProcessGroup):
         self.unprotected: str | None = None  # why pauses are refused (mark_unprotected)
         self._on_collective = on_collective
         self._build(generation, rendezvous)
-
-    # -- identity -------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
-        return BACKEND_NAME
-
-    def getRank(self) -> int:  # noqa: N802
-        return self._rank
-
-    def getSize(self) -> int:  # noqa: N802
-        return self._size
-
-    # The native ProcessGroup keeps its name on its registered backends; this
-    # one has none (they live on the inner group), so it keeps them itself.
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
 
     @property
     def state(self) -> PGState:
@@ -229,61 +374,22 @@ class ReconfigurablePG(dist.ProcessGroup):
         tcp = open_tcp_store(rv.master_addr, rv.master_port, self._size, self._rank == 0, self._timeout)
         self.store.switch(tcp)
 
-    def _gloo_device(self, rv: Rendezvous):
-        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-        if ifname and os.path.exists(f"/sys/class/net/{ifname}"):
-            return dist.ProcessGroupGloo.create_device(interface=ifname)
-        # After a move the interface names and addresses differ: take the
-        # address the kernel routes towards the rendezvous host.
-        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))
-
     def _build(self, generation: int, rv: Rendezvous) -> None:
         if not self.store.is_open or rv != self.rendezvous:
             self._open_store(rv)
         self.rendezvous = rv
-        st = dist.PrefixStore(f"gen{generation}", self.store)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self._timeout
-        opts._devices = [self._gloo_device(rv)]
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
-        inner = dist.ProcessGroup(st, self._rank, self._size)
-        if self._use_nccl:
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = self._timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", st), self._rank, self._size, nccl_opts)
-            inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-            inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-        else:
-            inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-        self._inner = inner
+        self._make_inner(dist.PrefixStore(f"gen{generation}", self.store), rv)
         self.generation = generation
+        # every rank builds the default group first, then its subgroups in the
+        # order they were made (a gloo group waits for all its members)
+        for sub in self.subgroups:
+            sub._build(generation, rv)
 
-    def _drain(self) -> None:
-        """Wait for every Work this rank issued, then drop the references.
-
-        Collectives: ``wait()`` (some gloo collectives return a Work whose
-        is_completed() never turns true; waiting a finished collective again
-        is harmless), then a CUDA synchronize when NCCL is in use (NCCL's
-        wait() only orders streams). Point-to-point: poll is_completed(),
-        never a second wait() (gloo p2p Work.wait() twice hangs).
-        """
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        works, self._works = self._works, []
-        p2p = [w for kind, w in works if kind == "p2p"]
-        for kind, w in works:
-            if kind == "coll" and not w.is_completed():
-                w.wait()
-        if self._use_nccl and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        while p2p:
-            p2p = [w for w in p2p if not w.is_completed()]
-            if p2p and time.monotonic() > deadline:
-                raise RuntimeError("torchpass: outstanding send/recv did not finish before the pause")
-            if p2p:
-                time.sleep(0.0005)
-        del works, p2p
+    def _drain_all(self) -> None:
+        """Wait for every Work of this group and of every subgroup (the drain before the pause)."""
+        self._drain()
+        for sub in self.subgroups:
+            sub._drain()
 
     def _decide(self, armed: tuple[int, int]) -> str:
         """Agree with every rank on the pause at T: "go" (tear down), or not.
@@ -326,13 +432,9 @@ class ReconfigurablePG(dist.ProcessGroup):
 
         Called once every rank has drained (``_meet`` on "drained.T").
         """
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            try:
-                inner.shutdown()  # NCCL: destroys communicators; gloo: nothing
-            except Exception:  # noqa: BLE001 - best effort, the refs go anyway
-                pass
-            del inner
+        for sub in self.subgroups:
+            sub._drop_inner()
+        self._drop_inner()
         # Only the master (rank 0) serves the store; it may close only after
         # every client has done its last store operation.
         st = dist.PrefixStore(f"gen{self.generation}/torchpass", self.store)
@@ -356,6 +458,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         re-armed to a later T: it leaves the wait and runs on to the new T.
         """
         self.note_native_groups()
+        self.note_child_sockets()
         with self._cv:
             if self._state in _TORN_DOWN:
                 return self._armed == (at, generation)
@@ -409,25 +512,99 @@ class ReconfigurablePG(dist.ProcessGroup):
         return PGState.UNPROTECTED if self.unprotected is not None else PGState.RUNNING
 
     def note_native_groups(self) -> None:
-        """Mark the group unprotected if the job registered any process group besides it.
+        """Mark the group unprotected if the job registered a native process group besides its own.
 
-        new_group, split_group, shrink_group and DeviceMesh (2-D and up, or a
-        1-D mesh over fewer ranks than the world) make native groups with
-        their own sockets and their own collectives; pausing this group alone
-        could leave a rank waiting in one of them for a paused peer.
+        new_group and DeviceMesh come through ``new_group`` below and are
+        reconfigurable subgroups. Others (split_group, shrink_group, a group
+        whose reconfigurable version could not be made) are native groups with
+        their own sockets and their own collectives; pausing alone could leave
+        a rank waiting in one of them for a paused peer, and the dump would
+        find their sockets.
         """
         if self.unprotected is not None:
             return
         try:
             names = dist.distributed_c10d._world.pg_names
-            others = sorted(f"{name} ({g.size()} ranks)" for g, name in list(names.items()) if g is not self)
+            others = sorted(f"{name} ({g.size()} ranks)" for g, name in list(names.items())
+                            if g is not self and not isinstance(g, ReconfigurableSubgroup))
         except Exception:  # noqa: BLE001 - another torch: hook.py still marks on registration
             return
         if others:
             self.mark_unprotected(
-                f"the job made process group(s) {', '.join(others)} besides the default one (new_group, "
-                "split_group or a DeviceMesh), which the runtime cannot move yet; pauses are refused "
-                "and training runs as without torchpass")
+                f"the job made native process group(s) {', '.join(others)} besides the default one "
+                "(split_group, or a new_group the runtime could not make reconfigurable), which the "
+                "runtime cannot move; pauses are refused and training runs as without torchpass")
+
+    def note_child_sockets(self) -> None:
+        """Mark the group unprotected if a child process of the rank holds a socket: the dump
+        (which takes the rank's whole tree) would refuse it after every rank had paused."""
+        if self.unprotected is not None:
+            return
+        try:
+            held = child_sockets()
+        except Exception:  # noqa: BLE001 - the dump's own check still refuses
+            return
+        if held:
+            self.mark_unprotected(
+                f"its child process(es) {', '.join(f'{p} ({n} socket(s))' for p, n in held)} hold sockets "
+                "(DataLoader workers share tensors over Unix sockets), which the move cannot take; "
+                "pauses are refused and training runs as without torchpass")
+
+    # -- subgroups -----------------------------------------------------------------
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None):
+        """Called by torch's ``new_group`` (and so by DeviceMesh, new_subgroups, ...):
+        torch 2.13 hands subgroup creation to a default group that has this method,
+        then registers what it returns. Returns a ReconfigurableSubgroup (None on a
+        rank outside ``ranks``), or, if the runtime fails to make one, the native
+        group torch would have made: the job then runs unprotected (do no harm).
+        """
+        ranks = [int(r) for r in ranks]
+        if self._rank not in ranks:
+            return None
+        timeout = timeout if timeout is not None else self._timeout
+        group_desc = group_desc or "undefined"
+        # hook.py passes on the backend the script asked for ("gloo" on an NCCL
+        # job: a CPU-only group, as torch would make it)
+        use_nccl = self._use_nccl and self.next_backend != "gloo"
+        try:
+            sub = self._new_subgroup(ranks, timeout, group_name, group_desc, use_nccl)
+        except Exception as exc:  # noqa: BLE001 - the script gets its group either way
+            say(f"rank {self._rank}: could not make group {group_name} reconfigurable "
+                f"({type(exc).__name__}: {exc}); it is made as without torchpass")
+            return self._native_group(ranks, timeout, group_name, group_desc, use_nccl)
+        with self._cv:
+            self.subgroups.append(sub)
+        return sub
+
+    def _new_subgroup(self, ranks, timeout, group_name, group_desc, use_nccl) -> "ReconfigurableSubgroup":
+        if self._state not in (PGState.RUNNING, PGState.ARMED, PGState.UNPROTECTED):
+            raise RuntimeError(f"the default group is {self._state.value}")
+        return ReconfigurableSubgroup(self, ranks, timeout, group_name, group_desc, use_nccl)
+
+    def _native_group(self, ranks, timeout, group_name, group_desc, use_nccl) -> dist.ProcessGroup:
+        """The group torch's ``_new_process_group_helper`` makes, on the same store keys.
+
+        Its members meet only if every one of them falls back here: an error
+        of the runtime's own (before any rendezvous) does so on every rank; one
+        on a single rank leaves the group's rendezvous to time out, as a rank
+        that fails inside torch's own new_group would."""
+        rank, size = ranks.index(self._rank), len(ranks)
+        prefix = dist.PrefixStore(f"{group_name}/", dist.distributed_c10d._world.pg_map[self][1])
+        pg = dist.ProcessGroup(prefix, rank, size)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, size, timeout=timeout)
+        gloo.options.global_ranks_in_group = ranks
+        gloo.options.group_name = group_name
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        if use_nccl:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, size, opts)
+            pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        pg._set_group_name(group_name)
+        pg._set_group_desc(group_desc)
+        return pg
 
     def mark_unprotected(self, reason: str) -> bool:
         """Refuse every pause from now on: the job holds a group the runtime cannot move.
@@ -481,20 +658,33 @@ class ReconfigurablePG(dist.ProcessGroup):
         after a forward pass and waiting there for the all-reduce it had in
         flight. Either way exactly T collectives are issued, so the ranks
         agree and the math is unchanged.
+
+        A job with subgroups also counts each step end as one event after
+        this check (``collectives`` then counts default-group collectives plus
+        step ends): its collectives may all run in subgroups (a 2-D mesh,
+        HSDP), which are not pause points, so without the step ends the count
+        could stand still and no pause would ever be reached. A step end is
+        where every subgroup collective of the step has been issued by every
+        member, so none of them waits for a paused peer.
         """
         with self._cv:
             self.steps += 1
             self.boundary = (self.steps, self.collectives)
-            armed = self._armed
-            if self._state not in (PGState.ARMED, PGState.AT_T) or armed is None or self.collectives != armed[0]:
-                return
-            self._state = PGState.AT_T
-        self._pause_here(armed, at_step_end=True)
+        while True:
+            with self._cv:
+                armed = self._armed
+                if self._state not in (PGState.ARMED, PGState.AT_T) or armed is None or self.collectives != armed[0]:
+                    if self.subgroups and self._state is not PGState.CLOSED:
+                        self.collectives += 1
+                    return
+                self._state = PGState.AT_T
+            # after a resume (or a cancel) nothing is armed: the loop counts the step end and returns
+            self._pause_here(armed, at_step_end=True)
 
     def _pause_here(self, armed: tuple[int, int], at_step_end: bool = False) -> None:
         at, next_gen = armed
         t0 = time.monotonic()
-        self._drain()
+        self._drain_all()
         # Every rank has drained collectives < T before anyone destroys its
         # communicator; a re-arm or cancel before that lets every rank go on.
         verdict = self._decide(armed)
@@ -544,6 +734,7 @@ class ReconfigurablePG(dist.ProcessGroup):
         with self._cv:
             self._armed = None
             self._state = self._idle_state()
+            self._cv.notify_all()  # subgroup collectives of other threads wait for the rebuild
         self.last_reconfigure_s = time.monotonic() - t1
         if DEBUG:
             say(f"rank {self._rank} resumed as generation {generation} in {self.last_reconfigure_s:.3f} s")
@@ -556,51 +747,61 @@ class ReconfigurablePG(dist.ProcessGroup):
     def shutdown(self) -> None:
         with self._cv:
             self._state = PGState.CLOSED
+            self._cv.notify_all()
         self._works = []
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            try:
-                inner.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        for sub in list(self.subgroups):
+            sub.shutdown()
+        self._drop_inner()
         self.store.close()
 
-    def abort(self) -> None:
-        inner = self._inner
-        if inner is not None:
-            try:
-                inner.abort()
-            except Exception:  # noqa: BLE001
-                pass
-        self.shutdown()
 
-    def inner(self) -> dist.ProcessGroup:
-        if self._inner is None:
-            raise RuntimeError("torchpass: the process group is paused or destroyed")
-        return self._inner
+class ReconfigurableSubgroup(_ForwardingGroup):
+    """A group the job made besides the default one (new_group, DeviceMesh), reconfigurable with it.
 
-    # -- forwarding ----------------------------------------------------------------
-    def _collective(self, name: str, args, kwargs):
-        self._before_collective()
-        work = getattr(self._inner, name)(*args, **kwargs)
-        works = self._works
-        if len(works) >= 32:
-            # Drop finished ones. Some Works never report completion (gloo's
-            # reduce_scatter_tensor): past 256, the oldest collectives are
-            # waited for (finished long ago) and dropped, so the list stays bounded.
-            works[:] = [kw for kw in works if not kw[1].is_completed()]
-            while len(works) > 256 and works[0][0] == "coll":
-                works.pop(0)[1].wait()
-        works.append(("coll", work))
-        return work
+    The object the script, DeviceMesh, DTensor and FSDP2 hold stays the same;
+    its inner native group is destroyed when the default group tears down at
+    a pause and built again, as generation g, on
+    ``PrefixStore(f"gen{g}/group.{name}", switchable store)`` right after the
+    default group's. Its collectives are not counted and are not pause
+    points: the default group's count (collectives plus step ends) decides
+    where every rank stops, and the drain waits for the subgroup's Works. A
+    collective issued while the default group is torn down (another thread)
+    waits for the rebuild.
+    """
 
-    def _p2p(self, name: str, args, kwargs):
-        inner = self._inner
-        if inner is None:
-            raise RuntimeError("torchpass: point-to-point call while the process group is paused")
-        work = getattr(inner, name)(*args, **kwargs)
-        self._works.append(("p2p", work))
-        return work
+    def __init__(self, parent: ReconfigurablePG, ranks: list[int], timeout: datetime.timedelta,
+                 group_name: str, group_desc: str, use_nccl: bool):
+        super().__init__(ranks.index(parent.rank()), len(ranks), timeout, use_nccl)
+        self.parent = parent
+        self.ranks = ranks
+        self._group_name = group_name
+        self._group_desc = group_desc
+        self._closed = False
+        self.generation = -1
+        self._build(parent.generation, parent.rendezvous)
+
+    def _build(self, generation: int, rv: Rendezvous) -> None:
+        if self._closed:
+            return
+        self._make_inner(dist.PrefixStore(f"gen{generation}/group.{self._group_name}", self.parent.store), rv)
+        self.generation = generation
+
+    def _before_collective(self) -> None:
+        cv = self.parent._cv
+        with cv:
+            while self.parent._state in _TORN_DOWN and not self._closed:
+                cv.wait(0.05)
+        if self._closed or self._inner is None:
+            raise RuntimeError("torchpass: process group was destroyed")
+
+    def shutdown(self) -> None:
+        """destroy_process_group(group) or of the default group: not rebuilt any more."""
+        self._closed = True
+        with self.parent._cv:
+            if self in self.parent.subgroups:
+                self.parent.subgroups.remove(self)
+        self._works = []
+        self._drop_inner()
 
 
 def _make_collective(name: str):
@@ -649,7 +850,7 @@ COLLECTIVES = (
 P2P = ("send", "recv", "recv_anysource")
 
 for _n in COLLECTIVES:
-    setattr(ReconfigurablePG, _n, _make_collective(_n))
+    setattr(_ForwardingGroup, _n, _make_collective(_n))
 for _n in P2P:
-    setattr(ReconfigurablePG, _n, _make_p2p(_n))
+    setattr(_ForwardingGroup, _n, _make_p2p(_n))
 del _n

@@ -229,3 +229,78 @@ class MiniCoordinator:
                                for v in self.ranks.values()),
                    timeout, f"resume to generation {gen}")
         return {r: v.resumed for r, v in self.ranks.items()}
+
+
+
+def launch_ranks(argv: list[str], world: int, tmp, tag: str, *, runtime: bool, env: dict | None = None,
+                 job_id: int = 4343, extra_path=(), coordinator: str | None = None) -> list:
+    """Start ``argv`` as ``world`` ranks on 127.0.0.1 (env:// rendezvous), the runtime
+    loaded through boot/sitecustomize.py as in a job (``runtime=False``: present but
+    switched off, TORCHPASS_RUNTIME=0); stdout/stderr to ``tmp/tag.R.out|err``."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from torchpass.runtime import boot_dir
+
+    tmp = Path(tmp)
+    port = free_port()
+    procs = []
+    for r in range(world):
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON"))}
+        e.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 PYTHONPATH=os.pathsep.join([boot_dir(), *extra_path]), TORCHPASS_JOB_ID=str(job_id),
+                 TORCHPASS_RUNTIME="1" if runtime else "0", TORCHPASS_PROGRESS_INTERVAL="0.05",
+                 **(env or {}))
+        if coordinator:
+            e["TORCHPASS_COORDINATOR"] = coordinator
+        with open(_log(tmp, tag, r, "out"), "w") as out, open(_log(tmp, tag, r, "err"), "w") as err:
+            procs.append(subprocess.Popen(argv, env=e, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+    return procs
+
+
+def _log(tmp, tag: str, rank: int, stream: str):
+    """TMP/TAG.RANK.STREAM: a test rank's captured stdout or stderr."""
+    from pathlib import Path
+
+    return Path(tmp, f"{tag}.{rank}.{stream}")
+
+
+def _reap(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def finish_ranks(procs, tmp, tag: str, timeout: float = 240) -> tuple[list[list[str]], list[str]]:
+    """Wait for the ranks of ``launch_ranks`` (killed after ``timeout``); every rank must
+    exit 0. Returns each rank's stdout lines and stderr text."""
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        _reap(procs)
+    errs = [_log(tmp, tag, r, "err").read_text() for r in range(len(procs))]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {errs[r][-3000:]}"
+    return [_log(tmp, tag, r, "out").read_text().splitlines() for r in range(len(procs))], errs
+
+
+def run_ranks(script: str, world: int, tmp, tag: str, *, on_start=None, timeout: float = 240,
+              **kw) -> tuple[list[list[str]], list[str]]:
+    """``launch_ranks`` of ``python -c script``, ``on_start()`` while they run (drive a
+    MiniCoordinator there), then ``finish_ranks``."""
+    import sys
+
+    procs = launch_ranks([sys.executable, "-c", script], world, tmp, tag, **kw)
+    try:
+        if on_start is not None:
+            on_start()
+    except BaseException:
+        _reap(procs)
+        raise
+    return finish_ranks(procs, tmp, tag, timeout)

@@ -1,0 +1,149 @@
+"""Subgroups are reconfigurable (issue 11): pauses of jobs that make their own groups.
+
+Real gloo, several ranks on 127.0.0.1, the runtime loaded through
+boot/sitecustomize.py as in a job. Each rank arms its default group itself
+(as the coordinator would, through the same ``arm``/``resume`` calls) at
+several pause points: a step end and in the middle of a step (before a
+default-group collective, with subgroup collectives of the step already
+issued). At each pause every group is torn down (the rank holds no socket:
+CRIU would refuse one) and after it every group is rebuilt at a new
+rendezvous port; the losses are bit-identical (float.hex) to the same script
+without the runtime, and the objects the script and DeviceMesh hold are the
+ones it got before the pauses.
+
+Counting in a job with subgroups: ``collectives`` = default-group
+collectives + optimizer step ends; a pause at T stops with exactly T counted
+(pg.py ``step_ended``).
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+
+from torchpass.runtime.testing import free_port, run_ranks
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import os, time, torch, torch.distributed as dist, torch.nn as nn
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mode, r = os.environ["MODE"], dist.get_rank()
+    pg = dist.distributed_c10d._get_default_group()
+    pauses = [int(x) for x in os.environ.get("PAUSES", "").split(",") if x]
+    ports = [int(x) for x in os.environ.get("PORTS", "").split(",") if x]
+    log = []
+    if pauses:
+        from torchpass.runtime.pg import PauseListener, Rendezvous
+        class L(PauseListener):
+            def on_quiesced(self, pg, info):
+                log.append((info["collectives"], info["sockets"], info["at_step_end"]))
+                pg.resume(info["next_generation"], Rendezvous("127.0.0.1", ports[len(log) - 1]))
+            def on_resumed(self, pg, info):
+                if len(log) < len(pauses):
+                    assert pg.arm(pauses[len(log)], info["generation"] + 1)
+        pg.listener = L()
+        assert pg.arm(pauses[0], 1)
+    from torch.distributed.device_mesh import init_device_mesh
+    groups, mesh = [], None
+    if mode == "hsdp":
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        groups = [mesh.get_group("replicate"), mesh.get_group("shard")]
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        fully_shard(m[0], mesh=mesh); fully_shard(m[2], mesh=mesh); fully_shard(m, mesh=mesh)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(r)
+        def step():
+            x = torch.randn(8, 16, generator=g); loss = m(x).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            return loss.detach().clone()
+    elif mode == "pipeline":  # 2 stages, activations and gradients by send/recv in their own group
+        pp = dist.new_group([0, 1])
+        groups = [pp]
+        torch.manual_seed(r)
+        m = nn.Linear(16, 16) if r == 0 else nn.Sequential(nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(0)
+        def step():
+            opt.zero_grad()
+            if r == 0:
+                h = m(torch.randn(8, 16, generator=g))
+                dist.send(h.detach(), 1, group=pp)
+                gh = torch.empty_like(h); dist.recv(gh, 1, group=pp)
+                h.backward(gh); loss = torch.zeros(())
+            else:
+                h = torch.empty(8, 16); dist.recv(h, 0, group=pp); h.requires_grad_()
+                loss = m(h).pow(2).mean(); loss.backward()
+                dist.send(h.grad, 0, group=pp)
+            opt.step()
+            loss = loss.detach().clone(); dist.broadcast(loss, 1)  # the last stage's loss, on the default group
+            return loss
+    else:  # DP x TP (2-D) or DP x PP x TP (3-D) mesh: gradients averaged over dp, loss summed over tp
+        shape, names = {"mesh2d": ((2, 2), ("dp", "tp")), "mesh3d": ((2, 1, 2), ("dp", "pp", "tp"))}[mode]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        groups = [mesh.get_group(n) for n in names]
+        dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
+        torch.manual_seed(mesh.get_local_rank("tp"))
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(mesh.get_local_rank("dp"))
+        def step():
+            part = m(torch.randn(8, 16, generator=g)).pow(2).mean()
+            opt.zero_grad(); part.backward()
+            for p in m.parameters():
+                dist.all_reduce(p.grad, group=dp); p.grad /= dist.get_world_size(dp)
+            opt.step()
+            loss = part.detach().clone()
+            for n in names[1:]:
+                dist.all_reduce(loss, group=mesh.get_group(n))
+            return loss
+    for s in range(int(os.environ["STEPS"])):
+        loss = step()
+        total = loss.clone(); dist.all_reduce(total)  # and the default group
+        print(s, loss.item().hex(), total.item().hex(), flush=True)
+    same = mesh is None or [mesh.get_group(n) for n in mesh.mesh_dim_names] == groups
+    print("paused", (log, [type(x).__name__ for x in groups], [getattr(x, "generation", None) for x in groups],
+                     same), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+STEPS = 6
+WORLD = {"mesh2d": 4, "mesh3d": 4, "hsdp": 4, "pipeline": 2}
+# Per step: the step end, then the default group's collectives: the pipeline's loss
+# broadcast and the total all_reduce (2), the meshes' and HSDP's total all_reduce (1).
+# T = k * PER_STEP stops at the end of step k (after optimizer.step()); other Ts stop
+# before a default-group collective, in the middle of a step.
+PER_STEP = {"mesh2d": 2, "mesh3d": 2, "hsdp": 2, "pipeline": 3}
+
+
+def run(tmp, mode: str, pauses: tuple[int, ...] = ()) -> tuple[list[list[str]], list[str]]:
+    env = {"MODE": mode, "STEPS": str(STEPS), "PAUSES": ",".join(map(str, pauses)),
+           "PORTS": ",".join(str(free_port()) for _ in pauses)}
+    tag = f"{mode}-{'-'.join(map(str, pauses)) or 'plain'}"
+    return run_ranks(SCRIPT, WORLD[mode], tmp, tag, runtime=bool(pauses), env=env)
+
+
+@pytest.mark.parametrize("mode, pauses", [
+    ("mesh2d", (2, 5)),  # the end of step 1; before step 2's total all_reduce
+    ("mesh3d", (3, 8)),  # before step 1's total all_reduce; the end of step 4
+    ("hsdp", (4, 7)),  # the end of step 2 (FSDP2 waits for its reduce-scatters there); mid-step 3
+    ("pipeline", (4, 9)),  # before step 1's loss broadcast (send/recv done); the end of step 3
+])
+def test_pauses_tear_down_and_rebuild_every_group_bit_identically(tmp_path, mode, pauses):
+    plain, _ = run(tmp_path, mode)
+    out, errs = run(tmp_path, mode, pauses)
+    world = WORLD[mode]
+    assert all(o[:-1] == plain[r][:-1] and len(o) == STEPS + 1 for r, o in enumerate(out)), (out, plain)
+    for r in range(world):
+        assert not [ln for ln in errs[r].splitlines() if ln.startswith("torchpass:")], errs[r]
+        # (T, sockets, at a step end) per pause: every T reached, no socket left
+        log, types, generations, same = ast.literal_eval(out[r][-1].removeprefix("paused "))
+        assert log == [(t, 0, t % PER_STEP[mode] == 0) for t in pauses], log
+        assert set(types) == {"ReconfigurableSubgroup"} and same
+        assert generations == [len(pauses)] * len(types)  # rebuilt at every pause, same objects
+    assert out[0][:-1] != out[world // 2][:-1] or mode == "pipeline"  # other data per dp index
