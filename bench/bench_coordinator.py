@@ -26,9 +26,10 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
   ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
   (every 0.02 s while paused; or less often, as the coordinator's
   ``report_every_s``/``paused_every_s`` ask), each request signed with the job secret
-  (torchpass.jobauth.JobSigner) on a new REQ socket with a 2 s time-out
-  (``--connection persistent`` keeps one REQ socket per rank until a
-  time-out); commands from the replies are obeyed: ``pause`` -> ``rank.armed``,
+  (torchpass.jobauth.JobSigner) on a new REQ socket with a 2 s time-out,
+  as torchpass.zmqio.request (``--connection persistent``: one DEALER socket
+  per rank kept across requests and replaced after a time-out, as
+  torchpass.zmqio.Client); commands from the replies are obeyed: ``pause`` -> ``rank.armed``,
   stop at collective T -> ``rank.quiesced`` (ranks of the faulty node then
   close their sockets and wait for the hold file), ``resume`` ->
   ``rank.resumed``. Collectives advance at 40/s in lockstep.
@@ -214,7 +215,7 @@ class SimRank:
         self.base_t, self.base_c = t0, 0
         self.armed_reported = None
         self.seen: set = set()  # commands seen, for first-receipt times
-        self.sock = None  # persistent REQ socket (--connection persistent)
+        self.sock = None  # persistent DEALER socket (--connection persistent)
         self.hint_s = 0.0  # the coordinator's backpressure hints (report_every_s, paused_every_s)
         self.paused_hint_s = 0.0
 
@@ -238,9 +239,9 @@ class LoadGen:
                  persistent: bool, conn, wait_at, wait_gen):
         import zmq
 
-        from torchpass import jobauth, wire
+        from torchpass import jobauth, wire, zmqio
 
-        self.zmq, self.wire = zmq, wire
+        self.zmq, self.wire, self.zmqio = zmq, wire, zmqio
         self.endpoint, self.job_id, self.world = endpoint, job_id, world
         self.persistent = persistent
         self.conn = conn
@@ -306,15 +307,16 @@ class LoadGen:
         rk = self.ranks[i]
         id_ = wire.new_id()
         frame = wire.encode(type_, body, id=id_, **rk.signer.envelope(type_, id_, body))
-        sock = rk.sock if self.persistent else None
-        if sock is None:
+        if self.persistent:  # as torchpass.zmqio.Client: one DEALER kept until a time-out
+            sock = rk.sock = rk.sock or self.zmqio.dealer_socket(self.ctx, self.endpoint)
+            self.zmqio.send_request(sock, frame)
+        else:  # as torchpass.zmqio.request: a REQ socket per request
             sock = self.ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
-            rk.sock = sock if self.persistent else None
-        sock.send(frame)
+            sock.send(frame)
         self._seq += 1
-        rk.inflight = (sock, type_, body, now, self._seq)
+        rk.inflight = (sock, type_, body, now, self._seq, id_)
         self.by_sock[sock] = i
         self.poller.register(sock, zmq.POLLIN)
         heapq.heappush(self.deadlines, (now + REQUEST_TIMEOUT_S, self._seq, i))
@@ -361,11 +363,17 @@ class LoadGen:
 
     def _reply(self, i: int, now: float) -> None:
         rk = self.ranks[i]
-        sock, type_, body, t_sent, _ = rk.inflight
-        frame = sock.recv()
+        sock, type_, body, t_sent, _, id_ = rk.inflight
+        reply, frame = None, None
+        if self.persistent:
+            reply = self.zmqio.recv_reply(sock, id_)
+            if reply is None:  # a late reply to an earlier try: the client drops it
+                return
+        else:
+            frame = sock.recv()
         self._count("answered")
         try:
-            result = self.wire.decode_reply(frame).unwrap()
+            result = (reply or self.wire.decode_reply(frame)).unwrap()
         except Exception:  # noqa: BLE001 - an error reply: the rank treats it as no reply
             result = None
             self._count("error_replies")
@@ -728,7 +736,7 @@ def trial_figures(events: list[tuple[int, str, int, float]], t_fault: float, bad
     return out
 
 
-def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
+def run_size(ranks: int, args, munge_socket: str, connection: str) -> dict[str, Any]:
     from torchpass.ports import TPASSD_PUB_PORT
 
     assert TPASSD_PUB_PORT == PUB_PORT
@@ -739,7 +747,7 @@ def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
     spawn = mp.get_context("spawn")
     secret = secrets.token_hex(32)
     out: dict[str, Any] = {"ranks": ranks, "nodes": nodes - 1, "spare_nodes": 1, "load_generators": gens,
-                           "connection": args.connection, "loadavg_start": [round(x, 2) for x in load_start]}
+                           "connection": connection, "loadavg_start": [round(x, 2) for x in load_start]}
     procs: list = []
     conns: list = []
     coord = None
@@ -769,7 +777,7 @@ def run_size(ranks: int, args, munge_socket: str) -> dict[str, Any]:
                 a, child = spawn.Pipe()
                 p = spawn.Process(target=loadgen_main, daemon=True,
                                   args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
-                                        args.connection == "persistent", child, wait_at, wait_gen))
+                                        connection == "persistent", child, wait_at, wait_gen))
                 p.start()
                 procs.append(p)
                 conns.append(a)
@@ -942,7 +950,15 @@ def _tpassd_stats(conn) -> dict:
 
 
 # ============================================================================
-def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = ()) -> None:
+def plot_rows(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = ()) -> None:
+    """The curves of persistent connections where measured, with the per-request rows dotted."""
+    persistent = [r for r in rows if r.get("connection") == "persistent"]
+    per_request = [r for r in rows if r.get("connection", "per-request") == "per-request"]
+    plot(persistent or per_request, path, before, per_request if persistent else [])
+
+
+def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = (),
+         per_request: list[dict[str, Any]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -964,6 +980,11 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
         if r.get("decision_p99_ms") is None:  # no rank ever saw a pause: nothing to plot
             ax.text(r["ranks"], 0.5, f"no pause\nreached\n{r.get('registered')}/{r['ranks']}\nregistered",
                     transform=ax.get_xaxis_transform(), ha="center", va="center", color="tab:red", fontsize=8)
+    for key, label in (("decision_p99_ms", "pause received, per-request sockets"),
+                       ("pause_fanout_p99_ms", "pause fan-out, per-request sockets")):
+        pts = [(r["ranks"], r[key]) for r in per_request if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), ls=":", marker=".", label=label)
     ax.axhline(100, color="grey", ls=":", lw=1)
     ax.axhline(250, color="grey", ls="--", lw=1)
     ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="latency (goals: 100 / 250 ms)")
@@ -983,10 +1004,16 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
     if before:
         bx = [r["ranks"] for r in before]
         ax.plot(bx, [r.get("cpu_core_fraction") for r in before], ls="--", color="grey", label="CPU before")
+    if per_request:
+        ax.plot([r["ranks"] for r in per_request], [r.get("cpu_core_fraction") for r in per_request], ls=":",
+                marker=".", label="CPU, per-request sockets")
     ax = axes[2]
     if before:
         ax.plot(bx, [r.get("replies_fraction") for r in before], ls="--", color="grey",
                 label="steady state, before")
+    if per_request:
+        ax.plot([r["ranks"] for r in per_request], [r.get("replies_fraction_all") for r in per_request], ls=":",
+                marker=".", label="whole run, per-request sockets")
     ax.plot(x, [r.get("replies_fraction") for r in rows], marker="o", label="steady state")
     ax.plot(x, [r.get("replies_fraction_all") for r in rows], marker="s", label="whole run")
     ax.set(xscale="log", ylim=(0, 1.05), xlabel="ranks", ylabel="fraction", title="rank requests answered")
@@ -1011,8 +1038,9 @@ def main() -> int:
     ap.add_argument("--status-timeout-s", type=float, default=10.0)
     ap.add_argument("--size-timeout-s", type=float, default=300.0, help="no new trial starts after this")
     ap.add_argument("--generators", type=int, default=0, help="load generator processes (0: one per 1024 ranks)")
-    ap.add_argument("--connection", choices=("per-request", "persistent"), default="per-request",
-                    help="per-request: a new REQ socket per request, as torchpass.runtime.control does today")
+    ap.add_argument("--connection", choices=("per-request", "persistent", "both"), default="per-request",
+                    help="per-request: a new REQ socket per request (torchpass.zmqio.request); persistent: one "
+                         "DEALER socket per rank (torchpass.zmqio.Client); both: each size with one, then the other")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
@@ -1021,7 +1049,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.plot_only:
         old = json.loads(args.out.read_text())
-        plot(old["sizes"], args.plot, old.get("before", []))
+        plot_rows(old["sizes"], args.plot, old.get("before", []))
         return 0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if any(s < 16 or s % RANKS_PER_NODE for s in sizes):
@@ -1038,15 +1066,19 @@ def main() -> int:
             print(f"warning: open files limited to {hard}; {max(sizes)} ranks may want {want}", flush=True)
     from tpassd.testing import private_munged
 
+    conns = ("per-request", "persistent") if args.connection == "both" else (args.connection,)
+
     rows = []
     with private_munged() as munge:
         for n in sizes:
-            print(f"=== {n} ranks (load average {os.getloadavg()[0]:.2f})", flush=True)
-            rows.append(run_size(n, args, munge.socket))
-            print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}), flush=True)
+            for connection in conns:
+                print(f"=== {n} ranks, {connection} (load average {os.getloadavg()[0]:.2f})", flush=True)
+                rows.append(run_size(n, args, munge.socket, connection))
+                print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}), flush=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
-    keep = [r for r in old.get("sizes", []) if r["ranks"] not in sizes]
-    merged = sorted(keep + rows, key=lambda r: r["ranks"])
+    done = {(r["ranks"], r["connection"]) for r in rows}
+    keep = [r for r in old.get("sizes", []) if (r["ranks"], r.get("connection", "per-request")) not in done]
+    merged = sorted(keep + rows, key=lambda r: (r["ranks"], r.get("connection", "per-request")))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "coordinator", "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -1059,7 +1091,7 @@ def main() -> int:
         "sizes": merged}, indent=1) + "\n")
     print(f"wrote {args.out}", flush=True)
     if str(args.plot) not in ("", "."):
-        plot(merged, args.plot, old.get("before", []))
+        plot_rows(merged, args.plot, old.get("before", []))
         print(f"wrote {args.plot}", flush=True)
     return 0
 

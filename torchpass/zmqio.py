@@ -1,8 +1,11 @@
 """ZeroMQ request/reply helpers shared by tpassd, the coordinator and tpassctl.
 
-Client side: Lazy Pirate (the ZeroMQ guide, ch. 4). A REQ socket with
-LINGER 0 sends, polls for the reply, and on a time-out closes the socket and
-retries on a fresh one; after the last try it raises UnreachableError.
+Client side: Lazy Pirate (the ZeroMQ guide, ch. 4). ``request()``: a REQ
+socket with LINGER 0 sends, polls for the reply, and on a time-out closes the
+socket and retries on a fresh one; after the last try it raises
+UnreachableError. ``Client``: the same, over one DEALER socket kept across
+requests (closed and reopened only after a time-out), for a peer that asks
+often (a rank's reports to its coordinator).
 
 Server side: a ROUTER socket whose frames are handed to ``serve_one``, which
 decodes, authenticates through an optional hook, dispatches by message type
@@ -13,6 +16,9 @@ traceback goes to the server's log, never to the client).
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +48,16 @@ class Signer(Protocol):
     def envelope(self, type_: str, id_: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
+def _frame(type_: str, body: dict[str, Any] | None, auth) -> tuple[str, bytes]:
+    """One try's request id and frame (a fresh id, and a fresh credential or signature, per try)."""
+    id_ = wire.new_id()
+    if isinstance(auth, Signer):
+        envelope = auth.envelope(type_, id_, body or {})
+    else:
+        envelope = {"auth": auth() if callable(auth) else auth}
+    return id_, wire.encode(type_, body or {}, id=id_, **envelope)
+
+
 def request(
     endpoint: str,
     type_: str,
@@ -62,12 +78,7 @@ def request(
     ctx = context or zmq.Context.instance()
     last_exc: Exception | None = None
     for _attempt in range(retries + 1):
-        id_ = wire.new_id()
-        if isinstance(auth, Signer):
-            envelope = auth.envelope(type_, id_, body or {})
-        else:
-            envelope = {"auth": auth() if callable(auth) else auth}
-        frame = wire.encode(type_, body or {}, id=id_, **envelope)
+        frame = _frame(type_, body, auth)[1]
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -83,6 +94,132 @@ def request(
     raise UnreachableError(
         f"no reply from {endpoint} to {type_} after {retries + 1} tries of {timeout_s:g} s{why}"
     )
+
+
+# --- persistent client ----------------------------------------------------------------------
+# A REQ socket per request costs a TCP connect and a ZMTP handshake on both sides; at thousands of
+# ranks that was most of the coordinator's cost per request (docs/benchmarks.md, "Coordinator at
+# scale"). Client keeps one DEALER socket per peer across requests and frames each request as a
+# REQ socket would ([b"", frame]), so a ROUTER server (serve_one, the coordinator's batch) sees no
+# difference. The reply is matched by request id: a late reply to an earlier try is dropped.
+
+
+def dealer_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER socket connected to ``endpoint``, as Client uses it (LINGER 0: a close drops
+    whatever is still queued, so nothing of a timed-out try is sent later)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def send_request(sock: zmq.Socket, frame: bytes) -> None:
+    """Send one request frame on a DEALER socket, in a REQ envelope; zmq.Again if it cannot queue."""
+    sock.send_multipart([b"", frame], zmq.NOBLOCK)
+
+
+def recv_reply(sock: zmq.Socket, id_: str) -> wire.Reply | None:
+    """Read one message from a DEALER socket: the reply to request ``id_``, or None for anything
+    else (a late reply to an earlier try, a frame that is not a reply)."""
+    parts = sock.recv_multipart(zmq.NOBLOCK)
+    if len(parts) != 2 or parts[0] != b"":
+        return None
+    try:
+        reply = wire.decode_reply(parts[1])
+    except ProtocolError:
+        return None
+    return reply if reply.id == id_ else None
+
+
+class Client:
+    """``request()`` over one kept connection to ``endpoint``.
+
+    Same contract as ``request()``: ``retries`` + 1 tries of ``timeout_s`` each, ``auth`` signed
+    per try, UnreachableError when no try got a reply, RemoteError on an error reply. A try that
+    times out closes the socket and the next try reconnects on a fresh one (Lazy Pirate: a peer
+    that restarted, or a request stuck in a dead connection, is not waited for twice).
+
+    ``context`` is a zmq.Context or a callable returning the one to use now (the rank runtime
+    destroys its context at a hold and opens a fresh one after): a socket whose context was
+    closed, or that was made in another process (fork; a CRIU restore of a holding rank has none),
+    is dropped and made again, lazily, at the next request. Requests from several threads are
+    serialised by a lock (a zmq socket is not thread-safe); ``close()`` may be called from any
+    thread.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 2.0,
+        retries: int = 2,
+        auth: str | Callable[[], str | None] | Signer | None = None,
+        context: zmq.Context | Callable[[], zmq.Context] | None = None,
+    ):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.auth = auth
+        self._context = context
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket | None = None
+        self._pid = 0  # of the process that made _sock
+        self.connects = 0  # sockets made so far (tests, and a reconnect count for logs)
+
+    def _ctx(self) -> zmq.Context:
+        c = self._context
+        if c is None:
+            return zmq.Context.instance()  # pyzmq makes a new instance in a forked child
+        return c if isinstance(c, zmq.Context) else c()
+
+    def _socket(self) -> zmq.Socket:
+        ctx = self._ctx()
+        sock = self._sock
+        if sock is not None and (self._pid != os.getpid() or sock.closed or sock.context is not ctx):
+            if self._pid == os.getpid() and not sock.closed:
+                sock.close(linger=0)
+            # else: another process's socket (fork) or one closed with its context: never touch it
+            sock = self._sock = None
+        if sock is None:
+            sock = self._sock = dealer_socket(ctx, self.endpoint)
+            self._pid = os.getpid()
+            self.connects += 1
+        return sock
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None and self._pid == os.getpid() and not sock.closed:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
+        with self._lock:
+            self._drop()
+
+    def request(self, type_: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                retries: int | None = None) -> dict[str, Any]:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        auth = self.auth
+        last_exc: Exception | None = None
+        with self._lock:
+            for _attempt in range(retries + 1):
+                id_, frame = _frame(type_, body, auth)
+                try:
+                    sock = self._socket()
+                    send_request(sock, frame)
+                    deadline = time.monotonic() + timeout_s
+                    while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                        reply = recv_reply(sock, id_)
+                        if reply is not None:
+                            return reply.unwrap()
+                except zmq.ZMQError as exc:  # zmq.Again too: the queue to the peer is full
+                    last_exc = exc
+                self._drop()  # no reply in time: the next try on a fresh connection
+        why = f": {last_exc}" if last_exc else ""
+        raise UnreachableError(
+            f"no reply from {self.endpoint} to {type_} after {retries + 1} tries of {timeout_s:g} s{why}"
+        )
 
 
 def _error_code(exc: TorchpassError) -> str:
