@@ -28,7 +28,11 @@ of waiting:
   (criu and scontrol have their own timeouts) and its late result is logged
   and dropped;
 * a second op on a (job, rank) whose op still runs (``exclusive`` types,
-  even one whose first request already timed out): ``conflict``;
+  even one whose first request already timed out) waits for it and then
+  runs, in arrival order, within its own deadline: an ``abort`` that the
+  coordinator sends while the rank's dump still runs must land after it,
+  as it did when tpassd served one request at a time (refusing it left the
+  source's hand-off unmarked, and its wrapper waiting at the job's end);
 * more than ``max_in_flight`` requests waiting or running: ``unavailable``.
 """
 
@@ -118,7 +122,7 @@ class ControlServer:
         self._handlers: dict[str, Callable[[wire.Message], dict[str, Any] | None]] = {}
         self._routes: dict[str, _Route] = {}
         self.counters: dict[str, int] = {"requests": 0, "malformed": 0, "auth_failed": 0, "dropped": 0,
-                                         "timed_out": 0, "busy": 0, "conflict": 0}
+                                         "timed_out": 0, "busy": 0, "queued_behind_rank_op": 0}
         self._clock = clock
         self._max_in_flight = max_in_flight
         self._tokens = itertools.count(1)
@@ -126,6 +130,8 @@ class ControlServer:
         self._pending: dict[int, _Pending] = {}
         # (job, rank) -> (type, since) of the op running on it; read by other threads (busy_jobs).
         self._busy: dict[tuple[int, int], tuple[str, float]] = {}
+        # requests for a busy rank, in arrival order (front thread only)
+        self._waiting: dict[tuple[int, int], list[tuple[list[bytes], bytes, wire.Message, _Route, float]]] = {}
         self._busy_lock = threading.Lock()
         self._jobs: queue.Queue[tuple[int, bytes, float] | None] = queue.Queue()
         self._done: queue.SimpleQueue[tuple[int, bytes, dict[str, int]]] = queue.SimpleQueue()
@@ -227,10 +233,11 @@ class ControlServer:
 
     def _dispatch(self, envelope: list[bytes], frame: bytes, msg: wire.Message, route: _Route) -> None:
         now = self._clock()
-        if len(self._pending) >= self._max_in_flight:
+        in_flight = len(self._pending) + sum(len(w) for w in self._waiting.values())
+        if in_flight >= self._max_in_flight:
             self.counters["busy"] += 1
             self._send(envelope, wire.encode_error(msg.id, "unavailable", (
-                f"tpassd is busy: {len(self._pending)} requests in flight; retry {msg.type} later")))
+                f"tpassd is busy: {in_flight} requests in flight; retry {msg.type} later")))
             return
         key = job_rank_key(msg.body) if route.exclusive else None
         if key is not None:
@@ -239,14 +246,33 @@ class ControlServer:
                 if running is None:
                     self._busy[key] = (msg.type, now)
             if running is not None:
-                self.counters["conflict"] += 1
-                self._send(envelope, wire.encode_error(msg.id, "conflict", (
-                    f"rank {key[1]} of job {key[0]}: a {running[0]} op has been running for "
-                    f"{now - running[1]:.1f} s; one op per rank at a time, retry when it ends")))
+                self.counters["queued_behind_rank_op"] += 1
+                self._waiting.setdefault(key, []).append((envelope, frame, msg, route, now))
                 return
+        self._start(envelope, frame, msg, route, now, key)
+
+    def _start(self, envelope: list[bytes], frame: bytes, msg: wire.Message, route: _Route, arrived: float,
+               key: tuple[int, int] | None) -> None:
         token = next(self._tokens)
-        self._pending[token] = _Pending(envelope, msg.id, msg.type, now + route.deadline_s, now, key)
-        self._jobs.put((token, frame, now + route.deadline_s))
+        self._pending[token] = _Pending(envelope, msg.id, msg.type, arrived + route.deadline_s, arrived, key)
+        self._jobs.put((token, frame, arrived + route.deadline_s))
+
+    def _next_for(self, key: tuple[int, int]) -> None:
+        """The rank's op ended: start the next one that waited for it (the rank stays busy), if any."""
+        waiting = self._waiting.get(key)
+        if not waiting:
+            self._waiting.pop(key, None)
+            with self._busy_lock:
+                self._busy.pop(key, None)
+            return
+        envelope, frame, msg, route, arrived = waiting.pop(0)
+        if self._clock() >= arrived + route.deadline_s:  # expired while it waited: never start it
+            self._timed_out(envelope, msg.id, msg.type, route.deadline_s)
+            self._next_for(key)
+            return
+        with self._busy_lock:
+            self._busy[key] = (msg.type, self._clock())
+        self._start(envelope, frame, msg, route, arrived, key)
 
     def _collect(self) -> None:
         try:
@@ -263,8 +289,7 @@ class ControlServer:
             if p is None:
                 continue
             if p.key is not None:
-                with self._busy_lock:
-                    self._busy.pop(p.key, None)
+                self._next_for(p.key)
             for k, v in counters.items():
                 self.counters[k] = self.counters.get(k, 0) + v
             if p.answered:
@@ -278,12 +303,18 @@ class ControlServer:
         for p in self._pending.values():
             if not p.answered and now >= p.deadline:
                 p.answered = True
-                self.counters["timed_out"] += 1
-                log.warning("request over its deadline answered with timeout", type=p.type,
-                            deadline_s=round(p.deadline - p.started, 3))
-                self._send(p.envelope, wire.encode_error(p.id, "timeout", (
-                    f"{p.type} did not finish within its {p.deadline - p.started:g} s deadline on this tpassd; "
-                    "it may still complete: check before retrying")))
+                self._timed_out(p.envelope, p.id, p.type, p.deadline - p.started)
+        for key, waiting in self._waiting.items():  # waited behind its rank's op past its deadline
+            for item in [w for w in waiting if now >= w[4] + w[3].deadline_s]:
+                waiting.remove(item)
+                self._timed_out(item[0], item[2].id, item[2].type, item[3].deadline_s)
+
+    def _timed_out(self, envelope: list[bytes], msg_id, type_: str, deadline_s: float) -> None:
+        self.counters["timed_out"] += 1
+        log.warning("request over its deadline answered with timeout", type=type_, deadline_s=round(deadline_s, 3))
+        self._send(envelope, wire.encode_error(msg_id, "timeout", (
+            f"{type_} did not finish within its {deadline_s:g} s deadline on this tpassd; "
+            "it may still complete: check before retrying")))
 
     def _send(self, envelope: list[bytes], reply: bytes) -> None:
         try:

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,10 +114,11 @@ def _assert_finished_unchanged(cluster, job_id: int, out_path: Path, reference: 
 
 @pytest.fixture(scope="module")
 def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
-    """The fault-free run of the job (as the job user), once for every test of this module."""
+    """The fault-free run of the job (as the job user), once for every module that uses it
+    (this one, and test_full_disk, which imports it: each gets its own directory)."""
     print(f"\ntest_migration seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = jobs_base / f"test_migration-ref-{os.getpid()}"
-    d.mkdir(mode=0o755)
+    d = Path(tempfile.mkdtemp(dir=jobs_base, prefix=f"test_migration-ref-{os.getpid()}-"))
+    d.chmod(0o755)
     os.chown(d, job_user.uid, job_user.gid)
     ref_id = _submit(d, "ref", job_user)
     ref = _wait_end(ref_id)
