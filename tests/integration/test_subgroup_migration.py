@@ -21,25 +21,16 @@ replays a run.
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
-import training_jobs as tj
-
-from slurm_helpers import job_id_of, job_python, sbatch, submit_env
-from torchpass import layout
+from drill import Drill, leave_clean, migrate, reference
 
 pytestmark = pytest.mark.integration
 
 STEPS = 120
-TRAINING_NODES = ("node1", "node2", "node3")
-SPARE = "node4"
-RANKS = 6
 # Each step counts 2 (its end and the loss all_reduce): T = max + 64 is ~32 steps
 # after the drill; leave the move time to finish before training does.
 FAULT_STEPS = (2, 60)
@@ -76,95 +67,13 @@ MESH_SCRIPT = textwrap.dedent(
 )
 
 
-def _submit(job_dir: Path, tag: str, nodes: int, torchpass: str | None, user: str | None) -> int:
-    tj.train_script(job_dir)  # train_ddp.py beside it: setup_env
-    script = job_dir / "train_mesh.py"
-    if not script.exists():
-        script.write_text(MESH_SCRIPT)
-        st = job_dir.stat()
-        os.chown(script, st.st_uid, st.st_gid)
-    strict = {k: v for k, v in os.environ.items() if k == "TORCHPASS_STRICT_TRANSITIONS"}
-    args = ["-N", str(nodes), "--ntasks-per-node=2", "-o", str(job_dir / f"{tag}.%j.out")]
-    if torchpass:
-        args.insert(0, f"--torchpass={torchpass}")
-    proc = sbatch(args, f"#!/bin/bash\nsrun {job_python()} {script} {STEPS}\n", cwd=job_dir, user=user,
-                  env={**submit_env(user), **strict})
-    return job_id_of(proc)
-
-
-def _events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    return json.loads(p.read_text()) if p.exists() else []
-
-
-def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
-    """Everything to look at when the job went wrong: its output, events, coordinator log."""
-    log = layout.coordinator_log(cluster.state_dir, job_id)
-    parts = [f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})",
-             out_path.read_text()[-3000:] if out_path.exists() else "no job output",
-             "--- events ---", *(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id)),
-             "--- coordinator.log ---", log.read_text()[-6000:] if log.exists() else ""]
-    return "\n".join(parts)
-
-
-def _reached(out_path: Path, step: int) -> bool:
-    return out_path.exists() and f"step={step} " in out_path.read_text()
-
-
-def _leave_clean(jobs: list[int]) -> None:
-    """No job of the test left, no drill armed, no torchpass drain."""
-    for j in jobs:
-        tj.run(["scancel", str(j)])
-    for n in (*TRAINING_NODES, SPARE):
-        tj.run([*tj.TPASSCTL, "inject", "--node", n, "--fault", "clear"])
-        if "DRAIN" in tj.node(n)["state"] and tj.node(n).get("reason", "").startswith("torchpass"):
-            tj.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"])
+JOB = Drill("train_mesh", MESH_SCRIPT, (str(STEPS),), STEPS, nodes=3, per_node=2, fault_steps=FAULT_STEPS)
 
 
 def test_2d_mesh_job_migrates_bit_identical(cluster, plugin_built, job_dir, job_user):
     jobs: list[int] = []
     try:
-        _drill(cluster, job_dir, job_user, jobs)
+        ref = reference(JOB, job_dir, job_user.name, jobs)  # every rank prints the same global loss
+        migrate(cluster, JOB, job_dir, job_user.name, SEED, jobs, ref)  # both ranks of the node moved
     finally:
-        _leave_clean(jobs)
-
-
-def _drill(cluster, job_dir: Path, job_user, clean: list[int]) -> None:
-    rng = random.Random(f"{SEED}:mesh2d")
-    node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
-    what = f"ecc-sbe-storm on {node} at step {at}, DP x TP mesh of {RANKS} ranks, 2 per node"
-    print(f"\ntest_subgroup_migration seed={SEED}: {what}")
-
-    ref_id = _submit(job_dir, "ref", 3, None, job_user.name)
-    clean.append(ref_id)
-    ref = tj.wait_end(ref_id, 300, context=f"seed={SEED}: reference ")
-    ref_text = (job_dir / f"ref.{ref_id}.out").read_text()
-    assert ref["job_state"][0] == "COMPLETED", ref_text[-3000:]
-    ref_lines = tj.steps(ref_text)
-    assert len(ref_lines) == RANKS * STEPS and "torchpass" not in ref_text, ref_text[-3000:]
-    reference = tj.per_step(ref_lines)
-    assert all(len(c) == 1 for c in reference.values())  # every rank prints the same global loss
-
-    job_id = _submit(job_dir, "mig", 4, "spares=1", job_user.name)
-    clean.append(job_id)
-    out_path = job_dir / f"mig.{job_id}.out"
-    deadline = time.monotonic() + 180
-    while not _reached(out_path, at):
-        assert time.monotonic() < deadline, _diag(cluster, job_id, out_path, f"step {at} not reached")
-        time.sleep(0.1)
-    inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
-    assert inj.returncode == 0, (SEED, inj.stderr)
-
-    final = tj.wait_end(job_id, 300, context=f"seed={SEED}: ")
-    diag = _diag(cluster, job_id, out_path, what)
-    assert final["job_id"] == job_id, diag
-    assert final["job_state"][0] == "COMPLETED", diag
-    assert final["exit_code"]["return_code"]["number"] == 0, diag
-    assert int(final.get("restart_cnt", 0)) == 0, diag
-    text = out_path.read_text()
-    assert "unprotected" not in text, diag
-    assert tj.per_step(tj.steps(text)) == reference, diag
-    done = [e for e in _events(cluster, job_id) if e["kind"] == "migration.completed"]
-    assert len(done) == 1, diag
-    assert done[0]["data"]["node"] == node and done[0]["data"]["target"] == SPARE, diag
-    print(f"migration {node} -> {SPARE} (drill at step {at}): phases {done[0]['data'].get('phase_durations')}")
+        leave_clean(JOB, jobs)
