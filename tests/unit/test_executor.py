@@ -15,6 +15,7 @@ import pytest
 
 from torchpass import layout
 from torchpass.coordinator import machine as mc
+from torchpass.coordinator import executor as executor_mod
 from torchpass.coordinator.executor import Driver, Executor, resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
@@ -194,6 +195,62 @@ def test_restore_is_released_at_the_gate_with_the_image(tmp_path):
     rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
     assert "restore on n4 failed" in rb.message and "manifest.json" in rb.message, rb.message
     assert (tmp_path / "srun.calls").read_text().count("\n") == 1  # one step, launched at the pause
+
+
+def _refusing_srun(tmp_path, refusals: int) -> Path:
+    """An srun that slurmctld refuses ``refusals`` times (as right after a slurmctld restart,
+    until the job's nodes have registered again), then runs the step like fake_srun."""
+    p = tmp_path / "srun"
+    p.write_text(f"""#!/bin/sh
+echo "$@" >> {tmp_path}/srun.calls
+n=$(wc -l < {tmp_path}/srun.calls)
+if [ "$n" -le {refusals} ]; then
+  echo "srun: error: Unable to create step for job 42: Memory required by task is not available" >&2
+  exit 1
+fi
+while [ "$#" -gt 0 ] && [ "$1" != "{sys.executable}" ]; do shift; done
+exec "$@"
+""")
+    p.chmod(0o755)
+    return p
+
+
+def _dump_ok_tpassd(tmp_path):
+    tp = FakeTpassd(fail_dump=False)
+    tp.request = lambda node, type_, body, timeout_s: (
+        {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        if type_ == "tpassd.snapshot" else {})
+    return tp
+
+
+def test_a_restore_step_slurmctld_refuses_for_a_while_is_launched_again(tmp_path):
+    d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
+    ex = d.executor
+    ex.srun = str(_refusing_srun(tmp_path, 2))  # the step at the pause and the first relaunch refused
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+    _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
+    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    # The third launch ran the restore wrapper (which refuses an image without a manifest).
+    assert "manifest.json" in rb.message and "Unable to create step" not in rb.message, rb.message
+    assert (tmp_path / "srun.calls").read_text().count("\n") == 3
+
+
+def test_a_restore_step_slurmctld_keeps_refusing_fails_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(executor_mod, "STEP_CREATE_RETRY_S", 1.0)
+    d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
+    ex = d.executor
+    ex.srun = str(_refusing_srun(tmp_path, 1000))
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+    _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
+    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    assert "Memory required by task is not available" in rb.message, rb.message
+    assert 2 < (tmp_path / "srun.calls").read_text().count("\n") < 10  # tried again, with backoff, then gave up
 
 
 def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy_is_gone(tmp_path):

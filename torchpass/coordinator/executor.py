@@ -102,11 +102,26 @@ RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
 HOLD_MARGIN_S = 60.0
 # tpassd.drain: tpassd's own scontrol call has a 15 s timeout.
 DRAIN_TIMEOUT_S = 20.0
+# srun's line when slurmctld refused the step itself (no task ran). Right after slurmctld restarts it
+# refuses steps ("Memory required by task is not available") until the job's nodes have registered
+# again, a few seconds: the restore step is launched again for up to this long, with backoff.
+STEP_NOT_CREATED = "Unable to create step for job"
+STEP_CREATE_RETRY_S = 30.0
 
 
 def hold_deadline_s(policy: CoordinatorPolicy) -> float:
     """How long a paused rank may wait for its resume: 3630 s with the default policy."""
     return policy.hold_deadline_s or policy.max_pause_s() + HOLD_MARGIN_S
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """What was appended to ``path`` since ``offset`` ("" when it is not there)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def resume_port(job_id: int, generation: int, ports: tuple[int, int]) -> int:
@@ -198,6 +213,7 @@ class Executor:
         self.prelaunch_restore = prelaunch_restore
         self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
         self.moves: dict[str, Move] = {}
+        self._restores_lock = threading.Lock()  # Move.restores: a relaunch must not revive a called-off step
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
         self._output: str | None = None  # the job's stdout file (cached)
 
@@ -529,9 +545,12 @@ class Executor:
             if gate is not None:
                 self._stop_gate(gate)
             proc = self._spawn_restore(a, st)
+        err_from = errf.stat().st_size if errf.exists() else 0
         mv.restores[a.rank] = proc
 
         def run() -> None:
+            nonlocal proc, err_from
+            tries = 1
             while True:
                 try:
                     rec = json.loads(rec_path.read_text())
@@ -542,10 +561,24 @@ class Executor:
                         "step_s": round(time.monotonic() - t0, 4), "criu_restore_s": rec.get("restore_s", 0.0)}))
                     return
                 rc = proc.poll()
+                if rc is not None and rc != 0 and time.monotonic() - t0 < STEP_CREATE_RETRY_S \
+                        and STEP_NOT_CREATED in _read_from(errf, err_from):
+                    time.sleep(min(2.0, 0.25 * 2 ** (tries - 1)))
+                    with self._restores_lock:
+                        if mv.restores.get(a.rank) is proc:  # not called off meanwhile
+                            err_from = errf.stat().st_size if errf.exists() else 0
+                            proc = self._spawn_restore(a, st)
+                            mv.restores[a.rank] = proc
+                            tries += 1
+                            log.info("slurmctld refused the restore step; launched again", rank=a.rank,
+                                     target=a.target, attempt=tries)
+                            continue
                 if rc is not None:
-                    tail = " | ".join(errf.read_text(errors="replace").strip().splitlines()[-4:]) if errf.exists() else ""
+                    # This launch's lines only (the file also has earlier launches' refusals).
+                    tail = " | ".join(_read_from(errf, err_from).strip().splitlines()[-4:])
+                    again = f" (launched {tries} times)" if tries > 1 else ""
                     self.post(ct.RestoreFailed(a.migration, a.rank, a.target,
-                                               f"restore step exited {rc} before the rank was restored: {tail}"))
+                                               f"restore step exited {rc} before the rank was restored{again}: {tail}"))
                     return
                 time.sleep(0.01)
 
@@ -555,7 +588,8 @@ class Executor:
         self._cancel_gates(a.migration)
         mv = self.move(a.migration)
         for r in a.ranks:
-            proc = mv.restores.pop(r, None)
+            with self._restores_lock:
+                proc = mv.restores.pop(r, None)
             res = mv.dumps.get(r) or {}
 
             def run(proc=proc, r=r, images=res.get("images")) -> None:
