@@ -10,8 +10,8 @@ from typing import Any
 import click
 
 from torchpass import auth, coordinator_lost, layout, zmqio
-from torchpass.errors import TorchpassError, UnreachableError
-from tpassctl.status_cmd import discover_coordinators
+from torchpass.errors import RemoteError, TorchpassError, UnreachableError
+from tpassctl.status_cmd import discover_coordinators, exit_if_refused
 
 # The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
 # The saved log holds at most 10,000 events (JobState.record).
@@ -49,6 +49,8 @@ def fetch(job_id: int, info: dict[str, Any], since_seq: int, timeout_s: float) -
         row.update(reachable=False, error=f"coordinator unreachable: {exc}", events=[])
     except TorchpassError as exc:
         row.update(reachable=True, error=str(exc), events=[])
+        if isinstance(exc, RemoteError):
+            row["error_code"] = exc.code
     return row
 
 
@@ -126,6 +128,7 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
         rows = [with_lost_note(obj.state_dir, fetch(j, regs[j], since_seq, timeout_s)) for j in sorted(regs)]
     if as_json:
         click.echo(json.dumps({"jobs": rows}, indent=1))
+        exit_if_refused(job_id, rows)
         return
     if not rows:
         click.echo("no torchpass coordinators registered")
@@ -148,3 +151,4 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
             data = e.get("data") or {}
             if isinstance(data.get("phase_durations"), dict) and data["phase_durations"]:
                 click.echo(f"{'':19}  {'':<{width}}  phases: {format_durations(data['phase_durations'])}")
+    exit_if_refused(job_id, rows)

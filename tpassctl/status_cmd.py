@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from torchpass import auth, coordinator_lost, layout, zmqio
-from torchpass.errors import SlurmError, TorchpassError, UnreachableError, DependencyError
+from torchpass.errors import DependencyError, RemoteError, SlurmError, TorchpassError, UnreachableError
 from torchpass.slurm import client
 
 
@@ -84,6 +84,8 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
         except (UnreachableError, TorchpassError) as exc:
             row["reachable"] = False
             row["error"] = str(exc)
+            if isinstance(exc, RemoteError):
+                row["error_code"] = exc.code
             # Slurm runs the job but its coordinator does not answer: it died, and nothing moves the job.
             lost = isinstance(exc, UnreachableError) and sj is not None and sj.state == "RUNNING"
             row["coordinator_lost"] = lost
@@ -99,6 +101,22 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
         for r in rows:
             r["slurm_error"] = slurm_error
     return rows
+
+
+REFUSED_CODES = ("forbidden", "unauthenticated")
+
+
+def exit_if_refused(job_id: int | None, rows: list[dict[str, Any]]) -> None:
+    """A question about one job that its coordinator refused ends with exit status 1 and one line on
+    stderr, after the (JSON or text) output: scripts must not take a refusal for an answer. A listing
+    of every job keeps exit status 0, with the refusal in that job's entry."""
+    if job_id is None:
+        return
+    for row in rows:
+        if row.get("error_code") in REFUSED_CODES:
+            click.echo(f"Error: job {job_id}: {row['error']}; only the job's owner or an admin can see it",
+                       err=True)
+            raise click.exceptions.Exit(1)
 
 
 @click.command()
@@ -118,6 +136,7 @@ def status(obj, job_id, as_json, timeout_s):
     rows = collect(obj.state_dir, job_id, timeout_s)
     if as_json:
         click.echo(json.dumps({"jobs": rows}, indent=1))
+        exit_if_refused(job_id, rows)
         return
     if not rows:
         click.echo("no running torchpass jobs")
@@ -139,3 +158,4 @@ def status(obj, job_id, as_json, timeout_s):
         for r in row.get("ranks", []):
             click.echo(f"  rank {r['rank']:>3}  {r['node']:<12} pid {r['pid']:<8} step {r['step']:<7}"
                        f" gen {r['generation']}  last report {r['last_report_age_s']:.1f}s ago")
+    exit_if_refused(job_id, rows)

@@ -68,7 +68,8 @@ def test_another_user_can_neither_see_nor_steer_a_job(cluster, plugin_built, job
         # Another user sees nothing of it...
         for what in ("status", "events"):
             theirs = tpassctl(what, str(job_id), "--json", user=intruder)
-            assert theirs.returncode == 0, theirs.stderr  # a listing: the refusal is in the job's entry
+            # The refusal is in the job's entry, and the exit status says so (a script must not take it for an answer)
+            assert theirs.returncode == 1 and "only the job's owner or an admin" in theirs.stderr, theirs.stderr
             entry = json.loads(theirs.stdout)["jobs"][0]
             assert entry["job_id"] == job_id and "(forbidden)" in entry["error"], entry
             assert not entry.get("ranks") and not entry.get("events") and not entry.get("user"), entry

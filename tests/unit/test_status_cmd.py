@@ -142,3 +142,23 @@ def test_a_coordinator_lost_note_of_another_user_is_ignored(tmp_path, coordinato
     _note_lost(tmp_path, 9, uid=os.getuid() + 4242)  # not the owner of jobs/9: anyone could have dropped it
     job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
     assert job["protected"] is True and "coordinator_lost" not in job
+
+
+@pytest.mark.parametrize("command", ["status", "events"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_refused_question_about_one_job_exits_1_but_a_listing_does_not(tmp_path, no_slurm, monkeypatch,
+                                                                          command, as_json):
+    from torchpass.errors import RemoteError
+
+    def refuse(*_a, **_k):
+        raise RemoteError("forbidden", "uid 1002 does not own job 6")
+
+    monkeypatch.setattr(zmqio, "request", refuse)
+    write_registration(tmp_path, 6, {"job_id": 6, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
+                                     "uid": os.getuid()})
+    extra = ["--json"] if as_json else []
+    one = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), command, "6", *extra])
+    assert one.exit_code == 1, one.output
+    assert "job 6: uid 1002 does not own job 6 (forbidden); only the job's owner or an admin can see it" in one.output
+    listing = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), command, *extra])
+    assert listing.exit_code == 0 and "(forbidden)" in listing.output, listing.output
