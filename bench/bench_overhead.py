@@ -1,0 +1,184 @@
+"""Steady-state cost of ``--torchpass``: the same job with and without it, interleaved A/B pairs.
+
+    .venv/bin/python bench/bench_overhead.py [--pairs 5] [--steps 150] [--params 10M]
+                                             [--script examples/train_ddp.py] [--out bench/results/overhead.json]
+
+Each pair runs one training job without torchpass (A: ``sbatch -N3``) and one
+with it (B: ``sbatch -N3 --torchpass``: coordinator, rank wrapper and the
+runtime around every collective, no spare, nothing moves) on one devcluster,
+as the devcluster's job user. The order inside a pair alternates (AB, BA,
+AB, ...) so that a drift of the machine (page cache, another process) falls
+on both sides alike.
+
+Step time is read from the job's own output, as bench_migration.py does: the
+first arrival of every ``step=N`` line (the output file is tailed every 5 ms).
+A run's step time is the median gap between consecutive steps after
+``--warmup`` steps (start-up, first-touch of the model and DDP's bucket
+rebuild are not steady state). The overhead is the median of B's step times
+over the median of A's, and the spread is the lowest and highest per-pair
+ratio. Every B run must print the same losses as its A run, bit for bit: a
+runtime that changed the results would not be measured, it would be wrong.
+
+Writes bench/results/overhead.json; docs/benchmarks.md quotes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCH))
+
+from bench_migration import Tail, first_arrivals, machine, per_step  # noqa: E402
+
+from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
+
+SIDES = {"A": ("plain", []), "B": ("torchpass", ["--torchpass"])}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def as_user(user: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=60,
+                          cwd=cwd, env=os.environ)
+
+
+def job_state(job_id: int) -> dict:
+    p = subprocess.run(["scontrol", "show", "job", str(job_id), "--json"], capture_output=True, text=True,
+                       timeout=30)
+    return json.loads(p.stdout)["jobs"][0] if p.returncode == 0 else {}
+
+
+def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, cmd: str, timeout_s: float) -> dict:
+    name, extra = SIDES[side]
+    script = work / f"{tag}.sbatch"
+    script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
+    script.chmod(0o755)
+    out = work / f"{tag}.out"
+    p = as_user(user, ["sbatch", "--parsable", "-N3", "--ntasks-per-node=1", "-o", str(out), *extra, str(script)],
+                work)
+    if p.returncode != 0:
+        raise RuntimeError(f"sbatch ({name}): {p.stderr.strip()}")
+    job_id = int(p.stdout.strip().split(";")[0])
+    tail = Tail(out)
+    tail.start()
+    t0 = time.monotonic()
+    try:
+        while True:
+            j = job_state(job_id)
+            if j and not set(j["job_state"]) & {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING"}:
+                break
+            if time.monotonic() - t0 > timeout_s:
+                subprocess.run(["scancel", str(job_id)], capture_output=True)
+                raise RuntimeError(f"{name} job {job_id} did not end within {timeout_s:.0f} s")
+            time.sleep(0.25)
+    finally:
+        time.sleep(0.2)
+        tail.stop()
+    if j["job_state"][0] != "COMPLETED":
+        raise RuntimeError(f"{name} job {job_id} ended {j['job_state']}: {out.read_text()[-1500:]}")
+    steps = tail.steps()
+    return {"job_id": job_id, "side": name, "steps": steps, "wall_s": round(time.monotonic() - t0, 2)}
+
+
+def step_time(run: dict, warmup: int) -> float:
+    first = first_arrivals(run["steps"])
+    gaps = [first[n + 1] - first[n] for n in sorted(first) if n >= warmup and n + 1 in first]
+    if len(gaps) < 10:
+        raise RuntimeError(f"job {run['job_id']}: only {len(gaps)} steps after the warm-up; raise --steps")
+    return statistics.median(gaps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=20, help="steps left out at the start of every run")
+    ap.add_argument("--params", default="10M")
+    ap.add_argument("--script", type=Path, default=REPO / "examples" / "train_ddp.py",
+                    help="a training script printing step=N loss=<float.hex> (run as the job's tasks)")
+    ap.add_argument("--user", default="tpuser1", help="the job user (made by the devcluster's bring-up)")
+    ap.add_argument("--out", type=Path, default=BENCH / "results" / "overhead.json")
+    ap.add_argument("--cluster", default=os.environ.get("TORCHPASS_TEST_CLUSTER", "bench"))
+    ap.add_argument("--subnet", default=os.environ.get("TORCHPASS_TEST_SUBNET", "10.76.0"))
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        ap.error("needs root (the devcluster: network namespaces, slurmd)")
+    if args.pairs < 1 or args.steps <= args.warmup + 10:
+        ap.error("--pairs must be >= 1 and --steps at least --warmup + 10")
+    t_all = time.monotonic()
+    load0 = os.getloadavg()
+    c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=3))
+    saved = dict(os.environ)
+    os.environ.update(c.env())
+    cmd = f"{c.job_python} {args.script} --steps {args.steps} --params {args.params} --sleep 0"
+    pairs: list[dict] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+            work = Path(tmp)
+            pw = pwd.getpwnam(args.user)
+            work.chmod(0o755)
+            os.chown(work, pw.pw_uid, pw.pw_gid)
+            time.sleep(2.0)  # every tpassd has published its first sample
+            for i in range(args.pairs):
+                order = "AB" if i % 2 == 0 else "BA"
+                runs = {s: one_run(c, work, args.user, s, f"{i}{s}", cmd, 600) for s in order}
+                a, b = runs["A"], runs["B"]
+                same = per_step(ln for _, _, ln in a["steps"]) == per_step(ln for _, _, ln in b["steps"])
+                if not same:
+                    raise RuntimeError(f"pair {i + 1}: the --torchpass job {b['job_id']} printed other losses than "
+                                       f"the plain job {a['job_id']}: not an overhead, a bug")
+                ta, tb = step_time(a, args.warmup), step_time(b, args.warmup)
+                pairs.append({"pair": i + 1, "order": order, "plain_job": a["job_id"], "torchpass_job": b["job_id"],
+                              "plain_step_s": round(ta, 5), "torchpass_step_s": round(tb, 5),
+                              "ratio": round(tb / ta, 4), "plain_wall_s": a["wall_s"], "torchpass_wall_s": b["wall_s"],
+                              "bit_identical": same, "load": round(os.getloadavg()[0], 2)})
+                log(f"pair {i + 1} ({order}): plain {ta * 1000:.1f} ms/step, torchpass {tb * 1000:.1f} ms/step, "
+                    f"ratio {tb / ta:.4f}")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        c.down()
+    med_a = statistics.median(p["plain_step_s"] for p in pairs)
+    med_b = statistics.median(p["torchpass_step_s"] for p in pairs)
+    ratios = [p["ratio"] for p in pairs]
+    data = {
+        "script": str(args.script.relative_to(REPO)) if args.script.is_relative_to(REPO) else str(args.script),
+        "params": args.params, "steps": args.steps, "warmup": args.warmup, "ranks": 3,
+        "plain_step_s_median": round(med_a, 5), "torchpass_step_s_median": round(med_b, 5),
+        "overhead_pct": round((med_b / med_a - 1) * 100, 2),
+        "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),
+        "pairs": pairs, "load_at_start": [round(x, 2) for x in load0], "machine": machine(),
+        "bench_seconds": round(time.monotonic() - t_all, 1),
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = args.out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp_out, args.out)
+    print(f"{'pair':>4} {'order':>5} | {'plain ms/step':>13} {'torchpass ms/step':>17} {'ratio':>7} | {'load':>5}")
+    for p in pairs:
+        print(f"{p['pair']:>4} {p['order']:>5} | {p['plain_step_s'] * 1000:>13.2f} {p['torchpass_step_s'] * 1000:>17.2f}"
+              f" {p['ratio']:>7.4f} | {p['load']:>5}")
+    print(f"median: plain {med_a * 1000:.2f} ms/step, torchpass {med_b * 1000:.2f} ms/step: "
+          f"{data['overhead_pct']:+.2f} % (per-pair ratio {min(ratios):.4f} .. {max(ratios):.4f}); "
+          f"losses bit-identical in every pair")
+    print(f"wrote {args.out} in {data['bench_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
