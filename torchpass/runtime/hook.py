@@ -16,6 +16,13 @@ the switchable store itself, and calls the real ``init_process_group`` with
 store, ``file://``, ``mpi``/``ucc`` backends, an explicit torchpass-disable)
 falls back to the real call with one ``torchpass:`` line on stderr.
 
+torchrun: its workers (``TORCHELASTIC_RUN_ID`` in their environment) are not
+the tasks Slurm started and its agent holds TCP connections to its rendezvous
+store, so they cannot be moved: the real call runs, untouched (do no harm),
+the worker of global rank 0 says so in one line, and every worker tells the
+coordinator it is unprotected (``_report_unprotected``, as every fallback
+does), which records the job.unprotected event and starts no migration.
+
 Subgroups: torch's ``new_group`` (DeviceMesh, new_subgroups, ...) hands the
 making of the group to the ``ReconfigurablePG``, which makes a
 reconfigurable subgroup (pg.py ``new_group``); the hook passes on the
@@ -33,6 +40,7 @@ import importlib.machinery
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -98,6 +106,18 @@ class Plan:
     store: object = None  # the SwitchableStore: the default group's and, through it, every subgroup's
 
 
+RUNTIME_OFF = "TORCHPASS_RUNTIME=0"  # the fallback's reason when the runtime is switched off
+# torchrun's elastic agent puts this in every worker's environment (torch's LocalElasticAgent).
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+TORCHRUN_WHY = (
+    "launched by torchrun: its workers are children of torchrun's agent, not the tasks Slurm started, and "
+    "the agent holds TCP connections to its rendezvous store, so torchpass cannot move them; for live "
+    "migration start one task per rank with srun (srun --ntasks-per-node=K python train.py) instead"
+)
+# How long a fallen-back rank keeps trying to tell the coordinator (it may come up after the ranks).
+REPORT_UNPROTECTED_S = 600.0
+
+
 def _env_int(*names: str) -> int | None:
     for n in names:
         v = os.environ.get(n)
@@ -111,7 +131,9 @@ def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=N
     import torch
 
     if os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
-        return None, "TORCHPASS_RUNTIME=0"
+        return None, RUNTIME_OFF
+    if os.environ.get(TORCHRUN_ENV) is not None:
+        return None, TORCHRUN_WHY
     if store is not None:
         return None, "init_process_group was given its own store"
     b = str(backend).lower() if backend is not None else None
@@ -190,8 +212,12 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
         plan, why = None, f"{type(exc).__name__}: {exc}"
     if plan is None:
         state["fallback"] = why
-        say(f"{why}; training runs unprotected")
-        return orig(**call)
+        # torchrun: every worker falls back alike for the whole job, so only rank 0 says it
+        if why != TORCHRUN_WHY or os.environ.get("RANK", "0") == "0":
+            say(f"{why}; training runs unprotected")
+        out = orig(**call)
+        _report_unprotected(why)
+        return out
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -227,6 +253,65 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
     _count_steps(pg)
     _start_control(pg, plan)
     return None
+
+
+def _report_unprotected(why: str) -> None:
+    """Tell the job's coordinator that this rank, whose group torch made without the runtime, runs
+    unprotected: ``rank.register`` with ``unprotected`` (the coordinator records the job.unprotected
+    event once, shows it in status and starts no migration; without it an unregistered rank would
+    only keep migrations waiting, silently). From a background thread: the coordinator may not be up
+    yet, and training must not wait for it. Nothing is sent when the runtime was switched off."""
+    if why == RUNTIME_OFF or not os.environ.get("TORCHPASS_COORDINATOR"):
+        return
+    try:
+        import socket
+
+        import torch.distributed as dist
+
+        from torchpass.jobauth import signer_from_env
+
+        endpoint = os.environ["TORCHPASS_COORDINATOR"]
+        body = {
+            "job_id": int(os.environ["TORCHPASS_JOB_ID"]), "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(), "pid": os.getpid(), "unprotected": why,
+            "node": os.environ.get("TORCHPASS_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        }
+        args = (endpoint if "://" in endpoint else f"tcp://{endpoint}", body, signer_from_env())
+        threading.Thread(target=_register_unprotected, args=args, name="torchpass-unprotected",
+                         daemon=True).start()
+    except Exception as exc:  # noqa: BLE001 - training goes on; only the event is lost
+        say(f"could not tell the coordinator that the job is unprotected ({type(exc).__name__}: {exc})")
+
+
+def _register_unprotected(endpoint: str, body: dict, auth, *, limit_s: float = REPORT_UNPROTECTED_S,
+                          timeout_s: float = 2.0, clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Send ``body`` as ``rank.register`` until the coordinator answers (backing off up to 5 s,
+    for ``limit_s`` at most); True once it took it. Never raises, never prints: the rank's one
+    line (the job's, for torchrun) is said."""
+    try:
+        import zmq
+
+        from torchpass import zmqio
+        from torchpass.errors import UnreachableError
+    except Exception:  # noqa: BLE001
+        return False
+    ctx = zmq.Context()
+    try:
+        end, wait = clock() + limit_s, 0.5
+        while True:
+            try:
+                zmqio.request(endpoint, "rank.register", body, timeout_s=timeout_s, retries=0, auth=auth,
+                              context=ctx)
+                return True
+            except UnreachableError:
+                if clock() + wait > end:
+                    return False
+                sleep(wait)
+                wait = min(2 * wait, 5.0)
+            except Exception:  # noqa: BLE001 - refused (another job, a bad credential): nothing to add
+                return False
+    finally:
+        ctx.destroy(linger=0)
 
 
 def _route_new_groups(c10d) -> None:

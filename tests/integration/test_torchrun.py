@@ -1,0 +1,193 @@
+"""``srun torchrun`` under --torchpass: do no harm (issue 11, deliver 1 and 3).
+
+torchpass cannot move a torchrun job yet: its workers are children of
+torchrun's agent (the task Slurm started), and the agent holds TCP
+connections to its c10d rendezvous store (docs/runtime.md, "torchrun"). So
+such a job must run exactly as without torchpass, say once why it is
+unprotected, and never be paused or moved.
+
+The job (as the tests' ordinary user, 3 training nodes): ``srun torchrun
+--nnodes=3 --nproc-per-node=2 --rdzv-backend=c10d`` of a small gloo DDP
+script, 6 workers. Run twice: under plain sbatch (the reference) and under
+``--torchpass=spares=1`` (one more node, the hot spare; the plugin keeps it
+out of the plain srun, so ``$SLURM_NNODES`` is 3 in both). In the second, an
+ECC drill lands on a random training node at a random step (seed printed;
+``TORCHPASS_TEST_SEED=N`` replays). The workers end their training, then
+wait for a release file before they leave, so the coordinator's answer to
+the drill is seen while the job runs: the test releases them once the event
+log shows it (the reference is released from the start).
+
+Checked: same job id, COMPLETED 0:0, ``Restarts=0``; every step exactly once
+per worker with the reference's losses bit for bit; each worker's
+``TORCHELASTIC_RESTART_COUNT`` still 0 at the end; exactly one ``torchpass:``
+line in the job's output, saying it was launched by torchrun and to start
+one task per rank with srun instead; a ``job.unprotected`` event saying the
+same; ``tpassctl status`` showing the job unprotected; the drill answered
+by ``migration.skipped`` for that node, and no migration started. (On
+e994c1d the workers registered as movable ranks, said nothing, and the
+drill started a migration whose dump failed: "does not run on node2".)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import training_jobs as tj
+from drill import diagnosis, events, leave_clean
+
+from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
+
+pytestmark = pytest.mark.integration
+
+SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
+STEPS = 25
+NODES = ("node1", "node2", "node3")  # training nodes; node4 is the spare
+WORKERS = 2 * len(NODES)
+TORCHRUN_SAYS = "launched by torchrun"
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    def say(line):  # one write(2) per line: the node's 2 workers share torchrun's stdout
+        sys.stdout.write(line + "\n"); sys.stdout.flush()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # env:// as torchrun sets it up
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(int(sys.argv[1])):
+        x = torch.randn(8, 16, generator=g)
+        loss = nn.functional.mse_loss(model(x), torch.tanh(x.sum(1, keepdim=True)))
+        opt.zero_grad(); loss.backward(); opt.step()
+        t = loss.detach().clone(); dist.all_reduce(t)
+        say(f"step={step} loss={(t.item() / world).hex()}")
+        time.sleep(0.1)
+    release, end = sys.argv[2], time.monotonic() + 180
+    while not os.path.exists(release) and time.monotonic() < end:
+        time.sleep(0.1)
+    dist.barrier()
+    say(f"restarts={os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
+    dist.destroy_process_group()
+    """
+)
+
+BATCH = """#!/bin/bash
+#SBATCH --ntasks-per-node=1
+cd {d}
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+srun {torchrun} --nnodes="$SLURM_NNODES" --nproc-per-node=2 --rdzv-backend=c10d \\
+  --rdzv-endpoint="$head:$((20000 + SLURM_JOB_ID % 20000))" --rdzv-id="$SLURM_JOB_ID" \\
+  tr.py {steps} {release}
+"""
+
+
+def _submit(d: Path, tag: str, torchpass: bool, user) -> tuple[int, Path, Path]:
+    """sbatch the torchrun job as ``user``; (job id, its output file, its release file)."""
+    release = d / f"{tag}.release"
+    args = ["-N", str(len(NODES) + torchpass), "-o", str(d / f"{tag}.%j.out")]
+    if torchpass:
+        args.insert(0, "--torchpass=spares=1")
+    torchrun = Path(job_python()).parent / "torchrun"  # torch's console script in the job venv
+    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release)
+    job_id = job_id_of(sbatch(args, script, cwd=d, user=user.name, env=submit_env(user.name)))
+    return job_id, d / f"{tag}.{job_id}.out", release
+
+
+def _wait_for(what: str, ready, timeout_s: float, diag) -> None:
+    end = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < end, diag(f"{what} not within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes_nothing(
+        cluster, plugin_built, job_dir, job_user):
+    rng = random.Random(f"{SEED}:torchrun")
+    node, at = rng.choice(NODES), rng.randint(2, STEPS - 10)
+    what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): ecc-sbe-storm on {node} at step {at}, "
+            f"srun torchrun --nnodes=3 --nproc-per-node=2")
+    print(f"\n{what}")
+    (job_dir / "tr.py").write_text(SCRIPT)
+    os.chown(job_dir / "tr.py", job_user.uid, job_user.gid)
+    jobs: list[int] = []
+    try:
+        # the reference: plain sbatch, released from the start
+        (job_dir / "ref.release").touch()
+        ref_id, ref_out, _ = _submit(job_dir, "ref", False, job_user)
+        jobs.append(ref_id)
+        t0 = time.monotonic()
+        ref_final = tj.wait_end(ref_id, 300, context="torchrun reference: ")
+        t_ref = time.monotonic() - t0
+        ref_text = ref_out.read_text()
+        assert ref_final["job_state"][0] == "COMPLETED", ref_text[-3000:]
+        assert "torchpass" not in ref_text, ref_text[-3000:]
+        assert ref_text.splitlines().count("restarts=0") == WORKERS, ref_text[-3000:]
+        ref = tj.per_step(tj.steps(ref_text))
+        assert sorted(ref) == list(range(STEPS)) and all(sum(c.values()) == WORKERS for c in ref.values()), \
+            ref_text[-3000:]
+        assert all(len(c) == 1 for c in ref.values()), "the workers disagree on a step's loss"
+
+        # under --torchpass, with a drill on one training node
+        job_id, out, release = _submit(job_dir, "tp", True, job_user)
+        t0 = time.monotonic()
+        jobs.append(job_id)
+
+        def diag(msg: str) -> str:
+            return diagnosis(cluster, job_id, out, f"{msg}; {what}")
+
+        _wait_for(f"step {at}", lambda: out.exists() and f"step={at} " in out.read_text(), 240, diag)
+        t_at = time.monotonic() - t0
+        inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
+        assert inj.returncode == 0, (what, inj.stderr)
+        # the coordinator saw the drill on an unprotected job: it says so and moves nothing
+        skipped = lambda: [e for e in events(cluster, job_id)  # noqa: E731
+                           if e["kind"] == "migration.skipped" and e["data"].get("node") == node]
+        try:
+            _wait_for("migration.skipped", skipped, 120, diag)
+            st = tpassctl("status", str(job_id), "--json", user=job_user.name)
+        finally:
+            release.touch()  # the workers leave whatever happened
+            t_skip = time.monotonic() - t0
+        assert st.returncode == 0, st.stderr
+        row = json.loads(st.stdout)["jobs"][0]
+        assert row["protected"] is False and TORCHRUN_SAYS in row["unprotected"], row
+        assert row["registered_ranks"] == WORKERS, row
+
+        final = tj.wait_end(job_id, 300, context=f"{what}: ")
+        text, evs = out.read_text(), events(cluster, job_id)
+        d = diag("after the job")
+        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", d
+        assert final["exit_code"]["return_code"]["number"] == 0, d
+        assert final["exit_code"]["signal"]["id"]["number"] == 0, d
+        assert int(final.get("restart_cnt", 0)) == 0, d
+        # the same training, bit for bit, and torchrun never restarted its workers
+        assert tj.per_step(tj.steps(text)) == ref, d
+        assert text.splitlines().count("restarts=0") == WORKERS, d
+        # one line for the whole job: why, and what to do instead
+        said = [ln for ln in text.splitlines() if ln.startswith("torchpass:")]
+        assert len(said) == 1 and TORCHRUN_SAYS in said[0] and "srun" in said[0], d
+        assert [e for e in evs if e["kind"] == "job.unprotected" and TORCHRUN_SAYS in e["message"]], d
+        assert not [e for e in evs if e["kind"].startswith("migration.")
+                    and e["kind"] not in ("migration.skipped",)], d
+        print(f"torchrun: unprotected, drill on {node} at step {at} skipped: {skipped()[0]['message']}\n"
+              f"reference {t_ref:.1f} s; under --torchpass step {at} after {t_at:.1f} s, skipped after "
+              f"{t_skip:.1f} s, ended after {time.monotonic() - t0:.1f} s")
+    finally:
+        leave_clean_nodes(jobs)
+
+
+def leave_clean_nodes(jobs: list[int]) -> None:
+    """No job left, no drill armed, no torchpass drain (drill.leave_clean over these nodes)."""
+    from drill import Drill
+
+    leave_clean(Drill("torchrun", "", (), STEPS, nodes=len(NODES)), jobs)
