@@ -21,7 +21,8 @@ def devcluster():
     """A local Slurm cluster on this machine: munged, slurmctld, one slurmd + tpassd per node.
 
     Each node is a network, UTS and mount namespace with its own address and
-    hostname. Needs root and the system packages ('make deps').
+    hostname. Needs root and the system packages ('make deps'). 'crash' and
+    'revive' drill a node lost outright (a power cut) and its return.
     """
 
 
@@ -70,7 +71,43 @@ def status(name, base_dir, as_json):
         if "error" in n:
             click.echo(f"  slurm: {n['error']}")
         else:
-            click.echo(f"  {n['name']:<8} {n['address']:<12} {'+'.join(n['state'])} {n.get('reason') or ''}")
+            crashed = " (crashed: a drill)" if n["name"] in st.get("crashed", []) else ""
+            click.echo(f"  {n['name']:<8} {n['address']:<12} {'+'.join(n['state'])}{crashed} {n.get('reason') or ''}")
+
+
+def _node_drill(fn):
+    """A drill on one NODE of a cluster: ``fn(cluster, node)`` returns (what --json prints, the line)."""
+
+    @click.argument("node")
+    @name_option
+    @base_option
+    @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+    def command(node, name, base_dir, as_json):
+        result, line = fn(Devcluster.attach(name, base_dir), node)
+        click.echo(json.dumps({"node": node, **result}) if as_json else line)
+
+    command.__doc__ = fn.__doc__
+    return devcluster.command(fn.__name__)(command)
+
+
+@_node_drill
+def crash(c: Devcluster, node: str) -> tuple[dict, str]:
+    """A power cut of NODE (a drill): its network goes down, then every process of it
+    (slurmd, tpassd, job steps, ranks: whatever runs in its namespaces) is killed with
+    SIGKILL at once. slurmctld marks it DOWN once it stops answering (SlurmdTimeout).
+    'revive NODE' brings it back."""
+    killed = c.crash(node)
+    return {"killed": killed}, f"{node} crashed: network down, {len(killed)} processes killed"
+
+
+@_node_drill
+def revive(c: Devcluster, node: str) -> tuple[dict, str]:
+    """Bring a crashed NODE back: network up, slurmd and tpassd started as at bring-up.
+    slurmctld returns it to service when its slurmd registers (ReturnToService=2);
+    a drain set meanwhile stays until 'scontrol update NodeName=NODE State=RESUME'."""
+    c.revive(node)
+    daemons = "slurmd and tpassd" if c.spec.tpassd else "slurmd"
+    return {"revived": True}, f"{node} revived: {daemons} started; slurmctld returns it to service when it registers"
 
 
 @devcluster.command()

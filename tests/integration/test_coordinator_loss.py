@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
+from slurm_helpers import until as _until
 from training_jobs import TPASSCTL
 
 from torchpass import coordinator_lost, layout
@@ -69,16 +70,6 @@ def _submit(job_dir: Path, tag: str, user: str, steps: int = STEPS, sleep: float
                   f"srun {job_python()} {tj.train_script(job_dir)} --steps {steps} --params 1M --sleep {sleep}\n",
                   cwd=job_dir, user=user, env={**submit_env(user), **strict})
     return job_id_of(proc)
-
-
-def _until(cond, timeout_s: float, what: str, every: float = 0.002):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"{what} not within {timeout_s:g} s")
 
 
 def _last_step(out: Path) -> int:

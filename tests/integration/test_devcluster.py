@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -107,3 +108,51 @@ def test_bad_spec_is_refused_with_a_clear_message():
         DevclusterSpec(nodes=40).validate()
     with pytest.raises(DevclusterError, match="ordinary user name"):
         DevclusterSpec(job_users=("root",)).validate()
+
+
+def test_crash_kills_every_process_of_a_node_revive_brings_it_back_and_down_cleans_a_crashed_node():
+    """`tpassctl devcluster crash/revive` on a cluster of its own: a running job's processes die with
+    the node's daemons; slurmctld takes the node back once revived; down() after a crash leaves nothing."""
+    spec = DevclusterSpec(name="pcut", nodes=2, subnet="10.72.0", tpassd=False)
+    c = Devcluster.up(spec)
+    tpassctl = [os.path.join(os.path.dirname(os.sys.executable), "tpassctl"), "devcluster"]
+    try:
+        env = {**os.environ, **c.env()}
+        ns = spec.netns(2)
+        job = subprocess.run(["runuser", "-u", spec.job_users[0], "--", "sbatch", "--parsable", "-w", "node2", "-o",
+                              "/dev/null", "--wrap", "sleep 300"], capture_output=True, text=True, env=env,
+                             cwd="/tmp", check=True).stdout.strip()
+        deadline = time.monotonic() + 30
+        while len(c._netns_pids(ns)) < 3 and time.monotonic() < deadline:  # slurmd, slurmstepd, the job
+            time.sleep(0.1)
+        before = c._netns_pids(ns)
+        assert len(before) >= 3, before
+        out = subprocess.run([*tpassctl, "crash", "node2", "--name", "pcut", "--json"], capture_output=True,
+                             text=True, check=True).stdout
+        assert set(before) <= set(json.loads(out)["killed"]) and c._netns_pids(ns) == []
+        st = json.loads(subprocess.run([*tpassctl, "status", "--name", "pcut", "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+        assert st["crashed"] == ["node2"] and not st["processes"]["slurmd.node2"]["alive"]
+        assert st["processes"]["slurmd.node1"]["alive"]
+        # The job first (slurmctld then waits for the node to end it), then the node.
+        subprocess.run(["scancel", job], env=env, check=True)
+
+        def slurmd_started() -> int:
+            out = subprocess.run(["scontrol", "show", "node", "node2", "--json"], capture_output=True, text=True,
+                                 env=env, check=True).stdout
+            return json.loads(out)["nodes"][0]["slurmd_start_time"]["number"]
+
+        started = slurmd_started()
+        subprocess.run([*tpassctl, "revive", "node2", "--name", "pcut"], check=True, capture_output=True)
+        deadline = time.monotonic() + 60
+        while slurmd_started() == started and time.monotonic() < deadline:  # a new slurmd registered
+            time.sleep(0.5)
+        assert slurmd_started() > started
+        back = Devcluster.attach("pcut")  # its record names the new slurmd
+        assert back.exec_on("node2", ["hostname"], capture_output=True, text=True).stdout.strip() == "node2"
+        assert Devcluster.attach("pcut").status()["crashed"] == []
+        subprocess.run([*tpassctl, "crash", "node1", "--name", "pcut"], check=True, capture_output=True)
+    finally:
+        c.down()
+    assert "tp-pcut-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not os.path.exists("/sys/class/net/tp-pcut") and not spec.run_dir.exists()

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,7 @@ class _State:
     up: bool = False
     env: dict[str, str] = field(default_factory=dict)
     job_python: str = ""  # what plugstack.conf names (resolved at bring-up)
+    crashed: list[str] = field(default_factory=list)  # nodes a drill cut off (crash) and not yet revived
 
 
 def _run(argv: list[str], *, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -126,7 +128,7 @@ def _run(argv: list[str], *, check: bool = True, **kw) -> subprocess.CompletedPr
     return proc
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -146,7 +148,7 @@ def _read_pidfile(path: Path, timeout_s: float = 10.0) -> int:
     while time.monotonic() < deadline:
         try:
             pid = int(path.read_text().strip())
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 return pid
         except (OSError, ValueError):
             pass
@@ -163,6 +165,31 @@ def _check_dependencies() -> None:
         raise DependencyError(
             f"missing {', '.join(missing)}; install them with 'make deps' (scripts/install-system-deps.sh)"
         )
+
+
+def power_cut(pids: Callable[[], list[int]], *, rounds: int = 50,
+              send: Callable[[int, int], None] = os.kill) -> list[int]:
+    """Stop every process ``pids()`` lists with SIGSTOP until it lists no running one (a
+    process forked meanwhile is stopped in the next round), then SIGKILL them all at once:
+    no process of the node sees another die and acts on it (a slurmstepd reporting its
+    task's end, a wrapper writing an exit code). Returns the pids killed."""
+    stopped: list[int] = []
+    for _ in range(rounds):
+        fresh = [p for p in dict.fromkeys(pids()) if p not in stopped and p != os.getpid()]
+        if not fresh:
+            break
+        for p in fresh:
+            try:
+                send(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            stopped.append(p)
+    for p in stopped:
+        try:
+            send(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return stopped
 
 
 class Devcluster:
@@ -270,12 +297,14 @@ class Devcluster:
         return subprocess.run(self.ns_argv(node) + list(argv), **kw)
 
     def ns_argv(self, node: str) -> list[str]:
+        if node in self._require_state().crashed:
+            raise DevclusterError(f"{node} is crashed (a drill); 'tpassctl devcluster revive {node}' brings it back")
         pid = self.slurmd_pid(node)
         return ["nsenter", "-t", str(pid), "--net", "--uts", "--mount", "--"]
 
     def status(self) -> dict:
         state = self._require_state()
-        procs = {role: {"pid": pid, "alive": _pid_alive(pid)} for role, pid in state.pids.items()}
+        procs = {role: {"pid": pid, "alive": pid_alive(pid)} for role, pid in state.pids.items()}
         nodes = []
         try:
             out = _run(["scontrol", "show", "nodes", "--json"], env={**os.environ, **self.env()}, timeout=10)
@@ -285,18 +314,89 @@ class Devcluster:
         except (DevclusterError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
             nodes = [{"error": str(exc)}]
         return {"name": self.spec.name, "run_dir": str(self.run_dir), "processes": procs,
-                "nodes": nodes, "env": self.env()}
+                "nodes": nodes, "crashed": list(state.crashed), "env": self.env()}
 
     def tpassd_restart(self, node: str) -> int:
         """(Re)start the tpassd of one node; returns its pid."""
         state = self._require_state()
         with self._lock():
             old = state.pids.get(f"tpassd.{node}")
-            if old and _pid_alive(old):
+            if old and pid_alive(old):
                 self._kill(old)
             pid = self._start_tpassd(self._index(node))
             self._save()
             return pid
+
+    # --- drills -------------------------------------------------------------
+    def crash(self, node: str) -> list[int]:
+        """A power cut of ``node``: its network goes down first (nothing it does from then on
+        reaches anyone), then every process of the node is stopped and killed with SIGKILL, all
+        at once (slurmd, tpassd, slurmstepd, the job's wrappers and ranks). The node's processes
+        are what the devcluster knows: its recorded slurmd and tpassd and everything in its
+        network namespace (``ip netns pids``), never a process name. Returns the pids killed."""
+        state = self._require_state()
+        i = self._index(node)
+        with self._lock():
+            if node in state.crashed:
+                raise DevclusterError(f"{node} is already crashed; bring it back with "
+                                      f"'tpassctl devcluster revive {node} --name {self.spec.name}'")
+            ns = self.spec.netns(i)
+            # The node keeps its namespace (revive brings it back): only its link goes down.
+            _run(["ip", "-n", ns, "link", "set", "eth0", "down"])
+            state.crashed.append(node)
+            self._save()
+            recorded = [pid for role, pid in state.pids.items() if role in (f"slurmd.{node}", f"tpassd.{node}")]
+
+            def pids() -> list[int]:
+                return [p for p in recorded if self._is_ours(p)] + self._netns_pids(ns)
+
+            killed = power_cut(pids)
+            left = self._wait_gone(pids)
+            if left:
+                raise DevclusterError(f"{node}'s processes {left[:5]} survived SIGKILL; "
+                                      f"run 'tpassctl devcluster down --name {self.spec.name}'")
+            for role in (f"slurmd.{node}", f"tpassd.{node}"):
+                pid = state.pids.get(role)
+                if pid:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)  # tpassd may be our child
+                    except ChildProcessError:
+                        pass
+            log.warning("devcluster node crashed", name=self.spec.name, node=node, killed=len(killed))
+            return killed
+
+    def revive(self, node: str) -> None:
+        """Bring a crashed node back as at bring-up: its link up, a fresh slurmd (its own UTS
+        and mount namespaces again) and tpassd. slurmctld returns it to service when its slurmd
+        registers (ReturnToService=2)."""
+        state = self._require_state()
+        i = self._index(node)
+        with self._lock():
+            if node not in state.crashed:
+                raise DevclusterError(f"{node} is not crashed; 'tpassctl devcluster crash {node}' cuts it off first")
+            left = self._wait_gone(lambda: self._netns_pids(self.spec.netns(i)))
+            if left:
+                raise DevclusterError(f"{node} still runs processes {left[:5]} after its crash; "
+                                      f"run 'tpassctl devcluster down --name {self.spec.name}'")
+            _run(["ip", "-n", self.spec.netns(i), "link", "set", "eth0", "up"])
+            # The dead slurmd's pid file would name a pid that may be another process's by now.
+            (self.run_dir / node / "slurmd.pid").unlink(missing_ok=True)
+            self._start_slurmd(i)
+            state.crashed.remove(node)
+            self._save()
+            if self.spec.tpassd:
+                self._start_tpassd(i)
+            log.info("devcluster node revived", name=self.spec.name, node=node)
+
+    @staticmethod
+    def _wait_gone(pids: Callable[[], list[int]], timeout_s: float = 10.0) -> list[int]:
+        """What ``pids()`` still lists after up to ``timeout_s`` (a killed process takes a moment)."""
+        deadline = time.monotonic() + timeout_s
+        left = pids()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = pids()
+        return left
 
     # --- bring-up ---------------------------------------------------------
     def _lock(self):
@@ -564,9 +664,9 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _pid_alive(pid):
+        while time.monotonic() < deadline and pid_alive(pid):
             time.sleep(0.05)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -613,7 +713,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
                 if name.startswith(role) and pid in ours:
                     self._kill(pid)
         for pid in ns_pids:
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -630,7 +730,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
 
     def _is_ours(self, pid: int) -> bool:
         """A recorded pid is ours if it still runs one of the programs we start."""
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return False
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -1,0 +1,136 @@
+"""A training node lost outright, with no snapshot (issue 12, first slice): Slurm's normal
+behaviour applies, with a clear event.
+
+``sbatch -N4 --torchpass=spares=1`` of examples/train_ddp.py as the job user (3 gloo DDP ranks
+on node1..node3, hot spare node4). At a random step a random training node other than the batch
+host (node2 or node3; node and step from one seed, printed; ``TORCHPASS_TEST_SEED=N`` replays)
+is crashed with ``tpassctl devcluster crash``: its link goes down, then every process of it is
+killed at once, as in a power cut. Checked:
+
+* the coordinator records one ``node.lost`` event for that node, saying that there is no snapshot
+  to restore the job from and what Slurm will do, once slurmctld confirms that it does not hear the
+  node either; it pauses nobody and starts no migration;
+* slurmctld marks the node DOWN ("Not responding"): that is what the admin sees (the node's
+  own tpassd, the only root actor that drains for a job user, died with it; docs/coordinator.md,
+  "A node lost outright");
+* no process of the crashed node is left, nor its UTS and mount namespaces;
+* the job's step is cancelled "DUE TO NODE FAILURE" and the job, a requeueable batch job (Slurm's
+  default), is requeued: Restarts=1, pending behind its requeue hold. The test cancels it;
+* the coordinator ended.
+
+The node is revived at the end (the session's later tests need all four nodes idle).
+The batch host's crash (node1) is out of scope: the coordinator dies with it and no event can be
+recorded; Slurm requeues the job the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import drill
+import pytest
+import training_jobs as tj
+from slurm_helpers import until as _until
+
+from torchpass import layout
+from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
+from torchpass.devcluster.cluster import pid_alive
+
+pytestmark = pytest.mark.integration
+
+SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
+NODES = ("node1", "node2", "node3", "node4")
+
+
+def _ns_holders(kind: str, inode: str) -> list[int]:
+    """Live processes in the namespace ``kind`` (uts, mnt) whose link reads ``inode``."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.readlink(f"/proc/{d}/ns/{kind}") == inode and pid_alive(int(d)):
+                    found.append(int(d))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_event(cluster, plugin_built, job_dir,
+                                                                                  job_user):
+    rng = random.Random(SEED)
+    node, at = rng.choice(("node2", "node3")), rng.randint(3, 15)
+    what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): crash of {node} at step {at}"
+    print(f"\n{what}")
+    job_id = tj.submit(job_dir, "crash", steps=3000, nodes=4, user=job_user.name)
+    out = job_dir / f"crash.{job_id}.out"
+
+    def diag() -> str:
+        return drill.diagnosis(cluster, job_id, out, what)
+
+    def wait(cond, timeout_s: float, waited_for: str, every: float = 0.2):
+        try:
+            return _until(cond, timeout_s, waited_for, every=every)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{diag()}") from None
+
+    def lost_events() -> list[dict]:
+        return [e for e in drill.events(cluster, job_id) if e["kind"] == "node.lost"]
+
+    crashed = False
+    try:
+        wait(lambda: out.exists() and f"step={at} " in out.read_text(), 240, f"step {at}", every=0.1)
+        coord = json.loads(layout.coordinator_json(cluster.state_dir, job_id).read_text())["pid"]
+        slurmd = cluster.slurmd_pid(node)
+        tpassd = json.loads((cluster.run_dir / "cluster.json").read_text())["pids"][f"tpassd.{node}"]
+        spaces = {k: os.readlink(f"/proc/{slurmd}/ns/{k}") for k in ("uts", "mnt")}
+        netns = cluster.spec.netns(cluster.node_names.index(node) + 1)
+        before = cluster._netns_pids(netns)
+        assert slurmd in before and tpassd in before and len(before) >= 5, before  # + stepd, wrapper, rank
+        t0 = time.monotonic()
+        killed = cluster.crash(node)
+        crashed = True
+        print(f"{node} crashed: {len(killed)} processes killed")
+        assert set(before) <= set(killed), (before, killed)
+
+        # Nothing of the node is left: no process in its network namespace, none in its UTS and
+        # mount namespaces (gone with their last process), its daemons dead.
+        assert cluster._netns_pids(netns) == []
+        assert not pid_alive(slurmd) and not pid_alive(tpassd)
+        for kind, inode in spaces.items():
+            assert _ns_holders(kind, inode) == [], (kind, inode)
+
+        # The event, once slurmctld confirms the node is gone: no snapshot, what Slurm does.
+        wait(lost_events, 90, "the node.lost event")
+        (lost,) = lost_events()
+        print(f"node.lost after {time.monotonic() - t0:.1f} s: {lost['message']}")
+        assert lost["data"]["node"] == node and lost["data"]["snapshot"] is None, diag()
+        assert "no snapshot of the job to restore from" in lost["message"], diag()
+        assert SLURM_ON_LOST_NODE in lost["message"], diag()
+        assert "tpassd silent; slurmctld reports" in lost["message"], diag()
+
+        # Slurm: the node DOWN, the step cancelled for the node failure, the job requeued.
+        def requeued():
+            j = tj.job(job_id)
+            return j if int(j.get("restart_cnt", 0)) >= 1 or not set(j["job_state"]) & tj.ACTIVE else None
+
+        final = wait(requeued, 90, "the job's requeue", every=0.5)
+        print(f"job {job_id}: {final['job_state']}, Restarts={final.get('restart_cnt')}, "
+              f"{final.get('state_reason')} ({time.monotonic() - t0:.1f} s after the crash)")
+        assert int(final["restart_cnt"]) == 1 and "PENDING" in final["job_state"], (final["job_state"], diag())
+        assert "DUE TO NODE FAILURE" in out.read_text(), diag()
+        down = tj.node(node)
+        assert "DOWN" in down["state"] and down.get("reason") == "Not responding", (down["state"], down.get("reason"))
+        wait(lambda: not pid_alive(coord), 60, "the coordinator's end")
+        kinds = [e["kind"] for e in drill.events(cluster, job_id)]
+        assert "migration.started" not in kinds, kinds  # nobody paused, nothing moved
+    finally:
+        tj.run(["scancel", str(job_id)])
+        if crashed:
+            cluster.revive(node)
+    # The node comes back by itself once its slurmd registers (ReturnToService=2).
+    _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
+    tj.wait_end(job_id, 60)
+    assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]

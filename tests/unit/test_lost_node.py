@@ -1,0 +1,107 @@
+"""A node lost outright (issue 12): its tpassd falls silent; the coordinator asks slurmctld, and
+only when slurmctld does not hear the node either is it lost: one ``node.lost`` event that says
+no snapshot exists and what Slurm will do, ``HandToSlurm``, no pause, no migration.
+
+Driver + executor with a fake health view and a fake Slurm (no services)."""
+
+from __future__ import annotations
+
+import time
+
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
+from torchpass.coordinator.executor import Driver, Executor, slurm_lost
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.state import JobState
+from torchpass.slurm.base import JobInfo, NodeInfo
+
+NODES = ("n1", "n2", "n3", "n4")
+
+
+class FakeHealth:
+    """The health subscriber's view: n2's tpassd silent for ``age`` seconds (unknown)."""
+
+    def __init__(self):
+        self.silent: dict[str, float] = {}
+
+    def nodes(self):
+        return {n: {"node": n, "state": "unknown" if n in self.silent else "healthy",
+                    "reasons": ["no heartbeat"] if n in self.silent else [],
+                    "last_heartbeat_age_s": self.silent.get(n, 0.5)} for n in NODES}
+
+
+class FakeSlurm:
+    def __init__(self, states: dict[str, tuple[str, ...]]):
+        self.states = states
+        self.asked = 0
+
+    def job(self, job_id):
+        return JobInfo(job_id, "train", "u", 1001, "RUNNING", NODES, batch_host="n1")
+
+    def nodes(self):
+        self.asked += 1
+        return [NodeInfo(n, n, self.states.get(n, ("MIXED",)),
+                         "Not responding" if "NOT_RESPONDING" in self.states.get(n, ()) else "") for n in NODES]
+
+
+def _driver(tmp_path, slurm: FakeSlurm, health: FakeHealth) -> Driver:
+    job = JobState(job_id=42, spares=1)
+    pol = CoordinatorPolicy()
+    d = Driver(job, pol, spares=("n4",), health=health)
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, slurm=slurm,
+                          address_of=lambda n: "10.0.0." + n[1:])
+    for r, n in enumerate(("n1", "n2", "n3")):
+        d.feed(mc.RankRegistered(r, n, 3))
+    return d
+
+
+def _pump_for(d: Driver, seconds: float, until=lambda: False) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not until():
+        d.pump(force=True)
+        time.sleep(0.02)
+
+
+def _lost_events(d: Driver):
+    return [e for e in d.job.events if e.kind == "node.lost"]
+
+
+def test_silent_tpassd_and_slurmctld_not_hearing_the_node_is_a_lost_node(tmp_path):
+    health = FakeHealth()
+    slurm = FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")})
+    d = _driver(tmp_path, slurm, health)
+    health.silent["n2"] = 12.0
+    _pump_for(d, 5.0, until=lambda: bool(_lost_events(d)))
+    (ev,) = _lost_events(d)
+    assert "n2 failed and is unreachable (tpassd silent; slurmctld reports MIXED+NOT_RESPONDING (Not responding))" \
+        in ev.message, ev.message
+    assert "no snapshot of the job to restore from" in ev.message and SLURM_ON_LOST_NODE in ev.message
+    assert ev.data["node"] == "n2" and ev.data["snapshot"] is None and ev.data["ranks"] == [1]
+    assert d.state.handed == frozenset({"n2"}) and d.state.migration is None
+    assert all(d.executor.command_for(r) is None for r in range(3))  # nobody paused
+    asked = slurm.asked
+    _pump_for(d, 2.5)
+    assert slurm.asked == asked and len(_lost_events(d)) == 1  # handed once; slurmctld not asked again
+
+
+def test_a_silent_tpassd_alone_is_not_a_lost_node(tmp_path):
+    """slurmctld still hears the node (a tpassd restart): unknown, nothing happens; asked at most every 2 s."""
+    health = FakeHealth()
+    slurm = FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    health.silent["n2"] = 12.0
+    _pump_for(d, 3.0)
+    assert not _lost_events(d) and not d.state.handed and d.state.migration is None
+    assert 1 <= slurm.asked <= 2, slurm.asked
+    assert "health unknown (not a reason to move): n2" in d.reasons.last
+
+
+def test_slurm_lost_needs_the_job_on_the_node_and_slurmctld_not_hearing_it():
+    job = JobInfo(7, "j", "u", 1, "RUNNING", ("a", "b"))
+    assert slurm_lost(job, NodeInfo("b", "b", ("DOWN",), "Not responding")) == \
+        "tpassd silent; slurmctld reports DOWN (Not responding)"
+    assert slurm_lost(job, NodeInfo("b", "b", ("MIXED",))) == ""
+    assert slurm_lost(job, NodeInfo("c", "c", ("DOWN",))) == ""  # not the job's node
+    ended = JobInfo(7, "j", "u", 1, "NODE_FAIL", ("a", "b"))
+    assert slurm_lost(ended, NodeInfo("b", "b", ("DOWN",))) == ""
+    assert slurm_lost(None, NodeInfo("b", "b", ("DOWN",))) == ""
