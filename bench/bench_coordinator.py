@@ -26,13 +26,14 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
   ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
   (every 0.02 s while paused; or less often, as the coordinator's
   ``report_every_s``/``paused_every_s`` ask), each request signed with the job secret
-  (torchpass.jobauth.JobSigner) on a new REQ socket with a 2 s time-out,
-  as torchpass.zmqio.request (``--connection persistent``: one DEALER socket
-  per rank kept across requests and replaced after a time-out, as
-  torchpass.zmqio.Client); commands from the replies are obeyed: ``pause`` -> ``rank.armed``,
-  stop at collective T -> ``rank.quiesced`` (ranks of the faulty node then
-  close their sockets and wait for the hold file), ``resume`` ->
-  ``rank.resumed``. Collectives advance at 40/s in lockstep.
+  (torchpass.jobauth.JobSigner) with a 2 s time-out over one DEALER socket
+  per rank kept across requests and replaced after a time-out, as the
+  runtime's torchpass.zmqio.Client (``--connection per-request``: a new REQ
+  socket per request, as torchpass.zmqio.request); commands from the
+  replies are obeyed: ``pause`` -> ``rank.armed``, stop at collective T ->
+  ``rank.quiesced`` (ranks of the faulty node then close their sockets and
+  wait for the hold file), ``resume`` -> ``rank.resumed``. Collectives
+  advance at 40/s in lockstep.
 
 Measured: the coordinator's CPU (fraction of one core) and RSS over a
 steady-state window, ``job.status`` latency in that window, the fraction of
@@ -1025,7 +1026,7 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and exit")
     ap.add_argument("--sizes", default="64,512,2048,8192", help="comma-separated rank counts (multiples of 8)")
@@ -1038,14 +1039,20 @@ def main() -> int:
     ap.add_argument("--status-timeout-s", type=float, default=10.0)
     ap.add_argument("--size-timeout-s", type=float, default=300.0, help="no new trial starts after this")
     ap.add_argument("--generators", type=int, default=0, help="load generator processes (0: one per 1024 ranks)")
-    ap.add_argument("--connection", choices=("per-request", "persistent", "both"), default="per-request",
-                    help="per-request: a new REQ socket per request (torchpass.zmqio.request); persistent: one "
-                         "DEALER socket per rank (torchpass.zmqio.Client); both: each size with one, then the other")
+    ap.add_argument("--connection", choices=("per-request", "persistent", "both"), default="persistent",
+                    help="persistent: one DEALER socket per rank (torchpass.zmqio.Client, what the rank runtime "
+                         "uses); per-request: a new REQ socket per request (torchpass.zmqio.request, the runtime "
+                         "before issue 13); both: each size with one, then the other")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
     ap.add_argument("--out", type=Path, default=RESULTS / "coordinator.json", help="merged by ranks")
     ap.add_argument("--plot", type=Path, default=RESULTS / "coordinator.png", help="'' for none")
+    return ap
+
+
+def main() -> int:
+    ap = arg_parser()
     args = ap.parse_args()
     if args.plot_only:
         old = json.loads(args.out.read_text())

@@ -40,12 +40,17 @@ def _torchrun(tmp_path, tag: str, runtime: bool, coordinator: str) -> tuple[int,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON", "TORCHELASTIC"))}
     env.update(PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB_ID), TORCHPASS_RUNTIME="1" if runtime else "0",
                TORCHPASS_COORDINATOR=coordinator, TORCHPASS_NODE="nodeA", FORM="noargs")
+    # Each worker's stdout to a file of its own (--redirects 1): two workers writing to one pipe
+    # can interleave inside a line under load.
+    logs = tmp_path / f"{tag}-logs"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(script)]
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--log-dir", str(logs), "--redirects", "1", str(script)]
     p = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
                        stdin=subprocess.DEVNULL)
-    # the workers' lines, both workers' together (torchrun's agent may add a blank one of its own)
-    return p.returncode, sorted(ln for ln in p.stdout.splitlines() if ln), p.stderr
+    outs = sorted(logs.rglob("stdout.log"))
+    lines = [ln for f in outs for ln in f.read_text().splitlines() if ln]
+    # the workers' lines, both workers' together
+    return p.returncode, sorted(lines), p.stderr + "".join(f"\n[{f}]" for f in outs)
 
 
 def test_a_torchrun_job_runs_as_without_the_runtime_says_why_once_and_registers_unprotected(tmp_path):

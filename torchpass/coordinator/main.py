@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import resource
 import signal
 import socket
 import sys
@@ -24,6 +26,54 @@ from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy, slurm_munge_socket
 
 MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and headroom above it
+# Open files: every rank keeps a connection (torchpass.zmqio.Client), and a rank whose request
+# timed out makes a new one before the old one is gone; each node's tpassd has a subscription and
+# a control connection; the rest (log, state files, zmq's own fds) fits in the slack. The soft
+# limit a job's processes start with is often 1,024: too few for 8,192 ranks (issue 13).
+FDS_PER_RANK = 2
+FDS_PER_NODE = 2
+FDS_SLACK = 256
+
+
+def job_size(env=os.environ) -> tuple[int | None, int | None]:
+    """(ranks, nodes) of the job from the environment Slurm gives the coordinator (None: not there).
+
+    Ranks: SLURM_NTASKS (set with --ntasks), else the sum of SLURM_TASKS_PER_NODE ("8(x1024),4").
+    """
+    def number(*keys: str) -> int | None:
+        for k in keys:
+            v = env.get(k, "")
+            if v.isdigit():
+                return int(v)
+        return None
+
+    ranks = number("SLURM_NTASKS", "SLURM_NPROCS")
+    per_node = env.get("SLURM_TASKS_PER_NODE", "")
+    if ranks is None and per_node:
+        parts = [re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", p) for p in per_node.split(",")]
+        if all(parts):
+            ranks = sum(int(m[1]) * int(m[2] or 1) for m in parts)
+    return ranks, number("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+
+
+def raise_open_files(ranks: int | None, nodes: int | None, log) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; say so in one line if it stays below what
+    ``ranks`` and ``nodes`` need. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FDS_PER_RANK * (ranks or 0) + FDS_PER_NODE * (nodes or 0) + FDS_SLACK
+    # An unlimited hard limit is capped by the kernel (fs.nr_open): ask for what the job needs.
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, need)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit", soft=soft, hard=hard, error=str(exc))
+    if soft < need:
+        log.warning("open-file limit below what this job needs: ranks beyond it cannot connect; raise the "
+                    "hard limit for the coordinator (slurmd's LimitNOFILE, or limits.conf)",
+                    limit=soft, needed=need, ranks=ranks, nodes=nodes)
+    return soft
 
 
 def _own_address() -> str:
@@ -110,6 +160,7 @@ def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_
     """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand)."""
     logs.configure(log_level)
     log = logs.get_logger("torchpass.coordinator")
+    raise_open_files(*job_size(), log)
     address = bind_address or _own_address()
     try:
         secret = jobauth.read_secret_fd(secret_fd) if secret_fd is not None else None

@@ -40,8 +40,11 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
   STATE_DIR/jobs/J/coordinator.lost once for the whole job
   (torchpass.coordinator_lost): tpassctl status and events show it.
 
-Every request is sent with its own short-lived socket, so between requests
-the link holds no TCP connection either.
+Requests go over one kept connection (torchpass.zmqio.Client, a DEALER
+socket reopened only after a time-out): a TCP connect and handshake per
+report cost the coordinator most of its time at thousands of ranks. A held
+rank has none: the hold destroys the context, and the client makes a new
+connection in the next context, after the restore or the abort.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class ControlLink(PauseListener):
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ctx = None
+        self._client = None  # zmqio.Client over self._ctx, made at the first request
         self._armed_reported: tuple[int, int, bool] | None = None
         self._hold_file: str | None = None
         self._holding = False
@@ -196,6 +200,8 @@ class ControlLink(PauseListener):
         return self._ctx
 
     def _close(self) -> None:
+        if self._client is not None:
+            self._client.close()  # the next request connects again, in the next context
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.destroy(linger=0)  # joins its I/O threads; their fds close
@@ -204,11 +210,10 @@ class ControlLink(PauseListener):
         from torchpass import zmqio
         from torchpass.errors import TorchpassError
 
+        if self._client is None:
+            self._client = zmqio.Client(self.endpoint, retries=0, auth=self.auth, context=self._open)
         try:
-            result = zmqio.request(
-                self.endpoint, type_, body, timeout_s=self.request_timeout_s, retries=0,
-                auth=self.auth, context=self._open(),
-            )
+            result = self._client.request(type_, body, timeout_s=self.request_timeout_s)
         except TorchpassError as exc:
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:

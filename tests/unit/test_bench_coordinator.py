@@ -1,0 +1,23 @@
+"""bench/bench_coordinator.py's defaults: the harness speaks as the rank runtime does."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_coordinator.py"
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("bench_coordinator", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_default_connection_is_the_runtimes_kept_one_and_both_stays_available():
+    # torchpass.runtime.control sends every request over one zmqio.Client connection (issue 13).
+    parser = _harness().arg_parser()
+    assert parser.parse_args([]).connection == "persistent"
+    assert parser.parse_args(["--connection", "both"]).connection == "both"
+    assert parser.parse_args(["--connection", "per-request"]).connection == "per-request"

@@ -1,0 +1,170 @@
+"""The rank's control link over one kept connection (torchpass.zmqio.Client; issue 13).
+
+The link runs its real thread against a stand-in coordinator in another
+process (a ROUTER that logs each request's connection identity and answers
+ok, or with a pause command), so that the sockets this process holds are the
+link's alone: what CRIU would find at a dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_never_left_paused import FakePG
+
+from torchpass.runtime import control
+
+# Answers every request ok; the N-th rank.progress (argv[2], -1: never) gets the pause in argv[1].
+PEER = r"""
+import json, sys, zmq
+from torchpass import wire, zmqio
+ctx = zmq.Context()
+sock, port = zmqio.bind_router(ctx, "127.0.0.1")
+print(port, flush=True)
+pause, at, progress = json.loads(sys.argv[1]), int(sys.argv[2]), 0
+while True:
+    parts = sock.recv_multipart()
+    msg = wire.decode(parts[-1])
+    result = {}
+    if msg.type == "rank.progress":
+        if progress == at:
+            result = {"command": pause}
+        progress += 1
+    print(parts[0].hex(), msg.type, flush=True)
+    sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, result)])
+"""
+
+
+class Peer:
+    def __init__(self, pause: dict | None = None, at: int = -1):
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(pause), str(at)],
+                                     stdout=subprocess.PIPE, text=True)
+        self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
+        self.seen: list[tuple[str, str]] = []  # (connection identity, message type)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            ident, type_ = line.split()
+            self.seen.append((ident, type_))
+
+    def identities(self) -> list[str]:
+        return list(dict.fromkeys(i for i, _ in list(self.seen)))
+
+    def wait(self, cond, what: str, timeout_s: float = 20.0) -> None:
+        end = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < end, f"{what}: not within {timeout_s} s (seen {self.seen[-5:]})"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._reader.join(5)
+
+
+@pytest.fixture
+def peers():
+    made: list[Peer] = []
+
+    def make(*a, **kw) -> Peer:
+        made.append(Peer(*a, **kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def socket_inodes() -> set[str]:
+    """The sockets this process holds (what criu.open_sockets would list)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def start_link(endpoint: str, pg=None) -> control.ControlLink:
+    link = control.ControlLink(pg or FakePG(size=2, rank=1), endpoint=endpoint, job_id=7, rank=1, node="n1",
+                               interval_s=0.02, paused_interval_s=0.02, request_timeout_s=5.0)
+    link.start()
+    return link
+
+
+def progress(peer: Peer) -> int:
+    return sum(t == "rank.progress" for _, t in list(peer.seen))
+
+
+def test_every_report_goes_over_one_connection(peers):
+    # On e994c1d each request made a new REQ socket: a new identity at the coordinator's ROUTER,
+    # and a TCP connect and handshake each time.
+    peer = peers()
+    link = start_link(peer.endpoint)
+    try:
+        peer.wait(lambda: progress(peer) >= 10, "10 progress reports")
+    finally:
+        link.stop()
+    assert [t for _, t in peer.seen][0] == "rank.register"
+    assert len(peer.identities()) == 1, peer.seen
+    assert link.registered and link.errors == 0
+
+
+def test_no_socket_survives_the_close_at_the_hold_and_the_next_connection_is_new(peers, tmp_path):
+    hold = tmp_path / "hold"
+    pg = FakePG(size=2, rank=1)
+    peer = peers({"command": "pause", "at": 5, "generation": 3, "hold_file": str(hold)}, at=2)
+    before = socket_inodes()
+    link = start_link(peer.endpoint, pg)
+    try:
+        peer.wait(lambda: pg.arms == [(5, 3)], "the pause armed")
+        assert socket_inodes() - before  # the kept connection is open while the rank runs
+        # the training thread reaches T (ReconfigurablePG calls this after tearing the group down)
+        link.on_quiesced(pg, {"next_generation": 3, "sockets": 0, "drain_s": 0.0})
+        peer.wait(lambda: link._holding, "the link holding")
+        # What the dump needs: no socket left, not even the control link's (CRIU cannot dump one).
+        assert socket_inodes() - before == set()
+        types = [t for _, t in peer.seen]
+        assert types[-1] == "rank.quiesced" and "rank.armed" in types
+        assert len(peer.identities()) == 1  # one connection up to the hold
+        n = len(peer.seen)
+        time.sleep(0.2)
+        assert len(peer.seen) == n and link._holding  # nothing sent while held
+        hold.touch()  # restored (or the move aborted): the link goes on, on a new connection
+        peer.wait(lambda: progress(peer) >= 6, "progress after the hold")
+    finally:
+        link.stop()
+    assert len(peer.identities()) == 2, peer.seen
+    assert socket_inodes() - before == set()  # stop() leaves none either
+
+
+def test_a_forked_child_leaves_the_parents_connection_alone(peers):
+    # A DataLoader worker (or any fork of the rank) inherits the link but not its thread; when it
+    # exits, the parent goes on reporting on the connection it had.
+    peer = peers()
+    link = start_link(peer.endpoint)
+    try:
+        peer.wait(lambda: progress(peer) >= 3, "3 progress reports")
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.2)  # the parent reports meanwhile
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        n = progress(peer)
+        peer.wait(lambda: progress(peer) >= n + 5, "5 more progress reports")
+    finally:
+        link.stop()
+    assert len(peer.identities()) == 1, peer.seen
+    assert link.errors == 0
