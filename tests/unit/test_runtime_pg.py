@@ -133,3 +133,48 @@ def test_an_unprotected_group_refuses_pauses_and_acknowledges_the_cancel():
     finally:
         pg.shutdown()
     assert pg.state is PGState.CLOSED
+
+
+def test_a_pipeline_groups_sends_and_receives_are_not_kept_for_good():
+    """A pipeline group issues only send/recv, whose Works the group keeps for the drain at
+    a pause. They were dropped only when a collective was issued on the same group, so a
+    pipeline pair kept every Work of the job (and every activation sent: a gloo send's Work
+    holds its tensor) until the next pause. Finished ones are dropped as for collectives."""
+    rv = Rendezvous("127.0.0.1", free_port())
+    pgs: dict[int, ReconfigurablePG] = {}
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            pgs[rank] = ReconfigurablePG(rank=rank, size=2, timeout=datetime.timedelta(seconds=30), rendezvous=rv)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(pgs) == 2, errors
+    got: list[float] = []
+
+    def receive() -> None:
+        try:
+            for _ in range(200):
+                buf = torch.empty(4)
+                pgs[1].recv([buf], 0, 0).wait()
+                got.append(buf[0].item())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    rx = threading.Thread(target=receive)
+    rx.start()
+    try:
+        for i in range(200):
+            pgs[0].send([torch.full((4,), float(i))], 1, 0).wait()
+        rx.join(60)
+        assert not errors and got == [float(i) for i in range(200)], errors
+        assert len(pgs[0]._works) <= 32 and len(pgs[1]._works) <= 32, (len(pgs[0]._works), len(pgs[1]._works))
+    finally:
+        for pg in pgs.values():
+            pg.shutdown()

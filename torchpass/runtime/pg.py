@@ -261,18 +261,27 @@ class _ForwardingGroup(dist.ProcessGroup):
     def _before_collective(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def _collective(self, name: str, args, kwargs):
-        self._before_collective()
-        work = getattr(self._inner, name)(*args, **kwargs)
+    def _track(self, kind: str, work) -> None:
+        """Keep ``work`` for the drain; the list stays bounded.
+
+        Past 32, finished Works are dropped. A pipeline group issues only
+        send/recv, and a gloo send's Work holds its tensor: kept for good,
+        every activation sent would stay alive until the next pause. Some
+        collective Works never report completion (gloo's
+        reduce_scatter_tensor): past 256, the oldest collectives are waited
+        for (finished long ago) and dropped.
+        """
         works = self._works
         if len(works) >= 32:
-            # Drop finished ones. Some Works never report completion (gloo's
-            # reduce_scatter_tensor): past 256, the oldest collectives are
-            # waited for (finished long ago) and dropped, so the list stays bounded.
             works[:] = [kw for kw in works if not kw[1].is_completed()]
             while len(works) > 256 and works[0][0] == "coll":
                 works.pop(0)[1].wait()
-        works.append(("coll", work))
+        works.append((kind, work))
+
+    def _collective(self, name: str, args, kwargs):
+        self._before_collective()
+        work = getattr(self._inner, name)(*args, **kwargs)
+        self._track("coll", work)
         return work
 
     def _p2p(self, name: str, args, kwargs):
@@ -280,7 +289,7 @@ class _ForwardingGroup(dist.ProcessGroup):
         if inner is None:
             raise RuntimeError("torchpass: point-to-point call while the process group is paused")
         work = getattr(inner, name)(*args, **kwargs)
-        self._works.append(("p2p", work))
+        self._track("p2p", work)
         return work
 
 
