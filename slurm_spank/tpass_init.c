@@ -9,11 +9,12 @@
  * job's uid, gid and groups with CAP_SYS_ADMIN as its only capability
  * (CRIU's parasite in the root of a dumped tree must mount a proc for the
  * namespace: without that capability an ordinary user's rank cannot be
- * dumped), keeps no fd but /dev/null, gets its own session, cwd /tmp, and is
- * not dumpable (the user may kill it, ending their own job, but cannot
- * ptrace it or use its capability).  The rank wrapper (PARENT, the task,
- * running as the user) double-forks the rank so that it is orphaned into the
- * namespace and reparented to us; we then wait for it and exit with its exit
+ * dumped), keeps no fd but /dev/null, gets its own session and a working
+ * directory of its own (make_workdir), and is not dumpable (the user may
+ * kill it, ending their own job, but cannot ptrace it or use its
+ * capability).  The rank wrapper (PARENT, the task, running as the user)
+ * double-forks the rank so that it is orphaned into the namespace and
+ * reparented to us; we then wait for it and exit with its exit
  * code.  A rank ended by signal S cannot be mirrored (a namespace init
  * cannot die by a signal it sends itself): we name ourselves "tpass-sig:S"
  * and exit 128+S; the wrapper reads that name from our zombie before it
@@ -39,6 +40,44 @@
 
 /* exit codes before the rank exists (the wrapper then runs it unprotected) */
 enum { E_USAGE = 120, E_SETUP = 121, E_CAPS = 122, E_NO_RANK = 126 };
+
+/*
+ * Our working directory.  CRIU's parasite, run inside us when our tree is
+ * dumped, makes and mounts a directory of one fixed name, "proc.crtools", in
+ * our cwd (our /proc is the node's, not our namespace's: criu/pie/parasite.c
+ * get_proc_fd).  With /tmp as every tpass-init's cwd, the ranks of one node
+ * dumped at once collided there (EEXIST: "Can't create a directory (-17)",
+ * the move rolled back), and one left behind failed every later dump.  So
+ * each tpass-init gets its own: made by root in /tmp (sticky, so the user
+ * cannot swap it while it is root's), given to the job's user (the parasite
+ * runs with our ids), 0700.  torchpass.checkpoint.criu records it in the
+ * dump's manifest and makes it on the node the rank is restored to; we
+ * remove it when the rank ends (a copy killed after a move leaves it).
+ */
+static char workdir[] = "/tmp/tpass-init.XXXXXX";
+static int have_workdir;
+
+static int make_workdir(uid_t uid, gid_t gid)
+{
+	int fd, ok;
+
+	if (!mkdtemp(workdir))
+		return -1;
+	have_workdir = 1;
+	fd = open(workdir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ok = fchown(fd, uid, gid) == 0 && fchdir(fd) == 0;
+	close(fd);
+	return ok ? 0 : -1;
+}
+
+static void __attribute__((noreturn)) end(int code)
+{
+	if (have_workdir && chdir("/") == 0)
+		rmdir(workdir);
+	_exit(code);
+}
 
 static int parse_id(const char *s, unsigned long *out)
 {
@@ -110,12 +149,12 @@ static void drop_privileges(uid_t uid, gid_t gid, gid_t *groups, int ngroups)
 	if (prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) < 0 ||
 	    setgroups((size_t)ngroups, groups) < 0 ||
 	    setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
-		_exit(E_SETUP);
+		end(E_SETUP);
 	memset(data, 0, sizeof(data));
 	data[CAP_SYS_ADMIN / 32].permitted = bit;
 	data[CAP_SYS_ADMIN / 32].effective = bit;
 	if (syscall(SYS_capset, &hdr, data) < 0)
-		_exit(E_CAPS);
+		end(E_CAPS);
 	prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0);
 	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 }
@@ -153,30 +192,30 @@ int main(int argc, char **argv)
 	if (fd > 2)
 		close(fd);
 	setsid();
-	if (chdir("/tmp") < 0) /* CRIU's parasite makes a directory in the cwd */
-		return E_SETUP;
+	if (make_workdir((uid_t)uid, (gid_t)gid) < 0)
+		end(E_SETUP);
 	drop_privileges((uid_t)uid, (gid_t)gid, groups, ngroups);
 	prctl(PR_SET_NAME, "tpass-init", 0, 0, 0);
 	rank = wait_for_rank((pid_t)parent);
 	if (!rank)
-		_exit(E_NO_RANK);
+		end(E_NO_RANK);
 	for (;;) {
 		pid_t got = waitpid(-1, &st, 0);
 
 		if (got < 0 && errno == EINTR)
 			continue;
 		if (got < 0)
-			_exit(E_NO_RANK);
+			end(E_NO_RANK);
 		if (got != rank)
 			continue; /* an orphan of the rank's: reaped, as an init does */
 		if (WIFEXITED(st))
-			_exit(WEXITSTATUS(st));
+			end(WEXITSTATUS(st));
 		{
 			char name[16];
 
 			snprintf(name, sizeof(name), "tpass-sig:%d", WTERMSIG(st));
 			prctl(PR_SET_NAME, name, 0, 0, 0);
 		}
-		_exit(128 + WTERMSIG(st));
+		end(128 + WTERMSIG(st));
 	}
 }

@@ -32,10 +32,6 @@ JOB = Drill("ranks4", "", ("--steps", str(STEPS), "--params", "100K", "--sleep",
             nodes=2, per_node=4, fault_steps=(2, 40), sbatch_extra=("--overcommit",))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent: parallel unprivileged criu dumps of several ranks on one node can collide in the "
-    "parasite's proc directory ('Can't create a directory (-17)', seen in the clean-clone CI run of "
-    "1ef2fea); the move then rolls back and the job trains on unmoved. Open under issue 11"))
 def test_four_ranks_per_node_move_together_bit_identical(cluster, plugin_built, job_dir, job_user):
     jobs: list[int] = []
     try:

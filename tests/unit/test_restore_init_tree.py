@@ -13,6 +13,7 @@ wrapper ends with that code too.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -48,9 +49,11 @@ def test_root_restores_a_tree_rooted_at_tpass_init_and_relays_the_ranks_exit(tmp
                           sys.executable, "-c", TASK, str(go)], env={**os.environ, **RANK_ENV},
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     restored = None
+    roots: list[int] = []  # pidfds of the trees' roots (tpass-init), for the clean-up
     try:
         rec = _record(tmp_path, p)
         init, rank = rec["pid"], rec["rank_pid"]
+        roots.append(os.pidfd_open(init))
         assert init != rank and read_stat(rank).ppid == init
         before = p.stdout.readline().split()
         assert before[0] == b"before" and before[1] != b"1" and before[2] == b"1"  # the rank is tpass-init's child
@@ -68,6 +71,7 @@ def test_root_restores_a_tree_rooted_at_tpass_init_and_relays_the_ranks_exit(tmp
             assert time.monotonic() < end and restored.poll() is None, restored.communicate()
             time.sleep(0.02)
         now = paths.read_record()
+        roots.append(os.pidfd_open(now["pid"]))
         # the record names the restored tree as the source's did: tpass-init its root, the rank its child
         assert now["pid"] not in (init, rank) and read_stat(now["rank_pid"]).ppid == now["pid"]
         assert open(f"/proc/{now['pid']}/comm").read().strip() == "tpass-init"
@@ -78,6 +82,14 @@ def test_root_restores_a_tree_rooted_at_tpass_init_and_relays_the_ranks_exit(tmp
         assert restored.returncode == 3, err
         assert p.wait(timeout=30) == 3, p.stderr.read()
     finally:
+        # After a failure half way, killing the wrappers alone left tpass-init and the rank (waiting
+        # for go) running for ever: the rank is let go, and a root still there after 10 s is
+        # killed, which takes its namespace with it.
+        go.touch()
+        for fd in roots:
+            if not select.select([fd], [], [], 10)[0]:  # a pidfd is readable once its process ended
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
         for q in (p, restored):
             if q is not None and q.poll() is None:
                 q.kill()

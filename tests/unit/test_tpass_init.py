@@ -86,8 +86,10 @@ def test_killing_tpass_init_ends_the_rank(tmp_path, init_program):
     """What the move's kill of the source copy does: the namespace goes, the rank with it."""
     p = _task(init_program, tmp_path, "sleep 30")
     rec = _record(tmp_path, p)
+    work = os.readlink(f"/proc/{rec['pid']}/cwd")  # its own directory, which a SIGKILL leaves behind
     os.kill(rec["pid"], signal.SIGKILL)
     p.communicate(timeout=30)
+    os.rmdir(work)
     assert p.returncode == -signal.SIGKILL and not Path(f"/proc/{rec['rank_pid']}").exists()
 
 

@@ -4,7 +4,8 @@ What a rank must look like for this to work (see docs/migration-internals.md
 and /work/shared/notes/criu-migration.md): PID 1 of its own PID namespace
 (rankwrap.py makes that), no socket open (the runtime has torn its process
 group down and closed its control link), stdin /dev/null, stdout/stderr
-pipes to its wrapper, no private mount namespace.
+pipes to its wrapper, no private mount namespace, a working directory of its
+own at the tree's root (``CRIU_PROC_DIR`` says why).
 
 Images live in a root-only directory (0700, files 0600) with a
 ``manifest.json`` holding the SHA-256 and size of every image file
@@ -18,6 +19,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -313,6 +315,88 @@ def _dir_bytes(d: Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink())
 
 
+# -- the dumped root's working directory ----------------------------------------------------
+# CRIU's parasite, running inside the root of the dumped tree, makes and mounts a directory of
+# one fixed name, "proc.crtools", in that process's cwd whenever the root's /proc is not its own
+# PID namespace's (criu/pie/parasite.c, get_proc_fd): the case of every rank here (PID 1 of its
+# namespace, /proc the node's). Two roots with one cwd dumped at once collide there: the second
+# fails with "Can't create a directory (-17)" (EEXIST), and its move rolls back; a leftover
+# one (criu killed half way) fails every later dump there. tpass-init therefore gives each rank
+# a working directory of its own (slurm_spank/tpass_init.c): a node's ranks dump in parallel.
+CRIU_PROC_DIR = "proc.crtools"
+
+
+def cwd_record(pid: int, proc: str = "/proc") -> dict | None:
+    """The manifest's note of the root's working directory (path, owner, mode), which a restore
+    on another node must find there (``recreate_cwd``); None when it cannot be read."""
+    try:
+        path = os.readlink(f"{proc}/{pid}/cwd")
+        st = os.stat(f"{proc}/{pid}/cwd")
+    except OSError:
+        return None
+    return {"path": path, "uid": st.st_uid, "gid": st.st_gid, "mode": stat.S_IMODE(st.st_mode)}
+
+
+STALE_PROC_DIR_S = 60.0
+
+
+def clear_stale_proc_dir(pid: int, proc: str = "/proc", now: Callable[[], float] = time.time) -> bool:
+    """Remove an empty ``proc.crtools`` left in ``pid``'s cwd by a CRIU killed half way. Only one
+    older than STALE_PROC_DIR_S: a live parasite's lasts microseconds (should a cwd still be
+    shared). A mount still on it, or anything else by that name, stays (rmdir refuses it) and
+    CRIU then says why. True when one was removed."""
+    path = f"{proc}/{pid}/cwd/{CRIU_PROC_DIR}"
+    try:
+        if now() - os.lstat(path).st_mtime < STALE_PROC_DIR_S:
+            return False
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+
+
+def recreate_cwd(rec: dict | None) -> bool:
+    """Make the dumped root's working directory when this node lacks it (CRIU's restore fails
+    without it): tpass-init's own directory lives in the node-local /tmp of the node it started
+    on. Only the last component, and only in a root-owned directory reached without a symlink,
+    so the manifest (root's, checked) never makes root write where a user points. True when made."""
+    if not rec or not isinstance(rec.get("path"), str) or os.path.lexists(rec["path"]):
+        return False
+    parent, name = os.path.split(rec["path"])
+    if not name or name in (".", "..") or os.path.realpath(parent) != parent:
+        return False
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(dfd).st_uid != 0:
+            return False
+        try:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:
+            return False
+        try:
+            os.fchown(fd, int(rec["uid"]), int(rec["gid"]))
+            os.fchmod(fd, int(rec["mode"]) & 0o7777)
+        finally:
+            os.close(fd)
+        return True
+    finally:
+        os.close(dfd)
+
+
+# -- cgroups ------------------------------------------------------------------------------------
+# CRIU's default (--manage-cgroups=soft) puts a restored process back into the cgroup *path* it
+# was dumped from, making it if missing: on a cluster with proctrack/cgroup and task/cgroup the
+# restored rank would leave its restore step's cgroup for a made-up .../job_J/step_S/... on the
+# spare, which Slurm neither tracks, signals nor limits (ConstrainRAMSpace). "ignore": CRIU
+# neither dumps nor restores cgroups, so the restored tree stays in its restorer's cgroup: the
+# restore step's (the restore agent is its task's child).
+CGROUPS = ("--manage-cgroups=ignore",)
+
+
 # -- dump -------------------------------------------------------------------------------------
 @dataclass
 class DumpResult:
@@ -354,7 +438,9 @@ def dump(
 
     ``fds_of``: the process whose stdin/stdout/stderr the manifest records
     (the rank, when ``pid`` is its namespace's init, which holds only
-    /dev/null). ``creds``: run criu as that user (``owner_creds``).
+    /dev/null). ``creds``: run criu as that user (``owner_creds``). The
+    manifest records ``pid``'s cwd too (``cwd_record``), which a restore
+    elsewhere makes when missing; a stale ``proc.crtools`` there is removed first.
 
     Space: when ``space_root`` (the disk's snapshot_dir) holds less than ``estimate(pid)``
     free, or a write fails for lack of space (CRIU's ENOSPC, the manifest's), one
@@ -389,9 +475,12 @@ def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta:
     info = dict(meta or {})
     for fd in (0, 1, 2):
         info[f"fd{fd}"] = fd_target(fds_of or pid, fd)
+    info["cwd"] = cwd_record(pid)
+    clear_stale_proc_dir(pid)
     t0 = time.monotonic()
     with TailHasher(d) as hasher:
-        proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running"],
+        proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running",
+                               *CGROUPS],
                         timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
                         slice_=CRIU_SLICE, creds=creds)
         t1 = time.monotonic()
@@ -431,6 +520,9 @@ def restore(
 ) -> tuple[int, float]:
     """Verify the manifest, then ``criu restore -d`` the tree; returns (host pid, seconds).
 
+    The dumped root's working directory (manifest ``meta.cwd``) is made
+    first when this node lacks it (``recreate_cwd``).
+
     ``verified``: the manifest the caller has just checked with
     ``verify_manifest``: it is not hashed a second time. Measured: each
     pass over a 10M-parameter rank's 440 MB image costs ~0.34 s here, while
@@ -454,8 +546,9 @@ def restore(
     """
     d = Path(images)
     if verified is None and checked is None:
-        verify_manifest(d)
-    args = ["restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2"]
+        verified = verify_manifest(d)
+    recreate_cwd(((verified if verified is not None else checked).get("meta") or {}).get("cwd"))
+    args = ["restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2", *CGROUPS]
     for fd, key in sorted((inherit or {}).items()):
         args += ["--inherit-fd", f"fd[{fd}]:{key}"]
     hashing: list[BaseException | None] = []
