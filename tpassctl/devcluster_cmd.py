@@ -36,11 +36,16 @@ def devcluster():
               help="An ordinary job user to create if missing (repeatable) [default: tpuser1, tpuser2].")
 @click.option("--job-python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter jobs run; every job user must be able to run it [default: the job venv, make jobvenv].")
-def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python):
+@click.option("--cgroups", is_flag=True,
+              help="Run Slurm's cgroup plugins as production clusters do: proctrack/cgroup, task/cgroup+affinity, "
+                   "ConstrainCores, ConstrainRAMSpace (cgroup v1; each node its own cgroup subtree).")
+def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python, cgroups):
     """Bring the cluster up (replacing any leftover of the same name)."""
     c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd,
-                                     job_users=tuple(users) or DEFAULT_JOB_USERS, job_python=job_python))
-    click.echo(f"devcluster {name!r} up: {', '.join(c.node_names)} on {subnet}.0/24")
+                                     job_users=tuple(users) or DEFAULT_JOB_USERS, job_python=job_python,
+                                     cgroups=cgroups))
+    mode = " (Slurm cgroup plugins)" if cgroups else ""
+    click.echo(f"devcluster {name!r} up{mode}: {', '.join(c.node_names)} on {subnet}.0/24")
     click.echo(f"job users: {', '.join(c.job_users)}; job Python: {c.job_python}")
     click.echo(f'use it with: eval "$(tpassctl devcluster env --name {name})"')
 
