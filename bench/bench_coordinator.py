@@ -24,8 +24,12 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
 * simulated ranks in several load-generator processes (one event loop each,
   many sockets), speaking the rank protocol of torchpass.runtime.control:
   ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
-  (every 0.02 s while paused; or less often, as the coordinator's
-  ``report_every_s``/``paused_every_s`` ask), each request signed with the job secret
+  (or less often, as the coordinator's ``report_every_s`` asks); while
+  paused a long poll (``wait_s``, 80-100 % of the coordinator's
+  ``wait_max_s``: it answers when the rank has a command; given up for a
+  report to send), or with
+  ``--paused-poll short`` a poll every 0.02 s (or ``paused_every_s``), as
+  before; each request signed with the job secret
   (torchpass.jobauth.JobSigner) with a 2 s time-out over one DEALER socket
   per rank kept across requests and replaced after a time-out, as the
   runtime's torchpass.zmqio.Client (``--connection per-request``: a new REQ
@@ -56,6 +60,7 @@ import heapq
 import json
 import multiprocessing as mp
 import os
+import random
 import resource
 import secrets
 import shutil
@@ -200,7 +205,7 @@ class SimRank:
 
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
-                 "hint_s", "paused_hint_s")
+                 "hint_s", "paused_hint_s", "wait_max_s")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
@@ -219,6 +224,7 @@ class SimRank:
         self.sock = None  # persistent DEALER socket (--connection persistent)
         self.hint_s = 0.0  # the coordinator's backpressure hints (report_every_s, paused_every_s)
         self.paused_hint_s = 0.0
+        self.wait_max_s = 0.0  # > 0: the coordinator parks long polls (its replies' wait_max_s)
 
     def every(self) -> float:
         """Seconds to the next report, as ControlLink.every_s/paused_every_s choose them."""
@@ -237,7 +243,7 @@ class LoadGen:
     stops at T+1, where it blocks), and ranks tear down at T only once every rank has reached it."""
 
     def __init__(self, endpoint: str, job_id: int, world: int, ranks: range, secret: str, t0: float,
-                 persistent: bool, conn, wait_at, wait_gen):
+                 persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True):
         import zmq
 
         from torchpass import jobauth, wire, zmqio
@@ -245,6 +251,7 @@ class LoadGen:
         self.zmq, self.wire, self.zmqio = zmq, wire, zmqio
         self.endpoint, self.job_id, self.world = endpoint, job_id, world
         self.persistent = persistent
+        self.long_poll = long_poll  # paused ranks long-poll as the runtime does (else every 20 ms, as before)
         self.conn = conn
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
@@ -320,7 +327,7 @@ class LoadGen:
         rk.inflight = (sock, type_, body, now, self._seq, id_)
         self.by_sock[sock] = i
         self.poller.register(sock, zmq.POLLIN)
-        heapq.heappush(self.deadlines, (now + REQUEST_TIMEOUT_S, self._seq, i))
+        heapq.heappush(self.deadlines, (now + REQUEST_TIMEOUT_S + body.get("wait_s", 0.0), self._seq, i))
         self._count("sent")
 
     def _finish(self, i: int, keep: bool) -> None:
@@ -353,12 +360,18 @@ class LoadGen:
             self._send(i, *rk.outbox[0], now)
         else:
             c = self.collectives(rk, now)
-            self._send(i, "rank.progress", {**base, "step": c // COLLECTIVES_PER_STEP, "collectives": c,
-                                            "node": rk.node}, now)
+            body = {**base, "step": c // COLLECTIVES_PER_STEP, "collectives": c, "node": rk.node}
+            if self.long_poll and rk.paused and rk.wait_max_s > 0:  # ControlLink.long_poll_s
+                body["wait_s"] = round(rk.wait_max_s * random.uniform(0.8, 1.0), 3)
+            self._send(i, "rank.progress", body, now)
 
     def _post(self, i: int, type_: str, body: dict, now: float) -> None:
         rk = self.ranks[i]
         rk.outbox.append((type_, {"job_id": self.job_id, "rank": rk.rank, **body}))
+        if rk.inflight is not None and "wait_s" in rk.inflight[2]:
+            # A long poll is given up for the report (zmqio.Client's abandon): the connection
+            # stays, its late answer is dropped by id.
+            self._finish(i, keep=True)
         if rk.inflight is None and not rk.holding:
             self._timer(now, i)  # the control thread's condition variable wakes it
 
@@ -379,10 +392,10 @@ class LoadGen:
             result = None
             self._count("error_replies")
         self._finish(i, keep=True)
-        if type_ == "rank.progress":
+        if type_ == "rank.progress" and "wait_s" not in body:  # a long poll waits by design
             self.rtts.append(now - t_sent)
         if result is None:
-            self._failed(i, type_, now)
+            self._failed(i, type_, now, body, t_sent)
             return
         if type_ == "rank.register":
             rk.registered = True
@@ -403,14 +416,19 @@ class LoadGen:
             self._timer(now, i)
             return
         self._handle(i, result, now)
-        self._timer(now + rk.every(), i)
+        self._timer(now + self._next_poll(rk, body, t_sent, now), i)
 
-    def _failed(self, i: int, type_: str, now: float) -> None:
+    @staticmethod
+    def _next_poll(rk: SimRank, body: dict, t_sent: float, now: float) -> float:
+        """Seconds to the next report: after a long poll at once (not twice in 20 ms), else every()."""
+        return max(0.0, PAUSED_INTERVAL_S - (now - t_sent)) if "wait_s" in body else rk.every()
+
+    def _failed(self, i: int, type_: str, now: float, body: dict | None = None, t_sent: float = 0.0) -> None:
         rk = self.ranks[i]
         if type_ == "rank.register":
             self._timer(now + PROGRESS_INTERVAL_S, i)
         elif type_ == "rank.progress":
-            self._timer(now + rk.every(), i)
+            self._timer(now + self._next_poll(rk, body or {}, t_sent, now), i)
         else:
             self._timer(now + min(PROGRESS_INTERVAL_S, OUTBOX_RETRY_S), i)
 
@@ -420,6 +438,7 @@ class LoadGen:
         if isinstance(result, dict):
             rk.hint_s = min(float(result.get("report_every_s") or 0.0), MAX_HINT_S)
             rk.paused_hint_s = min(float(result.get("paused_every_s") or 0.0), MAX_HINT_S)
+            rk.wait_max_s = min(float(result.get("wait_max_s") or 0.0), MAX_HINT_S)
         cmd = result.get("command") if isinstance(result, dict) else None
         if not isinstance(cmd, dict):
             return
@@ -533,10 +552,10 @@ class LoadGen:
                 _, token, i = heapq.heappop(self.deadlines)
                 rk = self.ranks[i]
                 if rk.inflight is not None and rk.inflight[4] == token:
-                    type_ = rk.inflight[1]
+                    _, type_, body, t_sent = rk.inflight[:4]
                     self._finish(i, keep=False)  # Lazy Pirate: a fresh socket next time
                     self._count("timeouts")
-                    self._failed(i, type_, now)
+                    self._failed(i, type_, now, body, t_sent)
             while self.timers and self.timers[0][0] <= now:
                 _, _, i, kind = heapq.heappop(self.timers)
                 if kind == "tick":
@@ -558,10 +577,12 @@ class LoadGen:
                     self._reply(self.by_sock[s], time.monotonic())
 
 
-def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen) -> None:
+def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
+                 long_poll=True) -> None:
     lim = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim[1], lim[1]))
-    LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen).run()
+    LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen,
+            long_poll).run()
 
 
 # ============================================================================
@@ -737,7 +758,7 @@ def trial_figures(events: list[tuple[int, str, int, float]], t_fault: float, bad
     return out
 
 
-def run_size(ranks: int, args, munge_socket: str, connection: str) -> dict[str, Any]:
+def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: str = "long") -> dict[str, Any]:
     from torchpass.ports import TPASSD_PUB_PORT
 
     assert TPASSD_PUB_PORT == PUB_PORT
@@ -748,7 +769,8 @@ def run_size(ranks: int, args, munge_socket: str, connection: str) -> dict[str, 
     spawn = mp.get_context("spawn")
     secret = secrets.token_hex(32)
     out: dict[str, Any] = {"ranks": ranks, "nodes": nodes - 1, "spare_nodes": 1, "load_generators": gens,
-                           "connection": connection, "loadavg_start": [round(x, 2) for x in load_start]}
+                           "connection": connection, "paused_poll": paused_poll,
+                           "loadavg_start": [round(x, 2) for x in load_start]}
     procs: list = []
     conns: list = []
     coord = None
@@ -778,7 +800,8 @@ def run_size(ranks: int, args, munge_socket: str, connection: str) -> dict[str, 
                 a, child = spawn.Pipe()
                 p = spawn.Process(target=loadgen_main, daemon=True,
                                   args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
-                                        connection == "persistent", child, wait_at, wait_gen))
+                                        connection == "persistent", child, wait_at, wait_gen,
+                                        paused_poll == "long"))
                 p.start()
                 procs.append(p)
                 conns.append(a)
@@ -952,8 +975,10 @@ def _tpassd_stats(conn) -> dict:
 
 # ============================================================================
 def plot_rows(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = ()) -> None:
-    """The curves of persistent connections where measured, with the per-request rows dotted."""
+    """The curves of the runtime's protocol (persistent connections; long polls where measured),
+    with the per-request rows dotted."""
     persistent = [r for r in rows if r.get("connection") == "persistent"]
+    persistent = [r for r in persistent if r.get("paused_poll") == "long"] or persistent
     per_request = [r for r in rows if r.get("connection", "per-request") == "per-request"]
     plot(persistent or per_request, path, before, per_request if persistent else [])
 
@@ -1043,6 +1068,10 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="persistent: one DEALER socket per rank (torchpass.zmqio.Client, what the rank runtime "
                          "uses); per-request: a new REQ socket per request (torchpass.zmqio.request, the runtime "
                          "before issue 13); both: each size with one, then the other")
+    ap.add_argument("--paused-poll", choices=("long", "short", "both"), default="long",
+                    help="long: a paused rank's poll carries wait_s and waits at the coordinator for its command "
+                         "(the rank runtime since issue 13's long polls); short: a poll every 20 ms (or "
+                         "paused_every_s), as before; both: each size with short, then long")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
@@ -1074,18 +1103,25 @@ def main() -> int:
     from tpassd.testing import private_munged
 
     conns = ("per-request", "persistent") if args.connection == "both" else (args.connection,)
+    polls = ("short", "long") if args.paused_poll == "both" else (args.paused_poll,)
 
     rows = []
     with private_munged() as munge:
         for n in sizes:
             for connection in conns:
-                print(f"=== {n} ranks, {connection} (load average {os.getloadavg()[0]:.2f})", flush=True)
-                rows.append(run_size(n, args, munge.socket, connection))
-                print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}), flush=True)
+                for poll in polls:
+                    print(f"=== {n} ranks, {connection}, {poll} paused polls "
+                          f"(load average {os.getloadavg()[0]:.2f})", flush=True)
+                    rows.append(run_size(n, args, munge.socket, connection, poll))
+                    print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}),
+                          flush=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
-    done = {(r["ranks"], r["connection"]) for r in rows}
-    keep = [r for r in old.get("sizes", []) if (r["ranks"], r.get("connection", "per-request")) not in done]
-    merged = sorted(keep + rows, key=lambda r: (r["ranks"], r.get("connection", "per-request")))
+
+    def key(r: dict) -> tuple:  # rows measured before a field existed: what the harness did then
+        return r["ranks"], r.get("connection", "per-request"), r.get("paused_poll", "short")
+
+    done = {key(r) for r in rows}
+    merged = sorted([r for r in old.get("sizes", []) if key(r) not in done] + rows, key=key)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "coordinator", "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

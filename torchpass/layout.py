@@ -15,6 +15,7 @@ STATE_DIR/                        (tpassd/coordinator --state-dir, /var/lib/torc
     restore-M-rankR.go            restore_go_file(): the restore gate's go/abort verdict
     hold/M.rankR                  hold_file(): keeps rank R's source paused for migration M
     ranks/                        rank_records_dir(): the rank wrappers' directory (RANK_DIR below)
+    snapshots/ID.json             snapshot_manifest(): a whole-job snapshot's manifest (root's, owner's group)
 
 RANK_DIR/                         (the rank wrapper's --state-dir, $TORCHPASS_RANK_STATE_DIR)
   jobJ/                           rank_job_dir(rank_dir, J)
@@ -25,6 +26,7 @@ RANK_DIR/                         (the rank wrapper's --state-dir, $TORCHPASS_RA
 SNAPSHOT_DIR/                     (tpassd --snapshot-dir, node-local)
   jobJ/                           snapshot_job_dir(snapshot_dir, J)
     rankR.genG/                   images_dir(snapshot_dir, J, R, G): CRIU images of one dump
+  snapshots/jobJ/ID/rankR/        snapshot_images_dir(snapshot_dir, J, ID, R): rank R in whole-job snapshot ID
 ```
 
 The C plugin spells the names it needs in slurm_spank/layout.h; a unit test
@@ -177,6 +179,53 @@ def parse_images_dir(path: PathLike, job: int | str, rank: int | str) -> tuple[P
     return (root, int(gen)) if images_dir(root, job, rank, int(gen)) == p else None
 
 
+# --- Whole-job snapshots (issue 12, engineer F) ------------------------------------------------
+# SNAPSHOT_DIR/snapshots/jobJ/ID/rankR/   snapshot_images_dir(): CRIU images of rank R in job snapshot ID
+#                                         (root only; never under SNAPSHOT_DIR/jobJ, which the job's end sweeps)
+# STATE_DIR/jobs/J/snapshots/ID.json      snapshot_manifest(): the job manifest, written by root (tpassd);
+#                                         the snapshots directory is root's, group the owner's, 0750
+SNAPSHOTS = "snapshots"
+SNAPSHOT_MANIFEST_SUFFIX = ".json"
+# A snapshot id names directories and files: these characters only, and never a leading dot.
+SNAPSHOT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+SNAPSHOT_ID_MAX = 64
+
+
+def valid_snapshot_id(snap: str) -> bool:
+    """``snap`` can name a snapshot's directory and manifest (no separator, dot or oddity)."""
+    return isinstance(snap, str) and 0 < len(snap) <= SNAPSHOT_ID_MAX and set(snap) <= SNAPSHOT_ID_CHARS
+
+
+def snapshot_tree(snapshot_dir: PathLike, job: int | str) -> Path:
+    """SNAPSHOT_DIR/snapshots/jobJ: every whole-job snapshot of job J on this snapshot_dir."""
+    return Path(snapshot_dir) / SNAPSHOTS / _job_name(job)
+
+
+def snapshot_images_dir(snapshot_dir: PathLike, job: int | str, snap: str, rank: int | str) -> Path:
+    """SNAPSHOT_DIR/snapshots/jobJ/ID/rankR: the CRIU images of rank R in snapshot ID."""
+    return snapshot_tree(snapshot_dir, job) / snap / _rank_name(rank)
+
+
+def parse_snapshot_images_dir(path: PathLike, job: int | str, rank: int | str) -> tuple[Path, str] | None:
+    """(SNAPSHOT_DIR, ID) when ``path`` is exactly snapshot_images_dir(SNAPSHOT_DIR, job, ID, rank), else None."""
+    p = Path(path)
+    if ".." in p.parts or len(p.parts) < 5 or not valid_snapshot_id(p.parent.name):
+        return None
+    root = p.parent.parent.parent.parent
+    snap = p.parent.name
+    return (root, snap) if snapshot_images_dir(root, job, snap, rank) == p else None
+
+
+def snapshot_manifests_dir(state_dir: PathLike, job: int | str) -> Path:
+    """STATE_DIR/jobs/J/snapshots: the job manifests of job J's snapshots."""
+    return job_dir(state_dir, job) / SNAPSHOTS
+
+
+def snapshot_manifest(state_dir: PathLike, job: int | str, snap: str) -> Path:
+    """STATE_DIR/jobs/J/snapshots/ID.json: the job manifest of snapshot ID."""
+    return snapshot_manifests_dir(state_dir, job) / f"{snap}{SNAPSHOT_MANIFEST_SUFFIX}"
+
+
 __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
@@ -185,4 +234,7 @@ __all__ = [
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
     "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",
+    # whole-job snapshots (issue 12)
+    "SNAPSHOTS", "SNAPSHOT_MANIFEST_SUFFIX", "valid_snapshot_id", "snapshot_tree", "snapshot_images_dir",
+    "parse_snapshot_images_dir", "snapshot_manifests_dir", "snapshot_manifest",
 ]

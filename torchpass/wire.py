@@ -103,10 +103,15 @@ BODIES: dict[str, dict[str, F]] = {
         "boundary": _f(int, required=False),
         "boundary_step": _f(int, required=False),
         "unprotected": _f(str, required=False),  # as in rank.register (issue 11, runtime)
+        # (issue 13, long poll) a paused rank's poll: the coordinator may hold the reply up to
+        # this many seconds (at most its wait_max_s) until the rank has a command. Sent only to a
+        # coordinator whose replies carry wait_max_s.
+        "wait_s": _f(float, int, required=False),
     },
     # The coordinator's reply to every rank.* message may carry, besides "command", the
     # backpressure hints "report_every_s" and "paused_every_s" (seconds): report (poll while
-    # paused) no more often than that (torchpass.runtime.control; issue 13).
+    # paused) no more often than that (torchpass.runtime.control; issue 13); and "wait_max_s":
+    # it parks a rank.progress carrying wait_s (a long poll) for up to that long.
     # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
     # Publications on tpassd's PUB socket, multipart [topic, frame] with the
     # topic equal to the type. Envelope: seq = per-publisher sequence number
@@ -219,6 +224,12 @@ BODIES: dict[str, dict[str, F]] = {
     # (already queued or in flight, spare not free, ranks missing),
     # bad_request (to == node).
     "job.migrate": {"node": _f(str), "to": _f(str, required=False)},
+    # --- operator -> coordinator: whole-job snapshot (tpassctl snapshot; issue 12, F) ---
+    # Snapshot every rank, leaving the job running; the owner or an admin, proven by
+    # munge (as job.migrate). Reply result: {"snapshot": ID}; follow it with job.events
+    # (snapshot.completed / snapshot.failed). Errors: conflict (a migration or another
+    # snapshot in flight, ranks missing, job unprotected), unavailable, forbidden.
+    "job.snapshot": {},
     # --- coordinator -> tpassd (checkpoint; torchpass/checkpoint/service.py) ------
     # munge-authenticated for the node; allowed for root or the job's owner
     # (the uid Slurm records for job_id). rank_dir: optional; tpassd derives the
@@ -230,6 +241,13 @@ BODIES: dict[str, dict[str, F]] = {
     #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded), discard
     #               the rank's images on this node; result {killed, discarded_mb}
     #   op "abort": the move is off: hand-off marker "abort", images discarded
+    # Whole-job snapshots (issue 12, F; torchpass.checkpoint.service._job_snapshot), `snapshot` = its id:
+    #   op "snap":    dump the held rank into SNAPSHOT_DIR/snapshots/jobJ/ID/rankR (no hand-off marker);
+    #                 result as dump
+    #   op "commit":  (rank 0: any) verify `parts` [{rank, node, images, checksum}], write the job manifest,
+    #                 keep the newest `keep`; result {manifest, bytes, removed}
+    #   op "discard": remove this node's part of a failed snapshot; op "delete": remove a committed one
+    #                 (root, the job's owner, or the uid its manifest records)
     "tpassd.snapshot": {
         "job_id": _f(int),
         "rank": _f(int),
@@ -237,6 +255,11 @@ BODIES: dict[str, dict[str, F]] = {
         "rank_dir": _f(str, required=False),
         "generation": _f(int, required=False),
         "pid": _f(int, required=False),
+        "snapshot": _f(str, required=False),
+        "step": _f(int, required=False),
+        "collectives": _f(int, required=False),
+        "keep": _f(int, required=False),
+        "parts": _f(list, required=False),
     },
     #   op "verify": the target can read `images` and its manifest matches `checksum`
     #   op "abort":  kill what was restored from `images` on this node (best effort)

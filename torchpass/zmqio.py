@@ -131,6 +131,10 @@ def recv_reply(sock: zmq.Socket, id_: str) -> wire.Reply | None:
     return reply if reply.id == id_ else None
 
 
+# How often a request with ``abandon`` asks whether to give up waiting.
+ABANDON_CHECK_S = 0.01
+
+
 class Client:
     """``request()`` over one kept connection to ``endpoint``.
 
@@ -197,7 +201,10 @@ class Client:
             self._drop()
 
     def request(self, type_: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None,
-                retries: int | None = None) -> dict[str, Any]:
+                retries: int | None = None, abandon: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """The reply's result; with ``abandon``, None as soon as ``abandon()`` is true while waiting
+        (checked every ABANDON_CHECK_S: a long poll given up for a request that cannot wait). The
+        connection is kept then: the server's late answer is dropped by its id."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retries is None else retries
         auth = self.auth
@@ -209,7 +216,13 @@ class Client:
                     sock = self._socket()
                     send_request(sock, frame)
                     deadline = time.monotonic() + timeout_s
-                    while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    while (left := deadline - time.monotonic()) > 0:
+                        if abandon is not None:
+                            if abandon():
+                                return None
+                            left = min(left, ABANDON_CHECK_S)
+                        if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                            continue
                         reply = recv_reply(sock, id_)
                         if reply is not None:
                             return reply.unwrap()

@@ -248,6 +248,8 @@ class Tpassd:
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
                                               kill_fault=self.drills.take_kill_fault)
+        # A whole-job snapshot must leave the free space this tpassd's own health rule wants (issue 12).
+        self.checkpoint.keep_free_bytes = int(self.policy.host.disk_free_gb_degraded * 1e9)
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(cfg.metrics_address or cfg.bind_address, cfg.metrics_port,

@@ -21,3 +21,11 @@ def test_the_default_connection_is_the_runtimes_kept_one_and_both_stays_availabl
     assert parser.parse_args([]).connection == "persistent"
     assert parser.parse_args(["--connection", "both"]).connection == "both"
     assert parser.parse_args(["--connection", "per-request"]).connection == "per-request"
+
+
+def test_paused_ranks_long_poll_by_default_and_the_old_polling_stays_available():
+    # torchpass.runtime.control long-polls while paused (wait_s; issue 13).
+    parser = _harness().arg_parser()
+    assert parser.parse_args([]).paused_poll == "long"
+    assert parser.parse_args(["--paused-poll", "both"]).paused_poll == "both"
+    assert parser.parse_args(["--paused-poll", "short"]).paused_poll == "short"

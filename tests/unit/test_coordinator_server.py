@@ -1,16 +1,18 @@
 """The coordinator over real ZeroMQ sockets on loopback, with an injected clock."""
 
 import threading
+import time
 
 import pytest
 import zmq
 
-from torchpass import auth, wire, zmqio
+from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
+from torchpass.coordinator import server as srv
 from torchpass.coordinator.executor import Driver
 from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.server import CoordinatorServer, job_liveness_check
+from torchpass.coordinator.server import CoordinatorServer, Facts, job_liveness_check
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
 from torchpass.health_state import State
@@ -258,6 +260,7 @@ def test_replies_to_ranks_carry_backpressure_hints_that_grow_with_the_job_and_th
     res = req(ep, "rank.register", {"job_id": 42, "rank": 0, "world_size": 3000, "node": "n1", "pid": 1})
     assert res["report_every_s"] == pytest.approx(3000 / srv.PROGRESS_BUDGET_PER_S, abs=1e-3)
     assert res["paused_every_s"] == pytest.approx(3000 / srv.PAUSED_BUDGET_PER_S, abs=1e-3)
+    assert res["wait_max_s"] == pytest.approx(3000 / srv.PARKED_BUDGET_PER_S, abs=1e-3)  # long polls: longer waits
     assert "report_every_s" not in req(ep, "job.status")  # only rank.* replies
 
     t = [0.0]
@@ -267,6 +270,7 @@ def test_replies_to_ranks_carry_backpressure_hints_that_grow_with_the_job_and_th
         pace.busy(0.9)
     assert pace.factor == srv.PACE_FACTOR_MAX
     assert pace.hint(1500)["report_every_s"] == pytest.approx(srv.PACE_FACTOR_MAX)
+    assert pace.hint(100_000)["wait_max_s"] == srv.PARK_MAX_S  # bounded: the rank's time-out grows with it
     for _ in range(20):  # idle again: back to the job's own size
         t[0] += 1.0
         pace.busy(0.05)
@@ -291,3 +295,222 @@ def test_the_rank_side_honours_the_hints_within_bounds():
     assert link.every_s() == control.MAX_HINT_S and link.paused_every_s() == control.MAX_HINT_S
     link._handle({"report_every_s": "x"})  # not a number: ignored
     assert link.every_s() == control.MAX_HINT_S
+
+
+# ============================================================================
+# Long polls (issue 13): a paused rank's poll waits at the coordinator for its command
+# ============================================================================
+class Commands:
+    """What the serve loop reads of an executor: rank -> the command repeated until acknowledged."""
+
+    def __init__(self):
+        self.commands: dict[int, dict] = {}
+
+    def command_for(self, rank):
+        return self.commands.get(rank)
+
+    def acknowledge(self, *a):
+        pass
+
+
+class CommandsDriver(Facts):
+    """A driver that decides nothing: the test sets the commands (in the serve thread, by later())."""
+
+    def __init__(self, job_id, clock):
+        super().__init__(job_id, clock)
+        self.executor = Commands()
+
+    def begin_batch(self):
+        pass
+
+    def end_batch(self):
+        pass
+
+    def pump(self, force=False):
+        pass
+
+    def decide(self):
+        pass
+
+    def close(self):
+        pass
+
+
+RESUME = {"command": "resume", "generation": 3, "master_addr": "127.0.0.1", "master_port": 29500}
+
+
+@pytest.fixture
+def parking():
+    """A coordinator serving ranks 0..3 of job 42 (world 4), whose commands the test sets."""
+    clock = Clock()
+    driver = CommandsDriver(42, clock)
+    server = CoordinatorServer(JobState(job_id=42, spares=1), bind_address="127.0.0.1", clock=clock,
+                               wall=lambda: 1e9, driver=driver)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    for rank in range(4):
+        res = req(ep, "rank.register", {"job_id": 42, "rank": rank, "world_size": 4, "node": "n1", "pid": rank})
+        assert res["wait_max_s"] == srv.PARK_MIN_S  # it says it parks long polls (4 ranks: the shortest wait)
+    socks: list[zmq.Socket] = []
+
+    def dealer() -> zmq.Socket:
+        socks.append(zmqio.dealer_socket(zmq.Context.instance(), ep))
+        return socks[-1]
+
+    yield server, ep, clock, dealer
+    server.stop()
+    t.join(5)
+    assert not t.is_alive()
+    for s in socks:
+        s.close(linger=0)
+
+
+def poll(sock, rank, wait_s=2.0) -> str:
+    """Send rank's long poll on a DEALER socket; its request id."""
+    id_ = wire.new_id()
+    body = {"job_id": 42, "rank": rank, "step": 1, "collectives": 10}
+    if wait_s is not None:
+        body["wait_s"] = wait_s
+    zmqio.send_request(sock, wire.encode("rank.progress", body, id=id_))
+    return id_
+
+
+def answer(sock, id_, timeout_s) -> dict | None:
+    """The result of the reply to id_ within timeout_s, or None (no reply yet)."""
+    end = time.monotonic() + timeout_s
+    while (left := end - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            reply = zmqio.recv_reply(sock, id_)
+            if reply is not None:
+                return reply.unwrap()
+    return None
+
+
+def in_serve_thread(server, fn) -> None:
+    done = threading.Event()
+    server.later(lambda: (fn(), done.set()))
+    assert done.wait(5)
+
+
+def test_a_parked_poll_gets_its_command_the_moment_it_is_set(parking):
+    server, _, _, dealer = parking
+    s = dealer()
+    id_ = poll(s, 1)
+    assert answer(s, id_, 0.3) is None  # no command: parked (the old coordinator answered at once)
+    assert set(server._parked) == {1}
+    set_at = time.monotonic()
+    server.later(lambda: server.driver.executor.commands.__setitem__(1, dict(RESUME)))
+    res = answer(s, id_, 1.5)  # wait_s is 2 s and the fake clock never moves: only the command answers
+    took = time.monotonic() - set_at
+    assert res is not None and res["command"] == RESUME, res
+    assert took < 1.0, f"the command reached the parked poll {took:.3f} s after it was set"
+    assert server._parked == {}
+
+
+def test_a_poll_with_no_command_is_answered_after_its_wait(parking):
+    server, _, clock, dealer = parking
+    s = dealer()
+    id_ = poll(s, 2, wait_s=1.0)
+    assert answer(s, id_, 0.3) is None
+    clock.t += 0.9
+    assert answer(s, id_, 0.3) is None  # not yet due
+    clock.t += 0.2
+    res = answer(s, id_, 2.0)
+    assert res is not None and "command" not in res and res["wait_max_s"] == srv.PARK_MIN_S
+    assert server._parked == {}
+    # A wait above the coordinator's wait_max_s is cut to it.
+    id_ = poll(s, 2, wait_s=60.0)
+    assert answer(s, id_, 0.3) is None
+    clock.t += srv.PARK_MAX_S + 0.01
+    assert answer(s, id_, 2.0) is not None
+
+
+def test_a_newer_poll_of_the_same_rank_replaces_the_parked_one(parking):
+    server, _, _, dealer = parking
+    old, new = dealer(), dealer()  # the rank gave up and polls again (after a time-out: a new connection)
+    id_old = poll(old, 3)
+    assert answer(old, id_old, 0.3) is None
+    id_new = poll(new, 3)
+    res = answer(old, id_old, 1.0)  # answered at once, without a command: never two parked per rank
+    assert res is not None and "command" not in res
+    assert answer(new, id_new, 0.3) is None
+    assert len(server._parked) == 1
+    server.later(lambda: server.driver.executor.commands.__setitem__(3, dict(RESUME)))
+    assert answer(new, id_new, 1.5)["command"] == RESUME
+    assert answer(old, id_old, 0.3) is None  # nothing more for the given-up poll
+    # Any other message of the rank (its client sends one request at a time) answers its parked poll.
+    in_serve_thread(server, lambda: server.driver.executor.commands.clear())
+    id_poll = poll(new, 3)
+    assert answer(new, id_poll, 0.3) is None
+    req_ = zmqio.Client(parking[1], timeout_s=2, retries=0)
+    req_.request("rank.progress", {"job_id": 42, "rank": 3, "step": 2, "collectives": 11})
+    req_.close()
+    assert answer(new, id_poll, 1.0) is not None and server._parked == {}
+
+
+def test_parked_polls_never_delay_the_other_requests(parking):
+    server, ep, _, dealer = parking
+    socks = [dealer() for _ in range(3)]
+    ids = [poll(s, r) for r, s in enumerate(socks)]
+    assert answer(socks[0], ids[0], 0.3) is None
+    t0 = time.monotonic()
+    assert req(ep, "job.status")["registered_ranks"] == 4
+    res = req(ep, "rank.progress", {"job_id": 42, "rank": 3, "step": 5, "collectives": 20})  # no wait_s
+    assert "command" not in res
+    took = time.monotonic() - t0
+    assert took < 1.5, f"two requests took {took:.3f} s beside 3 parked polls"
+    assert set(server._parked) == {0, 1, 2}
+    # One decision gives every parked rank its command: one batch of replies.
+    in_serve_thread(server, lambda: server.driver.executor.commands.update({r: dict(RESUME) for r in range(3)}))
+    assert [answer(s, i, 1.5)["command"] for s, i in zip(socks, ids)] == [RESUME] * 3
+
+
+def signed_poll(sock, secret, rank) -> str:
+    id_ = wire.new_id()
+    body = {"job_id": 42, "rank": rank, "step": 1, "collectives": 10, "wait_s": 2.0}
+    env = jobauth.JobSigner(secret).envelope("rank.progress", id_, body)
+    zmqio.send_request(sock, wire.encode("rank.progress", body, id=id_, **env))
+    return id_
+
+
+def refusal(sock, id_) -> str:
+    """The error code of the reply to id_, which must come within 2 s."""
+    assert sock.poll(2000, zmq.POLLIN), "no reply within 2 s"
+    reply = zmqio.recv_reply(sock, id_)
+    with pytest.raises(RemoteError) as exc:
+        reply.unwrap()
+    return exc.value.code
+
+
+def test_an_unsigned_or_foreign_poll_parks_nothing():
+    secret = b"k" * 32
+    server = CoordinatorServer(JobState(job_id=42, spares=1), bind_address="127.0.0.1", job_secret=secret,
+                               driver=CommandsDriver(42, Clock()))
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    ep = f"tcp://127.0.0.1:{server.port}"
+    s = zmqio.dealer_socket(zmq.Context.instance(), ep)
+    try:
+        zmqio.request(ep, "rank.register", {"job_id": 42, "rank": 0, "world_size": 2, "node": "n", "pid": 1},
+                      timeout_s=2, retries=0, auth=jobauth.JobSigner(secret))
+        assert refusal(s, poll(s, 0)) == "unauthenticated"  # unsigned: refused at once
+        assert refusal(s, signed_poll(s, secret, rank=1)) == "not_found"  # a rank that never registered
+        assert server._parked == {} and server.counters.get("long_polls", 0) == 0
+        id_ = signed_poll(s, secret, rank=0)  # the rank itself, signed: parked
+        assert answer(s, id_, 0.3) is None and set(server._parked) == {0}
+    finally:
+        s.close(linger=0)
+        server.stop()
+        t.join(5)
+    assert not t.is_alive()
+
+
+def test_shutdown_answers_the_parked_polls(parking):
+    server, _, _, dealer = parking
+    s = dealer()
+    id_ = poll(s, 0)
+    assert answer(s, id_, 0.3) is None
+    server.stop()
+    res = answer(s, id_, 3.0)
+    assert res is not None and "command" not in res

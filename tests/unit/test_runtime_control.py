@@ -16,9 +16,14 @@ import threading
 import time
 
 import pytest
-from test_never_left_paused import FakePG
+from test_coordinator_server import RESUME, CommandsDriver
+from test_never_left_paused import FALLBACK, FakePG
 
+from torchpass.coordinator import server as srv
+from torchpass.coordinator.server import CoordinatorServer
+from torchpass.coordinator.state import JobState
 from torchpass.runtime import control
+from torchpass.runtime.pg import Rendezvous
 
 # Answers every request ok; the N-th rank.progress (argv[2], -1: never) gets the pause in argv[1].
 PEER = r"""
@@ -168,3 +173,134 @@ def test_a_forked_child_leaves_the_parents_connection_alone(peers):
         link.stop()
     assert len(peer.identities()) == 1, peer.seen
     assert link.errors == 0
+
+
+# ============================================================================
+# Long polls while paused (issue 13)
+# ============================================================================
+class Recording(CommandsDriver):
+    """The test's driver, keeping what the ranks reported (serve thread)."""
+
+    def __init__(self, job_id, clock):
+        super().__init__(job_id, clock)
+        self.fed: list[str] = []
+
+    def feed(self, outcome):
+        self.fed.append(type(outcome).__name__)
+        super().feed(outcome)
+
+
+@pytest.fixture
+def coordinator():
+    driver = Recording(7, time.monotonic)
+    server = CoordinatorServer(JobState(job_id=7, spares=1), bind_address="127.0.0.1", wall=lambda: 1e9,
+                               driver=driver)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    yield server, f"tcp://127.0.0.1:{server.port}"
+    server.stop()
+    t.join(5)
+
+
+def wait_for(cond, what: str, timeout_s: float = 10.0) -> float:
+    """Seconds until cond() held."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_a_paused_rank_long_polls_and_its_resume_arrives_at_once(coordinator):
+    server, ep = coordinator
+    pg = FakePG(size=2, rank=1)
+    link = start_link(ep, pg)
+    try:
+        wait_for(lambda: link.registered and link.wait_max_s == srv.PARK_MIN_S, "registered")
+        pg.paused = True  # quiesced at T: every poll now waits at the coordinator
+        wait_for(lambda: 1 in server._parked, "a parked poll")
+        n = server.counters.get("long_polls", 0)
+        time.sleep(1.0)
+        # At most one poll per wait_s, not one every 20 ms (~50 in that second on e994c1d).
+        assert server.counters["long_polls"] - n <= 2, server.counters
+        server.later(lambda: server.driver.executor.commands.__setitem__(1, dict(RESUME)))
+        took = wait_for(lambda: pg.resumes, "the resume")
+        assert took < 1.0, f"the resume reached the paused rank {took:.3f} s after it was set"
+        assert pg.resumes[0] == (3, Rendezvous("127.0.0.1", 29500))  # (repeated until acknowledged)
+        # A report to send gives the wait up at once (the training thread reached T again).
+        server.later(lambda: server.driver.executor.commands.clear())
+        wait_for(lambda: 1 in server._parked, "a parked poll again")
+        time.sleep(0.1)
+        link.on_quiesced(pg, {"next_generation": 4, "sockets": 0, "drain_s": 0.0})
+        took = wait_for(lambda: "Quiesced" in server.driver.fed, "rank.quiesced at the coordinator", 5.0)
+        assert took < 1.0, f"rank.quiesced waited {took:.3f} s behind a long poll"
+        wait_for(lambda: 1 in server._parked, "a parked poll after the report")
+        t0 = time.monotonic()
+    finally:
+        link.stop()
+    assert time.monotonic() - t0 < 1.0  # stop() gives the long poll up too
+    assert link.errors == 0
+
+
+class TimedPG(FakePG):
+    def resume(self, gen, rv):
+        self.resumed_at = time.time()
+        return super().resume(gen, rv)
+
+
+# Answers rank.register (and every report) with wait_max_s, but never a rank.progress: a
+# coordinator that parks polls and then never answers them (hung, or gone after the pause).
+SILENT = r"""
+import json, sys, time, zmq
+from torchpass import wire, zmqio
+ctx = zmq.Context()
+sock, port = zmqio.bind_router(ctx, "127.0.0.1")
+print(port, flush=True)
+while True:
+    parts = sock.recv_multipart()
+    msg = wire.decode(parts[-1])
+    print(json.dumps([msg.type, msg.body, time.time()]), flush=True)
+    if msg.type != "rank.progress":
+        sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, {"wait_max_s": 2.0})])
+"""
+
+
+def test_a_long_polling_rank_falls_back_at_its_deadline_when_the_coordinator_never_answers(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SILENT], stdout=subprocess.PIPE, text=True)
+    seen: list[tuple[str, dict, float]] = []  # (type, body, wall time received)
+    try:
+        ep = f"tcp://127.0.0.1:{int(proc.stdout.readline())}"
+        reader = threading.Thread(target=lambda: [seen.append(tuple(json.loads(line))) for line in proc.stdout],
+                                  daemon=True)
+        reader.start()
+        pg = TimedPG(size=2, rank=1)
+        exits: list[int] = []
+        link = control.ControlLink(pg, endpoint=ep, job_id=7, rank=1, node="n1", interval_s=0.05,
+                                   paused_interval_s=0.02, request_timeout_s=0.5, state_dir=str(tmp_path),
+                                   exit=exits.append)
+        link.start()
+        try:
+            wait_for(lambda: link.registered and link.wait_max_s == 2.0, "registered")
+            deadline_s = 1.5
+            link._handle({"command": {"command": "pause", "at": 50, "generation": 3, "deadline_s": deadline_s,
+                                      "fallback": FALLBACK, "join_s": 5.0}})
+            pg.paused = True
+            link.on_quiesced(pg, {"next_generation": 3, "sockets": 0, "drain_s": 0.0})
+            took = wait_for(lambda: pg.resumes, "the fallback resume", 10.0)
+            link.on_resumed(pg, {"rebuild_s": 0.0})  # the rebuild completed: the join watcher ends
+        finally:
+            link.stop()
+        types = [t for t, _, _ in seen]
+        # From rank.quiesced (the deadline runs) to the fallback.
+        after = [m for m in seen[types.index("rank.quiesced"):] if m[2] < pg.resumed_at]
+        waits = [b["wait_s"] for t, b, _ in after if t == "rank.progress" and "wait_s" in b]
+        assert waits, seen  # it long-polled while paused
+        assert max(waits) <= deadline_s, after  # never past the deadline
+        # The deadline still holds: resumed in place by the pause's fallback, within the long
+        # poll's time-out of the deadline.
+        assert pg.resumes == [(3, Rendezvous("127.0.0.1", 1))]
+        assert deadline_s - 0.1 <= took < deadline_s + link.request_timeout_s + 1.0, took
+        assert link.fell_back and exits == []
+    finally:
+        proc.kill()
+        proc.wait()

@@ -197,3 +197,26 @@ def test_the_coordinator_serves_signed_rank_requests_over_one_connection(ctx):
         server.stop()
         t.join(5)
     assert not t.is_alive()
+
+
+def test_a_wait_given_up_returns_none_and_keeps_the_connection(peer_factory, ctx):
+    # A long poll (issue 13): the server holds the first request; the client gives the wait up when
+    # asked to (a report to send), and its next request goes over the same connection; the held
+    # request's late answer is never taken for the next one's.
+    held: list[bytes] = []
+
+    def behave(n, msg):
+        if n == 0:
+            held.append(wire.encode_ok(msg.id, {"late": True}))
+            return []
+        return held[:1] + [wire.encode_ok(msg.id, {"n": n})]
+
+    peer = peer_factory(behave)
+    client = zmqio.Client(peer.endpoint, context=ctx, timeout_s=30, retries=0)
+    give_up = threading.Event()
+    threading.Timer(0.2, give_up.set).start()
+    t0 = time.monotonic()
+    assert client.request("job.status", abandon=give_up.is_set) is None
+    assert 0.15 < time.monotonic() - t0 < 5.0  # given up when asked, long before the 30 s time-out
+    assert client.request("job.status") == {"n": 1}
+    assert client.connects == 1 and len(set(peer.identities)) == 1

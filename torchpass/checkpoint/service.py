@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import stat
@@ -72,6 +73,33 @@ def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
+# tpassd.snapshot ops of whole-job snapshots (issue 12; CheckpointService._job_snapshot).
+JOB_SNAPSHOT_OPS = ("snap", "commit", "discard", "delete")
+MAX_JOB_MANIFEST_BYTES = 4 << 20
+
+
+def read_job_manifests(dfd: int, job_id: int) -> list[dict[str, Any]]:
+    """The job manifests in the directory ``dfd`` (STATE_DIR/jobs/J/snapshots), oldest first: only
+    regular files owned by root with one link (root wrote them; a user cannot forge one there), of
+    this job, whose name is their snapshot id. Unreadable or foreign entries are skipped."""
+    out = []
+    suffix = layout.SNAPSHOT_MANIFEST_SUFFIX
+    for name in os.listdir(dfd):
+        if not name.endswith(suffix) or name.startswith("."):
+            continue
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_nlink != 1:
+                continue
+            m = json.loads(safeio.read_regular(name, MAX_JOB_MANIFEST_BYTES, dir_fd=dfd))
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("job_id") == job_id and f"{m.get('snapshot')}{suffix}" == name:
+            out.append(m)
+    out.sort(key=lambda m: (float(m.get("created") or 0), str(m["snapshot"])))
+    return out
+
+
 class Audit:
     """The one audit line of a request: filled in as the request goes, logged at its end."""
 
@@ -95,7 +123,8 @@ class CheckpointService:
                  restore_fault: Callable[[], bool] | None = None, kill_fault: Callable[[], bool] | None = None,
                  gpu_in_use: Callable[[int], bool] | None = None, cuda_loader: Callable[[], Any] | None = None,
                  dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S,
-                 image_estimate: Callable[[int], int] = criu_mod.image_estimate):
+                 image_estimate: Callable[[int], int] = criu_mod.image_estimate, keep_free_bytes: int = 0,
+                 wall: Callable[[], float] = time.time, owner_gid: Callable[[int], int] | None = None):
         self.snapshot_dir = Path(snapshot_dir)
         # The job state directory (STATE_DIR, whose jobs/J/ranks is the job's rank
         # directory): the only place tpassd looks for rank records.
@@ -115,6 +144,12 @@ class CheckpointService:
         # space before anything moves, and again right before CRIU, after a CUDA suspend
         # brought the GPU state into host memory). Injectable: tests make it miss.
         self.image_estimate = image_estimate
+        # Whole-job snapshots (issue 12) leave at least this much free on snapshot_dir: tpassd's own
+        # free-space health rule (disk_free_gb_degraded) must not trip because of a snapshot.
+        self.keep_free_bytes = keep_free_bytes
+        self.wall = wall  # the job manifest's created time
+        # The group that may read a job's manifests: the owner's primary group (a user private group).
+        self.owner_gid = owner_gid or (lambda uid: pwd.getpwuid(uid).pw_gid)
         # The restore-fail fault drill (tpassd/drills.py): True once when armed.
         self.restore_fault = restore_fault or (lambda: False)
         # The kill-fail drill: True once when armed; the next op=kill is refused.
@@ -188,15 +223,7 @@ class CheckpointService:
         if parsed is None:
             raise RemoteError("forbidden", f"{images} is not a snapshot directory of rank {rank} of job {job_id} "
                                            "(SNAPSHOT_DIR/jobJ/rankR.genG); refused")
-        path = layout.images_dir(parsed[0], job_id, rank, parsed[1])
-        try:
-            if parsed[0] == self.snapshot_dir:
-                return path, safeio.open_dir(self.snapshot_dir, path.relative_to(self.snapshot_dir).parts)
-            return path, safeio.open_root_owned_dir(path)
-        except FileNotFoundError:
-            raise RemoteError("failed", f"{self.node} cannot read snapshot {path} (it does not exist)") from None
-        except OSError as exc:
-            raise RemoteError("forbidden", f"snapshot {path}: {exc}") from None
+        return self._open_dir_of(parsed[0], layout.images_dir(parsed[0], job_id, rank, parsed[1]))
 
     @staticmethod
     def _write(dfd: int, path: Path, text: str) -> None:
@@ -212,7 +239,10 @@ class CheckpointService:
             if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
                        for k in ("job_id", "rank")):
                 raise RemoteError("bad_request", f"{kind}: job_id and rank must be non-negative integers")
-            self.authorize(ident, b["job_id"])
+            if kind == "snapshot" and b.get("op") in JOB_SNAPSHOT_OPS:
+                self.authorize_snapshot(ident, b["job_id"], b["op"])
+            else:
+                self.authorize(ident, b["job_id"])
             return handler(b, act)
 
     def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
@@ -224,6 +254,8 @@ class CheckpointService:
         if op == "dump":
             marker = layout.handoff(self.rank_dir(job_id), job_id, rank)
             return self._dump(job_id, rank, int(b.get("generation") or 0), marker, act)
+        if op in JOB_SNAPSHOT_OPS:
+            return self._job_snapshot(b, op, act)
         if op == "kill":
             pid = b.get("pid")
             act.fields["pid"] = pid
@@ -248,7 +280,8 @@ class CheckpointService:
                     os.close(dfd)
             # The move is off and the rank resumes here: a later move dumps anew.
             return {"node": self.node, "rank": rank, "marker": "abort", "discarded_mb": self._discard(job_id, rank)}
-        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.snapshot; allowed: dump, kill, abort")
+        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.snapshot; allowed: dump, kill, abort, "
+                                         f"{', '.join(JOB_SNAPSHOT_OPS)}")
 
     def _discard(self, job_id: int, rank: int) -> float:
         """Remove this node's snapshots of the rank (MB freed). Without this every
@@ -267,7 +300,10 @@ class CheckpointService:
             log.info("snapshot images discarded", job_id=job_id, rank=rank, mb=round(freed / 1e6, 1))
         return round(freed / 1e6, 1)
 
-    def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: Audit) -> dict[str, Any]:
+    def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: Audit,
+              snapshot: str | None = None) -> dict[str, Any]:
+        """Dump the rank: for a migration (``marker``: the hand-off marker says moving / moved /
+        abort), or into whole-job snapshot ``snapshot`` (no marker: nothing moves)."""
         dfd = self._open_rank_dir(job_id)
         if dfd is None:
             raise RemoteError("not_found", f"rank {rank} of job {job_id} does not run under rankwrap here "
@@ -288,24 +324,34 @@ class CheckpointService:
             with self._pin(job_id, wrapper, dump=True, view=view) as w, \
                     self._pin(job_id, pid, parent=wrapper, dump=True, view=view) as p:
                 if rank_pid == pid:
-                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, p, view[1])
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, p, view[1], snapshot)
                 with self._pin(job_id, rank_pid, parent=pid, dump=True, view=view) as r:
-                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, r, view[1])
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, r, view[1], snapshot)
         finally:
             os.close(dfd)
 
     def _dump_pinned(self, job_id: int, rank: int, generation: int, marker: Path, dfd: int,
-                     p: procs.Pinned, w: procs.Pinned, r: procs.Pinned, owner: int) -> dict[str, Any]:
+                     p: procs.Pinned, w: procs.Pinned, r: procs.Pinned, owner: int,
+                     snapshot: str | None = None) -> dict[str, Any]:
         pid = r.pid  # the rank: its GPU state, its stdout/stderr
         try:
             c = criu_mod.find_criu(self.criu_binary)
         except TorchpassError as exc:
             raise RemoteError("unavailable", str(exc)) from None
-        images = layout.images_dir(self.snapshot_dir, job_id, rank, generation)
-        criu_mod.make_private_dir(layout.snapshot_job_dir(self.snapshot_dir, job_id))
+        estimate = self.image_estimate
+        if snapshot is None:
+            images = layout.images_dir(self.snapshot_dir, job_id, rank, generation)
+            criu_mod.make_private_dir(layout.snapshot_job_dir(self.snapshot_dir, job_id))
+        else:
+            images = layout.snapshot_images_dir(self.snapshot_dir, job_id, snapshot, rank)
+            criu_mod.make_private_dir(images.parent)
+            # A snapshot must not take the disk below tpassd's own free-space rule (the node would
+            # turn degraded and its ranks would be moved away): it needs the image plus that reserve.
+            estimate = lambda pid_: self.image_estimate(pid_) + self.keep_free_bytes  # noqa: E731
+            marker = None
         who = f"rank {rank}"
         # A full image disk refuses the move before the rank is touched (no marker, no CUDA).
-        criu_mod.check_space(who, self.snapshot_dir, self.image_estimate(p.pid))
+        criu_mod.check_space(who, self.snapshot_dir, estimate(p.pid))
         gpu = self.gpu_in_use(pid)
         cuda = None
         if gpu:
@@ -315,7 +361,8 @@ class CheckpointService:
                 raise RemoteError("unavailable", f"rank {rank} of job {job_id} holds GPU state but this node "
                                                  f"cannot checkpoint CUDA: {exc}") from None
         t0 = time.monotonic()
-        self._write(dfd, marker, "moving\n")
+        if marker is not None:
+            self._write(dfd, marker, "moving\n")
         cuda_touched = False
         try:
             if not (p.alive() and w.alive() and r.alive()):
@@ -330,15 +377,17 @@ class CheckpointService:
             creds = criu_mod.owner_creds(p.pid, self.proc) if owner != 0 else None
             res = criu_mod.dump(c, p.pid, images, timeout_s=self.dump_timeout_s, net_of=w.pid if entered else None,
                                 fds_of=pid, creds=creds, who=who, space_root=self.snapshot_dir,
-                                estimate=self.image_estimate,
+                                estimate=estimate,
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
-                                      "gpu": gpu, "init": p.pid != pid, "uid": owner})
+                                      "gpu": gpu, "init": p.pid != pid, "uid": owner,
+                                      **({"snapshot": snapshot} if snapshot else {})})
         except BaseException as exc:
             # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
             # the GPU state goes back first, and only then does the marker call the move
             # off, so nothing resumes the rank while CUDA still holds it locked.
             stuck = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
-            self._write(dfd, marker, "abort\n")
+            if marker is not None:
+                self._write(dfd, marker, "abort\n")
             if stuck and isinstance(exc, TorchpassError):
                 raise CheckpointError(f"{exc}; and rank {rank}'s CUDA state was not given back ({stuck}): it "
                                       "cannot resume, cancel the job") from None
@@ -346,7 +395,8 @@ class CheckpointService:
         # The source copy stays alive (held) until the move commits: give it its GPU
         # state back, so that a later rollback can resume it in place.
         cuda_error = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
-        self._write(dfd, marker, "moved\n")
+        if marker is not None:
+            self._write(dfd, marker, "moved\n")
         out = {"images": str(res.images), "checksum": checksum_of(read_manifest_bytes(res.images)),
                "bytes": res.bytes, "criu_dump_s": round(res.seconds, 4), "total_s": round(time.monotonic() - t0, 4),
                "pid": p.pid, "wrapper_pid": w.pid, "node": self.node}
@@ -421,6 +471,212 @@ class CheckpointService:
         log.warning("fault drill restore-fail: corrupted a verified snapshot; its restore will fail",
                     images=str(images), file=name, offset=off)
 
+    # -- whole-job snapshots (tpassctl snapshot; issue 12) ------------------------------------
+    # op "snap":    dump the held rank into SNAPSHOT_DIR/snapshots/jobJ/ID/rankR (no hand-off marker)
+    # op "commit":  (rank 0's tpassd) verify every rank's images, write the job manifest
+    #               STATE_DIR/jobs/J/snapshots/ID.json (root's, group the owner's, 0640), keep the newest `keep`
+    # op "discard": remove this snapshot_dir's part of a snapshot that failed (no manifest was written)
+    # op "delete":  remove a committed snapshot (its images on every node's snapshot_dir, then its manifest)
+    def _job_snapshot(self, b: dict[str, Any], op: str, act: Audit) -> dict[str, Any]:
+        job_id, snap = b["job_id"], b.get("snapshot")
+        if not isinstance(snap, str) or not layout.valid_snapshot_id(snap):
+            raise RemoteError("bad_request", f"op {op} needs a snapshot id (letters, digits, '-', '_'); got {snap!r}")
+        act.fields["snapshot"] = snap
+        if op == "snap":
+            marker = layout.handoff(self.rank_dir(job_id), job_id, b["rank"])  # named in errors only: never written
+            out = self._dump(job_id, b["rank"], int(b.get("generation") or 0), marker, act, snapshot=snap)
+            return {**out, "snapshot": snap}
+        if op == "commit":
+            return self._commit(job_id, snap, b)
+        if op == "discard":
+            if self.state_dir is not None and layout.snapshot_manifest(self.state_dir, job_id, snap).exists():
+                raise RemoteError("conflict", f"snapshot {snap} of job {job_id} is complete (it has a manifest); "
+                                              "delete it instead (tpassctl snapshots JOBID --delete ID)")
+            return {"node": self.node, "snapshot": snap,
+                    "discarded_mb": round(self._remove_snapshot_images(self.snapshot_dir, job_id, snap) / 1e6, 1)}
+        return self._delete_snapshot(job_id, snap)
+
+    def _snapshot_part(self, job_id: int, snap: str, part: Any) -> dict[str, Any]:
+        """One rank's part, checked: its images are that rank's of this snapshot under root-owned
+        directories, its root-written manifest matches the checksum; the sizes are the manifest's."""
+        if not isinstance(part, dict) or not isinstance(part.get("rank"), int) or isinstance(part["rank"], bool) \
+                or not isinstance(part.get("images"), str):
+            raise RemoteError("bad_request", f"snapshot {snap}: a part is not {{rank, node, images, checksum}}")
+        rank, images = part["rank"], part["images"]
+        parsed = layout.parse_snapshot_images_dir(images, job_id, rank) if os.path.isabs(images) else None
+        if parsed is None or parsed[1] != snap:
+            raise RemoteError("forbidden", f"{images} is not rank {rank}'s directory of snapshot {snap} of job "
+                                           f"{job_id}; refused")
+        path, dfd = self._open_dir_of(parsed[0], layout.snapshot_images_dir(parsed[0], job_id, snap, rank))
+        try:
+            manifest, _ = self._check_images(job_id, rank, path, dfd, part.get("checksum"))
+        finally:
+            os.close(dfd)
+        meta = manifest.get("meta") or {}
+        if meta.get("rank") != rank or meta.get("snapshot") != snap:
+            raise RemoteError("forbidden", f"snapshot {path} is not rank {rank}'s of snapshot {snap}")
+        size = sum(int((f or {}).get("size") or 0) for f in manifest["files"].values())
+        return {"rank": rank, "node": str(meta.get("node") or part.get("node") or ""), "images": str(path),
+                "checksum": part.get("checksum"), "bytes": size}
+
+    def _open_dir_of(self, root: Path, path: Path) -> tuple[Path, int]:
+        """A directory fd for ``path`` under this tpassd's snapshot_dir (walked without following a
+        symlink) or under a directory tree owned by root alone (another node's snapshot_dir)."""
+        try:
+            if root == self.snapshot_dir:
+                return path, safeio.open_dir(self.snapshot_dir, path.relative_to(self.snapshot_dir).parts)
+            return path, safeio.open_root_owned_dir(path)
+        except FileNotFoundError:
+            raise RemoteError("failed", f"{self.node} cannot read snapshot {path} (it does not exist)") from None
+        except OSError as exc:
+            raise RemoteError("forbidden", f"snapshot {path}: {exc}") from None
+
+    def _manifests_dir(self, job_id: int, create_for: int | None = None) -> int | None:
+        """STATE_DIR/jobs/J/snapshots, root's with the owner's group (made for uid ``create_for``
+        when missing); None when absent. A directory there that root does not own is refused."""
+        if self.state_dir is None:
+            raise RemoteError("unavailable", f"tpassd on {self.node} has no state_dir: it cannot keep job manifests")
+        parts = layout.snapshot_manifests_dir(self.state_dir, job_id).relative_to(self.state_dir).parts
+        try:
+            jfd = safeio.open_dir(self.state_dir, parts[:-1])
+        except FileNotFoundError:
+            if create_for is None:
+                return None
+            raise RemoteError("failed", f"job {job_id} has no state directory on {self.node}") from None
+        except OSError as exc:
+            raise RemoteError("forbidden", f"job {job_id}'s state directory: {exc}") from None
+        try:
+            if create_for is not None:
+                try:
+                    os.mkdir(parts[-1], 0o750, dir_fd=jfd)
+                except FileExistsError:
+                    pass
+            try:
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=jfd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise RemoteError("forbidden", f"job {job_id}'s snapshot manifests: {exc}") from None
+            st = os.fstat(fd)
+            if st.st_uid != 0:
+                os.close(fd)
+                raise RemoteError("forbidden", f"{layout.snapshot_manifests_dir(self.state_dir, job_id)} is not "
+                                               "root's (someone else made it); remove it")
+            if create_for is not None:
+                os.fchown(fd, 0, self.owner_gid(create_for))
+                os.fchmod(fd, 0o750)
+            return fd
+        finally:
+            os.close(jfd)
+
+    def _commit(self, job_id: int, snap: str, b: dict[str, Any]) -> dict[str, Any]:
+        owner = self.owner_of(job_id)
+        parts = b.get("parts")
+        if not isinstance(parts, list) or not parts:
+            raise RemoteError("bad_request", f"commit of snapshot {snap}: no parts")
+        checked = sorted((self._snapshot_part(job_id, snap, p) for p in parts), key=lambda p: p["rank"])
+        if len({p["rank"] for p in checked}) != len(checked):
+            raise RemoteError("bad_request", f"commit of snapshot {snap}: a rank is named twice")
+        keep = b.get("keep")
+        keep = keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else 1
+        manifest = {
+            "version": 1, "job_id": job_id, "snapshot": snap, "uid": owner, "created": round(self.wall(), 3),
+            "step": b.get("step"), "generation": b.get("generation"), "collectives": b.get("collectives"),
+            "world_size": len(checked), "nodes": sorted({p["node"] for p in checked}), "ranks": checked,
+            "bytes": sum(p["bytes"] for p in checked), "written_by": self.node,
+        }
+        dfd = self._manifests_dir(job_id, create_for=owner)
+        assert dfd is not None
+        try:
+            name = layout.snapshot_manifest(".", job_id, snap).name
+            safeio.write_at(dfd, name, json.dumps(manifest, indent=1).encode(), mode=0o640)
+            os.chown(name, 0, self.owner_gid(owner), dir_fd=dfd, follow_symlinks=False)
+            removed = self._retain(job_id, dfd, keep, snap)
+        finally:
+            os.close(dfd)
+        path = layout.snapshot_manifest(self.state_dir, job_id, snap)
+        log.info("job snapshot committed", job_id=job_id, snapshot=snap, mb=round(manifest["bytes"] / 1e6, 1),
+                 manifest=str(path), removed=removed)
+        return {"node": self.node, "snapshot": snap, "manifest": str(path), "bytes": manifest["bytes"],
+                "removed": removed}
+
+    def _retain(self, job_id: int, dfd: int, keep: int, newest: str) -> list[str]:
+        """Remove all but the newest ``keep`` complete snapshots of the job (oldest first); their ids."""
+        found = read_job_manifests(dfd, job_id)
+        old = [m for m in found if m["snapshot"] != newest][:max(0, len(found) - keep)]
+        for m in old:
+            self._remove_snapshot(job_id, m, dfd)
+        return [m["snapshot"] for m in old]
+
+    def _remove_snapshot(self, job_id: int, manifest: dict[str, Any], dfd: int) -> int:
+        """Remove one committed snapshot: every rank's images (each where the manifest says, checked
+        against the layout), then the manifest itself. Bytes freed."""
+        snap = manifest["snapshot"]
+        freed = 0
+        roots = set()
+        for part in manifest.get("ranks") or []:
+            parsed = layout.parse_snapshot_images_dir(str(part.get("images", "")), job_id, part.get("rank"))
+            if parsed is not None and parsed[1] == snap:
+                roots.add(parsed[0])
+        for root in sorted(roots):
+            freed += self._remove_snapshot_images(root, job_id, snap)
+        try:
+            os.unlink(layout.snapshot_manifest(".", job_id, snap).name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        log.info("job snapshot removed", job_id=job_id, snapshot=snap, mb=round(freed / 1e6, 1))
+        return freed
+
+    def _remove_snapshot_images(self, root: Path, job_id: int, snap: str) -> int:
+        """Remove ROOT/snapshots/jobJ/ID (root-owned trees only: never through a user's directory)."""
+        d = layout.snapshot_tree(root, job_id) / snap
+        try:
+            fd = safeio.open_dir(self.snapshot_dir, d.relative_to(self.snapshot_dir).parts) \
+                if root == self.snapshot_dir else safeio.open_root_owned_dir(d)
+        except (OSError, ValueError):
+            return 0  # not there (or not root's): nothing of ours to remove
+        os.close(fd)
+        freed = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(d, ignore_errors=True)
+        for parent in (d.parent, d.parent.parent):
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+        return freed
+
+    def _delete_snapshot(self, job_id: int, snap: str) -> dict[str, Any]:
+        dfd = self._manifests_dir(job_id)
+        if dfd is None:
+            raise RemoteError("not_found", f"job {job_id} has no snapshots")
+        try:
+            found = {m["snapshot"]: m for m in read_job_manifests(dfd, job_id)}
+            if snap not in found:
+                have = ", ".join(found) or "none"
+                raise RemoteError("not_found", f"job {job_id} has no snapshot {snap} (its snapshots: {have})")
+            freed = self._remove_snapshot(job_id, found[snap], dfd)
+        finally:
+            os.close(dfd)
+        return {"node": self.node, "snapshot": snap, "deleted": True, "freed_mb": round(freed / 1e6, 1)}
+
+    def authorize_snapshot(self, ident: auth.Identity, job_id: int, op: str) -> None:
+        """Root or the job's owner; for op delete also the owner a job manifest records (root wrote
+        it), so that a snapshot can be deleted after Slurm forgot the job."""
+        if ident.uid == 0:
+            return
+        if op == "delete" and self.state_dir is not None:
+            dfd = self._manifests_dir(job_id)
+            if dfd is not None:
+                try:
+                    uids = {m.get("uid") for m in read_job_manifests(dfd, job_id)}
+                finally:
+                    os.close(dfd)
+                if uids and uids <= {ident.uid}:
+                    return
+                if uids:
+                    raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}'s snapshots")
+        self.authorize(ident, job_id)
+
     # -- tpassd.restore ----------------------------------------------------------
     def restore(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
         return self._audited("restore", self._restore, msg, ident)
@@ -442,6 +698,15 @@ class CheckpointService:
         raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort")
 
     def _verify(self, job_id: int, rank: int, images: Path, dfd: int, want: str | None) -> dict[str, Any]:
+        manifest, files = self._check_images(job_id, rank, images, dfd, want)
+        if self.restore_fault():
+            self._corrupt_for_drill(images, dfd, manifest)
+        return {"node": self.node, "rank": rank, "files": len(files)}
+
+    def _check_images(self, job_id: int, rank: int, images: Path, dfd: int, want: str | None
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(manifest, its files) of the images in ``dfd``: readable, matching ``want``, every file there
+        at its recorded size, the job's; RemoteError otherwise."""
         try:
             raw = read_manifest_bytes(images, dir_fd=dfd)
             manifest = json.loads(raw)
@@ -461,9 +726,7 @@ class CheckpointService:
                 raise RemoteError("failed", f"snapshot {images} on {self.node}: {n} missing or incomplete")
         if (manifest.get("meta") or {}).get("job") != job_id:
             raise RemoteError("forbidden", f"snapshot {images} is not one of job {job_id}")
-        if self.restore_fault():
-            self._corrupt_for_drill(images, dfd, manifest)
-        return {"node": self.node, "rank": rank, "files": len(files)}
+        return manifest, files
 
     def _abort_restored(self, job_id: int, rank: int, images: str, act: Audit) -> dict[str, Any]:
         nothing = {"node": self.node, "rank": rank, "killed": False}
@@ -509,4 +772,4 @@ class CheckpointService:
             os.close(dfd)
 
 
-__all__ = ["CheckpointService", "maps_nvidia_device"]
+__all__ = ["CheckpointService", "JOB_SNAPSHOT_OPS", "maps_nvidia_device", "read_job_manifests"]

@@ -161,9 +161,56 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+# --- whole-job snapshots (tpassctl snapshot; issue 12) -------------------------------
+@dataclass(frozen=True)
+class DumpRank:
+    """tpassd on ``node``: CRIU dump of the quiesced, held ``rank`` into job snapshot ``snapshot``
+    (layout.snapshot_images_dir), leaving it running; no hand-off marker (nothing moves).
+    Outcome: RankDumped or RankDumpFailed."""
+
+    snapshot: str
+    rank: int
+    node: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SnapImage:
+    """One rank's part of a job snapshot, as its node's tpassd reported it."""
+
+    rank: int
+    node: str
+    images: str
+    checksum: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class CommitSnapshot:
+    """tpassd on ``node`` (rank 0's) verifies every rank's images (root-written manifest, checksum),
+    writes the job manifest, then keeps the newest ``keep`` complete snapshots of the job.
+    Outcome: SnapshotCommitted or SnapshotCommitFailed."""
+
+    snapshot: str
+    node: str
+    step: int
+    generation: int
+    collectives: int
+    ranks: tuple[SnapImage, ...]
+    keep: int
+
+
+@dataclass(frozen=True)
+class DiscardSnapshot:
+    """Remove what a failed snapshot wrote (each node's tpassd, best effort). No outcome."""
+
+    snapshot: str
+    nodes: tuple[str, ...]
+
+
 Action = Union[
     RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
-    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Event,
+    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Event, DumpRank, CommitSnapshot, DiscardSnapshot,
 ]
 
 
@@ -373,11 +420,47 @@ class SlurmReachability:
     why: str = ""
 
 
+# --- whole-job snapshots (issue 12) ------------------------------------------------------
+@dataclass(frozen=True)
+class OperatorSnapshot:
+    """`tpassctl snapshot JOBID`: take snapshot ``snapshot`` (its id, chosen when accepted)."""
+
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class RankDumped:
+    snapshot: str
+    image: SnapImage
+    durations: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankDumpFailed:
+    snapshot: str
+    rank: int
+    why: str
+
+
+@dataclass(frozen=True)
+class SnapshotCommitted:
+    snapshot: str
+    manifest: str  # the job manifest's path
+    bytes: int
+    removed: tuple[str, ...] = ()  # older snapshots removed by the retention rule
+
+
+@dataclass(frozen=True)
+class SnapshotCommitFailed:
+    snapshot: str
+    why: str
+
+
 Outcome = Union[
     RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, RankUnprotected, Quiesced, Resumed,
     SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
-    SlurmReachability,
+    SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
 ]
 
 
@@ -388,4 +471,6 @@ __all__ = [
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
+    "DumpRank", "SnapImage", "CommitSnapshot", "DiscardSnapshot", "OperatorSnapshot", "RankDumped",
+    "RankDumpFailed", "SnapshotCommitted", "SnapshotCommitFailed",
 ]

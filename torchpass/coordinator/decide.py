@@ -48,7 +48,10 @@ from typing import Any
 from torchpass.coordinator.contract import (
     AbortRestore,
     Action,
+    CommitSnapshot,
+    DiscardSnapshot,
     Drain,
+    DumpRank,
     Event,
     HandToSlurm,
     KillSource,
@@ -62,6 +65,10 @@ from torchpass.coordinator.contract import (
     Transfer,
 )
 from torchpass.coordinator.model import (
+    SNAP_DUMP,
+    SNAP_PAUSE,
+    SNAP_QUEUED,
+    SNAP_RESUME,
     CoordState,
     Failure,
     Image,
@@ -72,6 +79,7 @@ from torchpass.coordinator.model import (
     RankView,
     SpareHow,
     SpareStatus,
+    SnapshotRun,
     SpareView,
     Trigger,
 )
@@ -568,24 +576,35 @@ def _on_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
         # Training stands still from the moment the last rank reached T.
         m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
         return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))
-    if m.refused:
-        if m.rearms < policy.max_pause_rearms:
-            top = max([c for _, c in m.refused] + [m.pause_at or 0])
-            at, how = pause_point(now, st.ranks, policy, floor=top)
-            out.add(PauseAt(m.id, at, m.generation, m.ranks))
-            out.event("pause.rearmed", f"{m.id}: rank(s) {[r for r, _ in m.refused]} were past collective "
-                      f"{m.pause_at}; pausing at {at} instead", migration=m.id, at=at)
-            m = replace(m, pause_at=at, pause_estimate=how, refused=(), quiesced=frozenset(),
-                        first_quiesced=None, rearms=m.rearms + 1, deadline=now + policy.pause_timeout_s)
-            return replace(st, migration=m)
-        return _rollback(out, st, m, now, policy,
-                         f"ranks {[r for r, _ in m.refused]} were past the pause point {m.rearms + 1} times")
-    if now >= m.deadline:
-        missing = sorted(set(st.ranks) - m.quiesced)
-        return _rollback(out, st, m, now, policy,
-                         f"pause timed out after {policy.pause_timeout_s:g}s: ranks {missing} did not quiesce "
-                         f"at collective {m.pause_at}")
+    rearmed, why = _pause_overdue(out, st, m, now, policy, m.ranks, m.id, migration=m.id)
+    if rearmed is not None:
+        return replace(st, migration=rearmed)
+    if why is not None:
+        return _rollback(out, st, m, now, policy, why)
     return st
+
+
+def _pause_overdue(out: _Out, st: CoordState, run: Any, now: float, policy: CoordinatorPolicy,
+                   hold: tuple[int, ...], label: str, **ids: Any) -> tuple[Any, str | None]:
+    """A PAUSE not complete yet, of a migration or a whole-job snapshot (``run``: either; ``label``
+    names it in the event): (``run`` re-armed at a later T, None) when ranks were past T and re-arms
+    are left; (None, why) when it must be rolled back (too many refusals, the deadline passed);
+    (None, None) to wait."""
+    if run.refused:
+        if run.rearms < policy.max_pause_rearms:
+            top = max([c for _, c in run.refused] + [run.pause_at or 0])
+            at, how = pause_point(now, st.ranks, policy, floor=top)
+            out.add(PauseAt(run.id, at, run.generation, hold))
+            out.event("pause.rearmed", f"{label}: rank(s) {[r for r, _ in run.refused]} were past collective "
+                      f"{run.pause_at}; pausing at {at} instead", at=at, **ids)
+            return replace(run, pause_at=at, pause_estimate=how, refused=(), quiesced=frozenset(),
+                           first_quiesced=None, rearms=run.rearms + 1, deadline=now + policy.pause_timeout_s), None
+        return None, f"ranks {[r for r, _ in run.refused]} were past the pause point {run.rearms + 1} times"
+    if now >= run.deadline:
+        missing = sorted(set(st.ranks) - run.quiesced)
+        return None, (f"pause timed out after {policy.pause_timeout_s:g}s: ranks {missing} did not quiesce "
+                      f"at collective {run.pause_at}")
+    return None, None
 
 
 def _paused_step(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool, *,
@@ -774,6 +793,12 @@ def _start_transfer(out: _Out, st: CoordState, m: Migration, now: float, policy:
 # ============================================================================
 # Starting migrations, lost nodes
 # ============================================================================
+# What Slurm does with a job whose node stopped answering (torchpass has no snapshot to restore
+# from yet): measured on the devcluster (tests/integration/test_hard_failure.py).
+SLURM_ON_LOST_NODE = ("slurmctld marks the node DOWN once it stops answering (SlurmdTimeout) and ends the job "
+                      "as a node failure: a requeueable batch job is requeued, any other ends NODE_FAIL")
+
+
 def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     m = st.migration
     # Spares that died are never chosen again.
@@ -791,8 +816,10 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
             continue
         reason = f"torchpass: {node} failed outright ({_health_text(h)}); no clean dump possible"
         out.add(HandToSlurm(node, reason))
-        out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
-                  "handed to Slurm's normal handling", node=node)
+        out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible "
+                  "and no snapshot of the job to restore from; handed to Slurm's normal handling: "
+                  f"{SLURM_ON_LOST_NODE}",
+                  node=node, snapshot=None, ranks=list(st.rank_nodes()[node]))
         st = replace(st, handed=st.handed | {node},
                      operator_requests=tuple(r for r in st.operator_requests if r.node != node))
         if st.migration is not None and st.migration.paused and st.migration.phase != Phase.ROLLBACK \
@@ -862,6 +889,216 @@ def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy
 
 
 # ============================================================================
+# Whole-job snapshots (tpassctl snapshot; issue 12, engineer F)
+# ============================================================================
+# A snapshot saves every rank of the job and leaves it running:
+#
+#     QUEUED -> PAUSE -> DUMP -> RESUME -> None (snapshot.completed / snapshot.failed)
+#                  \________\______/
+#                   failure or timeout: ResumeInPlace, DiscardSnapshot, RESUME (failed)
+#
+# PAUSE: every rank pauses at the same collective T (PauseAt, every rank held: a held rank closes
+# its coordinator link, so CRIU finds no socket). DUMP: every rank is dumped in parallel by its
+# node's tpassd into the snapshot's own directory. RESUME: every rank resumes in place as the next
+# generation (ResumeInPlace) while rank 0's tpassd verifies the images and writes the job manifest
+# (CommitSnapshot), which then keeps the newest policy.snapshot_keep snapshots. At most one
+# snapshot runs, never beside a migration: a snapshot is refused while a migration runs or is
+# queued, and no migration starts while a snapshot runs.
+
+
+def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
+    """Why `tpassctl snapshot` must be refused, as (wire error code, message); None if fine."""
+    if st.job_unprotected is not None:
+        return "conflict", f"job is unprotected: {st.job_unprotected}; torchpass cannot snapshot it"
+    if st.snapshot is not None:
+        return "conflict", f"snapshot {st.snapshot.id} of job {st.job_id} is already in flight; try again after it"
+    if st.migration is not None or st.operator_requests:
+        what = st.migration.id if st.migration is not None else st.operator_requests[0].id
+        return "conflict", f"migration {what} of job {st.job_id} is in flight or queued; snapshot after it ends"
+    if st.handed:
+        return "conflict", f"node(s) {', '.join(sorted(st.handed))} of job {st.job_id} were lost; no snapshot"
+    if not st.all_registered():
+        return "conflict", (f"job {st.job_id} has {len(st.ranks)}/{st.world_size or '?'} ranks registered; "
+                            "a snapshot needs every rank")
+    if st.slurm_down:
+        return "unavailable", f"slurmctld is unreachable ({st.slurm_down}); tpassd needs it to check the ranks"
+    return None
+
+
+def snapshot_phase_complete(st: CoordState, s: SnapshotRun) -> bool:
+    """The completion condition of the snapshot's phase (machine stamps ready_at with it)."""
+    everyone = set(st.ranks)
+    if s.phase == SNAP_PAUSE:
+        return bool(everyone) and everyone <= s.quiesced
+    if s.phase == SNAP_DUMP:
+        return {r for r, _ in s.ranks} <= set(s.images)
+    if s.phase == SNAP_RESUME:
+        return bool(everyone) and everyone <= s.resumed
+    return False
+
+
+def _snap_enter(s: SnapshotRun, phase: str, now: float, deadline: float, **changes: Any) -> SnapshotRun:
+    d = dict(s.phase_durations)
+    if s.phase != SNAP_QUEUED:
+        end = s.ready_at if s.ready_at is not None else now
+        d[s.phase] = _r(d.get(s.phase, 0.0) + max(0.0, end - s.phase_started))
+    return replace(s, phase=phase, phase_started=now, deadline=deadline, ready_at=None, phase_durations=d,
+                   **changes)
+
+
+def _snap_step_at(st: CoordState, at: int) -> int:
+    """The optimizer steps done when every rank has issued ``at`` collectives (the ranks' step
+    boundaries, when T is one of them; else the highest step a rank reported)."""
+    views = list(st.ranks.values())
+    b = max(views, key=lambda r: r.boundary) if views else None
+    if b is not None and b.boundary >= 0 and b.per_step > 0 and at >= b.boundary \
+            and (at - b.boundary) % b.per_step == 0:
+        return b.boundary_step + (at - b.boundary) // b.per_step
+    return max((r.step for r in views), default=-1)
+
+
+def _snap_fail(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: CoordinatorPolicy,
+               why: str) -> CoordState:
+    """Every rank resumes in place; what was written is removed; the run ends once they resumed."""
+    out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id} failed: {why}"))
+    nodes = tuple(sorted({n for _, n in s.ranks}))
+    if nodes:
+        out.add(DiscardSnapshot(s.id, nodes))
+    s = _snap_enter(s, SNAP_RESUME, now, now + policy.rebuild_timeout_s, failure=why, resumed=frozenset(),
+                    resume_attempts=1, commit_deadline=None)
+    return replace(st, snapshot=s)
+
+
+def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """Every rank resumed and the manifest is settled: the event, and the snapshot is no longer in flight."""
+    d = dict(s.phase_durations)
+    d[SNAP_RESUME] = _r(d.get(SNAP_RESUME, 0.0) + max(0.0, (s.ready_at or now) - s.phase_started))
+    d["total"] = _r(now - s.asked)
+    paused = s.paused_s if s.paused_s is not None else 0.0
+    d["paused"] = paused
+    data: dict[str, Any] = {"snapshot": s.id, "step": s.step, "pause_at": s.pause_at, "generation": s.generation,
+                            "pause_s": paused, "phase_durations": d}
+    if s.dump_durations:
+        data["tool_durations"] = dict(s.dump_durations)
+    why = s.failure or s.commit_failed
+    if why is None and s.committed is not None:
+        c = s.committed
+        out.event("snapshot.completed", f"snapshot {s.id} of job {st.job_id} at step {s.step}: {len(s.images)} "
+                  f"ranks, {c.bytes / 1e6:.1f} MB; training stood still {paused:.2f}s"
+                  + (f"; removed older snapshot(s) {', '.join(c.removed)}" if c.removed else ""),
+                  bytes=c.bytes, manifest=c.manifest, removed=list(c.removed), ranks=len(s.images), **data)
+    else:
+        if why is None:
+            why = "no manifest was written"
+        out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} failed: {why}; every rank resumed "
+                  f"after {paused:.2f}s", why=why, **data)
+    return replace(st, snapshot=None, generation=max(st.generation, s.generation))
+
+
+def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """One transition of the snapshot in flight (``st.snapshot``), or none."""
+    s = st.snapshot
+    assert s is not None
+    nodes = {n for _, n in s.ranks} or set(st.rank_nodes())
+    lost = sorted(n for n in nodes if n in st.handed or _lost(st.node_health(n)))
+    if s.phase == SNAP_QUEUED:
+        why = check_snapshot_request(replace(st, snapshot=None))
+        if why is not None:
+            out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} not taken: {why[1]}",
+                      snapshot=s.id, why=why[1])
+            return replace(st, snapshot=None)
+        at, how = pause_point(now, st.ranks, policy)
+        ranks = tuple((r, v.node) for r, v in sorted(st.ranks.items()))
+        out.add(PauseAt(s.id, at, st.generation + 1, tuple(r for r, _ in ranks)))
+        out.event("snapshot.started", f"snapshot {s.id}: pausing every rank at collective {at}",
+                  snapshot=s.id, pause_at=at, pause_estimate=how)
+        s = _snap_enter(s, SNAP_PAUSE, now, now + policy.pause_timeout_s, generation=st.generation + 1,
+                        pause_at=at, pause_estimate=how, ranks=ranks)
+        return replace(st, snapshot=s)
+    if s.phase in (SNAP_PAUSE, SNAP_DUMP):
+        if lost:
+            return _snap_fail(out, st, s, now, policy, f"node(s) {', '.join(lost)} lost")
+        if st.job_unprotected is not None:
+            return _snap_fail(out, st, s, now, policy, f"the job is unprotected ({st.job_unprotected})")
+    done = snapshot_phase_complete(st, s)
+    if s.phase == SNAP_PAUSE:
+        if done:
+            stood = s.ready_at if s.ready_at is not None else now
+            for r, node in s.ranks:
+                out.add(DumpRank(s.id, r, node, s.generation))
+            s = _snap_enter(s, SNAP_DUMP, now, now + policy.dump_timeout_s, stood_still_since=stood,
+                            step=_snap_step_at(st, s.pause_at or 0))
+            return replace(st, snapshot=s)
+        rearmed, why = _pause_overdue(out, st, s, now, policy, tuple(r for r, _ in s.ranks), f"snapshot {s.id}",
+                                      snapshot=s.id)
+        if rearmed is not None:
+            return replace(st, snapshot=rearmed)
+        return _snap_fail(out, st, s, now, policy, why) if why is not None else st
+    if s.phase == SNAP_DUMP:
+        if s.failure is not None:
+            return _snap_fail(out, st, s, now, policy, s.failure)
+        if done:
+            out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id} taken"))
+            master = in_place_master(st)
+            images = tuple(s.images[r] for r, _ in s.ranks)
+            collectives = s.pause_at or 0
+            out.add(CommitSnapshot(s.id, master, s.step, s.generation, collectives, images, policy.snapshot_keep))
+            s = _snap_enter(s, SNAP_RESUME, now, now + policy.rebuild_timeout_s, resumed=frozenset(),
+                            resume_attempts=1, commit_deadline=now + policy.dump_timeout_s)
+            return replace(st, snapshot=s)
+        if now >= s.deadline:
+            missing = sorted({r for r, _ in s.ranks} - set(s.images))
+            return _snap_fail(out, st, s, now, policy,
+                              f"dump timed out after {policy.dump_timeout_s:g}s (ranks {missing})")
+        return st
+    # SNAP_RESUME: the ranks resume in place; the manifest is written meanwhile.
+    if done and s.paused_s is None:
+        since = s.stood_still_since if s.stood_still_since is not None else s.first_quiesced
+        end = s.ready_at if s.ready_at is not None else now
+        s = replace(s, paused_s=_r(max(0.0, end - since)) if since is not None else 0.0)
+        st = replace(st, snapshot=s)
+    if not done:
+        if now < s.deadline:
+            return st
+        missing = sorted(set(st.ranks) - s.resumed)
+        if s.resume_attempts < policy.max_resume_attempts:
+            out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id}: resume again"))
+            out.event("resume.retried", f"snapshot {s.id}: ranks {missing} did not resume; asking again",
+                      snapshot=s.id, missing=missing)
+            return replace(st, snapshot=replace(s, resume_attempts=s.resume_attempts + 1,
+                                                deadline=now + policy.rebuild_timeout_s))
+        for node in sorted({st.ranks[r].node for r in missing if r in st.ranks}):
+            if node not in st.handed:
+                out.add(HandToSlurm(node, f"torchpass: ranks on {node} did not resume after snapshot {s.id}"))
+                st = replace(st, handed=st.handed | {node})
+        out.event("job.stuck", f"snapshot {s.id}: ranks {missing} did not resume after {s.resume_attempts} "
+                  "resume commands; handed to Slurm", snapshot=s.id, missing=missing)
+        s = replace(s, failure=s.failure or f"ranks {missing} did not resume")
+        return _snap_end(out, st, s, now, policy)
+    if s.failure is not None:
+        return _snap_end(out, st, s, now, policy)
+    if s.committed is None and s.commit_failed is None:
+        if s.commit_deadline is not None and now >= s.commit_deadline:
+            s = replace(s, commit_failed=f"the job manifest was not written within {policy.dump_timeout_s:g}s")
+        else:
+            return st
+    if s.commit_failed is not None:
+        out.add(DiscardSnapshot(s.id, tuple(sorted({n for _, n in s.ranks}))))
+    return _snap_end(out, st, s, now, policy)
+
+
+def snapshot_reason(st: CoordState) -> str | None:
+    """The reason line's part for the snapshot in flight."""
+    s = st.snapshot
+    if s is None:
+        return None
+    text = {SNAP_QUEUED: "starting", SNAP_PAUSE: f"pausing every rank at collective {s.pause_at}",
+            SNAP_DUMP: f"dumping ranks {sorted(r for r, _ in s.ranks)}",
+            SNAP_RESUME: "resuming every rank" + (f" ({s.failure})" if s.failure else ", writing the manifest")}
+    return f"snapshot {s.id}: {text.get(s.phase, s.phase)}"
+
+
+# ============================================================================
 # Reasons
 # ============================================================================
 _PHASE_TEXT = {
@@ -891,6 +1128,8 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
         queued = [r.node for r in st.operator_requests] + [c.node for c in candidates(now, st, policy)]
         if queued:
             parts.append(f"queued: {', '.join(queued)}")
+    elif st.snapshot is not None:
+        parts.append(snapshot_reason(st) or "")
     else:
         if not st.all_registered():
             parts.append(f"waiting for ranks to register ({len(st.ranks)}/{st.world_size or '?'})")
@@ -922,7 +1161,9 @@ def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
         # Lost nodes first, and again once a move has ended: its nodes were not handed while involved.
         lost = _handle_lost(out, st, now, policy)
-        if st.migration is None:
+        if lost.snapshot is not None:  # a whole-job snapshot runs: no migration starts meanwhile
+            nxt = _snapshot_step(out, lost, now, policy)
+        elif st.migration is None:
             nxt = _start_next(out, lost, now, policy)
         else:
             nxt = _advance(out, lost, now, policy)
@@ -977,5 +1218,5 @@ __all__ = [
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "candidates",
     "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
-    "IllegalTransition",
+    "IllegalTransition", "SnapshotRun", "check_snapshot_request", "snapshot_phase_complete",
 ]

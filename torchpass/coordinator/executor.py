@@ -50,6 +50,10 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
 * Drain: ``tpassd.drain`` to the drained node's tpassd (root; slurmctld refuses a
   job user's drain), which drains only a node it finds degraded or failed, unless
   the coordinator runs as root or SlurmUser.
+* HandToSlurm: a log line (decide records the ``node.lost`` event); Slurm's normal handling
+  applies. A node is lost outright when its tpassd fell silent and slurmctld, asked by
+  ``check_silent`` in a worker at most every SILENT_CHECK_S, does not hear it either
+  (docs/coordinator.md, "A node lost outright").
 * Shrink and every other Slurm query or update: the torchpass.slurm
   client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
   no step of the job still runs on the node (the source's task wrapper waits
@@ -86,7 +90,7 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
 from torchpass.ports import TPASSD_CONTROL_PORT
-from torchpass.slurm.base import SlurmClient, SpareRequest, overlap_step_argv
+from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, overlap_step_argv
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -107,6 +111,23 @@ DRAIN_TIMEOUT_S = 20.0
 # again, a few seconds: the restore step is launched again for up to this long, with backoff.
 STEP_NOT_CREATED = "Unable to create step for job"
 STEP_CREATE_RETRY_S = 30.0
+
+
+# check_silent: slurmctld is asked about job nodes whose tpassd fell silent at most this often.
+SILENT_CHECK_S = 2.0
+# Node states in which slurmctld no longer hears the node's slurmd (a lost node, with a silent tpassd).
+SLURM_NOT_ANSWERING = ("NOT_RESPONDING", "DOWN")
+
+
+def slurm_lost(job: JobInfo | None, node: NodeInfo | None) -> str:
+    """Why slurmctld confirms that ``node`` of ``job`` is lost ("" if it does not): the job
+    runs on it and slurmctld does not hear its slurmd either."""
+    if job is None or node is None or not job.active or node.name not in job.nodes:
+        return ""
+    if not set(node.state) & set(SLURM_NOT_ANSWERING):
+        return ""
+    said = f" ({node.reason})" if node.reason else ""
+    return f"tpassd silent; slurmctld reports {'+'.join(node.state)}{said}"
 
 
 def hold_deadline_s(policy: CoordinatorPolicy) -> float:
@@ -216,6 +237,8 @@ class Executor:
         self._restores_lock = threading.Lock()  # Move.restores: a relaunch must not revive a called-off step
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
         self._output: str | None = None  # the job's stdout file (cached)
+        self._silent_check: threading.Thread | None = None  # check_silent's worker
+        self._next_silent_check = 0.0
 
     def move(self, migration: str) -> Move:
         return self.moves.setdefault(migration, Move())
@@ -300,6 +323,8 @@ class Executor:
             ct.Drain: lambda: ct.DrainFailed(a.migration, a.node, why),
             ct.Shrink: lambda: ct.ShrinkFailed(a.migration, why),
             ct.RequestSpare: lambda: ct.SpareUnavailable(a.migration, a.strategy, why),
+            ct.DumpRank: lambda: ct.RankDumpFailed(a.snapshot, a.rank, why),
+            ct.CommitSnapshot: lambda: ct.SnapshotCommitFailed(a.snapshot, why),
         }
         f = fails.get(type(a))
         if f is not None:
@@ -713,6 +738,56 @@ class Executor:
                         "the step, so it stays in the job until the step ends")
         return None
 
+    # --- whole-job snapshots (tpassctl snapshot; issue 12) -------------------------------------
+    # The pause and the resume are PauseAt (every rank held: a held rank has closed its link, so
+    # CRIU finds no socket) and ResumeInPlace with the snapshot's id where a migration's would be.
+    def _do_DumpRank(self, a: ct.DumpRank, st: CoordState) -> None:
+        body = {"job_id": self.job_id, "rank": a.rank, "generation": a.generation, "op": "snap",
+                "snapshot": a.snapshot, "rank_dir": str(self.rank_dir)}
+
+        def run() -> None:
+            try:
+                res = self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.dump_timeout_s)
+                image = ct.SnapImage(a.rank, a.node, str(res["images"]), str(res["checksum"]), int(res["bytes"]))
+            except (TorchpassError, KeyError, TypeError, ValueError) as exc:
+                self.post(ct.RankDumpFailed(a.snapshot, a.rank, str(exc)))
+                return
+            durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
+            durations["image_mb"] = round(image.bytes / 1e6, 1)
+            self.post(ct.RankDumped(a.snapshot, image, durations))
+
+        self._thread(run, f"snap-{a.rank}")
+
+    def _do_CommitSnapshot(self, a: ct.CommitSnapshot, st: CoordState) -> None:
+        body = {"job_id": self.job_id, "rank": 0, "op": "commit", "snapshot": a.snapshot, "step": a.step,
+                "generation": a.generation, "collectives": a.collectives, "keep": a.keep,
+                "parts": [{"rank": i.rank, "node": i.node, "images": i.images, "checksum": i.checksum}
+                          for i in a.ranks]}
+
+        def run() -> None:
+            try:
+                res = self.tpassd.request(a.node, "tpassd.snapshot", body, self.policy.dump_timeout_s)
+                done = ct.SnapshotCommitted(a.snapshot, str(res["manifest"]), int(res["bytes"]),
+                                            tuple(str(r) for r in res.get("removed") or ()))
+            except (TorchpassError, KeyError, TypeError, ValueError) as exc:
+                self.post(ct.SnapshotCommitFailed(a.snapshot, str(exc)))
+                return
+            self.post(done)
+
+        self._thread(run, "snap-commit")
+
+    def _do_DiscardSnapshot(self, a: ct.DiscardSnapshot, st: CoordState) -> None:
+        def run() -> None:
+            for node in a.nodes:
+                try:
+                    self.tpassd.request(node, "tpassd.snapshot", {"job_id": self.job_id, "rank": 0, "op": "discard",
+                                                                  "snapshot": a.snapshot}, 30.0)
+                except TorchpassError as exc:
+                    log.warning("could not remove a failed snapshot's images", snapshot=a.snapshot, node=node,
+                                error=str(exc))
+
+        self._thread(run, "snap-discard")
+
     def _do_Shrink(self, a: ct.Shrink, st: CoordState) -> None:
         spares = {n: st.spare(n) for n in a.nodes}
 
@@ -755,7 +830,39 @@ class Executor:
         self._thread(run, "shrink")
 
     def _do_HandToSlurm(self, a: ct.HandToSlurm, st: CoordState) -> None:
+        # Nothing to do but say so: the node's own tpassd is gone (the only root actor that drains
+        # for a job user), and slurmctld marks a node that stops answering DOWN ("Not responding")
+        # by itself after SlurmdTimeout, ending the job as a node failure (requeued if requeueable).
+        # docs/coordinator.md, "A node lost outright".
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
+
+    def check_silent(self, silent: Collection[str]) -> None:
+        """Job nodes whose tpassd fell silent: ask slurmctld (in a worker, at most every
+        SILENT_CHECK_S) whether each is still in the job and not answering it either; for
+        each that is, post ``NodeHealthChanged(failed, unreachable)``, which decide treats as
+        a node lost outright. A silent tpassd alone is ``unknown`` (a tpassd restart, a
+        network blip), never a reason to act (docs/tpassd.md)."""
+        now = time.monotonic()
+        busy = self._silent_check is not None and self._silent_check.is_alive()
+        if not silent or self.slurm is None or busy or now < self._next_silent_check:
+            return
+        self._next_silent_check = now + SILENT_CHECK_S
+        nodes = sorted(silent)
+
+        def run() -> None:
+            try:
+                job = self.slurm.job(self.job_id)
+                views = {n.name: n for n in self.slurm.nodes()}
+            except TorchpassError as exc:
+                log.info("cannot ask slurmctld about silent nodes", nodes=nodes, error=str(exc))
+                return
+            for node in nodes:
+                why = slurm_lost(job, views.get(node))
+                if why:
+                    log.warning("node lost outright", node=node, why=why)
+                    self.post(ct.NodeHealthChanged(node, "failed", (why,), reachable=False))
+
+        self._silent_check = self._thread(run, "silent-nodes")
 
     def steps(self) -> list[subprocess.Popen]:
         """Every restore step this executor started (at a gate or restoring)."""
@@ -812,6 +919,7 @@ class Driver:
         self._progress_fed = False  # progress reports applied since the last decision
         self._last_decide = float("-inf")
         self._next_health = 0.0
+        self._snapshots = 0  # snapshots asked of this coordinator (accept_snapshot)
         for s in spares:
             self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
 
@@ -859,9 +967,18 @@ class Driver:
         self.state, mid = mc.accept_operator(self.state, node, to, self.clock())
         return mid
 
+    def accept_snapshot(self, wall: float) -> str:
+        """Queue a whole-job snapshot (OperatorRejected if refused); its id: the UTC time asked, and a
+        count that keeps two ids of one second apart."""
+        self._snapshots += 1
+        sid = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(wall))}-{self._snapshots}"
+        self.state = mc.accept_snapshot(self.state, sid, self.clock())
+        return sid
+
     def _poll_health(self) -> None:
         if self.health is None:
             return
+        silent = []
         for node, v in self.health.nodes().items():
             age = v.get("last_heartbeat_age_s")
             reachable = age is not None and age < 10.0
@@ -870,6 +987,12 @@ class Driver:
                 self._fed_health[node] = key
                 self.state = mc.apply(self.state, ct.NodeHealthChanged(node, v["state"], tuple(v["reasons"]),
                                                                        reachable), self.clock())
+            if not reachable and v["state"] != "failed":
+                silent.append(node)
+        # A node lost outright (power, kernel) has a silent tpassd: slurmctld confirms it or not.
+        lost = set(silent).intersection(self.state.rank_nodes()).difference(self.state.handed)
+        if lost and self.executor is not None:
+            self.executor.check_silent(lost)
 
     def _drain(self) -> bool:
         """Apply every posted outcome (the executor sees each first); True if any but a progress

@@ -52,9 +52,24 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     TransferDone,
     TransferFailed,
 )
-from torchpass.coordinator.decide import check_operator_request, phase_complete
+from torchpass.coordinator.contract import (
+    OperatorSnapshot,
+    RankDumped,
+    RankDumpFailed,
+    SnapshotCommitFailed,
+    SnapshotCommitted,
+)
+from torchpass.coordinator.decide import (
+    check_operator_request,
+    check_snapshot_request,
+    phase_complete,
+    snapshot_phase_complete,
+)
 from torchpass.coordinator.model import (
     RANK_NODES_CACHE,
+    SNAP_DUMP,
+    SNAP_PAUSE,
+    SNAP_RESUME,
     CoordState,
     FailedStep,
     Failure,
@@ -63,6 +78,7 @@ from torchpass.coordinator.model import (
     NodeHealth,
     OperatorRequest,
     RankView,
+    SnapshotRun,
     SpareStatus,
     SpareView,
 )
@@ -89,6 +105,63 @@ def accept_operator(state: CoordState, node: str, to: str | None, now: float) ->
     req = OperatorRequest(mid, node, to, now)
     return replace(state, operator_requests=state.operator_requests + (req,),
                    next_migration=state.next_migration + 1), mid
+
+
+def accept_snapshot(state: CoordState, snapshot: str, now: float) -> CoordState:
+    """Queue a whole-job snapshot with id ``snapshot`` (tpassctl snapshot); OperatorRejected if refused."""
+    err = check_snapshot_request(state)
+    if err is not None:
+        raise OperatorRejected(*err)
+    return replace(state, snapshot=SnapshotRun(snapshot, now))
+
+
+_SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed)
+
+
+def _snapshot_report(st: CoordState, ev: Outcome, now: float) -> CoordState:
+    """A rank's armed / quiesced / resumed report, for the whole-job snapshot in flight (the rank's own
+    view was recorded already). Reports of another generation or phase are stale and ignored."""
+    s = st.snapshot
+    if s is None:
+        return st
+    if isinstance(ev, Armed):
+        if s.phase == SNAP_PAUSE and ev.generation == s.generation and ev.at == s.pause_at and not ev.accepted:
+            refused = tuple(x for x in s.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
+            return replace(st, snapshot=replace(s, refused=refused))
+    elif isinstance(ev, Quiesced):
+        if s.phase == SNAP_PAUSE and ev.generation == s.generation and ev.collectives == s.pause_at:
+            first = s.first_quiesced if s.first_quiesced is not None else now
+            return replace(st, snapshot=replace(s, quiesced=s.quiesced | {ev.rank}, first_quiesced=first))
+    elif isinstance(ev, Resumed):
+        if s.phase == SNAP_RESUME and (ev.generation == s.generation or ev.cancelled):
+            return replace(st, snapshot=replace(s, resumed=s.resumed | {ev.rank}))
+    return st
+
+
+def _apply_snapshot(st: CoordState, ev: Outcome, now: float) -> CoordState:
+    """The whole-job snapshot's own outcomes (issue 12); those of another snapshot are stale."""
+    if isinstance(ev, OperatorSnapshot):
+        return accept_snapshot(st, ev.snapshot, now)
+    s = st.snapshot
+    if s is None:
+        return st
+    if isinstance(ev, RankDumped):
+        if ev.snapshot == s.id and s.phase == SNAP_DUMP:
+            return replace(st, snapshot=replace(s, images={**s.images, ev.image.rank: ev.image},
+                                                dump_durations=_merge_max(s.dump_durations, "dump", ev.durations)))
+        return st
+    if isinstance(ev, RankDumpFailed):
+        if ev.snapshot == s.id and s.phase == SNAP_DUMP and s.failure is None:
+            return replace(st, snapshot=replace(s, failure=f"dump of rank {ev.rank} failed: {ev.why}"))
+        return st
+    if isinstance(ev, SnapshotCommitted):
+        if ev.snapshot == s.id and s.phase == SNAP_RESUME and s.committed is None and s.commit_failed is None:
+            return replace(st, snapshot=replace(s, committed=ev))
+        return st
+    if isinstance(ev, SnapshotCommitFailed):
+        if ev.snapshot == s.id and s.phase == SNAP_RESUME and s.committed is None and s.commit_failed is None:
+            return replace(st, snapshot=replace(s, commit_failed=ev.why))
+    return st
 
 
 def _merge_max(into: dict[str, float], prefix: str, durations: dict[str, Any]) -> dict[str, float]:
@@ -177,6 +250,8 @@ def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
 
 def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None) -> CoordState:
     m = st.migration
+    if isinstance(ev, _SNAPSHOT_OUTCOMES):
+        return _apply_snapshot(st, ev, now)
     if isinstance(ev, RankRegistered):
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
@@ -315,6 +390,11 @@ def apply(state: CoordState, outcome: Outcome, now: float, *, owned: dict[int, R
     when it is ``state.ranks``, rank updates write into it instead of copying every rank.
     """
     st = _apply(state, outcome, now, owned)
+    if isinstance(outcome, (Armed, Quiesced, Resumed)):
+        st = _snapshot_report(st, outcome, now)
+    s = st.snapshot
+    if s is not None and s.ready_at is None and s is not state.snapshot and snapshot_phase_complete(st, s):
+        st = replace(st, snapshot=replace(s, ready_at=now))
     m = st.migration
     if m is not None and m.ready_at is None and m is not state.migration and phase_complete(st, m):
         st = replace(st, migration=replace(m, ready_at=now))
@@ -339,5 +419,5 @@ __all__ = [
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
-    "ReasonLog", "unprotected_text",
+    "ReasonLog", "unprotected_text", "accept_snapshot",
 ]

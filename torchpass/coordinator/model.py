@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torchpass.coordinator.phases import PAUSED_PHASES, Phase, Result
 from torchpass.health_state import State
+
+if TYPE_CHECKING:  # the contract imports this module; the annotations stay strings
+    from torchpass.coordinator.contract import SnapImage, SnapshotCommitted
 
 
 class SpareHow(enum.StrEnum):
@@ -192,6 +196,42 @@ class MigrationRecord:
         object.__setattr__(self, "outcome", Result(self.outcome))
 
 
+# --- whole-job snapshots (tpassctl snapshot; issue 12): decide.py draws the phases --------------
+SNAP_QUEUED, SNAP_PAUSE, SNAP_DUMP, SNAP_RESUME = "queued", "pause", "dump", "resume"
+
+
+@dataclass(frozen=True)
+class SnapshotRun:
+    """The whole-job snapshot asked for or in flight (``CoordState.snapshot``)."""
+
+    id: str
+    asked: float
+    phase: str = SNAP_QUEUED
+    phase_started: float = 0.0
+    deadline: float = 0.0
+    generation: int = 0
+    pause_at: int | None = None
+    pause_estimate: str = ""
+    rearms: int = 0
+    refused: tuple[tuple[int, int], ...] = ()
+    quiesced: frozenset[int] = frozenset()
+    first_quiesced: float | None = None
+    stood_still_since: float | None = None
+    ready_at: float | None = None  # set by machine when the phase's outcomes are all in
+    step: int = -1
+    ranks: tuple[tuple[int, str], ...] = ()  # (rank, node) when the pause began
+    images: dict[int, SnapImage] = field(default_factory=dict)
+    dump_durations: dict[str, float] = field(default_factory=dict)
+    failure: str | None = None  # why it failed; the ranks still resume
+    resumed: frozenset[int] = frozenset()
+    resume_attempts: int = 0
+    paused_s: float | None = None  # training stood still: the last rank at T to the last resumed
+    commit_deadline: float | None = None
+    committed: SnapshotCommitted | None = None
+    commit_failed: str | None = None
+    phase_durations: dict[str, float] = field(default_factory=dict)
+
+
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
 
 
@@ -218,6 +258,9 @@ class CoordState:
     # machine.RankUnprotected): it never goes away. No migration starts, a pause is rolled back.
     job_unprotected: str | None = None
     unprotected_skipped: frozenset[str] = frozenset()  # nodes not moved because of it (said once each)
+    # The whole-job snapshot asked for or in flight (tpassctl snapshot): at most one; no migration starts
+    # while it runs, and it is refused while a migration runs or is queued.
+    snapshot: SnapshotRun | None = None
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
@@ -249,4 +292,5 @@ class CoordState:
 __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
     "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState",
+    "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SnapshotRun",
 ]

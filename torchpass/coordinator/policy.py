@@ -108,6 +108,10 @@ class CoordinatorPolicy:
     # can still run `tpassctl migrate`).
     max_attempts_per_node: int = 3
 
+    # --- whole-job snapshots (tpassctl snapshot; issue 12) ------------------------
+    # Complete snapshots kept per job: when one more completes, root (tpassd) removes the older ones.
+    snapshot_keep: int = 2
+
     def rendezvous_port_range(self) -> tuple[int, int]:
         m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.rendezvous_ports))
         lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -147,6 +151,8 @@ class CoordinatorPolicy:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.rendezvous_port_range()
+        if self.snapshot_keep < 1:
+            raise ConfigError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
         if self.max_pause_rearms < 0:
             raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
 

@@ -11,10 +11,12 @@ Who may say what (docs/coordinator.md, "Authentication"):
   hides jobs, only the job's owner or an admin (root, SlurmUser), proven by
   munge; others get ``forbidden``. Otherwise anyone.
 * ``job.migrate``: the owner or an admin, proven by munge.
+* ``job.snapshot``: the owner or an admin, proven by munge.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import queue
@@ -98,12 +100,38 @@ class Pace:
         if not world:
             return {}
         return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
-                "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3)}
+                "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3),
+                "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3)}
 
 
 # At most this many messages are read before the batch is decided on and answered: a reply
 # waits for at most this many handlers (~30 us each) and one decision.
 BATCH_MAX = 512
+
+# Long polls (issue 13): a paused rank's rank.progress carries ``wait_s``; with no command for the
+# rank, the request is parked (its ROUTER envelope kept, one per rank: a rank's newer message
+# answers the older poll) until decide gives the rank a command, which goes out from the serve loop
+# at once, or until wait_s (at most PARK_MAX_S) passes: then the answer it would have had at once.
+# So the resume fan-out is one batch of replies, and a paused rank asks every few seconds instead
+# of every 20 ms. Every rank.* reply says ``wait_max_s``, the wait to ask for: PARK_MIN_S, longer
+# for a large job so that all its ranks, paused, poll about PARKED_BUDGET_PER_S times a second
+# (times the pace factor; at 8,192 ranks polls every 2 s alone were 4,096/s, more than one
+# coordinator serves on a shared core). A runtime sends wait_s only to a coordinator that said it
+# (an older one refuses the field). The rank's time-out is wait_s plus its own.
+PARK_MIN_S, PARK_MAX_S = 2.0, 10.0
+PARKED_BUDGET_PER_S = 1000.0
+
+_Pending = tuple[str, int, dict[str, Any], float]  # message id, rank, result, seconds it may be parked
+
+
+class _Parked:
+    """A rank's long poll, parked: where its answer goes and what it says without a command."""
+
+    __slots__ = ("envelope", "msg_id", "result", "due", "seq")
+
+    def __init__(self, envelope: list[bytes], msg_id: str, result: dict[str, Any], due: float):
+        self.envelope, self.msg_id, self.result, self.due = envelope, msg_id, result, due
+        self.seq = 0  # set when parked: which entry of the due times is this poll's
 
 
 class _Batch:
@@ -113,10 +141,11 @@ class _Batch:
 
     def __init__(self) -> None:
         self.msg_id = ""  # of the message being handled (_authenticate)
-        # (message id, rank, result) of the message being handled when it may take a command
-        # (set by _with_command): its reply is encoded again if the batch's decision gave one.
-        self.pending: tuple[str, int, dict[str, Any]] | None = None
-        self.replies: list[tuple[list[bytes], bytes, tuple[str, int, dict[str, Any]] | None]] = []
+        # (message id, rank, result, park seconds) of the message being handled when it may take a
+        # command (set by _with_command): its reply is encoded again if the batch's decision gave
+        # one, or, with none and park seconds > 0 (a long poll), parked.
+        self.pending: _Pending | None = None
+        self.replies: list[tuple[list[bytes], bytes, _Pending | None]] = []
 
 
 class CoordinatorServer:
@@ -161,6 +190,11 @@ class CoordinatorServer:
         self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._batch: _Batch | None = None  # the messages being served (serve loop), else None
         self.pace = Pace(clock)
+        # Long polls parked (PARK_MAX_S): rank -> its poll; their due times, oldest first
+        # (an entry whose rank was answered meanwhile, or parked again, is skipped).
+        self._parked: dict[int, _Parked] = {}
+        self._park_due: list[tuple[float, int, int]] = []  # (due, parked.seq, rank)
+        self._park_seq = 0
         self.handlers: dict[str, zmqio.Handler] = {
             "rank.register": self._on_register,
             "rank.progress": self._on_progress,
@@ -170,6 +204,7 @@ class CoordinatorServer:
             "rank.quiesced": self._on_quiesced,
             "rank.resumed": self._on_resumed,
             "job.migrate": self._on_migrate,
+            "job.snapshot": self._on_snapshot,
         }
 
     # --- authentication -----------------------------------------------------
@@ -235,7 +270,7 @@ class CoordinatorServer:
         self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
                                    b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
         self._note_unprotected(b)
-        return self._with_command(b["rank"], {})
+        return self._with_command(b["rank"], {}, wait_s=b.get("wait_s") or 0.0)
 
     # --- the decision state (driver) ------------------------------------------
     @property
@@ -263,10 +298,13 @@ class CoordinatorServer:
         if self.driver is not None and self.driver.executor is not None:
             self.driver.executor.save_events()
 
-    def _with_command(self, rank: int, result: dict[str, Any]) -> dict[str, Any]:
-        result = {**result, **self.pace.hint(self.state.world_size)}
+    def _with_command(self, rank: int, result: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
+        result = {**result, "wait_max_s": PARK_MIN_S, **self.pace.hint(self.state.world_size)}
+        # An authenticated message of this rank: a poll of it still parked was given up (its client
+        # sends one request at a time), so it is answered now and never held twice.
+        self._unpark(rank)
         if self._batch is not None:  # the command is added after the batch's decision (_reply_batch)
-            self._batch.pending = (self._batch.msg_id, rank, result)
+            self._batch.pending = (self._batch.msg_id, rank, result, min(max(float(wait_s), 0.0), PARK_MAX_S))
             return result
         ex = self.driver.executor if self.driver is not None else None
         cmd = ex.command_for(rank) if ex is not None else None
@@ -322,6 +360,16 @@ class CoordinatorServer:
         self.driver.decide()
         return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
 
+    def _on_snapshot(self, msg: wire.Message) -> dict[str, Any]:
+        ident = self._owner_or_admin(msg, "snapshot")
+        if self.driver is None:
+            raise RemoteError("unavailable", f"the coordinator of job {self.job.job_id} runs without snapshots")
+        sid = self.driver.accept_snapshot(self.wall())  # OperatorRejected carries the wire code
+        self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: operator (uid {ident.uid}) asked for "
+                        "a snapshot of every rank", snapshot=sid, uid=ident.uid)
+        self.driver.decide()
+        return {"snapshot": sid}
+
     def _on_status(self, msg: wire.Message) -> dict[str, Any]:
         st = self.job.status(self.clock(), self.state)
         st["coordinator"] = {"pid": os.getpid(), "port": self.port, "counters": dict(self.counters),
@@ -366,16 +414,21 @@ class CoordinatorServer:
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(100 if self.driver is None else 20):
+                if poller.poll(self._poll_ms(100 if self.driver is None else 20)):
                     self._serve_batch()
                 else:
                     self._run_later()
                     self._pump()
+                    self._answer_parked()
         finally:
             self._run_later()  # news that came with the end (the job's last events)
             if self.driver is not None:
                 self.driver.close()
-            self.sock.close(linger=0)
+            parked = list(self._parked)
+            for rank in parked:  # the parked polls get their answer without a command
+                self._unpark(rank)
+            # Time for those answers to leave (at most 0.2 s; a peer gone meanwhile drops them).
+            self.sock.close(linger=200 if parked else 0)
 
     def _pump(self, force: bool = False) -> None:
         if self.driver is not None:
@@ -415,20 +468,72 @@ class CoordinatorServer:
                     log.exception("driver error")
         self._run_later()
         self._reply_batch(batch)
+        self._answer_parked()
         self.pace.busy(time.perf_counter() - started)
 
     def _reply_batch(self, batch: _Batch) -> None:
         ex = self.driver.executor if self.driver is not None else None
         for envelope, reply, pending in batch.replies:
-            if pending is not None and ex is not None:
-                msg_id, rank, result = pending
-                cmd = ex.command_for(rank)
+            if pending is not None:
+                msg_id, rank, result, park_s = pending
+                cmd = ex.command_for(rank) if ex is not None else None
                 if cmd is not None:  # the reply was encoded without it: once more, with it
                     reply = wire.encode_ok(msg_id, {**result, "command": cmd})
-            try:
-                self.sock.send_multipart(envelope + [reply], zmq.NOBLOCK)
-            except zmq.Again:  # the peer's queue is full (it gave up): nothing to answer
-                self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + 1
+                elif park_s > 0:  # a long poll with nothing to say yet
+                    self._park(rank, _Parked(envelope, msg_id, result, self.clock() + park_s))
+                    continue
+            self._send(envelope, reply)
+
+    def _send(self, envelope: list[bytes], reply: bytes) -> None:
+        try:
+            self.sock.send_multipart(envelope + [reply], zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full (it gave up): nothing to answer
+            self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + 1
+
+    # --- long polls (PARK_MAX_S) -------------------------------------------------------------
+    def _park(self, rank: int, parked: _Parked) -> None:
+        self._unpark(rank)
+        self._park_seq += 1
+        parked.seq = self._park_seq
+        self._parked[rank] = parked
+        heapq.heappush(self._park_due, (parked.due, parked.seq, rank))
+        self.counters["long_polls"] = self.counters.get("long_polls", 0) + 1
+
+    def _unpark(self, rank: int, cmd: dict[str, Any] | None = None) -> None:
+        """Answer ``rank``'s parked poll, if any: with ``cmd``, else as it would have been at once."""
+        parked = self._parked.pop(rank, None)
+        if parked is not None:
+            result = parked.result if cmd is None else {**parked.result, "command": cmd}
+            self._send(parked.envelope, wire.encode_ok(parked.msg_id, result))
+
+    def _answer_parked(self) -> None:
+        """After every decision: parked polls whose rank now has a command get it at once (a
+        resume to every rank: one batch of replies); those parked for their wait_s get no command."""
+        if not self._parked:
+            return
+        ex = self.driver.executor if self.driver is not None else None
+        if ex is not None:
+            commands = getattr(ex, "commands", None)  # rank -> command: fewer than the parked, mostly
+            ranks = ([r for r in commands if r in self._parked]
+                     if isinstance(commands, dict) and len(commands) < len(self._parked) else list(self._parked))
+            for rank in ranks:
+                cmd = ex.command_for(rank)
+                if cmd is not None:
+                    self._unpark(rank, cmd)
+        now = self.clock()
+        while self._park_due and self._park_due[0][0] <= now:
+            _, seq, rank = heapq.heappop(self._park_due)
+            parked = self._parked.get(rank)
+            if parked is not None and parked.seq == seq:
+                self._unpark(rank)
+        if not self._parked:
+            self._park_due.clear()  # entries of polls answered meanwhile
+
+    def _poll_ms(self, idle_ms: int) -> int:
+        """How long the serve loop may wait for a message: until the next parked poll is due."""
+        if not self._park_due:
+            return idle_ms
+        return max(1, min(idle_ms, int((self._park_due[0][0] - self.clock()) * 1000) + 1))
 
     def _run_later(self) -> None:
         while not self._later.empty():

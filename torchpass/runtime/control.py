@@ -7,6 +7,13 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
 
 * ``rank.register`` once, then ``rank.progress`` every interval (every
   ``paused_interval_s`` while the group is paused, so the resume arrives soon);
+  while paused, to a coordinator whose replies say ``wait_max_s``, each poll
+  is a long poll instead: it carries ``wait_s`` (80-100 % of wait_max_s, so
+  that the ranks' polls do not come in waves; never past the pause's
+  deadline) and the coordinator answers it the moment the rank has a
+  command, else after wait_s; a report to send (``rank.quiesced``,
+  ``rank.resumed``) or stop() gives the wait up at once (the connection stays;
+  the late answer is dropped by its id);
 * commands come back in the replies' ``result["command"]`` (see wire.py):
   ``pause`` arms the process group (acknowledged with ``rank.armed``),
   ``resume`` resumes it (acknowledged with ``rank.resumed`` once rebuilt);
@@ -52,6 +59,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -114,6 +122,7 @@ class ControlLink(PauseListener):
         # (report_every_s, paused_every_s); the larger of ours and its own is used.
         self.hint_s = 0.0
         self.paused_hint_s = 0.0
+        self.wait_max_s = 0.0  # the coordinator's wait_max_s: > 0 once it said it parks long polls
         self.request_timeout_s = request_timeout_s
         self.auth = auth
         self._start_host = socket.gethostname()
@@ -212,8 +221,12 @@ class ControlLink(PauseListener):
 
         if self._client is None:
             self._client = zmqio.Client(self.endpoint, retries=0, auth=self.auth, context=self._open)
+        wait_s = body.get("wait_s") or 0.0  # a long poll: given up for a report to send, or stop()
         try:
-            result = self._client.request(type_, body, timeout_s=self.request_timeout_s)
+            result = self._client.request(type_, body, timeout_s=self.request_timeout_s + wait_s,
+                                          abandon=self._wants_link if wait_s else None)
+            if result is None:
+                return None  # given up, not unanswered
         except TorchpassError as exc:
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
@@ -289,14 +302,23 @@ class ControlLink(PauseListener):
                         **self._unprotected()}
                 if bstep >= 0:
                     body.update(boundary=bcoll, boundary_step=bstep)
+                wait_s = self.long_poll_s()
+                if wait_s:
+                    body["wait_s"] = wait_s
+                asked = self.clock()
                 res = self._request("rank.progress", body)
                 if res is not None:
                     self._handle(res)
                 # A paused rank (quiesced at T, waiting for its resume) asks often:
                 # the resume comes only in a reply, and every rank stands still
                 # until the last one has it. Measured: up to one interval (0.5 s)
-                # of every migration's pause went here.
-                self._sleep(self.paused_every_s() if self.pg.paused else self.every_s())
+                # of every migration's pause went here. A long poll waited at the
+                # coordinator instead: the next one goes at once (never two within
+                # paused_interval_s, whatever the coordinator does).
+                if wait_s:
+                    self._sleep(self.paused_interval_s - (self.clock() - asked))
+                else:
+                    self._sleep(self.paused_every_s() if self.pg.paused else self.every_s())
         except Exception as exc:  # noqa: BLE001 - never take training down
             say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
         finally:
@@ -310,16 +332,32 @@ class ControlLink(PauseListener):
         """Seconds between polls while paused at T (never longer than between reports)."""
         return min(max(self.paused_interval_s, self.paused_hint_s), self.every_s())
 
+    def long_poll_s(self) -> float:
+        """The wait_s of this poll: 0 (a plain report) unless paused and the coordinator parks
+        polls; never past the pause's deadline, which the loop checks between requests."""
+        if not self.pg.paused or self.wait_max_s <= 0:
+            return 0.0
+        wait = self.wait_max_s * random.uniform(0.8, 1.0)  # at most MAX_HINT_S (_pace)
+        d = self.deadline()
+        if d is not None:
+            wait = min(wait, d - self.wall())
+        return round(wait, 3) if wait >= self.paused_interval_s else 0.0
+
+    def _wants_link(self) -> bool:
+        """A long poll is given up: there is a report to send, or the link stops."""
+        return self._stop or bool(self._outbox)
+
     def _pace(self, result: dict) -> None:
         """Take the reply's backpressure hints (bounded: a confused coordinator cannot silence us)."""
-        for key, attr in (("report_every_s", "hint_s"), ("paused_every_s", "paused_hint_s")):
+        for key, attr in (("report_every_s", "hint_s"), ("paused_every_s", "paused_hint_s"),
+                          ("wait_max_s", "wait_max_s")):
             v = result.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
                 setattr(self, attr, min(float(v), MAX_HINT_S))
 
     def _sleep(self, seconds: float) -> None:
         with self._cv:
-            if not self._stop and not self._outbox:
+            if not self._stop and not self._outbox and seconds > 0:
                 self._cv.wait(seconds)
 
     def _hold(self) -> None:

@@ -1,0 +1,108 @@
+"""A whole-job snapshot through the coordinator's driver and executor with a fake tpassd (issue 12):
+the tpassd requests it sends (snap per rank, commit to rank 0's node, discard after a failure), the
+pause that holds every rank, and the resume in place that releases them."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchpass import layout
+from torchpass.coordinator import machine as mc
+from torchpass.coordinator.executor import Driver, Executor
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.state import JobState
+from torchpass.errors import RemoteError
+from test_executor import _pump_until
+
+NODES = ("n1", "n2", "n3")
+
+
+class FakeTpassd:
+    def __init__(self, fail_rank: int | None = None):
+        self.fail_rank = fail_rank
+        self.calls: list[tuple[str, dict]] = []
+
+    def request(self, node, type_, body, timeout_s):
+        assert type_ == "tpassd.snapshot"
+        self.calls.append((node, dict(body)))
+        op = body["op"]
+        if op == "snap":
+            if body["rank"] == self.fail_rank:
+                raise RemoteError("failed", "criu dump failed: boom")
+            return {"images": f"/snap/snapshots/job42/{body['snapshot']}/rank{body['rank']}",
+                    "checksum": f"c{body['rank']}", "bytes": 1000, "criu_dump_s": 0.1}
+        if op == "commit":
+            return {"manifest": f"/state/jobs/42/snapshots/{body['snapshot']}.json", "bytes": 3000, "removed": []}
+        return {}
+
+    def ops(self, op):
+        return [(n, b) for n, b in self.calls if b["op"] == op]
+
+
+def _driver(tmp_path, tp):
+    job = JobState(job_id=42)
+    pol = CoordinatorPolicy()
+    d = Driver(job, pol)
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp,
+                          address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}[n])
+    for r, n in enumerate(NODES):
+        d.feed(mc.RankRegistered(r, n, 3))
+    for n in NODES:
+        d.feed(mc.NodeHealthChanged(n, "healthy"))
+    return d
+
+
+def _pause_all(d, sid):
+    ex = d.executor
+    pause = {r: ex.command_for(r) for r in range(3)}
+    assert {c["command"] for c in pause.values()} == {"pause"}
+    at, gen = pause[0]["at"], pause[0]["generation"]
+    # every rank held: it closes its coordinator link, so CRIU finds no socket to dump
+    assert all(pause[r]["hold_file"] == str(layout.hold_file(d.executor.state_dir, 42, sid, r)) for r in range(3))
+    for r in range(3):
+        ex.acknowledge(r, "pause", gen, at)
+        d.feed(mc.Quiesced(r, gen, at))
+    return gen
+
+
+def test_snapshot_dumps_every_rank_commits_on_rank0s_node_and_resumes_in_place(tmp_path):
+    tp = FakeTpassd()
+    d = _driver(tmp_path, tp)
+    sid = d.accept_snapshot(1.7e9)
+    assert sid.endswith("-1") and layout.valid_snapshot_id(sid)
+    d.decide()
+    gen = _pause_all(d, sid)
+    _pump_until(d, lambda: len(tp.ops("commit")) == 1)
+    assert sorted((n, b["rank"], b["snapshot"], b["generation"]) for n, b in tp.ops("snap")) == [
+        ("n1", 0, sid, gen), ("n2", 1, sid, gen), ("n3", 2, sid, gen)]
+    (node, commit), = tp.ops("commit")
+    assert node == "n1" and commit["keep"] == 2 and [p["rank"] for p in commit["parts"]] == [0, 1, 2]
+    ex = d.executor
+    assert all(ex.command_for(r)["command"] == "resume" for r in range(3))
+    assert all(layout.hold_file(tmp_path, 42, sid, r).exists() for r in range(3))  # released in place
+    assert not tp.ops("abort") and not tp.ops("dump")  # no hand-off: nothing moves
+    for r in range(3):
+        ex.acknowledge(r, "resume", gen)
+        d.feed(mc.Resumed(r, gen, NODES[r]))
+    _pump_until(d, lambda: d.state.snapshot is None)
+    (done,) = [e for e in d.job.events if e.kind == "snapshot.completed"]
+    assert done.data["snapshot"] == sid and done.data["bytes"] == 3000
+
+
+def test_a_failed_dump_resumes_every_rank_and_discards_on_every_node(tmp_path):
+    tp = FakeTpassd(fail_rank=1)
+    d = _driver(tmp_path, tp)
+    sid = d.accept_snapshot(1.7e9)
+    d.decide()
+    gen = _pause_all(d, sid)
+    _pump_until(d, lambda: d.executor.command_for(0) is not None and len(tp.ops("discard")) == 3)
+    assert not tp.ops("commit")
+    assert sorted(n for n, _ in tp.ops("discard")) == list(NODES)
+    for r in range(3):
+        d.feed(mc.Resumed(r, gen, NODES[r]))
+    _pump_until(d, lambda: d.state.snapshot is None)
+    (failed,) = [e for e in d.job.events if e.kind == "snapshot.failed"]
+    assert "criu dump failed: boom" in failed.data["why"]
+    with pytest.raises(mc.OperatorRejected):  # a queued migration refuses a snapshot
+        d.accept_operator("n2", None)
+        d.accept_snapshot(1.7e9)

@@ -1,0 +1,188 @@
+"""`tpassctl snapshot JOBID` and `tpassctl snapshots [JOBID] [--delete ID]`: whole-job snapshots (issue 12).
+
+``snapshot`` asks the job's coordinator (munge: the job's owner or an
+admin) to save every rank and leave the job running; it prints the
+snapshot's id at once, and ``--wait`` follows the job's events until the
+snapshot completed or failed. ``snapshots`` lists the job manifests
+that root (tpassd) wrote in STATE_DIR/jobs/J/snapshots: that directory
+is root's, readable by the owner's group only, and only manifests owned by
+root whose recorded uid is the caller's (any, for an admin) are shown, so
+another user sees none. ``--delete ID`` asks a tpassd (the one that wrote
+the manifest) to remove the snapshot as root; it checks the caller too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from torchpass import auth, layout, zmqio
+from torchpass.checkpoint.service import read_job_manifests
+from torchpass.errors import AuthError, DependencyError, RemoteError, TorchpassError, UnreachableError
+from torchpass.slurm.conf import job_privacy
+from torchpass.tpassd_ports import tpassd_ports
+from tpassctl.events_cmd import registration
+from tpassctl.migrate_cmd import auth_target
+from tpassctl.nodes_cmd import discover
+
+SNAPSHOT_EVENTS = ("snapshot.completed", "snapshot.failed")
+
+
+def _ask(job_id: int, endpoint: str, type_: str, body: dict[str, Any], target: str, timeout_s: float,
+         who: str) -> dict[str, Any]:
+    """One authenticated request, not retried (it is not idempotent); one-line ClickException on failure."""
+    try:
+        return zmqio.request(endpoint, type_, body, timeout_s=timeout_s, retries=0,
+                             auth=auth.credential_for(type_, body, target))
+    except UnreachableError:
+        raise click.ClickException(f"job {job_id}: {who} at {endpoint} did not answer within {timeout_s:g}s") from None
+    except (AuthError, DependencyError) as exc:
+        raise click.ClickException(f"job {job_id}: cannot authenticate to {who}: {exc}") from None
+    except RemoteError as exc:
+        raise click.ClickException(f"job {job_id}: {exc.remote_message} ({exc.code})") from None
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1))
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Wait up to SECONDS for the snapshot to complete (exit 1 if it failed or is not done).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
+              help="Seconds to wait for the coordinator's answer.")
+@click.pass_obj
+def snapshot(obj, job_id, wait_s, as_json, timeout_s):
+    """Save every rank of JOB_ID (CRIU, all ranks paused at one collective), leaving it running.
+
+    Only the job's owner or an admin may ask (munge). Training stands still only
+    while the ranks are dumped; follow it with `tpassctl events JOB_ID` or --wait,
+    list the snapshots with `tpassctl snapshots JOB_ID`. Not yet: --stop, resume,
+    restore after a crash, snapshot_every (docs/coordinator.md, "Snapshots").
+    """
+    info = registration(obj.state_dir, job_id)
+    res = _ask(job_id, info["endpoint"], "job.snapshot", {}, auth_target(job_id), timeout_s, "the coordinator")
+    sid = res.get("snapshot")
+    out: dict[str, Any] = {"job_id": job_id, "snapshot": sid}
+    if wait_s is not None:
+        ev = _wait_for(obj.state_dir, job_id, sid, wait_s)
+        out["event"] = ev
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+    elif wait_s is None:
+        click.echo(f"snapshot {sid} of job {job_id} started; follow it: tpassctl events {job_id}")
+    elif out["event"] is not None:
+        click.echo(out["event"]["message"])
+    if wait_s is not None and (out["event"] is None or out["event"]["kind"] != "snapshot.completed"):
+        raise click.ClickException(f"job {job_id}: snapshot {sid} "
+                                   + ("did not complete within {:g}s".format(wait_s) if out["event"] is None
+                                      else "failed"))
+
+
+def _wait_for(state_dir: Path, job_id: int, sid: str, wait_s: float) -> dict[str, Any] | None:
+    """The snapshot's final event from the job's event log (events.json), or None after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    path = layout.events_json(state_dir, job_id)
+    while True:
+        try:
+            events = json.loads(path.read_text())
+        except (OSError, ValueError):
+            events = []
+        for ev in events:
+            if ev.get("kind") in SNAPSHOT_EVENTS and (ev.get("data") or {}).get("snapshot") == sid:
+                return ev
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def list_snapshots(state_dir: Path, job_id: int | None = None, uid: int | None = None,
+                   now: float | None = None) -> list[dict[str, Any]]:
+    """The snapshots ``uid`` may see (its own; every one for an admin), oldest first per job."""
+    uid = os.getuid() if uid is None else uid
+    admin = uid in job_privacy()[1]
+    now = time.time() if now is None else now
+    jobs = [job_id] if job_id is not None else sorted(
+        int(p.name) for p in layout.jobs_dir(state_dir).glob("*") if p.name.isdigit())
+    rows = []
+    for j in jobs:
+        try:
+            dfd = os.open(layout.snapshot_manifests_dir(state_dir, j), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # none, or not ours to read
+        try:
+            found = read_job_manifests(dfd, j)
+        except OSError:
+            found = []
+        finally:
+            os.close(dfd)
+        for m in found:
+            if not admin and m.get("uid") != uid:
+                continue
+            rows.append({"job_id": j, "snapshot": m["snapshot"], "step": m.get("step"), "bytes": m.get("bytes"),
+                         "age_s": round(max(0.0, now - float(m.get("created") or now)), 1),
+                         "created": m.get("created"), "ranks": m.get("world_size"), "nodes": m.get("nodes"),
+                         "generation": m.get("generation"), "collectives": m.get("collectives"),
+                         "written_by": m.get("written_by"),
+                         "manifest": str(layout.snapshot_manifest(state_dir, j, m["snapshot"]))})
+    return rows
+
+
+def _age(s: float) -> str:
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1), required=False)
+@click.option("--delete", "delete_id", default=None, metavar="ID",
+              help="Delete snapshot ID of JOB_ID (its images and manifest; as root, by the tpassd that wrote it).")
+@click.option("--endpoint", "endpoints", multiple=True, metavar="NODE=tcp://HOST:PORT",
+              help="With --delete: the tpassd to ask [default: from Slurm and tpassd's configured port].")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.05), default=30.0, show_default=True,
+              help="With --delete: seconds to wait for tpassd.")
+@click.pass_obj
+def snapshots(obj, job_id, delete_id, endpoints, as_json, timeout_s):
+    """List the whole-job snapshots of JOB_ID (or of every job) you may see: id, step, size, age.
+
+    Only the job's owner (or an admin) sees them. A policy keeps the newest
+    snapshot_keep (default 2) of a job; older ones are removed when a new one
+    completes. --delete ID removes one now.
+    """
+    rows = list_snapshots(obj.state_dir, job_id)
+    if delete_id is not None:
+        if job_id is None:
+            raise click.UsageError("--delete needs the JOB_ID")
+        row = next((r for r in rows if r["snapshot"] == delete_id), None)
+        if row is None:
+            raise click.ClickException(f"job {job_id} has no snapshot {delete_id} that you may see "
+                                       "(tpassctl snapshots JOB_ID lists them)")
+        node = row["written_by"]
+        try:
+            ep = discover(endpoints, (node,), tpassd_ports().control_port)[node]["endpoint"]
+        except (KeyError, TorchpassError) as exc:
+            raise click.ClickException(f"job {job_id}: cannot find {node}'s tpassd ({exc}); pass --endpoint") from None
+        body = {"job_id": job_id, "rank": 0, "op": "delete", "snapshot": delete_id}
+        res = _ask(job_id, ep, "tpassd.snapshot", body, node, timeout_s, f"{node}'s tpassd")
+        if as_json:
+            click.echo(json.dumps({"job_id": job_id, **res}, indent=1))
+        else:
+            click.echo(f"snapshot {delete_id} of job {job_id} deleted ({res.get('freed_mb', 0)} MB freed)")
+        return
+    if as_json:
+        click.echo(json.dumps({"snapshots": rows}, indent=1))
+        return
+    if not rows:
+        click.echo("no snapshots" + (f" of job {job_id}" if job_id else "") + " that you may see")
+        return
+    click.echo(f"{'JOBID':>7}  {'SNAPSHOT':<22} {'STEP':>6} {'SIZE':>10} {'AGE':>6} RANKS")
+    for r in rows:
+        size = f"{(r['bytes'] or 0) / 1e6:.1f} MB"
+        click.echo(f"{r['job_id']:>7}  {r['snapshot']:<22} {str(r['step']):>6} {size:>10} {_age(r['age_s']):>6} "
+                   f"{r['ranks']}")
+
+
+__all__ = ["list_snapshots", "snapshot", "snapshots"]
