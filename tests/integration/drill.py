@@ -84,6 +84,14 @@ def events(cluster, job_id: int) -> list[dict]:
     return json.loads(p.read_text()) if p.exists() else []
 
 
+
+def wait_step(cluster, job_id: int, out_path: Path, step: int, what: str, timeout_s: float = 240) -> None:
+    """Wait until the job's output shows ``step`` (its ``step=N`` line); fail with the diagnosis."""
+    deadline = time.monotonic() + timeout_s
+    while not (out_path.exists() and f"step={step} " in out_path.read_text()):
+        assert time.monotonic() < deadline, diagnosis(cluster, job_id, out_path, f"step {step} not reached; {what}")
+        time.sleep(0.1)
+
 def diagnosis(cluster, job_id: int, out_path: Path, what: str) -> str:
     log = layout.coordinator_log(cluster.state_dir, job_id)
     return "\n".join([what, out_path.read_text()[-3000:] if out_path.exists() else "no job output",
@@ -128,10 +136,7 @@ def migrate(cluster, d: Drill, job_dir: Path, user: str | None, seed: int, jobs:
     job_id = submit(d, job_dir, "mig", "spares=1", user)
     jobs.append(job_id)
     out_path = job_dir / f"mig.{job_id}.out"
-    deadline = time.monotonic() + 240
-    while not (out_path.exists() and f"step={at} " in out_path.read_text()):
-        assert time.monotonic() < deadline, diagnosis(cluster, job_id, out_path, f"step {at} not reached; {what}")
-        time.sleep(0.1)
+    wait_step(cluster, job_id, out_path, at, what)
     inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
     assert inj.returncode == 0, (what, inj.stderr)
     final = tj.wait_end(job_id, 400, context=f"{what}: ")

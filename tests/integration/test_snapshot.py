@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import training_jobs as tj
-from drill import Drill, diagnosis, events, leave_clean, reference, submit
+from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
 
 from slurm_helpers import tpassctl
 
@@ -39,10 +39,7 @@ def test_snapshot_leaves_the_job_running_bit_identical(cluster, plugin_built, jo
         job_id = submit(JOB, job_dir, "snap", "spares=1", job_user.name)
         jobs.append(job_id)
         out_path = job_dir / f"snap.{job_id}.out"
-        deadline = time.monotonic() + 240
-        while not (out_path.exists() and f"step={at} " in out_path.read_text()):
-            assert time.monotonic() < deadline, diagnosis(cluster, job_id, out_path, f"step {at} not reached; {what}")
-            time.sleep(0.1)
+        wait_step(cluster, job_id, out_path, at, what)
 
         other = tpassctl("snapshot", str(job_id), user=other_user.name)
         assert other.returncode == 1 and "only its owner or an admin" in other.stderr, (other.stdout, other.stderr)
