@@ -514,8 +514,14 @@ static int init_program(char *path, size_t len, char *err, size_t errlen)
 	return root_program(path, err, errlen);
 }
 
-/* In the forked child: exec tpass-init UID GID TASK [GID...] as root. */
-static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pid_t task)
+/*
+ * In the forked child: exec tpass-init UID GID TASK [GID...] as root, with
+ * EXEC_R as its fd 3: the read end of a pipe whose write end the task keeps
+ * close-on-exec, so tpass-init reads EOF once the task has exec'd, which
+ * slurmstepd lets it do only after it placed the task in the step's
+ * cgroups; tpass-init then joins them (tpass_init.c).  -1: no such pipe.
+ */
+static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pid_t task, int exec_r)
 {
 	char *argv[4 + 256 + 1], ids[3 + 256][16];
 	char *const envp[] = { "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
@@ -537,7 +543,11 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
 		argv[n++] = ids[3 + i];
 	}
 	argv[n] = NULL;
-	syscall(SYS_close_range, 3U, ~0U, 0);
+	if (exec_r == 3)
+		fcntl(3, F_SETFD, 0);
+	else if (exec_r < 0 || dup2(exec_r, 3) < 0)
+		close(3);
+	syscall(SYS_close_range, 4U, ~0U, 0);
 	execve(prog, argv, envp);
 	_exit(127);
 }
@@ -627,6 +637,7 @@ int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
 {
 	char prog[TPASS_PATH_MAXLEN + 64], err[TPASS_ERR_MAXLEN + 64];
 	pid_t task = getpid(), pid;
+	int exec_pipe[2];
 
 	(void)ac;
 	(void)av;
@@ -647,12 +658,20 @@ int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
 			    R.job_id, strerror(errno));
 		return 0;
 	}
+	if (pipe2(exec_pipe, O_CLOEXEC) < 0) {
+		tpass_error("job %u: no pipe for the rank's PID namespace init (%s); under proctrack/cgroup its rank cannot be migrated",
+			    R.job_id, strerror(errno));
+		exec_pipe[0] = exec_pipe[1] = -1;
+	}
 	pid = fork();
 	if (pid == 0)
-		exec_init(sp, prog, task);
+		exec_init(sp, prog, task, exec_pipe[0]);
 	if (pid < 0)
 		tpass_error("job %u: cannot start the rank's PID namespace init: %s; it runs but cannot be migrated",
 			    R.job_id, strerror(errno));
+	/* the write end stays open, close-on-exec, until this task execs */
+	if (exec_pipe[0] >= 0)
+		close(exec_pipe[0]);
 	return 0;
 }
 

@@ -134,14 +134,6 @@ def _rank_record(cluster, job_id: int, rank: int) -> dict:
                       .read_text())
 
 
-# Known bug (remove this mark when it is fixed): under proctrack/cgroup, what the plugin forks in
-# task_init_privileged (tpass-init; a restore step's root agent, which runs criu) races slurmstepd's
-# proctrack_g_add of the task and mostly stays in the job's freezer cgroup, not the step's: Slurm
-# does not list tpass-init (tpassd refuses the dump: the move rolls back) and the restored rank
-# lands outside the restore step. Not strict: each race is sometimes won.
-@pytest.mark.xfail(reason="tpass-init and the restore agent are not in their step's cgroup under "
-                          "proctrack/cgroup (issue 9; fix: they join the task's cgroups)", raises=AssertionError,
-                   strict=False)
 def test_a_rank_moved_under_slurm_cgroups_lives_in_the_restore_steps_cgroup(cg_cluster, cg_job_dir, cg_user):
     c, user = cg_cluster, cg_user.name
     jobs: list[int] = []

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,61 @@ def test_killing_tpass_init_ends_the_rank(tmp_path, init_program):
 @pytest.mark.parametrize("argv", [[], ["x", "1", "2"], ["1", "1"], ["1", "1", "0"], ["-1", "1", "2"]])
 def test_tpass_init_refuses_bad_arguments(init_program, argv):
     assert subprocess.run([str(init_program), *argv], timeout=10).returncode == 120
+
+
+# As under Slurm's proctrack/cgroup: the plugin forks tpass-init (fd 3: the read end of a pipe
+# the task holds close-on-exec) before slurmstepd places the task in the step's cgroup; the task
+# is placed, then execs; tpass-init must follow it there, or listpids misses the tree's root.
+PLACED_PLUGIN = """
+import os, sys
+from torchpass.checkpoint import rankwrap as rw
+init, uid, state, step = sys.argv[1:5]
+rw.unshare(rw.CLONE_NEWPID)
+task = os.getpid()
+r, w = os.pipe2(os.O_CLOEXEC)
+if os.fork() == 0:
+    if r == 3:
+        os.set_inheritable(3, True)
+    else:
+        os.dup2(r, 3)
+    os.closerange(4, 1024)
+    os.execv(init, [init, uid, uid, str(task)])
+os.close(r)
+with open(step + "/cgroup.procs", "w") as f:  # slurmstepd's proctrack_g_add of the task
+    f.write(str(task))
+launch = "import sys; from torchpass.checkpoint import rankwrap as rw; " \\
+         "sys.exit(rw.exit_like(rw.launch(sys.argv[2:], sys.argv[1], 'wait', False)))"
+os.execv(sys.executable, [sys.executable, "-c", launch, state, *sys.argv[5:]])
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/fs/cgroup/freezer/cgroup.procs").exists(),
+                    reason="needs a cgroup v1 freezer hierarchy (Slurm's proctrack/cgroup uses it)")
+def test_tpass_init_joins_the_cgroup_its_task_was_placed_in_after_the_task_execs(tmp_path, init_program):
+    step = Path("/sys/fs/cgroup/freezer") / f"tp-init-test-{os.getpid()}" / "step_0"
+    step.mkdir(parents=True)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", PLACED_PLUGIN, str(init_program), str(NOBODY), str(tmp_path),
+                              str(step), "sh", "-c", "sleep 1; exit 4"],
+                             env={**os.environ, **RANK_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        rec = _record(tmp_path, p)
+        wanted = f":freezer:/{step.parent.name}/step_0"
+        cgroups = {pid: Path(f"/proc/{pid}/cgroup").read_text() for pid in (rec["pid"], rec["rank_pid"])}
+        assert all(wanted in text for text in cgroups.values()), cgroups
+        assert str(rec["pid"]) in (step / "cgroup.procs").read_text().split()
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 4, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        end = time.monotonic() + 10
+        while True:  # the tree's last exits may still be on their way out of the cgroup
+            try:
+                step.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+        step.parent.rmdir()

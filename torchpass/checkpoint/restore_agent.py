@@ -30,6 +30,8 @@ trusts nothing in it that it does not check itself:
   (checked while CRIU restores; a mismatch kills the restored tree before
   it may run);
 * N and M must be pipes of the task (``/proc/TASK/fd/N``);
+* the agent moves itself into the task's cgroups (``cgroup_join``: under
+  proctrack/cgroup what task_init_privileged forks is not in the step's);
 
 then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` as root, with
 a timeout (``criu.RESTORE_TIMEOUT_S``). The restored tree keeps the
@@ -57,6 +59,7 @@ from typing import Any
 
 from torchpass import layout
 from torchpass.checkpoint import criu as criu_mod
+from torchpass.checkpoint.cgroup_join import join_cgroups_of
 from torchpass import layout
 from torchpass.checkpoint import safeio
 from torchpass.checkpoint.manifest import read_manifest
@@ -184,6 +187,9 @@ def task_pipes(task: int, fds: Any, meta: dict[str, Any]) -> dict[int, str]:
 def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int) -> dict[str, Any]:
     images, manifest = check_images(req.get("images"), job, rank, uid)
     meta = manifest.get("meta") or {}
+    # Into the restore step's cgroups first, so that criu (--manage-cgroups=ignore) restores
+    # the tree there: forked in task_init_privileged, we are not in them (cgroup_join).
+    join_cgroups_of(task)
     inherit = task_pipes(task, req.get("fds"), meta)
     try:
         c = criu_mod.find_criu(None)
