@@ -130,7 +130,10 @@ def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes
         t_ref = time.monotonic() - t0
         ref_text = ref_out.read_text()
         assert ref_final["job_state"][0] == "COMPLETED", ref_text[-3000:]
-        assert "torchpass" not in ref_text, ref_text[-3000:]
+        # nothing of torchpass's (its lines start "torchpass:"; the job Python's path
+        # /opt/torchpass-dev/... shows up in torch's own tracebacks, e.g. an agent's rendezvous
+        # shutdown error at the end)
+        assert not [ln for ln in ref_text.splitlines() if ln.startswith("torchpass")], ref_text[-3000:]
         assert ref_text.splitlines().count("restarts=0") == WORKERS, ref_text[-3000:]
         ref = tj.per_step(tj.steps(ref_text))
         assert sorted(ref) == list(range(STEPS)) and all(sum(c.values()) == WORKERS for c in ref.values()), \
