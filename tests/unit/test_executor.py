@@ -223,16 +223,22 @@ def _dump_ok_tpassd(tmp_path):
     return tp
 
 
-def test_a_restore_step_slurmctld_refuses_for_a_while_is_launched_again(tmp_path):
-    d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
+def _move_n2_until_rollback(d):
+    """n2 degrades, every rank quiesces at the pause; the rollback event that follows."""
     ex = d.executor
-    ex.srun = str(_refusing_srun(tmp_path, 2))  # the step at the pause and the first relaunch refused
     d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
     at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
     for r in range(3):
         d.feed(mc.Quiesced(r, gen, at))
     _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
-    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    return [e for e in d.job.events if e.kind == "migration.rollback"][0]
+
+
+def test_a_restore_step_slurmctld_refuses_for_a_while_is_launched_again(tmp_path):
+    d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
+    ex = d.executor
+    ex.srun = str(_refusing_srun(tmp_path, 2))  # the step at the pause and the first relaunch refused
+    rb = _move_n2_until_rollback(d)
     # The third launch ran the restore wrapper (which refuses an image without a manifest).
     assert "manifest.json" in rb.message and "Unable to create step" not in rb.message, rb.message
     assert (tmp_path / "srun.calls").read_text().count("\n") == 3
@@ -243,12 +249,7 @@ def test_a_restore_step_slurmctld_keeps_refusing_fails_with_its_reason(tmp_path,
     d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
     ex = d.executor
     ex.srun = str(_refusing_srun(tmp_path, 1000))
-    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
-    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
-    for r in range(3):
-        d.feed(mc.Quiesced(r, gen, at))
-    _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
-    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    rb = _move_n2_until_rollback(d)
     assert "Memory required by task is not available" in rb.message, rb.message
     assert 2 < (tmp_path / "srun.calls").read_text().count("\n") < 10  # tried again, with backoff, then gave up
 
