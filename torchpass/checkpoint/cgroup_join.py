@@ -29,13 +29,19 @@ from pathlib import Path
 from torchpass.errors import CheckpointError
 
 
-def cgroup_lines(pid: int | str, proc: str = "/proc") -> dict[str, str]:
-    """Hierarchy key ("freezer", "cpu,cpuacct", "name=systemd"; "" for cgroup v2) -> cgroup path."""
+def read_cgroup_file(path: Path) -> dict[str, str]:
+    """A /proc/PID/cgroup file: hierarchy key ("freezer", "cpu,cpuacct", "name=systemd"; "" for
+    cgroup v2) -> cgroup path."""
     out = {}
-    for line in Path(f"{proc}/{pid}/cgroup").read_text().splitlines():
-        _, ctrls, path = line.split(":", 2)
-        out[ctrls] = path
+    for line in path.read_text().splitlines():
+        _, ctrls, cgroup = line.split(":", 2)
+        out[ctrls] = cgroup
     return out
+
+
+def cgroup_lines(pid: int | str, proc: str = "/proc") -> dict[str, str]:
+    """``pid``'s cgroups (``read_cgroup_file``)."""
+    return read_cgroup_file(Path(f"{proc}/{pid}/cgroup"))
 
 
 def cgroup_mounts(proc: str = "/proc") -> list[tuple[frozenset[str], str, str]]:

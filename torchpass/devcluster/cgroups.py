@@ -23,6 +23,7 @@ import shlex
 import time
 from pathlib import Path
 
+from torchpass.checkpoint.cgroup_join import read_cgroup_file
 from torchpass.errors import DevclusterError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -44,8 +45,7 @@ SLURM_CONF_SELECT = ("SelectTypeParameters=CR_Core_Memory", "DefMemPerCPU=1000")
 
 def own_cgroup(controller: str, proc_cgroup: Path = Path("/proc/self/cgroup")) -> str:
     """This process's cgroup path in the v1 hierarchy of ``controller`` ("/" at the top)."""
-    for line in proc_cgroup.read_text().splitlines():
-        _, names, path = line.split(":", 2)
+    for names, path in read_cgroup_file(proc_cgroup).items():
         if controller in names.split(","):
             return path
     raise DevclusterError(f"no cgroup v1 {controller} hierarchy in {proc_cgroup}; the devcluster's cgroup "
