@@ -258,20 +258,28 @@ def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir)
                                30, "the batch script").strip())
     stepd = [int(p) for p in _run(["pgrep", "-f", rf"^slurmstepd: \[{job_id}\.batch\]"]).stdout.split()]
     assert len(stepd) == 1
+    log_path = cluster.run_dir / "log" / "slurmd.node1.log"
     try:
         os.kill(stepd[0], signal.SIGKILL)
         time.sleep(1)
         assert _coordinator_pids(cluster, job_id) == [coord]  # nothing stopped it yet
+        # A coordinator also exits by itself once slurmctld says the job ended
+        # (it asks every 5 s), which would race the epilog. Stopped, it stands
+        # for one that cannot notice: only the epilog's SIGTERM-then-SIGKILL ends it.
+        os.kill(coord, signal.SIGSTOP)
         assert _run(["scancel", str(job_id)]).returncode == 0
         _assert_no_coordinator(cluster, job_id, timeout_s=30)
+        # the epilog logs once the process is gone
+        _wait_for(lambda: f"tpass: epilog job {job_id}: stopped a coordinator" in log_path.read_text(),
+                  10, "the epilog's log line")
     finally:
         # under proctrack/linuxproc the orphaned script survives its slurmstepd
-        try:
-            os.kill(script_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    log = (cluster.run_dir / "log" / "slurmd.node1.log").read_text()
-    assert f"tpass: epilog job {job_id}: stopped a coordinator" in log
+        leftover = [coord] if coord in _coordinator_pids(cluster, job_id) else []  # only if still ours
+        for pid in [script_pid, *leftover]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     _node_ok("node1")
 
 
