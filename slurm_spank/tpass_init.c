@@ -45,31 +45,57 @@ enum { E_USAGE = 120, E_SETUP = 121, E_CAPS = 122, E_NO_RANK = 126 };
 
 /*
  * Our working directory.  CRIU's parasite, run inside us when our tree is
- * dumped, makes and mounts a directory of one fixed name, "proc.crtools", in
- * our cwd (our /proc is the node's, not our namespace's: criu/pie/parasite.c
- * get_proc_fd).  With /tmp as every tpass-init's cwd, the ranks of one node
- * dumped at once collided there (EEXIST: "Can't create a directory (-17)",
- * the move rolled back), and one left behind failed every later dump.  So
- * each tpass-init gets its own: made by root in /tmp (sticky, so the user
- * cannot swap it while it is root's), given to the job's user (the parasite
- * runs with our ids), 0700.  torchpass.checkpoint.criu records it in the
- * dump's manifest and makes it on the node the rank is restored to; we
- * remove it when the rank ends (a copy killed after a move leaves it).
+ * dumped, makes a directory of one fixed name, "proc.crtools", in our cwd,
+ * mounts a proc there, opens it and detaches it again (our /proc is the
+ * node's, not our namespace's: criu/pie/parasite.c get_proc_fd).  It does
+ * so with our ids and our CAP_SYS_ADMIN, by path.  So the directory must be
+ *   - our own: with one cwd for every tpass-init, the ranks of a node dumped
+ *     at once collided there (EEXIST: "Can't create a directory (-17)", the
+ *     move rolled back);
+ *   - writable by us but by no process of the job user: a directory the
+ *     user could write would let the rank swap "proc.crtools" for a symlink
+ *     between that mkdir and the mount, and have proc mounted over, or a
+ *     mount detached from, any path of the node.
+ * Hence WORKDIR_BASE/XXXXXX, both root's with mode 0770 and group root
+ * (WORKDIR_GID), which we alone of the job's processes keep as a
+ * supplementary group (drop_privileges): the user's processes can neither
+ * enter nor change it, and root made both in /run, which is root's alone.
+ * torchpass.checkpoint.criu records the path in the dump's manifest and
+ * makes it on the node the rank is restored to; we remove it when the rank
+ * ends (a copy killed after a move leaves it: tpassd removes that one).
  */
-static char workdir[] = "/tmp/tpass-init.XXXXXX";
+#define WORKDIR_BASE "/run/torchpass-init"
+#define WORKDIR_GID 0
+static char workdir[] = WORKDIR_BASE "/XXXXXX";
 static int have_workdir;
 
-static int make_workdir(uid_t uid, gid_t gid)
+static int root_dir_0770(int fd)
+{
+	struct stat st;
+
+	return fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == 0 &&
+	       (st.st_gid == WORKDIR_GID || fchown(fd, 0, WORKDIR_GID) == 0) &&
+	       fchmod(fd, 0770) == 0;
+}
+
+static int make_workdir(void)
 {
 	int fd, ok;
 
-	if (!mkdtemp(workdir))
+	if (mkdir(WORKDIR_BASE, 0770) < 0 && errno != EEXIST)
+		return -1;
+	fd = open(WORKDIR_BASE, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ok = root_dir_0770(fd);
+	close(fd);
+	if (!ok || !mkdtemp(workdir))
 		return -1;
 	have_workdir = 1;
 	fd = open(workdir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
-	ok = fchown(fd, uid, gid) == 0 && fchdir(fd) == 0;
+	ok = root_dir_0770(fd) && fchdir(fd) == 0;
 	close(fd);
 	return ok ? 0 : -1;
 }
@@ -306,12 +332,18 @@ static pid_t wait_for_rank(pid_t parent)
 	}
 }
 
+/* groups has room for one more: WORKDIR_GID is added unless the job has it. */
 static void drop_privileges(uid_t uid, gid_t gid, gid_t *groups, int ngroups)
 {
 	struct __user_cap_header_struct hdr = { _LINUX_CAPABILITY_VERSION_3, 0 };
 	struct __user_cap_data_struct data[2];
 	unsigned bit = 1U << (CAP_SYS_ADMIN % 32);
+	int i;
 
+	for (i = 0; i < ngroups && groups[i] != WORKDIR_GID; i++)
+		;
+	if (i == ngroups)
+		groups[ngroups++] = WORKDIR_GID;
 	if (prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) < 0 ||
 	    setgroups((size_t)ngroups, groups) < 0 ||
 	    setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0)
@@ -327,7 +359,7 @@ static void drop_privileges(uid_t uid, gid_t gid, gid_t *groups, int ngroups)
 
 int main(int argc, char **argv)
 {
-	gid_t groups[TPASS_INIT_MAX_GROUPS];
+	gid_t groups[TPASS_INIT_MAX_GROUPS + 1];
 	unsigned long uid, gid, parent, v;
 	sigset_t all;
 	pid_t rank;
@@ -359,7 +391,7 @@ int main(int argc, char **argv)
 	if (fd > 2)
 		close(fd);
 	setsid();
-	if (make_workdir((uid_t)uid, (gid_t)gid) < 0)
+	if (make_workdir() < 0)
 		end(E_SETUP);
 	if (exec_fd) {
 		wait_task_exec();

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,16 +41,19 @@ TASK = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.s
 
 
 class Trees:
-    """``n`` rank tasks, each a tree rooted at its own tpass-init (uid 0), waiting for ``go``."""
+    """``n`` rank tasks, each a tree rooted at its own tpass-init (as ``uid``), waiting for ``go``."""
 
-    def __init__(self, init: Path, tmp: Path, n: int):
+    def __init__(self, init: Path, tmp: Path, n: int, uid: int = 0):
         self.go = tmp / "go"
+        rank = [sys.executable, "-c", TASK, str(self.go)]
+        if uid:  # the rank is the user's too (a tree of one owner, as in a job)
+            rank = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *rank]
         self.tasks, self.roots, self.pidfds = [], [], []
         for i in range(n):
             state = tmp / f"task{i}"
             state.mkdir()
-            p = subprocess.Popen([sys.executable, "-c", PLUGIN, str(init), "0", str(state),
-                                  sys.executable, "-c", TASK, str(self.go)], env={**os.environ, **RANK_ENV},
+            p = subprocess.Popen([sys.executable, "-c", PLUGIN, str(init), str(uid), str(state), *rank],
+                                 env={**os.environ, **RANK_ENV},
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self.tasks.append(p)
             root = _record(state, p)["pid"]
@@ -60,6 +65,8 @@ class Trees:
 
     def end(self) -> list[int]:
         """Let the ranks go; a root still there after 10 s is killed (its namespace with it)."""
+        if not self.pidfds:  # ended already
+            return [p.wait() for p in self.tasks]
         self.go.touch()
         for fd in self.pidfds:
             if not select.select([fd], [], [], 10)[0]:  # readable once the process ended
@@ -80,8 +87,8 @@ class Trees:
 def trees(tmp_path, init_program):  # noqa: F811
     made: list[Trees] = []
 
-    def make(n: int) -> Trees:
-        made.append(Trees(init_program, tmp_path, n))
+    def make(n: int, uid: int = 0, tmp: Path | None = None) -> Trees:
+        made.append(Trees(init_program, tmp or tmp_path, n, uid))
         return made[-1]
 
     yield make
@@ -96,10 +103,48 @@ def test_each_tpass_init_works_in_a_directory_of_its_own_removed_with_it(trees):
     assert len(set(cwds)) == 3 and "/tmp" not in cwds, cwds
     for d in cwds:
         st = os.lstat(d)
-        assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
-        assert os.path.dirname(d) == "/tmp"  # a directory every node has: a restore makes it there
+        assert stat.S_ISDIR(st.st_mode) and (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o770)
+        assert os.path.dirname(d) == criu.TPASS_INIT_BASE  # a restore makes it where missing
     assert t.end() == [0, 0, 0]
     assert not any(os.path.lexists(d) for d in cwds)  # the rank ended: its tpass-init removed it
+
+
+def _as_nobody(fn) -> int:
+    """errno of ``fn()`` in a child running as nobody with no groups (0: it succeeded)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            fn()
+        except OSError as exc:
+            code = exc.errno or 255
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_users_rank_cannot_touch_tpass_inits_directory_and_is_still_dumped(trees, tmp_path):
+    """CRIU's parasite makes proc.crtools in tpass-init's cwd and mounts a proc there by path with
+    tpass-init's CAP_SYS_ADMIN: a rank able to write that directory could swap the name for a
+    symlink in between and have root mount over (or detach) any path of the node. The user's
+    processes can neither enter nor change it; tpass-init (group root) can, so the dump works."""
+    base = Path(tempfile.mkdtemp(prefix="tpass-test-"))  # the rank (nobody) reads its go file here
+    base.chmod(0o755)
+    t = trees(1, uid=NOBODY, tmp=base)
+    cwd = t.cwd(0)
+    groups = Path(f"/proc/{t.roots[0]}/status").read_text().split("Groups:")[1].split("\n")[0].split()
+    assert sorted(groups) == sorted(["0", str(NOBODY)]), groups  # the job's groups, and root's for the cwd
+    import errno
+    assert _as_nobody(lambda: os.mkdir(os.path.join(cwd, criu.CRIU_PROC_DIR))) == errno.EACCES
+    assert _as_nobody(lambda: os.listdir(criu.TPASS_INIT_BASE)) == errno.EACCES
+    assert _as_nobody(lambda: os.symlink("/etc", os.path.join(cwd, criu.CRIU_PROC_DIR))) == errno.EACCES
+    res = criu.dump(criu.find_criu(), t.roots[0], tmp_path / "images", creds=criu.owner_creds(t.roots[0]))
+    assert isinstance(res, criu.DumpResult) and not os.path.lexists(os.path.join(cwd, criu.CRIU_PROC_DIR))
+    assert t.end() == [0]
+    assert not os.path.lexists(cwd)  # tpass-init, not root, removed its directory: group root can
+    shutil.rmtree(base)
 
 
 def _dump_all(c: criu.Criu, roots: list[int], tmp: Path) -> list[criu.DumpResult | CheckpointError]:
@@ -132,7 +177,7 @@ def test_a_nodes_ranks_dump_at_once_and_a_collision_stays_with_its_own_rank(tree
     assert isinstance(res[0], CheckpointError) and "Can't create a directory (-17)" in str(res[0]), res[0]
     for i in (1, 2):
         assert isinstance(res[i], criu.DumpResult), res[i]
-        assert res[i].manifest["meta"]["cwd"] == {"path": t.cwd(i), "uid": 0, "gid": 0, "mode": 0o700}
+        assert res[i].manifest["meta"]["cwd"] == {"path": t.cwd(i), "uid": 0, "gid": 0, "mode": 0o770}
         manifest.verify_manifest(res[i].images)
     # one left by a CRIU killed half way (older than a live parasite's) no longer blocks the rank
     old = time.time() - 2 * criu.STALE_PROC_DIR_S
@@ -204,3 +249,25 @@ def test_the_recorded_directory_is_made_only_as_a_new_leaf_of_a_root_owned_direc
     assert not criu.recreate_cwd(rec(tmp_path / "missing" / "x"))
     assert not criu.recreate_cwd(None) and not criu.recreate_cwd({"path": 3})
     assert not (tmp_path / "users" / "x").exists() and not (tmp_path / "real" / "x").exists()
+
+
+def test_tpass_inits_base_is_made_roots_with_group_root_0770_never_through_a_symlink(tmp_path):
+    """A spare where no rank ever started lacks TPASS_INIT_BASE: the restore makes it as tpass-init
+    does (the parasite mounts by path there with CAP_SYS_ADMIN: no user may change it)."""
+    base = tmp_path / "torchpass-init"
+    assert criu.make_tpass_init_base(str(base))
+    st = os.lstat(base)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o770)
+    base.chmod(0o777)  # an older or hand-made one is put right
+    assert criu.make_tpass_init_base(str(base)) and stat.S_IMODE(os.lstat(base).st_mode) == 0o770
+    users = tmp_path / "users"
+    users.mkdir()
+    os.chown(users, NOBODY, NOBODY)
+    assert not criu.make_tpass_init_base(str(users / "torchpass-init"))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, NOBODY, NOBODY)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "torchpass-init").symlink_to(theirs)
+    assert not criu.make_tpass_init_base(str(tmp_path / "x" / "torchpass-init"))
+    assert os.lstat(theirs).st_uid == NOBODY and stat.S_IMODE(os.lstat(theirs).st_mode) != 0o770

@@ -323,7 +323,11 @@ def _dir_bytes(d: Path) -> int:
 # fails with "Can't create a directory (-17)" (EEXIST), and its move rolls back; a leftover
 # one (criu killed half way) fails every later dump there. tpass-init therefore gives each rank
 # a working directory of its own (slurm_spank/tpass_init.c): a node's ranks dump in parallel.
+# It lies in TPASS_INIT_BASE, root's with group root and mode 0770 like each directory in it:
+# the parasite mounts by path with tpass-init's CAP_SYS_ADMIN, so no process of the job user may
+# change what that path names (tpass-init alone keeps group root).
 CRIU_PROC_DIR = "proc.crtools"
+TPASS_INIT_BASE = "/run/torchpass-init"
 
 
 def cwd_record(pid: int, proc: str = "/proc") -> dict | None:
@@ -355,6 +359,37 @@ def clear_stale_proc_dir(pid: int, proc: str = "/proc", now: Callable[[], float]
         return False
 
 
+def make_tpass_init_base(base: str = TPASS_INIT_BASE) -> bool:
+    """TPASS_INIT_BASE as tpass-init makes it (root:root 0770), on a node where no rank started yet
+    (a spare): in a root-owned parent, without following a symlink. True when it is there now."""
+    parent, name = os.path.split(base)
+    try:
+        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(dfd).st_uid != 0:
+            return False
+        try:
+            os.mkdir(name, 0o770, dir_fd=dfd)
+        except FileExistsError:
+            pass
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != 0:
+                return False
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o770)
+            return True
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+
+
 def recreate_cwd(rec: dict | None) -> bool:
     """Make the dumped root's working directory when this node lacks it (CRIU's restore fails
     without it): tpass-init's own directory lives in the node-local /tmp of the node it started
@@ -365,6 +400,8 @@ def recreate_cwd(rec: dict | None) -> bool:
     parent, name = os.path.split(rec["path"])
     if not name or name in (".", "..") or os.path.realpath(parent) != parent:
         return False
+    if parent == TPASS_INIT_BASE:
+        make_tpass_init_base()
     try:
         dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
