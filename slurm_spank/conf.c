@@ -34,6 +34,9 @@ void tpass_conf_defaults(struct tpass_conf *conf)
 	conf->log_level = TPASS_LOG_INFO;
 	conf->ready_timeout_s = 10;
 	conf->stop_timeout_s = 5;
+	/* A periodic snapshot pauses every rank and writes every rank's memory to
+	 * the shared snapshot directory: more often than this is the admin's call. */
+	conf->snapshot_every_min = 600;
 }
 
 struct conf_key;
@@ -142,6 +145,9 @@ static const struct conf_key conf_keys[] = {
 	  "[stop_timeout=1..300]", "seconds" },
 	{ "rank_wrapper", parse_abs_path, FIELD(rank_wrapper), false, 0, 0,
 	  "[rank_wrapper=PATH]", NULL },
+	{ "snapshot_every_min", parse_unsigned, FIELD(snapshot_every_min),
+	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, "[snapshot_every_min=1..604800]",
+	  "seconds" },
 };
 
 #define NKEYS (sizeof(conf_keys) / sizeof(conf_keys[0]))

@@ -11,6 +11,7 @@
 
 #define TPASS_SPARES_LIMIT   64   /* hard upper bound of spares=N */
 #define TPASS_POLICY_MAXLEN  32   /* policy=NAME: [A-Za-z0-9_-]{1,32} */
+#define TPASS_SNAPSHOT_EVERY_MAX 604800 /* snapshot_every=S: at most a week */
 
 /* Log levels for the plugstack argument log_level= (ordered). */
 enum tpass_log_level {
@@ -31,6 +32,7 @@ struct tpass_conf {
 	unsigned ready_timeout_s;             /* 1..300, default 10 */
 	unsigned stop_timeout_s;              /* 1..300, default 5 */
 	char rank_wrapper[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
+	unsigned snapshot_every_min;          /* 1..604800 s, default 600 */
 };
 
 void tpass_conf_defaults(struct tpass_conf *conf);
@@ -38,7 +40,8 @@ void tpass_conf_defaults(struct tpass_conf *conf);
 /*
  * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
  * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
- * log_level, ready_timeout, stop_timeout, rank_wrapper.  Unknown or
+ * log_level, ready_timeout, stop_timeout, rank_wrapper, snapshot_every_min.
+ * Unknown or
  * repeated keys, bad values and missing required keys are errors.  On error
  * *conf holds the defaults plus whatever was parsed before the error.
  */

@@ -435,11 +435,12 @@ static int read_line(int fd, char *buf, size_t len, unsigned timeout_s)
 int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job,
 		      struct tpass_coord *out, char *err, size_t errlen)
 {
-	char jobid[16], spares[16], readyfd[16], secretfd[16], line[512], tail[300];
+	char jobid[16], spares[16], every[16], readyfd[16], secretfd[16], line[512], tail[300];
 	char jobdir[TPASS_PATH_MAXLEN + 32];
 	char *argv[] = { (char *)conf->coordinator, "--job-id", jobid,
 			 "--state-dir", (char *)conf->state_dir, "--spares",
-			 spares, "--policy", (char *)job->policy, "--ready-fd",
+			 spares, "--policy", (char *)job->policy,
+			 "--snapshot-every", every, "--ready-fd",
 			 readyfd, job->secret ? "--secret-fd" : NULL, secretfd,
 			 NULL };
 	int ready[2] = { -1, -1 }, info[2] = { -1, -1 }, secret_r = -1;
@@ -453,6 +454,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 	memset(out, 0, sizeof(*out));
 	snprintf(jobid, sizeof(jobid), "%u", job->job_id);
 	snprintf(spares, sizeof(spares), "%u", job->spares);
+	snprintf(every, sizeof(every), "%u", job->snapshot_every);
 	snprintf(readyfd, sizeof(readyfd), "%d", READY_FD);
 	snprintf(secretfd, sizeof(secretfd), "%d", SECRET_FD);
 	snprintf(jobdir, sizeof(jobdir), "%s/" TPASS_LAYOUT_JOBS "/%u", conf->state_dir,

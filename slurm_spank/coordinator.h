@@ -21,6 +21,7 @@ struct tpass_job {
 	int ngids;
 	unsigned spares;
 	const char *policy;
+	unsigned snapshot_every; /* seconds; 0 = the policy's */
 	const char *node;    /* this node's Slurm name */
 	char *const *env;    /* environment handed to the coordinator */
 	const char *secret;  /* the job secret (TPASS_SECRET_HEX_LEN hex digits) or NULL */

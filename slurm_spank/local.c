@@ -5,8 +5,9 @@
  * 'sbatch --torchpass' (that is how every srun in the batch script gets the
  * option: Slurm hands it down in SLURM_SPANK__SLURM_SPANK_OPTION_torchpass_
  * torchpass, and the batch step exported TORCHPASS_JOB_ID).  Outside such a
- * job there is no coordinator, so it is refused.  spares and policy are per
- * job: a nested srun may repeat them or give --torchpass=off, nothing else.
+ * job there is no coordinator, so it is refused.  spares, policy and
+ * snapshot_every are per job: a nested srun may repeat them or give
+ * --torchpass=off, nothing else.
  * The checks run from the option callback (see allocator.c for why).
  */
 #include <stdio.h>
@@ -22,7 +23,8 @@ static int local_check(const struct tpass_opts *opts)
 	const char *tjob = getenv("TORCHPASS_JOB_ID");
 	const char *spares = getenv("TORCHPASS_SPARES");
 	const char *policy = getenv("TORCHPASS_POLICY");
-	char mine[64];
+	const char *every = getenv("TORCHPASS_SNAPSHOT_EVERY");
+	char mine[64], mine_every[16];
 
 	if (!job || !*job) {
 		tpass_error("srun --torchpass outside a batch job is not supported: srun would make its own allocation, which has no batch step to run the coordinator; use 'sbatch --torchpass' and call srun in the batch script");
@@ -39,6 +41,12 @@ static int local_check(const struct tpass_opts *opts)
 		tpass_error("srun --torchpass=spares=%u,policy=%s differs from job %s's spares=%s,policy=%s: spares and policy are set once per job by sbatch; repeat them or use --torchpass=off",
 			    opts->spares, opts->policy, job,
 			    spares ? spares : "?", policy ? policy : "?");
+		return -1;
+	}
+	snprintf(mine_every, sizeof(mine_every), "%u", opts->snapshot_every);
+	if (every && strcmp(every, mine_every)) {
+		tpass_error("srun --torchpass=snapshot_every=%u differs from job %s's snapshot_every=%s: it is set once per job by sbatch; repeat it or use --torchpass=off",
+			    opts->snapshot_every, job, every);
 		return -1;
 	}
 	return 0;

@@ -12,10 +12,11 @@ static tpass_submit_check submit_check;
 
 static struct spank_option torchpass_option = {
 	"torchpass",
-	"[spares=N,policy=NAME|off]",
+	"[spares=N,policy=NAME,snapshot_every=S|off]",
 	"[torchpass] Keep this PyTorch job running through node faults by "
 	"live-migrating ranks (spares=N hot spare nodes, 0..64, default 0; "
-	"policy=NAME; off disables it for one srun)",
+	"policy=NAME; snapshot_every=S seconds between whole-job snapshots; "
+	"off disables it for one srun)",
 	2, /* optional argument */
 	0,
 	opt_cb,

@@ -18,7 +18,8 @@ int tpass_opts_parse(const char *value, const struct tpass_conf *conf,
 		     struct tpass_opts *opts, char *err, size_t errlen)
 {
 	unsigned max = conf ? conf->max_spares : TPASS_SPARES_LIMIT;
-	bool seen_spares = false, seen_policy = false;
+	unsigned every_min = conf && conf->snapshot_every_min ? conf->snapshot_every_min : 1;
+	bool seen_spares = false, seen_policy = false, seen_every = false;
 	const char *p, *end;
 
 	tpass_opts_defaults(opts, conf);
@@ -82,9 +83,26 @@ int tpass_opts_parse(const char *value, const struct tpass_conf *conf,
 					    (int)(ilen - klen - 1) > 64 ? 64 : (int)(ilen - klen - 1),
 					    eq + 1);
 			strcpy(opts->policy, val);
+		} else if (klen == 14 && !strncmp(p, "snapshot_every", 14)) {
+			if (seen_every)
+				return tpass_fail(err, errlen,
+					    "--torchpass: key 'snapshot_every' given twice; give it once (snapshot_every=SECONDS)");
+			seen_every = true;
+			if (!eq || tpass_copy_str(val, sizeof(val), eq + 1,
+					    ilen - klen - 1) < 0 ||
+			    tpass_parse_uint(val, 0, TPASS_SNAPSHOT_EVERY_MAX,
+					     &opts->snapshot_every) < 0)
+				return tpass_fail(err, errlen,
+					    "--torchpass: invalid value '%.*s' for key 'snapshot_every'; allowed: seconds between periodic snapshots, %u..%u (0: the policy's)",
+					    eq ? ((int)(ilen - klen - 1) > 64 ? 64 : (int)(ilen - klen - 1)) : 0,
+					    eq ? eq + 1 : "", every_min, TPASS_SNAPSHOT_EVERY_MAX);
+			if (opts->snapshot_every && opts->snapshot_every < every_min)
+				return tpass_fail(err, errlen,
+					    "--torchpass: snapshot_every=%u is below this cluster's minimum of %u s (each snapshot pauses every rank and writes its memory); use snapshot_every=%u or more",
+					    opts->snapshot_every, every_min, every_min);
 		} else {
 			return tpass_fail(err, errlen,
-				    "--torchpass: unknown key '%.*s'; allowed keys: spares=N (0..%u), policy=NAME ([A-Za-z0-9_-]{1,32}), or the single word off",
+				    "--torchpass: unknown key '%.*s'; allowed keys: spares=N (0..%u), policy=NAME ([A-Za-z0-9_-]{1,32}), snapshot_every=SECONDS, or the single word off",
 				    (int)klen > 64 ? 64 : (int)klen, p, max);
 		}
 		if (!*end)
@@ -99,6 +117,9 @@ int tpass_opts_format(const struct tpass_opts *opts, char *buf, size_t len)
 
 	if (opts->off)
 		n = snprintf(buf, len, "off");
+	else if (opts->snapshot_every)
+		n = snprintf(buf, len, "spares=%u,policy=%s,snapshot_every=%u",
+			     opts->spares, opts->policy, opts->snapshot_every);
 	else
 		n = snprintf(buf, len, "spares=%u,policy=%s", opts->spares,
 			     opts->policy);

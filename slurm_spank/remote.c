@@ -55,7 +55,7 @@ static struct {
 
 static const char *const exported_vars[] = {
 	"TORCHPASS_JOB_ID", "TORCHPASS_COORDINATOR", "TORCHPASS_STATE_DIR",
-	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_NODE",
+	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_SNAPSHOT_EVERY", "TORCHPASS_NODE",
 	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", "TORCHPASS_JOB_SECRET",
 	NULL,
 };
@@ -144,6 +144,8 @@ static char **coordinator_env(spank_t sp)
 		out++;
 	if (asprintf(&env[out], "TORCHPASS_POLICY=%s", tpass.opts.policy) > 0)
 		out++;
+	if (asprintf(&env[out], "TORCHPASS_SNAPSHOT_EVERY=%u", tpass.opts.snapshot_every) > 0)
+		out++;
 	if (asprintf(&env[out], "TORCHPASS_NODE=%s", R.node) > 0)
 		out++;
 	env[out] = NULL;
@@ -186,6 +188,7 @@ static void start_coordinator(spank_t sp)
 	job.ngids = ngids;
 	job.spares = tpass.opts.spares;
 	job.policy = tpass.opts.policy;
+	job.snapshot_every = tpass.opts.snapshot_every;
 	job.node = R.node;
 	job.env = env;
 	job.secret = R.secret;
@@ -409,6 +412,9 @@ static int export_env(spank_t sp)
 		return -1;
 	snprintf(buf, sizeof(buf), "%u", tpass.opts.spares);
 	if (set_env(sp, "TORCHPASS_SPARES", buf) < 0)
+		return -1;
+	snprintf(buf, sizeof(buf), "%u", tpass.opts.snapshot_every);
+	if (set_env(sp, "TORCHPASS_SNAPSHOT_EVERY", buf) < 0)
 		return -1;
 	if (R.coord_started &&
 	    (set_env(sp, "TORCHPASS_COORDINATOR", R.coord.address) < 0 ||

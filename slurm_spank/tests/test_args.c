@@ -70,6 +70,24 @@ static void test_opts_ok(void)
 	CHECK(opts("policy=x", &o) == 0 && o.spares == 0);
 	CHECK(opts("spares=3", &o) == 0 && opts("spares=3", &o) == 0 &&
 	      o.spares == 3 && !strcmp(o.policy, "default"));
+
+	/* snapshot_every: 0 (the policy's) or at least the site minimum */
+	CHECK(opts("spares=1", &o) == 0 && o.snapshot_every == 0);
+	CHECK(opts("snapshot_every=0", &o) == 0 && o.snapshot_every == 0);
+	CHECK(opts("snapshot_every=600", &o) == 0 && o.snapshot_every == 600);
+	CHECK(opts("spares=1,snapshot_every=604800,policy=p", &o) == 0 &&
+	      o.snapshot_every == 604800 && o.spares == 1);
+	{
+		char buf[128];
+		CHECK(tpass_opts_format(&o, buf, sizeof(buf)) == 0);
+		CHECK(!strcmp(buf, "spares=1,policy=p,snapshot_every=604800"));
+		CHECK(opts("spares=2", &o) == 0);
+		CHECK(tpass_opts_format(&o, buf, sizeof(buf)) == 0);
+		CHECK(!strcmp(buf, "spares=2,policy=default"));
+	}
+	conf.snapshot_every_min = 5;
+	CHECK(opts("snapshot_every=5", &o) == 0 && o.snapshot_every == 5);
+	conf.snapshot_every_min = 600;
 }
 
 static void test_opts_bad(void)
@@ -119,6 +137,21 @@ static void test_opts_bad(void)
 	CHECK(opts("policy=abcdefghijklmnopqrstuvwxyz0123456", &o) < 0);
 	CHECK(opts("policy=\xc3\xa9", &o) < 0);
 	CHECK(opts("policy", &o) < 0);
+
+	CHECK(opts("snapshot_every=599", &o) < 0);
+	CHECK_CONTAINS(err, "below this cluster's minimum of 600 s");
+	CHECK_CONTAINS(err, "snapshot_every=600 or more");
+	CHECK(opts("snapshot_every=604801", &o) < 0);
+	CHECK_CONTAINS(err, "'604801'");
+	CHECK_CONTAINS(err, "600..604800");
+	CHECK(opts("snapshot_every=10m", &o) < 0);
+	CHECK(opts("snapshot_every=", &o) < 0);
+	CHECK(opts("snapshot_every", &o) < 0);
+	CHECK_CONTAINS(err, "snapshot_every");
+	CHECK(opts("snapshot_every=600,snapshot_every=700", &o) < 0);
+	CHECK_CONTAINS(err, "twice");
+	CHECK(opts("bogus=1", &o) < 0);
+	CHECK_CONTAINS(err, "snapshot_every=SECONDS");
 
 	/* long garbage gets truncated in the message, not overflowed */
 	{
@@ -199,6 +232,15 @@ static void test_conf(void)
 		CHECK(!strcmp(c.policy, "default"));
 		CHECK(c.max_spares == 64 && c.log_level == TPASS_LOG_INFO);
 		CHECK(c.ready_timeout_s == 10 && c.stop_timeout_s == 5);
+		CHECK(c.snapshot_every_min == 600);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min=2" };
+		CHECK(conf_parse(3, av, &c) == 0 && c.snapshot_every_min == 2);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min=0" };
+		CHECK(conf_parse(3, av, &c) < 0);
 	}
 	{
 		char *av[] = { "coordinator=/c", "state_dir=/s", "bogus=1" };

@@ -1,10 +1,15 @@
-"""Whole-job snapshot, leave-running (issue 12): `tpassctl snapshot` of a 3-node job at a random step.
+"""Whole-job snapshots, leave-running (issue 12), of a 3-node job, as the ordinary job user.
 
-As the ordinary job user: every rank pauses at one collective and is dumped by its node's tpassd,
-then resumes in place; the job ends COMPLETED 0:0, never requeued, with the losses of the same
+`tpassctl snapshot` at a random step: every rank pauses at one collective and is dumped by its node's
+tpassd, then resumes in place; the job ends COMPLETED 0:0, never requeued, with the losses of the same
 script under plain sbatch bit for bit (float.hex). `tpassctl snapshots` lists the snapshot with the
 event's step and size; the images are root's alone; another user can neither take nor list one; the
-owner deletes it. The seed is printed (replay: TORCHPASS_TEST_SEED)."""
+owner deletes it. The seed is printed (replay: TORCHPASS_TEST_SEED).
+
+`--torchpass=snapshot_every=S`: the coordinator takes one every S seconds of training by itself,
+each a short pause reported in its event, keeping the policy's newest `snapshot_keep`; the losses
+are again the plain run's. Both tests share one plain reference run (the periodic job only sleeps
+longer per step, which changes no loss)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import training_jobs as tj
+from conftest import make_job_dir
 from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
 
 from slurm_helpers import tpassctl
@@ -27,15 +33,27 @@ SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 STEPS = 80
 JOB = Drill("snapshot", "", ("--steps", str(STEPS), "--params", "1M", "--sleep", "0.05"), STEPS, nodes=3,
             fault_steps=(5, 30))
+# The same training at 0.25 s a step (>= 20 s): room for several periodic snapshots 2 s apart.
+PERIODIC = Drill("snapshot", "", ("--steps", str(STEPS), "--params", "1M", "--sleep", "0.25"), STEPS, nodes=3)
+EVERY_S = 2  # the devcluster's plugstack.conf allows snapshot_every_min=1
 
 
-def test_snapshot_leaves_the_job_running_bit_identical(cluster, plugin_built, job_dir, job_user, other_user):
+@pytest.fixture(scope="module")
+def ref(cluster, plugin_built, jobs_base, job_user) -> dict:
+    """The plain sbatch run's loss per step, once for the module."""
+    jobs: list[int] = []
+    try:
+        return reference(JOB, make_job_dir(jobs_base, "snapshot-ref", job_user), job_user.name, jobs)
+    finally:
+        leave_clean(JOB, jobs)
+
+
+def test_snapshot_leaves_the_job_running_bit_identical(cluster, ref, job_dir, job_user, other_user):
     jobs: list[int] = []
     at = random.Random(f"{SEED}:snapshot").randint(*JOB.fault_steps)
     what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): snapshot at step {at}"
     print(f"\n{what}")
     try:
-        ref = reference(JOB, job_dir, job_user.name, jobs)
         job_id = submit(JOB, job_dir, "snap", "spares=1", job_user.name)
         jobs.append(job_id)
         out_path = job_dir / f"snap.{job_id}.out"
@@ -81,3 +99,43 @@ def test_snapshot_leaves_the_job_running_bit_identical(cluster, plugin_built, jo
         assert [e for e in events(cluster, job_id) if e["kind"] == "snapshot.completed"], diag
     finally:
         leave_clean(JOB, jobs)
+
+
+def test_periodic_snapshots_every_few_seconds_keep_the_newest(cluster, ref, job_dir, job_user):
+    jobs: list[int] = []
+    try:
+        job_id = submit(PERIODIC, job_dir, "every", f"spares=1,snapshot_every={EVERY_S}", job_user.name)
+        jobs.append(job_id)
+        out_path = job_dir / f"every.{job_id}.out"
+        final = tj.wait_end(job_id, 300, context="periodic snapshots: ")
+        diag = diagnosis(cluster, job_id, out_path, f"snapshot_every={EVERY_S}")
+        assert final["job_state"][0] == "COMPLETED", diag
+        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
+        assert tj.per_step(tj.steps(out_path.read_text())) == ref, diag
+
+        evs = events(cluster, job_id)
+        asked = [e["data"] for e in evs if e["kind"] == "snapshot.requested"]
+        done = [e["data"] for e in evs if e["kind"] == "snapshot.completed"]
+        assert not [e for e in evs if e["kind"] == "snapshot.failed"], diag
+        assert len(done) >= 2, diag  # >= 20 s of training, one every 2 s of it
+        assert all(a["trigger"] == "periodic" and a["every_s"] == EVERY_S for a in asked), asked
+        assert [d["snapshot"] for d in done] == [a["snapshot"] for a in asked][:len(done)], (asked, done)
+        assert all(d["trigger"] == "periodic" and d["pause_s"] > 0 and d["ranks"] == PERIODIC.ranks for d in done)
+        steps = [d["step"] for d in done]
+        assert steps == sorted(set(steps)), steps  # each later in training than the one before
+        # training ran at least EVERY_S between one snapshot's end and the next one's request
+        ends = [e["time"] for e in evs if e["kind"] == "snapshot.completed"]
+        starts = [e["time"] for e in evs if e["kind"] == "snapshot.requested"]
+        assert all(b - a >= EVERY_S - 0.05 for a, b in zip(ends, starts[1:])), (ends, starts)
+        print(f"{len(done)} periodic snapshots: steps {steps}, training stood still "
+              f"{[d['pause_s'] for d in done]} s, {[round(d['bytes'] / 1e6, 1) for d in done]} MB")
+
+        listed = tpassctl("snapshots", str(job_id), "--json", user=job_user.name)
+        assert listed.returncode == 0, listed.stderr
+        kept = [row["snapshot"] for row in json.loads(listed.stdout)["snapshots"]]
+        assert sorted(kept) == sorted(d["snapshot"] for d in done[-2:]), (kept, done)  # snapshot_keep = 2
+        for sid in kept:
+            gone = tpassctl("snapshots", str(job_id), "--delete", sid, user=job_user.name, timeout=60)
+            assert gone.returncode == 0, gone.stderr
+    finally:
+        leave_clean(PERIODIC, jobs)

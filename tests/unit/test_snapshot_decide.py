@@ -8,7 +8,7 @@ import pytest
 
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState, decide
+from torchpass.coordinator.decide import CoordState, decide, periodic_snapshot_due
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health_state import State
 
@@ -206,3 +206,42 @@ def test_never_left_paused_whatever_comes_back(seed):
     assert pauses and resumes and resumes[-1] > pauses[-1]
     assert len(sim.events("snapshot.completed")) + len(sim.events("snapshot.failed")) == 1
     assert pause.generation == 1
+
+
+# --- periodic snapshots (policy.snapshot_every_s; --torchpass=snapshot_every=S) -------------------
+def test_periodic_snapshots_are_due_every_interval_of_training_after_registration():
+    every = CoordinatorPolicy(snapshot_every_s=60.0)
+    sim = Sim()
+    sim.tick()
+    start = sim.state.snapshot_clock
+    assert start == sim.now  # every rank registered: the interval starts
+    assert not periodic_snapshot_due(sim.now + 59.9, sim.state, every)
+    assert periodic_snapshot_due(sim.now + 60.0, sim.state, every)
+    assert not periodic_snapshot_due(sim.now + 600.0, sim.state, P)  # snapshot_every_s 0: never
+
+    sim.now += 60.0
+    sim.state = mc.accept_snapshot(sim.state, "p1", sim.now, "periodic")
+    (pause,) = sim.of(ct.PauseAt, sim.tick())
+    assert not periodic_snapshot_due(sim.now + 120.0, sim.state, every)  # one in flight
+    sim.quiesce(pause)
+    sim.tick(1.0, *[ct.RankDumped("p1", sim.image(r, "p1")) for r in range(3)])
+    sim.tick(0.5, *[mc.Resumed(r, 1) for r in range(3)], ct.SnapshotCommitted("p1", "/m/p1.json", 6, ()))
+    (done,) = sim.events("snapshot.completed")
+    assert done.data["trigger"] == "periodic"
+    ended = sim.now
+    assert sim.state.snapshot is None and sim.state.snapshot_clock == ended  # counts from its end
+    assert not periodic_snapshot_due(ended + 59.0, sim.state, every)
+    assert periodic_snapshot_due(ended + 60.0, sim.state, every)
+
+
+def test_a_periodic_snapshot_waits_while_one_cannot_be_taken():
+    every = CoordinatorPolicy(snapshot_every_s=10.0)
+    sim = Sim(nodes=("node1", "node2", "node3"))
+    half = CoordState(job_id=7)  # before every rank registered, no interval runs
+    half = mc.apply(half, mc.RankRegistered(0, "node1", 3), 0.0)
+    assert decide(100.0, half, every).state.snapshot_clock is None
+    sim.tick()
+    sim.state = mc.accept_operator(sim.state, "node2", None, sim.now)[0]  # a migration queued
+    assert not periodic_snapshot_due(sim.now + 10.0, sim.state, every)
+    unprotected = mc.apply(sim.state, ct.RankUnprotected(1, "a store passed by the script"), sim.now)
+    assert not periodic_snapshot_due(sim.now + 10.0, unprotected, every)

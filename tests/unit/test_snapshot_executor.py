@@ -106,3 +106,27 @@ def test_a_failed_dump_resumes_every_rank_and_discards_on_every_node(tmp_path):
     with pytest.raises(mc.OperatorRejected):  # a queued migration refuses a snapshot
         d.accept_operator("n2", None)
         d.accept_snapshot(1.7e9)
+
+
+def test_the_driver_asks_for_a_periodic_snapshot_and_records_it(tmp_path):
+    tp = FakeTpassd()
+    now = [500.0]
+    job = JobState(job_id=42)
+    pol = CoordinatorPolicy(snapshot_every_s=30.0)
+    d = Driver(job, pol, clock=lambda: now[0], wall=lambda: 1.7e9 + now[0])
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp,
+                          address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}[n])
+    for r, n in enumerate(NODES):
+        d.feed(mc.RankRegistered(r, n, 3))
+    for n in NODES:
+        d.feed(mc.NodeHealthChanged(n, "healthy"))
+    now[0] += 29.0
+    d.decide()
+    assert d.state.snapshot is None
+    now[0] += 1.0
+    d.decide()
+    (asked,) = [e for e in job.events if e.kind == "snapshot.requested"]
+    sid = asked.data["snapshot"]
+    assert asked.data["trigger"] == "periodic" and asked.data["every_s"] == 30.0
+    assert d.state.snapshot is not None and d.state.snapshot.id == sid and d.state.snapshot.trigger == "periodic"
+    assert {d.executor.command_for(r)["command"] for r in range(3)} == {"pause"}

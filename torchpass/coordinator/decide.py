@@ -925,6 +925,16 @@ def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
     return None
 
 
+def periodic_snapshot_due(now: float, st: CoordState, policy: CoordinatorPolicy) -> bool:
+    """A periodic snapshot (policy.snapshot_every_s) is to be asked for now: that long since the job
+    was fully registered or the last snapshot ended, and one would be accepted. One that cannot
+    (a migration runs, a rank is missing) waits until it can: the interval bounds the steps a
+    restore recomputes, so a late snapshot is taken as soon as possible, never skipped."""
+    every = policy.snapshot_every_s
+    return (every > 0 and st.snapshot is None and st.snapshot_clock is not None
+            and now - st.snapshot_clock >= every and check_snapshot_request(st) is None)
+
+
 def snapshot_phase_complete(st: CoordState, s: SnapshotRun) -> bool:
     """The completion condition of the snapshot's phase (machine stamps ready_at with it)."""
     everyone = set(st.ranks)
@@ -976,8 +986,8 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
     d["total"] = _r(now - s.asked)
     paused = s.paused_s if s.paused_s is not None else 0.0
     d["paused"] = paused
-    data: dict[str, Any] = {"snapshot": s.id, "step": s.step, "pause_at": s.pause_at, "generation": s.generation,
-                            "pause_s": paused, "phase_durations": d}
+    data: dict[str, Any] = {"snapshot": s.id, "trigger": s.trigger, "step": s.step, "pause_at": s.pause_at,
+                            "generation": s.generation, "pause_s": paused, "phase_durations": d}
     if s.dump_durations:
         data["tool_durations"] = dict(s.dump_durations)
     why = s.failure or s.commit_failed
@@ -992,7 +1002,7 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
             why = "no manifest was written"
         out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} failed: {why}; every rank resumed "
                   f"after {paused:.2f}s", why=why, **data)
-    return replace(st, snapshot=None, generation=max(st.generation, s.generation))
+    return replace(st, snapshot=None, generation=max(st.generation, s.generation), snapshot_clock=now)
 
 
 def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -1157,6 +1167,8 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
 # decide
 # ============================================================================
 def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    if state.snapshot_clock is None and state.all_registered():  # periodic snapshots count from here
+        state = replace(state, snapshot_clock=now)
     st = state
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
         # Lost nodes first, and again once a move has ended: its nodes were not handed while involved.
@@ -1218,5 +1230,5 @@ __all__ = [
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "candidates",
     "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
-    "IllegalTransition", "SnapshotRun", "check_snapshot_request", "snapshot_phase_complete",
+    "IllegalTransition", "SnapshotRun", "check_snapshot_request", "periodic_snapshot_due", "snapshot_phase_complete",
 ]

@@ -903,10 +903,12 @@ class Driver:
     """Owns the decision state; everything here runs in the serve thread."""
 
     def __init__(self, job: JobState, policy: CoordinatorPolicy, executor: Executor | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, health: Any = None, spares: tuple[str, ...] = ()):
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 health: Any = None, spares: tuple[str, ...] = ()):
         self.job = job
         self.policy = policy
         self.clock = clock
+        self.wall = wall
         self.state = CoordState(job_id=job.job_id)
         self.reasons = mc.ReasonLog()
         self.queue: queue.Queue = queue.Queue()
@@ -955,7 +957,10 @@ class Driver:
         self.pump(force=fed)
 
     def decide(self) -> None:
-        d = dc.decide(self.clock(), self.state, self.policy)
+        now = self.clock()
+        if dc.periodic_snapshot_due(now, self.state, self.policy):
+            self._periodic_snapshot()
+        d = dc.decide(now, self.state, self.policy)
         self.state = d.state
         if self.reasons.changed(d.reason):
             log.info("decision", job_id=self.job.job_id, reason=d.reason)
@@ -967,13 +972,24 @@ class Driver:
         self.state, mid = mc.accept_operator(self.state, node, to, self.clock())
         return mid
 
-    def accept_snapshot(self, wall: float) -> str:
+    def accept_snapshot(self, wall: float, trigger: str = "operator") -> str:
         """Queue a whole-job snapshot (OperatorRejected if refused); its id: the UTC time asked, and a
         count that keeps two ids of one second apart."""
         self._snapshots += 1
         sid = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(wall))}-{self._snapshots}"
-        self.state = mc.accept_snapshot(self.state, sid, self.clock())
+        self.state = mc.accept_snapshot(self.state, sid, self.clock(), trigger)
         return sid
+
+    def _periodic_snapshot(self) -> None:
+        """The policy's snapshot_every_s has passed (decide.periodic_snapshot_due): queue one."""
+        every = self.policy.snapshot_every_s
+        try:
+            sid = self.accept_snapshot(self.wall(), trigger="periodic")
+        except mc.OperatorRejected as exc:  # due() checked the same conditions: not expected
+            log.warning("periodic snapshot refused", job_id=self.job.job_id, error=str(exc))
+            return
+        self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: periodic, every {every:g}s of training",
+                        snapshot=sid, trigger="periodic", every_s=every)
 
     def _poll_health(self) -> None:
         if self.health is None:

@@ -107,12 +107,13 @@ def accept_operator(state: CoordState, node: str, to: str | None, now: float) ->
                    next_migration=state.next_migration + 1), mid
 
 
-def accept_snapshot(state: CoordState, snapshot: str, now: float) -> CoordState:
-    """Queue a whole-job snapshot with id ``snapshot`` (tpassctl snapshot); OperatorRejected if refused."""
+def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str = "operator") -> CoordState:
+    """Queue a whole-job snapshot with id ``snapshot`` (tpassctl snapshot, or ``trigger`` "periodic":
+    decide.periodic_snapshot_due); OperatorRejected if refused."""
     err = check_snapshot_request(state)
     if err is not None:
         raise OperatorRejected(*err)
-    return replace(state, snapshot=SnapshotRun(snapshot, now))
+    return replace(state, snapshot=SnapshotRun(snapshot, now, trigger=trigger))
 
 
 _SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed)

@@ -84,14 +84,14 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
-def _make_driver(job, state_dir, spares, policy_name, log):
+def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: float = 0.0):
     """The migration driver: policy, the job's nodes and hot spares, health of their tpassds.
 
     Without Slurm or a policy the coordinator still serves the job (status,
     events) but cannot migrate; that is logged, never fatal.
     """
     try:
-        pol = load_policy(policy_name)
+        pol = load_policy(policy_name, flags={"snapshot_every_s": snapshot_every_s} if snapshot_every_s else None)
         ports = tpassd_ports()  # the nodes' own tpassd.toml: one place for a site to move a port
         slurm = client()
         info = slurm.job(job.job_id)
@@ -136,7 +136,8 @@ def _make_driver(job, state_dir, spares, policy_name, log):
 
     driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
                                address_of=address_of, follow=follow)
-    log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name)
+    log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name,
+             snapshot_every_s=pol.snapshot_every_s)
     return driver
 
 
@@ -146,6 +147,9 @@ def _make_driver(job, state_dir, spares, policy_name, log):
               help="Shared torchpass state directory; registration goes to STATE_DIR/jobs/JOBID/.")
 @click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True, help="Hot spare nodes in the allocation.")
 @click.option("--policy", default="default", show_default=True, help="Policy name (from --torchpass=policy=).")
+@click.option("--snapshot-every", "snapshot_every", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Seconds between periodic whole-job snapshots (--torchpass=snapshot_every=); "
+                   "0: the policy's snapshot_every_s.")
 @click.option("--ready-fd", type=int, default=None,
               help="Write the endpoint (tcp://ADDR:PORT) and a newline to this fd once listening, then close it.")
 @click.option("--bind-address", default=None, help="Address to listen on [default: this host's address].")
@@ -156,7 +160,8 @@ def _make_driver(job, state_dir, spares, policy_name, log):
               help="Read the job secret (64 hex digits, from the plugin) from this fd; rank.* requests must be "
                    "signed with it. Without it they are accepted unsigned (a coordinator started by hand).")
 @click.option("--log-level", default="info", show_default=True)
-def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_poll_s, secret_fd, log_level):
+def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_address, port, slurm_poll_s, secret_fd,
+         log_level):
     """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand)."""
     logs.configure(log_level)
     log = logs.get_logger("torchpass.coordinator")
@@ -166,7 +171,7 @@ def main(job_id, state_dir, spares, policy, ready_fd, bind_address, port, slurm_
         secret = jobauth.read_secret_fd(secret_fd) if secret_fd is not None else None
         private, admins = job_privacy()
         job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
-        driver = _make_driver(job, state_dir, spares, policy, log)
+        driver = _make_driver(job, state_dir, spares, policy, log, snapshot_every_s=snapshot_every)
         server = CoordinatorServer(job, bind_address=address, port=port, driver=driver,
                                    munge_socket=(driver.executor.tpassd.munge_socket if driver
                                                  else auth.default_socket() or slurm_munge_socket()),

@@ -206,6 +206,7 @@ class SnapshotRun:
 
     id: str
     asked: float
+    trigger: str = "operator"  # or "periodic" (policy.snapshot_every_s)
     phase: str = SNAP_QUEUED
     phase_started: float = 0.0
     deadline: float = 0.0
@@ -261,6 +262,9 @@ class CoordState:
     # The whole-job snapshot asked for or in flight (tpassctl snapshot): at most one; no migration starts
     # while it runs, and it is refused while a migration runs or is queued.
     snapshot: SnapshotRun | None = None
+    # When the interval to the next periodic snapshot (policy.snapshot_every_s) began: every rank
+    # registered, then the end of each snapshot. None until the job is fully registered.
+    snapshot_clock: float | None = None
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))

@@ -111,6 +111,11 @@ class CoordinatorPolicy:
     # --- whole-job snapshots (tpassctl snapshot; issue 12) ------------------------
     # Complete snapshots kept per job: when one more completes, root (tpassd) removes the older ones.
     snapshot_keep: int = 2
+    # Seconds of training between the end of one whole-job snapshot and the start of the next
+    # (each pauses every rank for one leave-running dump); 0: none but those an operator asks for.
+    # `--torchpass=snapshot_every=S` sets it for one job, at least plugstack.conf's
+    # snapshot_every_min. The first is taken this long after every rank registered.
+    snapshot_every_s: float = 0.0
 
     def rendezvous_port_range(self) -> tuple[int, int]:
         m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.rendezvous_ports))
@@ -151,6 +156,8 @@ class CoordinatorPolicy:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.rendezvous_port_range()
+        if self.snapshot_every_s < 0:
+            raise ConfigError(f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
         if self.snapshot_keep < 1:
             raise ConfigError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
         if self.max_pause_rearms < 0:

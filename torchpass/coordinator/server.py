@@ -366,7 +366,7 @@ class CoordinatorServer:
             raise RemoteError("unavailable", f"the coordinator of job {self.job.job_id} runs without snapshots")
         sid = self.driver.accept_snapshot(self.wall())  # OperatorRejected carries the wire code
         self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: operator (uid {ident.uid}) asked for "
-                        "a snapshot of every rank", snapshot=sid, uid=ident.uid)
+                        "a snapshot of every rank", snapshot=sid, trigger="operator", uid=ident.uid)
         self.driver.decide()
         return {"snapshot": sid}
 

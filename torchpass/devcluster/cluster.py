@@ -535,7 +535,9 @@ class Devcluster:
         runtime = self._runtime_dir / "boot"
         plug_line = (
             f"optional {plugin} coordinator={bindir / 'tpass-coordinator'} state_dir={self.state_dir}"
-            f" runtime_path={runtime} rank_wrapper={bindir / 'tpass-rankwrap'}\n"
+            f" runtime_path={runtime} rank_wrapper={bindir / 'tpass-rankwrap'}"
+            # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
+            " snapshot_every_min=1\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():
