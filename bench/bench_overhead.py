@@ -2,13 +2,15 @@
 
     .venv/bin/python bench/bench_overhead.py [--pairs 5] [--steps 150] [--params 10M]
                                              [--script examples/train_ddp.py] [--out bench/results/overhead.json]
+    .venv/bin/python bench/bench_overhead.py --layout hsdp [--hidden 32768] --out bench/results/overhead_hsdp.json
 
 Each pair runs one training job without torchpass (A: ``sbatch -N3``) and one
 with it (B: ``sbatch -N3 --torchpass``: coordinator, rank wrapper and the
 runtime around every collective, no spare, nothing moves) on one devcluster,
 as the devcluster's job user. The order inside a pair alternates (AB, BA,
 AB, ...) so that a drift of the machine (page cache, another process) falls
-on both sides alike.
+on both sides alike. ``--layout hsdp``: FSDP2 (examples/train_parallel.py) on
+a 3 x 2 (replicate, shard) mesh, 2 ranks per node, instead of DDP.
 
 Step time is read from the job's own output, as bench_migration.py does: the
 first arrival of every ``step=N`` line (the output file is tailed every 5 ms).
@@ -62,14 +64,17 @@ def job_state(job_id: int) -> dict:
     return json.loads(p.stdout)["jobs"][0] if p.returncode == 0 else {}
 
 
-def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, cmd: str, timeout_s: float) -> dict:
-    name, extra = SIDES[side]
+def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, cmd: str, timeout_s: float,
+            sides: dict[str, tuple[str, list[str]]] = SIDES, per_node: int = 1) -> dict:
+    """One job of ``sides[side]`` (name, sbatch options) on 3 nodes, ``per_node`` ranks each: its
+    step lines as they arrived."""
+    name, extra = sides[side]
     script = work / f"{tag}.sbatch"
     script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
     script.chmod(0o755)
     out = work / f"{tag}.out"
-    p = as_user(user, ["sbatch", "--parsable", "-N3", "--ntasks-per-node=1", "-o", str(out), *extra, str(script)],
-                work)
+    p = as_user(user, ["sbatch", "--parsable", "-N3", f"--ntasks-per-node={per_node}", "-o", str(out), *extra,
+                       str(script)], work)
     if p.returncode != 0:
         raise RuntimeError(f"sbatch ({name}): {p.stderr.strip()}")
     job_id = int(p.stdout.strip().split(";")[0])
@@ -110,6 +115,10 @@ def main() -> int:
     ap.add_argument("--params", default="10M")
     ap.add_argument("--script", type=Path, default=REPO / "examples" / "train_ddp.py",
                     help="a training script printing step=N loss=<float.hex> (run as the job's tasks)")
+    ap.add_argument("--layout", choices=("hsdp",), default=None,
+                    help="instead of --script/--params: examples/train_parallel.py LAYOUT (hsdp: FSDP2 on a "
+                         "3 x 2 (replicate, shard) mesh, 2 ranks per node) with --hidden")
+    ap.add_argument("--hidden", type=int, default=32768, help="--layout's MLP hidden width (~34 x HIDDEN params)")
     ap.add_argument("--user", default="tpuser1", help="the job user (made by the devcluster's bring-up)")
     ap.add_argument("--out", type=Path, default=BENCH / "results" / "overhead.json")
     ap.add_argument("--cluster", default=os.environ.get("TORCHPASS_TEST_CLUSTER", "bench"))
@@ -124,7 +133,13 @@ def main() -> int:
     c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=3))
     saved = dict(os.environ)
     os.environ.update(c.env())
-    cmd = f"{c.job_python} {args.script} --steps {args.steps} --params {args.params} --sleep 0"
+    if args.layout:
+        args.script = REPO / "examples" / "train_parallel.py"
+        cmd = f"{c.job_python} {args.script} {args.layout} --steps {args.steps} --hidden {args.hidden} --sleep 0"
+        per_node = 2
+    else:
+        cmd = f"{c.job_python} {args.script} --steps {args.steps} --params {args.params} --sleep 0"
+        per_node = 1
     pairs: list[dict] = []
     try:
         with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
@@ -135,7 +150,7 @@ def main() -> int:
             time.sleep(2.0)  # every tpassd has published its first sample
             for i in range(args.pairs):
                 order = "AB" if i % 2 == 0 else "BA"
-                runs = {s: one_run(c, work, args.user, s, f"{i}{s}", cmd, 600) for s in order}
+                runs = {s: one_run(c, work, args.user, s, f"{i}{s}", cmd, 600, per_node=per_node) for s in order}
                 a, b = runs["A"], runs["B"]
                 same = per_step(ln for _, _, ln in a["steps"]) == per_step(ln for _, _, ln in b["steps"])
                 if not same:
@@ -157,7 +172,8 @@ def main() -> int:
     ratios = [p["ratio"] for p in pairs]
     data = {
         "script": str(args.script.relative_to(REPO)) if args.script.is_relative_to(REPO) else str(args.script),
-        "params": args.params, "steps": args.steps, "warmup": args.warmup, "ranks": 3,
+        "layout": args.layout, "params": f"~{34 * args.hidden}" if args.layout else args.params,
+        "steps": args.steps, "warmup": args.warmup, "ranks": 3 * per_node,
         "plain_step_s_median": round(med_a, 5), "torchpass_step_s_median": round(med_b, 5),
         "overhead_pct": round((med_b / med_a - 1) * 100, 2),
         "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),

@@ -39,18 +39,18 @@ from train_ddp import setup_env  # noqa: E402 - beside this file, also in a job 
 WIDTH = 32
 
 
-def mlp(seed: int) -> nn.Module:
+def mlp(seed: int, hidden: int = 64) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 64), nn.Tanh(), nn.Linear(64, 1))
+    return nn.Sequential(nn.Linear(WIDTH, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
-def mesh3d(world: int):
+def mesh3d(world: int, hidden: int):
     """One step function on a (dp, cp, tp) DeviceMesh; returns this rank's loss share."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // 4, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     dp, cp, tp = (mesh.get_group(n) for n in ("dp", "cp", "tp"))
-    m = mlp(mesh.get_local_rank("tp"))  # a tensor-parallel shard per tp index
+    m = mlp(mesh.get_local_rank("tp"), hidden)  # a tensor-parallel shard per tp index
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(2 * mesh.get_local_rank("dp") + mesh.get_local_rank("cp"))
     n_data = dist.get_world_size(dp) * dist.get_world_size(cp)
@@ -72,12 +72,12 @@ def mesh3d(world: int):
     return step, None
 
 
-def hsdp(world: int):
+def hsdp(world: int, hidden: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-    m = mlp(0)
+    m = mlp(0, hidden)
     fully_shard(m[0], mesh=mesh)
     fully_shard(m[2], mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -94,7 +94,7 @@ def hsdp(world: int):
     return step, m
 
 
-def pipeline(world: int):
+def pipeline(world: int, hidden: int):  # its stages are WIDTH wide: hidden is not used
     rank, dp_size = dist.get_rank(), world // 2
     stage, index = divmod(rank, dp_size)
     # every rank makes every group, in the same order (as new_group requires)
@@ -142,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("layout", choices=sorted(LAYOUTS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    ap.add_argument("--hidden", type=int, default=64,
+                    help="hidden width of the mesh3d and hsdp MLPs (about 34 x HIDDEN parameters)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     setup_env()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    step, model = LAYOUTS[args.layout](world)
+    step, model = LAYOUTS[args.layout](world, args.hidden)
     for n in range(args.steps):
         loss = step()
         dist.all_reduce(loss)  # the global mean, the same on every rank

@@ -44,6 +44,12 @@ class TpassdConfig:
     # Remove ended jobs' migration images and hold files (tpassd/sweep.py) at start and
     # this often; 0 = never (then use the Epilog helper, contrib/epilog.d/torchpass-sweep).
     sweep_interval_s: float = 300.0
+    # Complete whole-job snapshots (tpassctl snapshot, snapshot_every): at most this many GB per user
+    # over all their jobs (a commit beyond it is refused and its images removed); 0 = no quota.
+    snapshot_quota_gb: float = 0.0
+    # The tpassd that committed a snapshot removes it this many hours after it was taken (at its
+    # sweep); 0 = kept until deleted or replaced by retention.
+    snapshot_max_age_h: float = 0.0
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -63,6 +69,11 @@ class TpassdConfig:
             raise ConfigError(f"metrics_port must be -1 (off) or 0..65535, got {self.metrics_port}")
         if self.sweep_interval_s != 0 and not 10 <= self.sweep_interval_s <= 86400:
             raise ConfigError(f"sweep_interval_s must be 0 (off) or 10..86400, got {self.sweep_interval_s}")
+        for name in ("snapshot_quota_gb", "snapshot_max_age_h"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        if self.snapshot_max_age_h > 0 and self.sweep_interval_s == 0:
+            raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

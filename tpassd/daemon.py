@@ -250,6 +250,8 @@ class Tpassd:
                                               kill_fault=self.drills.take_kill_fault)
         # A whole-job snapshot must leave the free space this tpassd's own health rule wants (issue 12).
         self.checkpoint.keep_free_bytes = int(self.policy.host.disk_free_gb_degraded * 1e9)
+        self.checkpoint.snapshot_quota_bytes = int(cfg.snapshot_quota_gb * 1e9)
+        self.checkpoint.snapshot_max_age_s = cfg.snapshot_max_age_h * 3600.0
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
         if cfg.metrics_port >= 0:
             self.metrics = MetricsServer(cfg.metrics_address or cfg.bind_address, cfg.metrics_port,
@@ -321,6 +323,7 @@ class Tpassd:
                 res = self.sweeper.sweep()
                 if res.removed or res.aborted or res.kept_busy:
                     log.info("sweep done", **res.as_dict())
+                self.checkpoint.expire_snapshots()
             except Exception:  # noqa: BLE001 - a bug must not stop later sweeps
                 log.exception("sweep failed")
             # +-10 %: the tpassds of a cluster started together do not all ask slurmctld at once

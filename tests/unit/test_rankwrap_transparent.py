@@ -104,6 +104,36 @@ def test_a_rank_killed_by_a_signal_ends_the_wrapper_by_that_signal(tmp_path, sig
         p.wait()
 
 
+def _wakeups(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return sum(int(ln.split()[1]) for ln in status.splitlines()
+               if ln.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+
+
+@root_only
+def test_the_wrapper_sleeps_while_its_rank_runs_and_still_forwards_a_signal_at_once(tmp_path):
+    """No polling beside the rank (a wake-up can delay a rank in a collective every rank waits
+    for): over 2 s of a quiet rank the wrapper is woken at most a few times, and a SIGTERM from
+    slurmstepd reaches the rank right away, not at the next poll."""
+    p = _wrapper(tmp_path, "echo ready; exec sleep 300", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _record(tmp_path, p)
+        assert p.stdout.readline() == b"ready\n"
+        time.sleep(0.3)  # the relay settled into its wait
+        before = _wakeups(p.pid)
+        time.sleep(2.0)
+        woken = _wakeups(p.pid) - before
+        assert woken <= 3, f"the wrapper woke {woken} times in 2 s (it polled every 50 ms before: ~40)"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == -signal.SIGTERM, p.stderr.read()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 @root_only
 def test_the_self_kill_dumps_no_core(tmp_path):
     """exit_like with the core limit up: the wrapper's own death by SIGABRT leaves no core

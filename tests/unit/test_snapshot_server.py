@@ -46,7 +46,7 @@ def test_the_owner_or_an_admin_takes_a_snapshot_once(munge, admin):
         st = server.driver.state
         assert st.snapshot is not None and st.snapshot.id == res["snapshot"] and st.snapshot.phase == "pause"
         asked = [e for e in server.job.events if e.kind == "snapshot.requested"]
-        assert len(asked) == 1 and asked[0].data == {"snapshot": res["snapshot"], "uid": 0}
+        assert len(asked) == 1 and asked[0].data == {"snapshot": res["snapshot"], "trigger": "operator", "uid": 0}
         with pytest.raises(RemoteError) as exc:
             _ask(ep, munge)
         assert exc.value.code == "conflict" and "already in flight" in str(exc.value)

@@ -32,18 +32,18 @@ def _service(tmp_path, **kw) -> CheckpointService:
                              owner_gid=lambda uid: uid, wall=lambda: float(next(clock)), **kw)
 
 
-def _fake_rank(tmp_path, snap: str, rank: int, size: int = 100) -> dict:
+def _fake_rank(tmp_path, snap: str, rank: int, size: int = 100, job: int = 5) -> dict:
     """What a snap op leaves: the rank's images and its root-written manifest."""
-    d = layout.snapshot_images_dir(tmp_path / "snap", 5, snap, rank)
+    d = layout.snapshot_images_dir(tmp_path / "snap", job, snap, rank)
     d.mkdir(parents=True)
     (d / "pages-1.img").write_bytes(b"x" * size)
-    mf.write_manifest(d, {"job": 5, "rank": rank, "snapshot": snap, "node": f"n{rank}"})
+    mf.write_manifest(d, {"job": job, "rank": rank, "snapshot": snap, "node": f"n{rank}"})
     return {"rank": rank, "node": f"n{rank}", "images": str(d), "checksum": mf.checksum(d)}
 
 
-def _commit(svc, tmp_path, snap: str, ident=OWNER, keep: int = 2, parts=None):
-    parts = parts if parts is not None else [_fake_rank(tmp_path, snap, r, 100 * (r + 1)) for r in range(2)]
-    body = {"job_id": 5, "rank": 0, "op": "commit", "snapshot": snap, "step": 12, "generation": 1,
+def _commit(svc, tmp_path, snap: str, ident=OWNER, keep: int = 2, parts=None, job: int = 5):
+    parts = parts if parts is not None else [_fake_rank(tmp_path, snap, r, 100 * (r + 1), job) for r in range(2)]
+    body = {"job_id": job, "rank": 0, "op": "commit", "snapshot": snap, "step": 12, "generation": 1,
             "collectives": 40, "keep": keep, "parts": parts}
     return svc.snapshot(wire.Message("tpassd.snapshot", body), ident)
 
@@ -103,6 +103,43 @@ def test_retention_keeps_the_newest_and_delete_is_owner_only(tmp_path):
     assert [r["snapshot"] for r in list_snapshots(tmp_path / "state", 5, uid=1001)] == ["s3"]
     with pytest.raises(RemoteError, match="no snapshot s2"):
         svc.snapshot(delete, OWNER)
+
+
+def test_a_users_quota_counts_all_their_jobs_minus_what_retention_removes(tmp_path):
+    svc = _service(tmp_path)
+    svc.snapshot_quota_bytes = 900  # each commit below is 300 bytes (two ranks: 100 + 200)
+    layout.job_dir(tmp_path / "state", 6).mkdir(parents=True)
+    _commit(svc, tmp_path, "a1", job=6)
+    _commit(svc, tmp_path, "s1", keep=2)
+    _commit(svc, tmp_path, "s2", keep=2)  # 900: at the quota, not over it
+    out = _commit(svc, tmp_path, "s3", keep=2)  # s1 goes by retention: still 900
+    assert out["removed"] == ["s1"]
+    with pytest.raises(RemoteError, match=r"would bring uid 1001's snapshots to 0\.00 GB, over this cluster's quota") \
+            as exc:
+        _commit(svc, tmp_path, "s4", keep=3)  # keeping 3 of job 5 (s2 s3 s4) + job 6's a1: 1,200
+    assert exc.value.code == "conflict" and "tpassctl snapshots JOBID --delete ID" in str(exc.value)
+    assert not layout.snapshot_manifest(tmp_path / "state", 5, "s4").exists()
+    assert sorted(r["snapshot"] for r in list_snapshots(tmp_path / "state", None, uid=1001)) == ["a1", "s2", "s3"]
+
+
+def test_snapshots_older_than_the_age_limit_are_removed_by_the_tpassd_that_wrote_them(tmp_path):
+    now = [10_000.0]
+    svc = _service(tmp_path)
+    svc.wall = lambda: now[0]
+    _commit(svc, tmp_path, "s1")
+    now[0] += 3000
+    _commit(svc, tmp_path, "s2")
+    other = CheckpointService(tmp_path / "snap", "n9", state_dir=tmp_path / "state", job_owner=lambda j: 1001,
+                              wall=lambda: now[0] + 10_000)
+    other.snapshot_max_age_s = 3600.0
+    assert other.expire_snapshots() == []  # n1 wrote them: n9 leaves them alone
+    svc.snapshot_max_age_s = 0.0
+    assert svc.expire_snapshots() == []  # no limit
+    svc.snapshot_max_age_s = 3600.0
+    now[0] += 1000  # s1 is 4,000 s old, s2 1,000 s
+    assert svc.expire_snapshots() == ["5/s1"]
+    assert not (layout.snapshot_tree(tmp_path / "snap", 5) / "s1").exists()
+    assert [r["snapshot"] for r in list_snapshots(tmp_path / "state", 5, uid=1001)] == ["s2"]
 
 
 def test_a_manifest_not_written_by_root_is_not_listed(tmp_path):

@@ -204,13 +204,30 @@ def handles_signal(pid: int, sig: int) -> bool:
 
 
 class Relay:
-    """Copies child pipes to our stdout/stderr and forwards signals, in one loop (no threads)."""
+    """Copies child pipes to our stdout/stderr and forwards signals, in one loop (no threads).
+
+    Event-driven: the loop sleeps in select() until output, the waited process's exit (a
+    pidfd) or a signal to forward (signal.set_wakeup_fd) wakes it. Polling instead (every
+    50 ms, as it once did) woke every wrapper 20 times a second beside its rank; on a node
+    whose ranks take every core, each wake-up can delay a rank inside a collective that all
+    ranks wait for."""
+
+    # A bound on one sleep, should a wake-up ever be missed (a pidfd is unavailable: < 5.3).
+    IDLE_S = 5.0
+    POLL_S = 0.05  # without a pidfd: how often the exit is checked
 
     def __init__(self, fds: dict[int, int]):
         self.fds = dict(fds)  # read fd -> our fd
         self.child: int | None = None
         self.pending: list[int] = []
         self.substituted: int | None = None  # the first signal we had to send as SIGKILL
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+            self.wake_w: int | None = wake_w
+        except ValueError:  # not the main thread (tests): signals are checked every POLL_S
+            os.close(wake_w)
+            self.wake_w = None
         for s in FORWARDED:
             signal.signal(s, lambda sig, _f: self.pending.append(sig))
 
@@ -226,16 +243,26 @@ class Relay:
             except ProcessLookupError:
                 pass
 
-    def pump(self, timeout: float) -> None:
+    def pump(self, timeout: float, exited: int | None = None) -> None:
+        """Forward pending signals, then relay what is ready within ``timeout``; ``exited``: a
+        pidfd whose readiness (the process ended) also ends the wait."""
         self.forward()
-        if not self.fds:
-            time.sleep(timeout)
-            return
+        watch = [*self.fds, self.wake_r] + ([exited] if exited is not None else [])
+        if self.wake_w is None:
+            timeout = min(timeout, self.POLL_S)
         try:
-            ready, _, _ = select.select(list(self.fds), [], [], timeout)
+            ready, _, _ = select.select(watch, [], [], timeout)
         except InterruptedError:
             return
+        if self.wake_r in ready:
+            try:
+                while os.read(self.wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
         for fd in ready:
+            if fd not in self.fds:
+                continue
             try:
                 data = os.read(fd, 65536)
             except OSError:
@@ -261,6 +288,17 @@ class Relay:
         ended it. ``init``: ``pid`` is the plugin's tpass-init, which exits with the
         rank's code and names a signal that ended the rank in its comm (``init_signal``),
         read before it is reaped."""
+        try:
+            exited = os.pidfd_open(pid)
+        except OSError:  # gone already (waitid below says so), or no pidfd on this kernel
+            exited = None
+        try:
+            return self._wait(pid, init, exited)
+        finally:
+            if exited is not None:
+                os.close(exited)
+
+    def _wait(self, pid: int, init: bool, exited: int | None) -> int:
         while True:
             try:
                 if init:
@@ -281,7 +319,7 @@ class Relay:
                 if code == -signal.SIGKILL and self.substituted:
                     return -self.substituted
                 return code
-            self.pump(0.05)
+            self.pump(self.IDLE_S if exited is not None else self.POLL_S, exited)
 
 
 INIT_SIGNAL_PREFIX = "tpass-sig:"  # tpass_init.c: the name it takes when a signal ended the rank

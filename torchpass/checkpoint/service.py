@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import stat
@@ -76,6 +77,9 @@ def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
 # tpassd.snapshot ops of whole-job snapshots (issue 12; CheckpointService._job_snapshot).
 JOB_SNAPSHOT_OPS = ("snap", "commit", "discard", "delete")
 MAX_JOB_MANIFEST_BYTES = 4 << 20
+
+
+_JOB_ID = re.compile(r"[0-9]{1,12}")  # layout.job_dir's name
 
 
 def read_job_manifests(dfd: int, job_id: int) -> list[dict[str, Any]]:
@@ -147,6 +151,11 @@ class CheckpointService:
         # Whole-job snapshots (issue 12) leave at least this much free on snapshot_dir: tpassd's own
         # free-space health rule (disk_free_gb_degraded) must not trip because of a snapshot.
         self.keep_free_bytes = keep_free_bytes
+        # Site limits on complete whole-job snapshots (tpassd.toml snapshot_quota_gb, snapshot_max_age_h):
+        # bytes per user over all their jobs, checked at commit; age after which expire_snapshots removes
+        # one. 0: none.
+        self.snapshot_quota_bytes = 0
+        self.snapshot_max_age_s = 0.0
         self.wall = wall  # the job manifest's created time
         # The group that may read a job's manifests: the owner's primary group (a user private group).
         self.owner_gid = owner_gid or (lambda uid: pwd.getpwuid(uid).pw_gid)
@@ -579,6 +588,7 @@ class CheckpointService:
             raise RemoteError("bad_request", f"commit of snapshot {snap}: a rank is named twice")
         keep = b.get("keep")
         keep = keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else 1
+        self._check_quota(owner, job_id, snap, sum(p["bytes"] for p in checked), keep)
         manifest = {
             "version": 1, "job_id": job_id, "snapshot": snap, "uid": owner, "created": round(self.wall(), 3),
             "step": b.get("step"), "generation": b.get("generation"), "collectives": b.get("collectives"),
@@ -599,6 +609,74 @@ class CheckpointService:
                  manifest=str(path), removed=removed)
         return {"node": self.node, "snapshot": snap, "manifest": str(path), "bytes": manifest["bytes"],
                 "removed": removed}
+
+    def _each_jobs_manifests(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Every job's complete snapshots under STATE_DIR (root-written manifests only), job by job."""
+        if self.state_dir is None:
+            return []
+        try:
+            names = os.listdir(layout.jobs_dir(self.state_dir))
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            if not _JOB_ID.fullmatch(name):
+                continue
+            job_id = int(name)
+            try:
+                dfd = self._manifests_dir(job_id)
+            except RemoteError:
+                continue  # not root's: nothing of a complete snapshot there
+            if dfd is None:
+                continue
+            try:
+                out.append((job_id, read_job_manifests(dfd, job_id)))
+            finally:
+                os.close(dfd)
+        return out
+
+    def _check_quota(self, owner: int, job_id: int, snap: str, new_bytes: int, keep: int) -> None:
+        """Refuse the commit (RemoteError conflict: the coordinator then discards the images) when the
+        owner's complete snapshots, with this one in and the job's oldest gone by retention, would
+        exceed snapshot_quota_bytes."""
+        if self.snapshot_quota_bytes <= 0:
+            return
+        used = 0
+        for jid, found in self._each_jobs_manifests():
+            mine = [m for m in found if m.get("uid") == owner and m.get("snapshot") != snap]
+            if jid == job_id:  # _retain keeps the newest `keep`, this one among them
+                mine = mine[max(0, len(mine) + 1 - keep):]
+            used += sum(int(m.get("bytes") or 0) for m in mine)
+        if used + new_bytes > self.snapshot_quota_bytes:
+            raise RemoteError("conflict", f"snapshot {snap} of job {job_id} ({new_bytes / 1e9:.2f} GB) would bring "
+                                          f"uid {owner}'s snapshots to {(used + new_bytes) / 1e9:.2f} GB, over this "
+                                          f"cluster's quota of {self.snapshot_quota_bytes / 1e9:g} GB per user "
+                                          "(tpassd snapshot_quota_gb); delete older ones (tpassctl snapshots "
+                                          "JOBID --delete ID) or ask your administrator")
+
+    def expire_snapshots(self) -> list[str]:
+        """Remove the complete snapshots this tpassd committed that are older than snapshot_max_age_s
+        (tpassd's sweep calls it); "JOB/ID" of each removed. One tpassd per snapshot: its writer."""
+        if self.snapshot_max_age_s <= 0:
+            return []
+        cutoff = self.wall() - self.snapshot_max_age_s
+        gone = []
+        for job_id, found in self._each_jobs_manifests():
+            old = [m for m in found if m.get("written_by") == self.node and float(m.get("created") or 0) < cutoff]
+            if not old:
+                continue
+            dfd = self._manifests_dir(job_id)
+            if dfd is None:
+                continue
+            try:
+                for m in old:
+                    self._remove_snapshot(job_id, m, dfd)
+                    gone.append(f"{job_id}/{m['snapshot']}")
+            finally:
+                os.close(dfd)
+        if gone:
+            log.info("expired snapshots removed", snapshots=gone, max_age_h=round(self.snapshot_max_age_s / 3600, 2))
+        return gone
 
     def _retain(self, job_id: int, dfd: int, keep: int, newest: str) -> list[str]:
         """Remove all but the newest ``keep`` complete snapshots of the job (oldest first); their ids."""
