@@ -359,17 +359,27 @@ def clear_stale_proc_dir(pid: int, proc: str = "/proc", now: Callable[[], float]
         return False
 
 
+def _root_owned_dir(path: str) -> int | None:
+    """A directory fd of ``path`` when it is a directory root owns, reached without following a
+    symlink at its last component; None otherwise (root makes nothing where a user points)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_uid != 0:
+        os.close(fd)
+        return None
+    return fd
+
+
 def make_tpass_init_base(base: str = TPASS_INIT_BASE) -> bool:
     """TPASS_INIT_BASE as tpass-init makes it (root:root 0770), on a node where no rank started yet
     (a spare): in a root-owned parent, without following a symlink. True when it is there now."""
     parent, name = os.path.split(base)
-    try:
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    dfd = _root_owned_dir(parent)
+    if dfd is None:
         return False
     try:
-        if os.fstat(dfd).st_uid != 0:
-            return False
         try:
             os.mkdir(name, 0o770, dir_fd=dfd)
         except FileExistsError:
@@ -392,7 +402,7 @@ def make_tpass_init_base(base: str = TPASS_INIT_BASE) -> bool:
 
 def recreate_cwd(rec: dict | None) -> bool:
     """Make the dumped root's working directory when this node lacks it (CRIU's restore fails
-    without it): tpass-init's own directory lives in the node-local /tmp of the node it started
+    without it): tpass-init's own directory lives in the node-local /run of the node it started
     on. Only the last component, and only in a root-owned directory reached without a symlink,
     so the manifest (root's, checked) never makes root write where a user points. True when made."""
     if not rec or not isinstance(rec.get("path"), str) or os.path.lexists(rec["path"]):
@@ -402,13 +412,10 @@ def recreate_cwd(rec: dict | None) -> bool:
         return False
     if parent == TPASS_INIT_BASE:
         make_tpass_init_base()
-    try:
-        dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    dfd = _root_owned_dir(parent)
+    if dfd is None:
         return False
     try:
-        if os.fstat(dfd).st_uid != 0:
-            return False
         try:
             os.mkdir(name, 0o700, dir_fd=dfd)
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
