@@ -39,10 +39,10 @@ class FakeTpassd:
         return [(n, b) for n, b in self.calls if b["op"] == op]
 
 
-def _driver(tmp_path, tp):
+def _driver(tmp_path, tp, pol: CoordinatorPolicy | None = None, **clocks):
     job = JobState(job_id=42)
-    pol = CoordinatorPolicy()
-    d = Driver(job, pol)
+    pol = pol or CoordinatorPolicy()
+    d = Driver(job, pol, **clocks)
     d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp,
                           address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}[n])
     for r, n in enumerate(NODES):
@@ -111,15 +111,9 @@ def test_a_failed_dump_resumes_every_rank_and_discards_on_every_node(tmp_path):
 def test_the_driver_asks_for_a_periodic_snapshot_and_records_it(tmp_path):
     tp = FakeTpassd()
     now = [500.0]
-    job = JobState(job_id=42)
-    pol = CoordinatorPolicy(snapshot_every_s=30.0)
-    d = Driver(job, pol, clock=lambda: now[0], wall=lambda: 1.7e9 + now[0])
-    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp,
-                          address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}[n])
-    for r, n in enumerate(NODES):
-        d.feed(mc.RankRegistered(r, n, 3))
-    for n in NODES:
-        d.feed(mc.NodeHealthChanged(n, "healthy"))
+    d = _driver(tmp_path, tp, CoordinatorPolicy(snapshot_every_s=30.0), clock=lambda: now[0],
+                wall=lambda: 1.7e9 + now[0])
+    job = d.job
     now[0] += 29.0
     d.decide()
     assert d.state.snapshot is None
