@@ -23,8 +23,12 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
   credentials are not verified there;
 * simulated ranks in several load-generator processes (one event loop each,
   many sockets), speaking the rank protocol of torchpass.runtime.control:
-  ``rank.register``, then ``rank.progress`` every 0.5 s after each reply
-  (or less often, as the coordinator's ``report_every_s`` asks); while
+  ``rank.register``, then ``rank.progress`` every 0.5 s (or less often, as
+  the coordinator's ``report_every_s`` asks), each a long poll of that
+  interval as the runtime sends it since issue 13's running long polls
+  (``wait_s``: the coordinator answers at once with a command, else at the
+  end of the interval, and the next report goes then; ``--running-poll
+  short``: a plain report, the next 0.5 s after its reply, as before); while
   paused a long poll (``wait_s``, 80-100 % of the coordinator's
   ``wait_max_s``: it answers when the rank has a command; given up for a
   report to send), or with
@@ -243,7 +247,7 @@ class LoadGen:
     stops at T+1, where it blocks), and ranks tear down at T only once every rank has reached it."""
 
     def __init__(self, endpoint: str, job_id: int, world: int, ranks: range, secret: str, t0: float,
-                 persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True):
+                 persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True, running_long: bool = True):
         import zmq
 
         from torchpass import jobauth, wire, zmqio
@@ -252,6 +256,7 @@ class LoadGen:
         self.endpoint, self.job_id, self.world = endpoint, job_id, world
         self.persistent = persistent
         self.long_poll = long_poll  # paused ranks long-poll as the runtime does (else every 20 ms, as before)
+        self.running_long = running_long  # running ranks' reports are long polls too (else plain, as before)
         self.conn = conn
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
@@ -280,7 +285,11 @@ class LoadGen:
 
     def _sync(self, now: float) -> None:
         """Follow the other ranks: the cap on collectives, and the barrier at T."""
-        standing = self.wait_at[self.wait_at >= 0]
+        # One copy of each shared array: the other load generators write them meanwhile, and a mask
+        # and an index read at two moments saw a -1 as standing (a cap of 0: every running rank of
+        # this generator re-based to 0 and fell hundreds of collectives behind the others).
+        wait_at, wait_gen = self.wait_at.copy(), self.wait_gen.copy()
+        standing = wait_at[wait_at >= 0]
         cap = int(standing.min()) + 1 if standing.size else None
         if cap != self.cap:
             for rk in self.ranks:  # re-base running ranks at what they had issued under the old cap
@@ -289,7 +298,7 @@ class LoadGen:
             self.cap = cap
         targets = {rk.armed for rk in self.ranks if rk.waiting}
         for at, gen in targets:
-            if bool(np.all((self.wait_at == at) & (self.wait_gen == gen))):
+            if bool(np.all((wait_at == at) & (wait_gen == gen))):
                 for i, rk in enumerate(self.ranks):
                     if rk.waiting and rk.armed == (at, gen):
                         self._quiesce(i, now)
@@ -363,6 +372,8 @@ class LoadGen:
             body = {**base, "step": c // COLLECTIVES_PER_STEP, "collectives": c, "node": rk.node}
             if self.long_poll and rk.paused and rk.wait_max_s > 0:  # ControlLink.long_poll_s
                 body["wait_s"] = round(rk.wait_max_s * random.uniform(0.8, 1.0), 3)
+            elif self.running_long and not rk.paused and rk.wait_max_s > 0:
+                body["wait_s"] = round(rk.every(), 3)
             self._send(i, "rank.progress", body, now)
 
     def _post(self, i: int, type_: str, body: dict, now: float) -> None:
@@ -392,8 +403,11 @@ class LoadGen:
             result = None
             self._count("error_replies")
         self._finish(i, keep=True)
-        if type_ == "rank.progress" and "wait_s" not in body:  # a long poll waits by design
+        if type_ == "rank.progress" and "wait_s" not in body:
             self.rtts.append(now - t_sent)
+        elif type_ == "rank.progress" and not (isinstance(result, dict) and result.get("command")):
+            # A long poll waits by design: how late its answer came after the wait it asked for.
+            self.rtts.append(max(0.0, now - t_sent - float(body["wait_s"])))
         if result is None:
             self._failed(i, type_, now, body, t_sent)
             return
@@ -416,12 +430,17 @@ class LoadGen:
             self._timer(now, i)
             return
         self._handle(i, result, now)
-        self._timer(now + self._next_poll(rk, body, t_sent, now), i)
+        commanded = isinstance(result, dict) and isinstance(result.get("command"), dict)
+        self._timer(now + self._next_poll(rk, body, t_sent, now, commanded), i)
 
     @staticmethod
-    def _next_poll(rk: SimRank, body: dict, t_sent: float, now: float) -> float:
-        """Seconds to the next report: after a long poll at once (not twice in 20 ms), else every()."""
-        return max(0.0, PAUSED_INTERVAL_S - (now - t_sent)) if "wait_s" in body else rk.every()
+    def _next_poll(rk: SimRank, body: dict, t_sent: float, now: float, commanded: bool = False) -> float:
+        """Seconds to the next report, as ControlLink._run: after a long poll at once (not twice in
+        20 ms; a running rank's poll answered early with no command waits out every()), else every()."""
+        if "wait_s" not in body:
+            return rk.every()
+        spacing = rk.every() if not rk.paused and not commanded else PAUSED_INTERVAL_S
+        return max(0.0, spacing - (now - t_sent))
 
     def _failed(self, i: int, type_: str, now: float, body: dict | None = None, t_sent: float = 0.0) -> None:
         rk = self.ranks[i]
@@ -530,6 +549,24 @@ class LoadGen:
         elif cmd[0] == "events":
             self.conn.send(self.events)
             self.events = []
+        elif cmd[0] == "counts":  # the lowest and highest count of this generator's ranks now
+            now = time.monotonic()
+            c = [self.collectives(r, now) for r in self.ranks]
+            self.conn.send((min(c), max(c)) if c else None)
+        elif cmd[0] == "lagging":  # armed ranks not yet standing at T, and what holds them back
+            now = time.monotonic()
+            wait_at, wait_gen = self.wait_at.copy(), self.wait_gen.copy()
+            standing = np.nonzero(wait_at >= 0)[0]
+            low = int(standing[np.argmin(wait_at[standing])]) if standing.size else None
+            self.conn.send({"cap": self.cap, "standing": int(standing.size),
+                            "lowest": None if low is None else (low, int(wait_at[low]), int(wait_gen[low])),
+                            "behind": sorted(r.rank for r in self.ranks if not r.paused and r.armed
+                                             and self.collectives(r, now) < r.armed[0] - 2)[:64],
+                            "ranks": [{"rank": r.rank, "armed": r.armed, "count": self.collectives(r, now),
+                                       "base": (r.base_c, round(r.base_t - now, 3)),
+                                       "inflight": r.inflight[1] if r.inflight else None, "holding": r.holding,
+                                       "outbox": [t for t, _ in r.outbox], "generation": r.generation}
+                                      for r in self.ranks if not r.paused][:cmd[1]]})
         elif cmd[0] == "stuck":  # the ranks that did not resume since the mark, as they stand
             self.conn.send([{"rank": r.rank, "armed": r.armed, "waiting": r.waiting, "frozen": r.frozen,
                              "holding": r.holding, "generation": r.generation, "outbox": [t for t, _ in r.outbox],
@@ -578,11 +615,11 @@ class LoadGen:
 
 
 def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
-                 long_poll=True) -> None:
+                 long_poll=True, running_long=True) -> None:
     lim = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim[1], lim[1]))
     LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen,
-            long_poll).run()
+            long_poll, running_long).run()
 
 
 # ============================================================================
@@ -758,7 +795,8 @@ def trial_figures(events: list[tuple[int, str, int, float]], t_fault: float, bad
     return out
 
 
-def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: str = "long") -> dict[str, Any]:
+def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: str = "long",
+             running_poll: str = "long") -> dict[str, Any]:
     from torchpass.ports import TPASSD_PUB_PORT
 
     assert TPASSD_PUB_PORT == PUB_PORT
@@ -769,7 +807,7 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
     spawn = mp.get_context("spawn")
     secret = secrets.token_hex(32)
     out: dict[str, Any] = {"ranks": ranks, "nodes": nodes - 1, "spare_nodes": 1, "load_generators": gens,
-                           "connection": connection, "paused_poll": paused_poll,
+                           "connection": connection, "paused_poll": paused_poll, "running_poll": running_poll,
                            "loadavg_start": [round(x, 2) for x in load_start]}
     procs: list = []
     conns: list = []
@@ -801,7 +839,7 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 p = spawn.Process(target=loadgen_main, daemon=True,
                                   args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
                                         connection == "persistent", child, wait_at, wait_gen,
-                                        paused_poll == "long"))
+                                        paused_poll == "long", running_poll == "long"))
                 p.start()
                 procs.append(p)
                 conns.append(a)
@@ -872,18 +910,25 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 node = k % (nodes - 1)
                 bad = set(range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE))
                 _ask(conns, ("mark",))
+                counts = _ask(conns, ("counts",))  # per generator: the lockstep holds (a real job's does)
                 tp_conn.send(("set", node_name(node), "degraded"))
                 t_fault, wall_fault = tp_conn.recv()
                 ok = False
                 t_end = t_fault + args.trial_timeout_s
+                lagging = None
                 while time.monotonic() < t_end:
                     time.sleep(0.2)
                     if sum(s["resumed_since"] for s in _ask(conns, ("stats",))) >= ranks:
                         ok = True
                         break
+                    if lagging is None and time.monotonic() > t_fault + 8.0:
+                        lagging = _ask(conns, ("lagging", 3))
+                        print(f"  after 8 s: {lagging}", flush=True)
                 evs = [e for part in _ask(conns, ("events",)) for e in part]
                 fig = trial_figures(evs, t_fault, bad)
-                fig.update(node=node_name(node), complete=ok, t_wall=wall_fault)
+                fig.update(node=node_name(node), complete=ok, t_wall=wall_fault, counts_at_fault=counts)
+                if lagging is not None:
+                    fig["after_8s"] = lagging
                 if not ok and fig["ranks_paused"]:
                     fig["not_resumed"] = [x for part in _ask(conns, ("stuck", 3)) for x in part][:3]
                     print(f"  not resumed: {fig['not_resumed']}", flush=True)
@@ -979,6 +1024,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any
     with the per-request rows dotted."""
     persistent = [r for r in rows if r.get("connection") == "persistent"]
     persistent = [r for r in persistent if r.get("paused_poll") == "long"] or persistent
+    persistent = [r for r in persistent if r.get("running_poll") == "long"] or persistent
     per_request = [r for r in rows if r.get("connection", "per-request") == "per-request"]
     plot(persistent or per_request, path, before, per_request if persistent else [])
 
@@ -1072,6 +1118,11 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="long: a paused rank's poll carries wait_s and waits at the coordinator for its command "
                          "(the rank runtime since issue 13's long polls); short: a poll every 20 ms (or "
                          "paused_every_s), as before; both: each size with short, then long")
+    ap.add_argument("--running-poll", choices=("long", "short", "both"), default="long",
+                    help="long: a running rank's report carries wait_s (its report interval) and waits at the "
+                         "coordinator, which answers it at once with a pause (the rank runtime since issue 13's "
+                         "running long polls); short: a plain report every 0.5 s (or report_every_s), as before; "
+                         "both: each size with short, then long")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
@@ -1104,21 +1155,24 @@ def main() -> int:
 
     conns = ("per-request", "persistent") if args.connection == "both" else (args.connection,)
     polls = ("short", "long") if args.paused_poll == "both" else (args.paused_poll,)
+    running = ("short", "long") if args.running_poll == "both" else (args.running_poll,)
 
     rows = []
     with private_munged() as munge:
         for n in sizes:
             for connection in conns:
                 for poll in polls:
-                    print(f"=== {n} ranks, {connection}, {poll} paused polls "
-                          f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-                    rows.append(run_size(n, args, munge.socket, connection, poll))
-                    print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}),
-                          flush=True)
+                    for run_poll in running:
+                        print(f"=== {n} ranks, {connection}, {poll} paused polls, {run_poll} running polls "
+                              f"(load average {os.getloadavg()[0]:.2f})", flush=True)
+                        rows.append(run_size(n, args, munge.socket, connection, poll, run_poll))
+                        print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}),
+                              flush=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
 
     def key(r: dict) -> tuple:  # rows measured before a field existed: what the harness did then
-        return r["ranks"], r.get("connection", "per-request"), r.get("paused_poll", "short")
+        return (r["ranks"], r.get("connection", "per-request"), r.get("paused_poll", "short"),
+                r.get("running_poll", "short"))
 
     done = {key(r) for r in rows}
     merged = sorted([r for r in old.get("sizes", []) if key(r) not in done] + rows, key=key)

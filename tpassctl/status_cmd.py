@@ -77,7 +77,8 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
                                auth=auth.optional_credential_for("job.status", {}, auth.job_target(jid)))
             row["reachable"] = True
             row.update({k: st[k] for k in ("world_size", "registered_ranks", "min_step", "max_step",
-                                           "ranks", "spares", "policy") if k in st})
+                                           "ranks", "spares", "policy", "migration", "snapshot",
+                                           "last_migration") if k in st})
             # "unprotected": why the runtime cannot protect the job (None: it can)
             row["unprotected"] = st.get("unprotected")
             row["protected"] = not st.get("unprotected")
@@ -101,6 +102,20 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
         for r in rows:
             r["slurm_error"] = slurm_error
     return rows
+
+
+def activity_lines(row: dict[str, Any]) -> list[str]:
+    """What the coordinator is doing to the job (job.status's migration, snapshot, last_migration)."""
+    lines = []
+    m, s, last = row.get("migration"), row.get("snapshot"), row.get("last_migration")
+    if m:
+        lines.append(f"migrating {m['node']} -> {m['target'] or '(no spare yet)'} ({m['id']}): "
+                     f"{m['phase']} for {m['phase_age_s']:.1f}s, {m['age_s']:.1f}s in all")
+    if s:
+        lines.append(f"snapshot {s['id']} ({s['trigger']}): {s['phase']} for {s['phase_age_s']:.1f}s")
+    if last and not m:
+        lines.append(f"last migration {last['id']}: {last['node']} -> {last['target'] or '-'} {last['outcome']}")
+    return lines
 
 
 REFUSED_CODES = ("forbidden", "unauthenticated")
@@ -132,6 +147,8 @@ def status(obj, job_id, as_json, timeout_s):
     (or only JOB_ID), and for each rank the time since its last report. A job
     the runtime cannot protect shows UNPROTECTED and why; a running job whose
     coordinator does not answer shows "coordinator LOST" (nothing migrates it).
+    A migration or whole-job snapshot in flight shows its phase and for how
+    long it has been in it, and the last migration how it ended.
     """
     rows = collect(obj.state_dir, job_id, timeout_s)
     if as_json:
@@ -155,6 +172,8 @@ def status(obj, job_id, as_json, timeout_s):
             f"job {row['job_id']}  {row['slurm_state'] or '?'}  coordinator {row['coordinator']['endpoint']}"
             f" (pid {row['coordinator']['pid']} on {row['coordinator']['host']})  ranks {ranks}  step {steps}{reach}"
         )
+        for line in activity_lines(row):
+            click.echo(f"  {line}")
         for r in row.get("ranks", []):
             click.echo(f"  rank {r['rank']:>3}  {r['node']:<12} pid {r['pid']:<8} step {r['step']:<7}"
                        f" gen {r['generation']}  last report {r['last_report_age_s']:.1f}s ago")

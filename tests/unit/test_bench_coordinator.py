@@ -29,3 +29,20 @@ def test_paused_ranks_long_poll_by_default_and_the_old_polling_stays_available()
     assert parser.parse_args([]).paused_poll == "long"
     assert parser.parse_args(["--paused-poll", "both"]).paused_poll == "both"
     assert parser.parse_args(["--paused-poll", "short"]).paused_poll == "short"
+
+
+def test_running_ranks_long_poll_by_default_as_the_runtime_does():
+    # torchpass.runtime.control's reports are long polls of the report interval while running too.
+    h = _harness()
+    parser = h.arg_parser()
+    assert parser.parse_args([]).running_poll == "long"
+    assert parser.parse_args(["--running-poll", "both"]).running_poll == "both"
+    # After a running long poll the next report goes when the interval is over, at once if the
+    # coordinator parked it that long, and a pause's early answer is followed at once.
+    rk = h.SimRank(0, "n0", None, 0.0)
+    assert rk.every() == h.PROGRESS_INTERVAL_S
+    body = {"wait_s": rk.every()}
+    assert h.LoadGen._next_poll(rk, body, 0.0, h.PROGRESS_INTERVAL_S) == 0.0
+    assert h.LoadGen._next_poll(rk, body, 0.0, 0.1) == h.PROGRESS_INTERVAL_S - 0.1
+    assert h.LoadGen._next_poll(rk, body, 0.0, 0.1, commanded=True) == 0.0
+    assert h.LoadGen._next_poll(rk, {}, 0.0, 0.1) == h.PROGRESS_INTERVAL_S

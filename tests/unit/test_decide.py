@@ -854,6 +854,38 @@ def test_pause_point_rounds_up_to_the_next_step_boundary():
     assert pause_point(10.0, {0: RankView(0, "n", **base)}, TP, floor=130)[0] == 130 + 4 + 2
 
 
+def test_a_rank_whose_report_waits_at_the_coordinator_hears_the_pause_at_once():
+    # A long-polling rank (its last report parked until listening_until) is paused at once: T counts
+    # only the time since its report, not its report interval (issue 13: less training to T).
+    base = dict(collectives=100, reported_at=10.0, report_gap=2.0, rate=4.0)
+    waiting = {0: RankView(0, "n", listening_until=12.0, **base)}
+    tp = replace(TP, pause_fanout_s_per_1000_ranks=0.0)
+    # 0.25 s since its report + 0.5 s slack: ceil(4 x 0.75) = 3; + margin 2.
+    assert pause_point(10.25, waiting, tp)[0] == 100 + 3 + 2
+    # The same rank reporting without a long poll hears it one report interval later.
+    assert pause_point(10.25, {0: RankView(0, "n", **base)}, tp)[0] == 100 + 10 + 2
+    # Its poll answered (listening_until passed): at its next report, here overdue (2.5 s + slack).
+    assert pause_point(12.5, waiting, tp)[0] == 100 + 12 + 2
+    # A re-arm after a refusal, every rank listening: only the slack.
+    assert pause_point(10.0, waiting, tp, floor=130)[0] == 130 + 2 + 2
+    # 2,000 listening ranks: the last one hears the pause 2 x pause_fanout_s_per_1000_ranks
+    # (0.25 s) after the first: ceil(4 x (0.25 + 0.5 + 0.5)) = 5.
+    many = {r: RankView(r, "n", listening_until=12.0, **base) for r in range(2000)}
+    assert pause_point(10.25, many, TP)[0] == 100 + 5 + 2
+
+
+def test_a_long_poll_marks_the_rank_listening_until_another_message_answers_it():
+    st = CoordState(job_id=1)
+    st = mc.apply(st, mc.RankRegistered(0, "n1", 1), 0.0)
+    st = mc.apply(st, mc.RankProgress(0, 10, 1, wait_s=2.0), 1.0)
+    assert st.ranks[0].listening_until == 3.0
+    st = mc.apply(st, mc.RankProgress(0, 12, 1), 1.5)  # a plain report
+    assert st.ranks[0].listening_until is None
+    st = mc.apply(st, mc.RankProgress(0, 14, 1, wait_s=2.0), 2.0)
+    st = mc.apply(st, mc.Armed(0, 20, 1, True, 15), 2.1)  # its client answered the parked poll
+    assert st.ranks[0].listening_until is None
+
+
 def test_rank_pace_from_progress_reports():
     st = CoordState(job_id=1)
     st = mc.apply(st, mc.RankRegistered(0, "n1", 1), 0.0)
@@ -870,6 +902,35 @@ def test_rank_pace_from_progress_reports():
     assert st.ranks[0].per_step == 4 and st.ranks[0].report_gap == pytest.approx(0.625)
     st = mc.apply(st, mc.RankProgress(0, 5, 1), 4.0)  # went backwards: measure afresh
     assert st.ranks[0].rate == 0.0 and st.ranks[0].rate_base == (4.0, 5)
+
+
+def test_a_pause_does_not_lower_the_measured_rate():
+    # Issue 13: a rank paused at T reports the same count for seconds; were those samples, the rate
+    # (and with it the next T) would fall, and the ranks would pass T before they heard of it.
+    st = CoordState(job_id=1)
+    st = mc.apply(st, mc.RankRegistered(0, "n1", 1), 0.0)
+    for t in range(1, 5):
+        st = mc.apply(st, mc.RankProgress(0, 40 * t, t), float(t))
+    assert st.ranks[0].rate == pytest.approx(40.0)
+    for t in (5.0, 7.0, 9.0):  # paused at 160, long polls 2 s apart
+        st = mc.apply(st, mc.RankProgress(0, 160, 4), t)
+    assert st.ranks[0].rate == pytest.approx(40.0)
+    # Reaching T (160 + 40) mid-interval and standing there is not a sample either.
+    from torchpass.coordinator.model import Migration
+
+    st = replace(st, migration=Migration(id="m1", node="n2", reason="r", trigger="health", ranks=(1,), detected=4.0,
+                                         started=4.0, phase=Phase.PAUSE, phase_started=4.0, deadline=60.0,
+                                         generation=2, pause_at=200))
+    st = mc.apply(st, mc.Resumed(0, 2, "n1", False, 160), 9.0)
+    st = mc.apply(st, mc.RankProgress(0, 180, 4), 9.2)
+    st = mc.apply(st, mc.RankProgress(0, 200, 4), 10.5)  # at T since ~9.7
+    assert st.ranks[0].rate == pytest.approx(40.0)
+    st = replace(st, migration=None)
+    st = mc.apply(st, mc.Resumed(0, 2, "n1", False, 160), 9.5)  # a new measurement from the next report
+    assert st.ranks[0].rate_base is None
+    st = mc.apply(st, mc.RankProgress(0, 180, 5), 11.0)
+    st = mc.apply(st, mc.RankProgress(0, 220, 6), 12.0)
+    assert st.ranks[0].rate == pytest.approx(40.0)
 
 
 def test_paused_is_the_standstill_from_the_last_rank_at_T():

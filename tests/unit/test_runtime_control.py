@@ -242,6 +242,45 @@ def test_a_paused_rank_long_polls_and_its_resume_arrives_at_once(coordinator):
     assert link.errors == 0
 
 
+def test_a_running_rank_long_polls_and_its_pause_arrives_at_once(coordinator):
+    # Issue 13: a running rank's report waits at the coordinator for the report interval, so a pause
+    # reaches it when it is decided, not in the reply to its next report (up to 5.5 s later at
+    # 8,192 ranks). While the poll waits, the control thread sleeps in zmq's poll: no wake-ups.
+    server, ep = coordinator
+    pg = FakePG(size=2, rank=1)
+    link = control.ControlLink(pg, endpoint=ep, job_id=7, rank=1, node="n1", interval_s=3.0,
+                               paused_interval_s=0.02, request_timeout_s=5.0)
+    asked = [0]
+    wants = link._wants_link
+
+    def counted():
+        asked[0] += 1
+        return wants()
+
+    link._wants_link = counted
+    link.start()
+    try:
+        wait_for(lambda: link.registered and link.wait_max_s == srv.PARK_MIN_S, "registered")
+        wait_for(lambda: 1 in server._parked, "a parked report")
+        n, a = server.counters.get("long_polls", 0), asked[0]
+        time.sleep(1.0)
+        assert server.counters.get("long_polls", 0) - n <= 1, server.counters  # one report per interval
+        assert asked[0] - a <= 2, asked[0] - a  # not every 10 ms (~100 in that second)
+        pause = {"command": "pause", "at": 50, "generation": 3, "deadline_s": 30.0, "fallback": FALLBACK,
+                 "join_s": 5.0}
+        t0 = time.monotonic()
+        server.later(lambda: server.driver.executor.commands.__setitem__(1, dict(pause)))
+        took = wait_for(lambda: pg.arms, "the pause")
+        assert took < 0.5, f"the pause reached the running rank {took:.3f} s after it was set"
+        assert pg.arms[0] == (50, 3)
+        # rank.armed leaves at once: given up the next long poll through the wake-up pipe.
+        took = wait_for(lambda: "Armed" in server.driver.fed, "rank.armed at the coordinator", 5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        link.stop()
+    assert link.errors == 0
+
+
 class TimedPG(FakePG):
     def resume(self, gen, rv):
         self.resumed_at = time.time()

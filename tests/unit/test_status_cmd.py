@@ -162,3 +162,47 @@ def test_a_refused_question_about_one_job_exits_1_but_a_listing_does_not(tmp_pat
     assert "job 6: uid 1002 does not own job 6 (forbidden); only the job's owner or an admin can see it" in one.output
     listing = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), command, *extra])
     assert listing.exit_code == 0 and "(forbidden)" in listing.output, listing.output
+
+
+def test_a_migration_in_flight_and_the_last_one_show_in_status(tmp_path, no_slurm):
+    # What the coordinator is doing to the job: job.status carries the migration (phase and for how
+    # long), and tpassctl status prints it; after it ended, how it ended.
+    from dataclasses import replace
+
+    from torchpass.coordinator import machine as mc
+    from torchpass.coordinator.model import Migration, MigrationRecord
+    from torchpass.coordinator.phases import Phase, Result
+    from torchpass.coordinator.server import Facts
+
+    now = [100.0]
+    facts = Facts(9, lambda: now[0])
+    facts.feed(mc.RankRegistered(0, "node1", 1, pid=10))
+    server = CoordinatorServer(JobState(job_id=9), bind_address="127.0.0.1", clock=lambda: now[0])
+    server._facts = facts
+    m = Migration(id="m3", node="node1", reason="r", trigger="health", ranks=(0,), detected=90.0, started=95.0,
+                  phase=Phase.DUMP, phase_started=98.0, deadline=200.0, generation=2, target="node4")
+    facts.state = replace(facts.state, migration=m)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    try:
+        ep = f"tcp://127.0.0.1:{server.port}"
+        write_registration(tmp_path, 9, {"job_id": 9, "endpoint": ep, "pid": os.getpid(), "host": "h",
+                                         "uid": os.getuid()})
+        res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"])
+        job = json.loads(res.output)["jobs"][0]
+        assert job["migration"] == {"id": "m3", "node": "node1", "target": "node4", "phase": "dump",
+                                    "phase_age_s": 2.0, "age_s": 5.0}
+        assert job["snapshot"] is None and job["last_migration"] is None
+        res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status"])
+        assert "migrating node1 -> node4 (m3): dump for 2.0s, 5.0s in all" in res.output, res.output
+        rec = MigrationRecord("m3", "node1", "node4", Result.COMPLETED, "r", {"total": 6.0})
+        server.later(lambda: setattr(facts, "state", replace(facts.state, migration=None, history=(rec,))))
+        import time
+
+        time.sleep(0.3)
+        res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status"])
+        assert "last migration m3: node1 -> node4 completed" in res.output, res.output
+        assert "migrating" not in res.output
+    finally:
+        server.stop()
+        t.join(5)

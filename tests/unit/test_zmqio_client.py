@@ -220,3 +220,35 @@ def test_a_wait_given_up_returns_none_and_keeps_the_connection(peer_factory, ctx
     assert 0.15 < time.monotonic() - t0 < 5.0  # given up when asked, long before the 30 s time-out
     assert client.request("job.status") == {"n": 1}
     assert client.connects == 1 and len(set(peer.identities)) == 1
+
+
+def test_a_wait_with_a_wake_up_pipe_sleeps_until_the_pipe_says_to_look(peer_factory, ctx):
+    # A long poll of a running rank waits for seconds at a time: abandon() is asked when the wake-up
+    # pipe is written, not every ABANDON_CHECK_S.
+    peer = peer_factory(lambda n, msg: [])  # never answers
+    client = zmqio.Client(peer.endpoint, context=ctx, timeout_s=30, retries=0)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    asked = [0]
+    give_up = threading.Event()
+
+    def abandon():
+        asked[0] += 1
+        return give_up.is_set()
+
+    def later():
+        time.sleep(0.5)
+        give_up.set()
+        os.write(w, b"x")
+
+    threading.Thread(target=later, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        assert client.request("job.status", abandon=abandon, wake_fd=r) is None
+        took = time.monotonic() - t0
+        assert 0.45 < took < 2.0, took
+        assert asked[0] <= 3, asked[0]  # before the write and after it (~50 with the 10 ms checks)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # drained
+    finally:
+        os.close(r)
+        os.close(w)

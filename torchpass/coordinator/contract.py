@@ -235,6 +235,9 @@ class RankProgress:
     # collectives issued when optimizer step ``boundary_step`` ended (-1: not reported)
     boundary: int = -1
     boundary_step: int = -1
+    # > 0: the report is a long poll, parked at the coordinator for up to this many seconds;
+    # until then a command reaches the rank at once (decide.pause_point)
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

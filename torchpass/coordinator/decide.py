@@ -397,13 +397,21 @@ def _replace_target(out: _Out, st: CoordState, m: Migration, policy: Coordinator
 # ============================================================================
 # The phases
 # ============================================================================
+def _listening(r: RankView, now: float) -> bool:
+    """The rank's last report is a long poll still parked: a command reaches it at once."""
+    return r.listening_until is not None and now < r.listening_until
+
+
 def pause_point(now: float, ranks: dict[int, RankView], policy: CoordinatorPolicy,
                 floor: int = 0) -> tuple[int, str]:
     """T: the smallest collective count every rank can still reach, and how it was chosen.
 
-    A rank learns of the pause in the reply to its next progress report:
-    ``report_gap`` after its last one (or at once if that is already
-    overdue), plus ``pause_slack_s`` for the decision and the reply. Until
+    A rank whose last report still waits at the coordinator as a long poll
+    (``listening_until``) learns of the pause at once: it is ``now -
+    reported_at`` past its reported count, plus ``pause_slack_s`` for the
+    decision and the reply. Any other rank learns of it in the reply to its
+    next progress report: ``report_gap`` after its last one (or at once if
+    that is already overdue), plus ``pause_slack_s``. Until
     then it keeps issuing collectives at the job's rate (every rank issues
     the same collectives, so the fastest measured rate is the job's). T =
     max over ranks of that estimate + ``pause_margin_collectives``. When the
@@ -420,11 +428,14 @@ def pause_point(now: float, ranks: dict[int, RankView], policy: CoordinatorPolic
         return top + policy.pause_fallback_collectives, (
             f"no rate measured yet: max reported {top} + {policy.pause_fallback_collectives}")
     reach = top
+    # The pause reaches the long-polling ranks in one batch of replies, the last one this much later.
+    fanout = len(views) / 1000.0 * policy.pause_fanout_s_per_1000_ranks
     if floor > 0:  # a count seen just now (a refusal): that rank learns of the new T one report later
-        reach = floor + int(-(-rate * (max((r.report_gap for r in views), default=0.0) + policy.pause_slack_s) // 1))
+        gap = max((r.report_gap for r in views if not _listening(r, now)), default=fanout)
+        reach = floor + int(-(-rate * (gap + policy.pause_slack_s) // 1))
     for r in views:
         since = now - r.reported_at if r.reported_at is not None else 0.0
-        horizon = max(since, r.report_gap) + policy.pause_slack_s
+        horizon = (since + fanout if _listening(r, now) else max(since, r.report_gap)) + policy.pause_slack_s
         reach = max(reach, r.collectives + int(-(-rate * horizon // 1)))  # ceil
     at = reach + policy.pause_margin_collectives
     how = f"max reported {top}, {rate:.1f} collectives/s, reachable {reach}, + {policy.pause_margin_collectives}"
@@ -1112,7 +1123,7 @@ def snapshot_reason(st: CoordState) -> str | None:
 # Reasons
 # ============================================================================
 _PHASE_TEXT = {
-    Phase.PAUSE: "pausing every rank at collective {at} (generation {gen})",
+    Phase.PAUSE: "pausing every rank at collective {at} (generation {gen}; {how})",
     Phase.DUMP: "dumping ranks {ranks} on {node}",
     Phase.TRANSFER: "transferring images of ranks {ranks} to {target}",
     Phase.RESTORE: "restoring ranks {ranks} on {target}",
@@ -1133,7 +1144,7 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
                     else "waiting for a granted spare to report healthy")
         else:
             text = _PHASE_TEXT[m.phase].format(at=m.pause_at, gen=m.generation, ranks=list(m.ranks), node=m.node,
-                                               target=m.target, why=m.rollback_reason)
+                                               target=m.target, why=m.rollback_reason, how=m.pause_estimate)
         parts.append(f"{m.id} {m.node} -> {m.target or '?'} ({m.reason}): {text}")
         queued = [r.node for r in st.operator_requests] + [c.node for c in candidates(now, st, policy)]
         if queued:

@@ -179,12 +179,20 @@ def _merge_max(into: dict[str, float], prefix: str, durations: dict[str, Any]) -
 RATE_MIN_SPAN_S = 0.2
 
 
-def _pace(prev: RankView, ev: RankProgress, now: float) -> dict[str, Any]:
+def _pace(prev: RankView, ev: RankProgress, now: float, standing_at: tuple[int | None, ...] = ()) -> dict[str, Any]:
     """Report interval, collective rate and step boundaries of a rank (inputs of decide.pause_point).
 
     Smoothed (half old, half new) so that one slow interval (a checkpoint
     write, a loaded node) does not halve the estimate; a count that went
-    backwards (a restored copy reporting) restarts the measurement.
+    backwards (a restored copy reporting) restarts the measurement. An
+    interval in which the rank issued nothing (paused at T, or standing
+    behind a paused peer) is not a sample: the rate is the job's when it
+    trains, and a T chosen from a rate lowered by a pause is passed before
+    the ranks hear of it (every rank refused the next pause in the
+    coordinator bench once reports became long polls). Nor is one that ends
+    at the pause point T the rank stands at (``standing_at``: it may have
+    stood there most of the interval). A resume starts a new measurement
+    (Resumed clears ``rate_base``).
     """
     out: dict[str, Any] = {"reported_at": now}
     if prev.reported_at is not None and now > prev.reported_at:
@@ -195,6 +203,9 @@ def _pace(prev: RankView, ev: RankProgress, now: float) -> dict[str, Any]:
         out["rate_base"] = (now, ev.collectives)
         if base is not None:
             out["rate"] = 0.0
+    elif now - base[0] >= RATE_MIN_SPAN_S and prev.rate > 0 and (ev.collectives == base[1]
+                                                                 or ev.collectives in standing_at):
+        out["rate_base"] = (now, ev.collectives)  # issued nothing, or stood at T: not the rate it trains at
     elif now - base[0] >= RATE_MIN_SPAN_S:
         sample = (ev.collectives - base[1]) / (now - base[0])
         out["rate"] = sample if prev.rate <= 0 else 0.5 * prev.rate + 0.5 * sample
@@ -230,7 +241,8 @@ def _reported(st: CoordState, rank: int, now: float, owned: dict[int, RankView] 
     rv = st.ranks.get(rank)
     if rv is None:
         return st
-    return _put_rank(st, rank, replace(rv, last_report=now, **said), owned)
+    # Its client sends one request at a time: a long poll it had parked was answered now.
+    return _put_rank(st, rank, replace(rv, last_report=now, listening_until=None, **said), owned)
 
 
 def unprotected_text(rank: int, why: str) -> str:
@@ -267,7 +279,10 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
         advanced = ev.collectives != prev.collectives
         rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
                      node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
-                     last_report=now, last_count=ev.collectives, **_pace(prev, ev, now))
+                     last_report=now, last_count=ev.collectives,
+                     listening_until=now + ev.wait_s if ev.wait_s > 0 else None,
+                     **_pace(prev, ev, now, (m.pause_at if m is not None else None,
+                                             st.snapshot.pause_at if st.snapshot is not None else None)))
         return _put_rank(st, ev.rank, rv, owned)
     if isinstance(ev, NodeHealthChanged):
         state = State(ev.state)
@@ -305,7 +320,8 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
         if rv is not None:
             said = {"last_count": ev.collectives} if ev.collectives is not None else {}
             st = _put_rank(st, ev.rank, replace(rv, last_advance=now, node=ev.node or rv.node,
-                                                generation=ev.generation, last_report=now, **said), owned)
+                                                generation=ev.generation, last_report=now, rate_base=None,
+                                                listening_until=None, **said), owned)
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
         ):

@@ -80,6 +80,9 @@ class RankView:
     boundary: int = -1  # collectives issued when its last optimizer step ended (-1: not reported)
     boundary_step: int = -1  # the step that ended there
     per_step: int = 0  # collectives per optimizer step, from two boundaries (0: not known)
+    # Coordinator clock until which its last report waits at the coordinator as a long poll: a
+    # command reaches the rank at once until then (None: at its next report).
+    listening_until: float | None = None
     # What the rank said of itself, for job.status. Decide reads none of these, so they are left
     # out of comparisons: two states that decide cannot tell apart compare equal.
     pid: int = field(default=0, compare=False)

@@ -62,9 +62,12 @@ class CoordinatorPolicy:
 
     # --- the pause -----------------------------------------------------------
     # T is the smallest collective count every rank can still reach before it
-    # stops: a rank learns of the pause in the reply to its next progress
+    # stops: a rank learns of the pause at once while its report waits at the
+    # coordinator as a long poll, else in the reply to its next progress
     # report, so T = max over ranks of (reported collectives + the job's
-    # measured rate x (time until that rank's next report + pause_slack_s))
+    # measured rate x (time since its report, or until its next report,
+    # + pause_slack_s, + pause_fanout_s_per_1000_ranks per thousand ranks for
+    # the long-polling ranks))
     # + pause_margin_collectives, then rounded up to the next optimizer-step
     # boundary when the ranks report one (decide.pause_point). The pause then
     # costs about one step of waiting, not ~30 (the old fixed margin of 64).
@@ -72,6 +75,11 @@ class CoordinatorPolicy:
     # Covers the coordinator's decision delay and the reply's round trip
     # (and jitter of the report interval on a loaded node).
     pause_slack_s: float = 0.5
+    # The pause to every long-polling rank leaves as one batch of replies; the
+    # last rank of a large job hears it this much later per 1,000 ranks
+    # (measured with bench/bench_coordinator.py: 0.25-0.46 s for 2,048 ranks on
+    # a shared 2-core machine; docs/benchmarks.md).
+    pause_fanout_s_per_1000_ranks: float = 0.25
     # T = max reported + this while no rate is known yet (fewer than two
     # progress reports, or no collective between them).
     pause_fallback_collectives: int = 64
@@ -150,8 +158,9 @@ class CoordinatorPolicy:
             raise ConfigError(f"pause_margin_collectives must be >= 1, got {self.pause_margin_collectives}")
         if self.pause_fallback_collectives < 1:
             raise ConfigError(f"pause_fallback_collectives must be >= 1, got {self.pause_fallback_collectives}")
-        if self.pause_slack_s < 0:
-            raise ConfigError(f"pause_slack_s must be >= 0, got {self.pause_slack_s!r}")
+        for name in ("pause_slack_s", "pause_fanout_s_per_1000_ranks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_spare_attempts", "max_resume_attempts", "max_attempts_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -267,10 +267,11 @@ class CoordinatorServer:
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
         self._rank(b)
+        wait_s = min(max(float(b.get("wait_s") or 0.0), 0.0), PARK_MAX_S)
         self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
-                                   b.get("boundary", -1), b.get("boundary_step", -1)), decide=False)
+                                   b.get("boundary", -1), b.get("boundary_step", -1), wait_s), decide=False)
         self._note_unprotected(b)
-        return self._with_command(b["rank"], {}, wait_s=b.get("wait_s") or 0.0)
+        return self._with_command(b["rank"], {}, wait_s=wait_s)
 
     # --- the decision state (driver) ------------------------------------------
     @property

@@ -12,6 +12,23 @@ from typing import Any
 from torchpass.coordinator.model import CoordState, RankView
 
 
+def activity_status(state: CoordState, now: float) -> dict[str, Any]:
+    """What the coordinator is doing to the job now (job.status; ``now``: coordinator clock): the
+    migration and the whole-job snapshot in flight (None: none), and how the last migration ended."""
+    m, s = state.migration, state.snapshot
+    last = state.history[-1] if state.history else None
+    return {
+        "migration": None if m is None else {
+            "id": m.id, "node": m.node, "target": m.target, "phase": str(m.phase),
+            "phase_age_s": round(max(0.0, now - m.phase_started), 3), "age_s": round(max(0.0, now - m.started), 3)},
+        "snapshot": None if s is None else {
+            "id": s.id, "trigger": s.trigger, "phase": str(s.phase),
+            "phase_age_s": round(max(0.0, now - s.phase_started), 3)},
+        "last_migration": None if last is None else {
+            "id": last.id, "node": last.node, "target": last.target, "outcome": str(last.outcome)},
+    }
+
+
 def rank_status(rv: RankView, now: float) -> dict[str, Any]:
     """One rank in job.status (``now``: coordinator clock)."""
     return {
@@ -71,5 +88,6 @@ class JobState:
             "ranks": [rank_status(ranks[r], now) for r in sorted(ranks)],
             # why the job cannot be protected ("rank R unprotected: ..."); None while it can
             "unprotected": state.job_unprotected,
+            **activity_status(state, now),
             "last_event_seq": self.events[-1].seq if self.events else 0,
         }

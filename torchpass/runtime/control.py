@@ -7,13 +7,16 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
 
 * ``rank.register`` once, then ``rank.progress`` every interval (every
   ``paused_interval_s`` while the group is paused, so the resume arrives soon);
-  while paused, to a coordinator whose replies say ``wait_max_s``, each poll
-  is a long poll instead: it carries ``wait_s`` (80-100 % of wait_max_s, so
-  that the ranks' polls do not come in waves; never past the pause's
-  deadline) and the coordinator answers it the moment the rank has a
-  command, else after wait_s; a report to send (``rank.quiesced``,
-  ``rank.resumed``) or stop() gives the wait up at once (the connection stays;
-  the late answer is dropped by its id);
+  to a coordinator whose replies say ``wait_max_s``, each report is a long
+  poll instead: it carries ``wait_s`` and the coordinator answers it the
+  moment the rank has a command, else after wait_s, and the next report goes
+  then. Running, wait_s is the report interval (so a pause reaches every
+  rank as soon as it is decided, not in the reply to each rank's next
+  report); paused, 80-100 % of wait_max_s (so that the ranks' polls do not
+  come in waves; never past the pause's deadline). A report to send
+  (``rank.armed``, ``rank.quiesced``, ``rank.resumed``) or stop() gives the
+  wait up at once through a wake-up pipe (the connection stays; the late
+  answer is dropped by its id);
 * commands come back in the replies' ``result["command"]`` (see wire.py):
   ``pause`` arms the process group (acknowledged with ``rank.armed``),
   ``resume`` resumes it (acknowledged with ``rank.resumed`` once rebuilt);
@@ -129,6 +132,9 @@ class ControlLink(PauseListener):
         self._start_netns = _netns_inode()
         self._cv = threading.Condition()
         self._outbox: deque[tuple[str, dict]] = deque()
+        # A long poll waits in zmq's poll on its socket and on this pipe: _post() and stop() write
+        # a byte, so the poll is given up at once, with no wake-up while nothing happens.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ctx = None
@@ -197,9 +203,17 @@ class ControlLink(PauseListener):
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
         self._close()
+        if self._thread is None or not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
 
     def _open(self):
         import zmq
@@ -224,7 +238,8 @@ class ControlLink(PauseListener):
         wait_s = body.get("wait_s") or 0.0  # a long poll: given up for a report to send, or stop()
         try:
             result = self._client.request(type_, body, timeout_s=self.request_timeout_s + wait_s,
-                                          abandon=self._wants_link if wait_s else None)
+                                          abandon=self._wants_link if wait_s else None,
+                                          wake_fd=self._wake_r if wait_s else None)
             if result is None:
                 return None  # given up, not unanswered
         except TorchpassError as exc:
@@ -314,9 +329,12 @@ class ControlLink(PauseListener):
                 # until the last one has it. Measured: up to one interval (0.5 s)
                 # of every migration's pause went here. A long poll waited at the
                 # coordinator instead: the next one goes at once (never two within
-                # paused_interval_s, whatever the coordinator does).
+                # paused_interval_s, whatever the coordinator does; a running rank's
+                # poll answered early with nothing to do waits out its report interval).
                 if wait_s:
-                    self._sleep(self.paused_interval_s - (self.clock() - asked))
+                    early = not self.pg.paused and not (isinstance(res, dict) and res.get("command"))
+                    spacing = self.every_s() if early else self.paused_interval_s
+                    self._sleep(spacing - (self.clock() - asked))
                 else:
                     self._sleep(self.paused_every_s() if self.pg.paused else self.every_s())
         except Exception as exc:  # noqa: BLE001 - never take training down
@@ -333,10 +351,17 @@ class ControlLink(PauseListener):
         return min(max(self.paused_interval_s, self.paused_hint_s), self.every_s())
 
     def long_poll_s(self) -> float:
-        """The wait_s of this poll: 0 (a plain report) unless paused and the coordinator parks
-        polls; never past the pause's deadline, which the loop checks between requests."""
-        if not self.pg.paused or self.wait_max_s <= 0:
+        """The wait_s of this poll: 0 (a plain report) unless the coordinator parks polls.
+
+        Running, the report interval: the report waits at the coordinator, which answers it at
+        once with a command (a pause reaches every rank in one batch of replies, the moment it
+        is decided, instead of in the reply to each rank's next report) or at the end of the
+        interval, and the next report goes then. Paused, 80-100 % of wait_max_s, never past the
+        pause's deadline, which the loop checks between requests."""
+        if self.wait_max_s <= 0:
             return 0.0
+        if not self.pg.paused:
+            return round(self.every_s(), 3)
         wait = self.wait_max_s * random.uniform(0.8, 1.0)  # at most MAX_HINT_S (_pace)
         d = self.deadline()
         if d is not None:
@@ -552,6 +577,16 @@ class ControlLink(PauseListener):
         with self._cv:
             self._outbox.append((type_, body))
             self._cv.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Give a long poll up now (see _wake_r)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, InterruptedError):
+            pass  # full: the poll wakes anyway
+        except OSError:
+            pass  # closed (the link was stopped for good)
 
     # -- PauseListener (called from the pausing training thread) --------------------
     def on_quiesced(self, pg: ReconfigurablePG, info: dict) -> None:
