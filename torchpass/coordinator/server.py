@@ -305,7 +305,7 @@ class CoordinatorServer:
         # sends one request at a time), so it is answered now and never held twice.
         self._unpark(rank)
         if self._batch is not None:  # the command is added after the batch's decision (_reply_batch)
-            self._batch.pending = (self._batch.msg_id, rank, result, min(max(float(wait_s), 0.0), PARK_MAX_S))
+            self._batch.pending = (self._batch.msg_id, rank, result, wait_s)  # _on_progress bounds it
             return result
         ex = self.driver.executor if self.driver is not None else None
         cmd = ex.command_for(rank) if ex is not None else None

@@ -133,7 +133,9 @@ class ControlLink(PauseListener):
         self._cv = threading.Condition()
         self._outbox: deque[tuple[str, dict]] = deque()
         # A long poll waits in zmq's poll on its socket and on this pipe: _post() and stop() write
-        # a byte, so the poll is given up at once, with no wake-up while nothing happens.
+        # a byte, so the poll is given up at once, with no wake-up while nothing happens. It lives
+        # as long as the process: closed at stop(), its number could be reused by another file
+        # while a training thread still writes to it.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -207,13 +209,6 @@ class ControlLink(PauseListener):
         if self._thread is not None:
             self._thread.join(timeout)
         self._close()
-        if self._thread is None or not self._thread.is_alive():
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._wake_r = self._wake_w = -1
 
     def _open(self):
         import zmq
@@ -585,8 +580,6 @@ class ControlLink(PauseListener):
             os.write(self._wake_w, b"x")
         except (BlockingIOError, InterruptedError):
             pass  # full: the poll wakes anyway
-        except OSError:
-            pass  # closed (the link was stopped for good)
 
     # -- PauseListener (called from the pausing training thread) --------------------
     def on_quiesced(self, pg: ReconfigurablePG, info: dict) -> None:
