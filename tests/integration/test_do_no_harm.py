@@ -69,11 +69,6 @@ SCRIPT = textwrap.dedent(
         t = loss.detach().clone(); dist.all_reduce(t)
         print(f"{mode} step={s} loss={t.item().hex()}", flush=True)
     dist.destroy_process_group()
-    if mode == "newgroup":
-        # Plain torch can abort at interpreter exit after a "cpu:gloo" subgroup ("terminate
-        # called without an active exception", rc 134 in 1 plain run in CI, no torchpass loaded):
-        # the ranks' work is done and printed, so leave without finalization.
-        sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
     if mode == "selfkill":
         subprocess.run(["sh", "-c", "sleep 0.5 &"], check=True)  # the sleep is orphaned
         time.sleep(1)
@@ -85,6 +80,11 @@ SCRIPT = textwrap.dedent(
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(5)
+    # Plain torch 2.13 aborts at interpreter exit after destroy_process_group in about 1 run
+    # of 6 ("terminate called without an active exception", rc 134; 2 ranks on 127.0.0.1,
+    # no torchpass loaded; in CI once in "newgroup", once in "stdin"): the ranks' work is done
+    # and printed, so every step leaves without finalization, in both jobs.
+    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
     """
 )
 
