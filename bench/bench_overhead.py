@@ -21,6 +21,14 @@ over the median of A's, and the spread is the lowest and highest per-pair
 ratio. Every B run must print the same losses as its A run, bit for bit: a
 runtime that changed the results would not be measured, it would be wrong.
 
+``--split``: every group runs a third job, C: ``--torchpass`` with the
+runtime switched off (``TORCHPASS_RUNTIME=0`` exported to the job): the
+plugin, coordinator, rank wrapper, tpass-init and tpassd as in B, but torch's
+own process groups. C against A is the cost of everything but the runtime,
+B against C the runtime's own (its wrapper around every collective and its
+control link). The order inside a group cycles through ABC, CBA, BCA, ACB,
+CAB, BAC, so each side runs in each position alike.
+
 Writes bench/results/overhead.json; docs/benchmarks.md quotes the table.
 """
 
@@ -46,7 +54,9 @@ from bench_migration import Tail, first_arrivals, machine, per_step  # noqa: E40
 
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
-SIDES = {"A": ("plain", []), "B": ("torchpass", ["--torchpass"])}
+SIDES = {"A": ("plain", []), "B": ("torchpass", ["--torchpass"]),
+         "C": ("runtime off", ["--torchpass", "--export=ALL,TORCHPASS_RUNTIME=0"])}
+SPLIT_ORDERS = ("ABC", "CBA", "BCA", "ACB", "CAB", "BAC")
 
 
 def log(msg: str) -> None:
@@ -107,6 +117,18 @@ def step_time(run: dict, warmup: int) -> float:
     return statistics.median(gaps)
 
 
+def split_summary(pairs: list[dict]) -> dict:
+    """--split's figures: the runtime-off side (C) against plain, and torchpass against C."""
+    med_a = statistics.median(p["plain_step_s"] for p in pairs)
+    med_c = statistics.median(p["runtime_off_step_s"] for p in pairs)
+    off = [p["runtime_off_ratio"] for p in pairs]
+    own = [p["runtime_ratio"] for p in pairs]
+    return {"runtime_off_step_s_median": round(med_c, 5), "runtime_off_overhead_pct": round((med_c / med_a - 1) * 100, 2),
+            "runtime_off_ratio_min": min(off), "runtime_off_ratio_max": max(off),
+            "runtime_off_ratio_median": statistics.median(off),
+            "runtime_ratio_min": min(own), "runtime_ratio_max": max(own), "runtime_ratio_median": statistics.median(own)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=5)
@@ -119,6 +141,9 @@ def main() -> int:
                     help="instead of --script/--params: examples/train_parallel.py LAYOUT (hsdp: FSDP2 on a "
                          "3 x 2 (replicate, shard) mesh, 2 ranks per node) with --hidden")
     ap.add_argument("--hidden", type=int, default=32768, help="--layout's MLP hidden width (~34 x HIDDEN params)")
+    ap.add_argument("--split", action="store_true",
+                    help="a third job per group: --torchpass with the runtime off (TORCHPASS_RUNTIME=0), to "
+                         "tell the runtime's cost from the rest")
     ap.add_argument("--user", default="tpuser1", help="the job user (made by the devcluster's bring-up)")
     ap.add_argument("--out", type=Path, default=BENCH / "results" / "overhead.json")
     ap.add_argument("--cluster", default=os.environ.get("TORCHPASS_TEST_CLUSTER", "bench"))
@@ -149,20 +174,27 @@ def main() -> int:
             os.chown(work, pw.pw_uid, pw.pw_gid)
             time.sleep(2.0)  # every tpassd has published its first sample
             for i in range(args.pairs):
-                order = "AB" if i % 2 == 0 else "BA"
+                order = SPLIT_ORDERS[i % len(SPLIT_ORDERS)] if args.split else ("AB" if i % 2 == 0 else "BA")
                 runs = {s: one_run(c, work, args.user, s, f"{i}{s}", cmd, 600, per_node=per_node) for s in order}
                 a, b = runs["A"], runs["B"]
-                same = per_step(ln for _, _, ln in a["steps"]) == per_step(ln for _, _, ln in b["steps"])
-                if not same:
-                    raise RuntimeError(f"pair {i + 1}: the --torchpass job {b['job_id']} printed other losses than "
-                                       f"the plain job {a['job_id']}: not an overhead, a bug")
+                losses = per_step(ln for _, _, ln in a["steps"])
+                for side, run in runs.items():
+                    if side != "A" and per_step(ln for _, _, ln in run["steps"]) != losses:
+                        raise RuntimeError(f"pair {i + 1}: the {SIDES[side][0]} job {run['job_id']} printed other "
+                                           f"losses than the plain job {a['job_id']}: not an overhead, a bug")
                 ta, tb = step_time(a, args.warmup), step_time(b, args.warmup)
-                pairs.append({"pair": i + 1, "order": order, "plain_job": a["job_id"], "torchpass_job": b["job_id"],
-                              "plain_step_s": round(ta, 5), "torchpass_step_s": round(tb, 5),
-                              "ratio": round(tb / ta, 4), "plain_wall_s": a["wall_s"], "torchpass_wall_s": b["wall_s"],
-                              "bit_identical": same, "load": round(os.getloadavg()[0], 2)})
-                log(f"pair {i + 1} ({order}): plain {ta * 1000:.1f} ms/step, torchpass {tb * 1000:.1f} ms/step, "
-                    f"ratio {tb / ta:.4f}")
+                row = {"pair": i + 1, "order": order, "plain_job": a["job_id"], "torchpass_job": b["job_id"],
+                       "plain_step_s": round(ta, 5), "torchpass_step_s": round(tb, 5),
+                       "ratio": round(tb / ta, 4), "plain_wall_s": a["wall_s"], "torchpass_wall_s": b["wall_s"],
+                       "bit_identical": True, "load": round(os.getloadavg()[0], 2)}
+                msg = f"pair {i + 1} ({order}): plain {ta * 1000:.1f} ms/step, torchpass {tb * 1000:.1f} ms/step"
+                if "C" in runs:
+                    tc = step_time(runs["C"], args.warmup)
+                    row.update(runtime_off_job=runs["C"]["job_id"], runtime_off_step_s=round(tc, 5),
+                               runtime_off_ratio=round(tc / ta, 4), runtime_ratio=round(tb / tc, 4))
+                    msg += f", runtime off {tc * 1000:.1f} ms/step"
+                pairs.append(row)
+                log(f"{msg}, ratio {tb / ta:.4f}")
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -177,6 +209,7 @@ def main() -> int:
         "plain_step_s_median": round(med_a, 5), "torchpass_step_s_median": round(med_b, 5),
         "overhead_pct": round((med_b / med_a - 1) * 100, 2),
         "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),
+        **(split_summary(pairs) if args.split else {}),
         "pairs": pairs, "load_at_start": [round(x, 2) for x in load0], "machine": machine(),
         "bench_seconds": round(time.monotonic() - t_all, 1),
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -192,6 +225,12 @@ def main() -> int:
     print(f"median: plain {med_a * 1000:.2f} ms/step, torchpass {med_b * 1000:.2f} ms/step: "
           f"{data['overhead_pct']:+.2f} % (per-pair ratio {min(ratios):.4f} .. {max(ratios):.4f}); "
           f"losses bit-identical in every pair")
+    if args.split:
+        print(f"runtime off (C): median {data['runtime_off_step_s_median'] * 1000:.2f} ms/step, "
+              f"{data['runtime_off_overhead_pct']:+.2f} % against plain (per-group C/A "
+              f"{data['runtime_off_ratio_min']:.4f} .. {data['runtime_off_ratio_max']:.4f}); the runtime's own share, "
+              f"B/C per group: median {data['runtime_ratio_median']:.4f} "
+              f"({data['runtime_ratio_min']:.4f} .. {data['runtime_ratio_max']:.4f})")
     print(f"wrote {args.out} in {data['bench_seconds']} s")
     return 0
 

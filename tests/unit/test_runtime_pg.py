@@ -213,3 +213,66 @@ def test_tracking_works_that_never_complete_stays_bounded_and_cheap():
             assert i - waited[-1] >= pgmod.TRACK_MAX // 2
     assert checks["n"] <= 4 * n, checks  # amortized: a few is_completed() per collective, not ~256
     assert waited == list(range(len(waited)))  # the oldest first, each once
+
+
+def _pair() -> dict[int, ReconfigurablePG]:
+    """Two ranks of one ReconfigurablePG in this process (threads), on real gloo."""
+    rv = Rendezvous("127.0.0.1", free_port())
+    pgs: dict[int, ReconfigurablePG] = {}
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            pgs[rank] = ReconfigurablePG(rank=rank, size=2, timeout=datetime.timedelta(seconds=30), rendezvous=rv)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(pgs) == 2, errors
+    return pgs
+
+
+def test_a_collectives_buffers_are_freed_a_few_collectives_later():
+    """The group keeps each Work for the drain at a pause, and a Work holds its tensors. gloo's
+    reduce_scatter Works never report completion, so they were kept until 256 had piled up:
+    FSDP2's gradient buffers (a reduce-scatter's output) stayed alive for 128-256
+    collectives, and every step's new buffer was fresh memory, faulted in page by page (+17 %
+    per HSDP step on the devcluster, bench_overhead --split). Now at most TRACK_MAX + 1 are
+    kept: the buffers of a step go a few collectives later."""
+    import weakref
+
+    from torchpass.runtime import pg as pgmod
+
+    pgs = _pair()
+    alive: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            for i in range(100):
+                shard = torch.empty(32)  # what a Work keeps: its output
+                pgs[rank]._reduce_scatter_base(shard, torch.full((64,), float(i))).wait()
+                gathered = torch.empty(64)
+                pgs[rank]._allgather_base(gathered, shard).wait()
+                alive[rank] += [weakref.ref(shard), weakref.ref(gathered)]
+                del shard, gathered
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    peer = threading.Thread(target=run, args=(1,))
+    peer.start()
+    try:
+        run(0)
+        peer.join(60)
+        assert not errors, errors
+        for rank in (0, 1):
+            kept = sum(ref() is not None for ref in alive[rank])
+            # 200 buffers made; with the old bound of 256 Works all 100 reduce-scatter outputs lived on
+            assert kept <= 24, (rank, kept)
+    finally:
+        for pg in pgs.values():
+            pg.shutdown()

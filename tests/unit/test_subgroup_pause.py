@@ -11,7 +11,7 @@ rendezvous port; the losses are bit-identical (float.hex) to the same script
 without the runtime, and the objects the script and DeviceMesh hold are the
 ones it got before the pauses.
 
-Counting in a job with subgroups: ``collectives`` = default-group
+Counting in a job with subgroups (or send/recv on the default group): ``collectives`` = default-group
 collectives + optimizer step ends; a pause at T stops with exactly T counted
 (pg.py ``step_ended``).
 """
@@ -82,6 +82,24 @@ SCRIPT = textwrap.dedent(
             opt.step()
             loss = loss.detach().clone(); dist.broadcast(loss, 1)  # the last stage's loss, on the default group
             return loss
+    elif mode == "pipeline_default":  # the same 2 stages, over the default group only: no collective at all
+        torch.manual_seed(r)
+        m = nn.Linear(16, 16) if r == 0 else nn.Sequential(nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(0)
+        def step():
+            opt.zero_grad()
+            if r == 0:
+                h = m(torch.randn(8, 16, generator=g))
+                dist.send(h.detach(), 1)
+                gh = torch.empty_like(h); dist.recv(gh, 1)
+                h.backward(gh); loss = torch.empty(()); dist.recv(loss, 1)
+            else:
+                h = torch.empty(8, 16); dist.recv(h, 0); h.requires_grad_()
+                loss = m(h).pow(2).mean(); loss.backward()
+                dist.send(h.grad, 0); dist.send(loss.detach().clone(), 0)
+            opt.step()
+            return loss.detach().clone()
     else:  # DP x TP (2-D) or DP x PP x TP (3-D) mesh: gradients averaged over dp, loss summed over tp
         shape, names = {"mesh2d": ((2, 2), ("dp", "tp")), "mesh3d": ((2, 1, 2), ("dp", "pp", "tp"))}[mode]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -103,7 +121,9 @@ SCRIPT = textwrap.dedent(
             return loss
     for s in range(int(os.environ["STEPS"])):
         loss = step()
-        total = loss.clone(); dist.all_reduce(total)  # and the default group
+        total = loss.clone()
+        if mode != "pipeline_default":
+            dist.all_reduce(total)  # and the default group
         print(s, loss.item().hex(), total.item().hex(), flush=True)
     same = mesh is None or [mesh.get_group(n) for n in mesh.mesh_dim_names] == groups
     print("paused", (log, [type(x).__name__ for x in groups], [getattr(x, "generation", None) for x in groups],
@@ -118,12 +138,13 @@ SCRIPT = textwrap.dedent(
 )
 
 STEPS = 6
-WORLD = {"mesh2d": 4, "mesh3d": 4, "hsdp": 4, "pipeline": 2}
+WORLD = {"mesh2d": 4, "mesh3d": 4, "hsdp": 4, "pipeline": 2, "pipeline_default": 2}
 # Per step: the step end, then the default group's collectives: the pipeline's loss
 # broadcast and the total all_reduce (2), the meshes' and HSDP's total all_reduce (1).
 # T = k * PER_STEP stops at the end of step k (after optimizer.step()); other Ts stop
 # before a default-group collective, in the middle of a step.
-PER_STEP = {"mesh2d": 2, "mesh3d": 2, "hsdp": 2, "pipeline": 3}
+# pipeline_default: no collective, only the step end.
+PER_STEP = {"mesh2d": 2, "mesh3d": 2, "hsdp": 2, "pipeline": 3, "pipeline_default": 1}
 
 
 def run(tmp, mode: str, pauses: tuple[int, ...] = ()) -> tuple[list[list[str]], list[str]]:
@@ -138,6 +159,9 @@ def run(tmp, mode: str, pauses: tuple[int, ...] = ()) -> tuple[list[list[str]], 
     ("mesh3d", (3, 8)),  # before step 1's total all_reduce; the end of step 4
     ("hsdp", (4, 7)),  # the end of step 2 (FSDP2 waits for its reduce-scatters there); mid-step 3
     ("pipeline", (4, 9)),  # before step 1's loss broadcast (send/recv done); the end of step 3
+    # send/recv on the default group and nothing else on it: its count once stood still, and no
+    # pause was ever reached; the ends of steps 2 and 4
+    ("pipeline_default", (2, 4)),
 ])
 def test_pauses_tear_down_and_rebuild_every_group_bit_identically(tmp_path, mode, pauses):
     plain, _ = run(tmp_path, mode)
@@ -149,6 +173,6 @@ def test_pauses_tear_down_and_rebuild_every_group_bit_identically(tmp_path, mode
         # (T, sockets, at a step end) per pause: every T reached, no socket left
         log, types, generations, same = ast.literal_eval(out[r][-1].removeprefix("paused "))
         assert log == [(t, 0, t % PER_STEP[mode] == 0) for t in pauses], log
-        assert set(types) == {"ReconfigurableSubgroup"} and same
+        assert set(types) == ({"ReconfigurableSubgroup"} if mode != "pipeline_default" else set()) and same
         assert generations == [len(pauses)] * len(types)  # rebuilt at every pause, same objects
-    assert out[0][:-1] != out[world // 2][:-1] or mode == "pipeline"  # other data per dp index
+    assert out[0][:-1] != out[world // 2][:-1] or mode.startswith("pipeline")  # other data per dp index

@@ -41,8 +41,10 @@ from torchpass.runtime.say import say
 from torchpass.runtime.store import SwitchableStore, open_tcp_store
 
 BACKEND_NAME = "torchpass"
-TRACK_PRUNE_MIN = 32  # Works kept before _track first prunes the finished ones
-TRACK_MAX = 256  # collective Works kept at most (the oldest are waited for and dropped)
+# A kept Work keeps its output tensor alive: the bounds are small, so that a step's
+# buffers go a few collectives later (see _track).
+TRACK_PRUNE_MIN = 8  # Works kept before _track first prunes the finished ones
+TRACK_MAX = 16  # collective Works kept at most (the oldest are waited for and dropped)
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,16 @@ class _ForwardingGroup(dist.ProcessGroup):
         doubled from what this one kept (at most TRACK_MAX + 1): with Works
         that never complete, pruning at every call once 32 were kept cost
         each FSDP collective ~0.25 ms (profiled: 2 % of an HSDP step).
+
+        The bounds are small because a Work holds its output tensor. With 256,
+        FSDP2's reduce-scatter outputs lived for 128-256 collectives and every
+        step's buffers were fresh memory, faulted in page by page: +17.6 % per
+        HSDP step on the devcluster, all of it the runtime's (bench_overhead
+        --split). A Work waited for here is at least TRACK_MAX / 2 collectives
+        of its group old, so the job has waited for it already or its peers
+        have issued it; only a program that leaves 8 collectives of a group
+        unwaited while its peers wait for it elsewhere would stall here (128
+        before).
         """
         works = self._works
         if len(works) >= self._prune_at:
@@ -363,6 +375,7 @@ class ReconfigurablePG(_ForwardingGroup):
         # the job's other groups (new_group, DeviceMesh), in the order they were
         # made: the same on every rank, so rebuilding in this order cannot deadlock
         self.subgroups: list[ReconfigurableSubgroup] = []
+        self.default_p2p = False  # a send/recv ran on this group (a pipeline on the default group)
         self.next_backend = ""  # the backend the script asks new_group for (hook.py sets it for the call)
         self._cv = threading.Condition()
         self._state = PGState.RUNNING
@@ -665,6 +678,10 @@ class ReconfigurablePG(_ForwardingGroup):
         if self._on_collective is not None:
             self._on_collective(n)
 
+    def _p2p(self, name: str, args, kwargs):
+        self.default_p2p = True  # step ends count from now on (step_ended)
+        return super()._p2p(name, args, kwargs)
+
     def step_ended(self) -> None:
         """An optimizer step finished (hook.py; training thread): a pause point.
 
@@ -684,6 +701,15 @@ class ReconfigurablePG(_ForwardingGroup):
         could stand still and no pause would ever be reached. A step end is
         where every subgroup collective of the step has been issued by every
         member, so none of them waits for a paused peer.
+
+        So does a job that sends and receives on the default group (a
+        pipeline whose stages talk over it, as torch.distributed.pipelining
+        does when given no group): its count would stand still too if the
+        default group carried nothing else. Every stage sends or receives in
+        its first step, before its first step end, so every rank starts
+        counting step ends at the same one. The step end is past every
+        send/recv the rank issued in the step; the drain waits until the
+        peers, still in their own step, have matched them.
         """
         with self._cv:
             self.steps += 1
@@ -692,7 +718,7 @@ class ReconfigurablePG(_ForwardingGroup):
             with self._cv:
                 armed = self._armed
                 if self._state not in (PGState.ARMED, PGState.AT_T) or armed is None or self.collectives != armed[0]:
-                    if self.subgroups and self._state is not PGState.CLOSED:
+                    if (self.subgroups or self.default_p2p) and self._state is not PGState.CLOSED:
                         self.collectives += 1
                     return
                 self._state = PGState.AT_T
