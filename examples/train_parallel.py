@@ -13,6 +13,10 @@ training does:
   stage 1 by ``send``/``recv`` on the pipeline group, stage 1 sends their
   gradients back; gradients are averaged over each stage's data-parallel
   group (6 ranks: 2 stages x 3).
+- ``p2p``: the same two stages over the default group, which carries only
+  ``send``/``recv`` (as torch.distributed.pipelining given no group): no
+  subgroup and no collective at all; stage 1 sends its loss back too
+  (2 ranks).
 
 Reads its place in the job as examples/train_ddp.py does (``setup_env``:
 RANK etc., or Slurm's variables). Deterministic (one thread, seeded data):
@@ -134,7 +138,45 @@ def pipeline(world: int, hidden: int):  # its stages are WIDTH wide: hidden is n
     return step, None
 
 
-LAYOUTS = {"mesh3d": mesh3d, "hsdp": hsdp, "pipeline": pipeline}
+def p2p(world: int, hidden: int):  # 2 stages over the default group, which carries nothing else
+    if world != 2:
+        raise SystemExit("p2p: 2 ranks (one per stage)")
+    stage, peer = dist.get_rank(), 1 - dist.get_rank()
+    torch.manual_seed(stage)
+    m = nn.Linear(WIDTH, WIDTH) if stage == 0 else nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.zeros(())
+        for _ in range(2):
+            if stage == 0:
+                h = m(torch.randn(8, WIDTH, generator=g))
+                dist.send(h.detach(), peer)
+                grad = torch.empty_like(h)
+                dist.recv(grad, peer)
+                h.backward(grad)
+            else:
+                h = torch.empty(8, WIDTH)
+                dist.recv(h, peer)
+                h.requires_grad_()
+                part = m(h).pow(2).mean() / 2
+                part.backward()
+                dist.send(h.grad, peer)
+                loss += part.detach()
+        if stage == 0:
+            dist.recv(loss, peer)  # stage 1's loss, by send/recv too: no collective at all
+        else:
+            dist.send(loss, peer)
+        opt.step()
+        return loss * 2  # the "sum" the other layouts' all_reduce makes (stage 0 would add zero)
+
+    return step, None
+
+
+LAYOUTS = {"mesh3d": mesh3d, "hsdp": hsdp, "pipeline": pipeline, "p2p": p2p}
+P2P_ONLY = {"p2p"}  # layouts whose default group carries only send/recv: no loss all_reduce
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     step, model = LAYOUTS[args.layout](world, args.hidden)
     for n in range(args.steps):
         loss = step()
-        dist.all_reduce(loss)  # the global mean, the same on every rank
+        if args.layout not in P2P_ONLY:
+            dist.all_reduce(loss)  # the global mean, the same on every rank
         print(f"step={n} loss={(loss.item() / world).hex()}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)

@@ -9,7 +9,10 @@ makes its own process groups from its first lines, in three layouts:
   6 ranks, 2 per node on 3 training nodes;
 - ``pipeline``: 2 stages x 3 data-parallel ranks, 2 per node on 3 nodes,
   ``new_group`` per pipeline pair and per stage; activations and their
-  gradients cross between stages (and nodes) by ``send``/``recv``.
+  gradients cross between stages (and nodes) by ``send``/``recv``;
+- ``p2p``: 2 stages over the default group, 1 rank per node on 2 nodes,
+  which carries only ``send``/``recv`` (no collective: the runtime counts
+  its step ends, else no pause point is ever reached).
 
 Each is run once under plain sbatch (no ``--torchpass``: the runtime is not
 loaded; the reference) and once as the tests' ordinary job user with
@@ -44,8 +47,8 @@ STEPS = 100
 FAULT_STEPS = (2, 40)
 
 
-def drill(layout: str, nodes: int, per_node: int, *extra: str) -> Drill:
-    return Drill(layout, SCRIPT, (layout, "--steps", str(STEPS), "--sleep", "0.05"), STEPS,
+def drill(layout: str, nodes: int, per_node: int, *extra: str, steps: int = STEPS) -> Drill:
+    return Drill(layout, SCRIPT, (layout, "--steps", str(steps), "--sleep", "0.05"), steps,
                  nodes=nodes, per_node=per_node, fault_steps=FAULT_STEPS, sbatch_extra=extra)
 
 
@@ -53,6 +56,7 @@ JOBS = [
     drill("mesh3d", 2, 4, "--overcommit"),
     drill("hsdp", 3, 2),
     drill("pipeline", 3, 2),
+    drill("p2p", 2, 1, steps=160),  # each step counts 1 (its end): T lies twice as many steps ahead
 ]
 
 
