@@ -135,11 +135,8 @@ def test_an_unprotected_group_refuses_pauses_and_acknowledges_the_cancel():
     assert pg.state is PGState.CLOSED
 
 
-def test_a_pipeline_groups_sends_and_receives_are_not_kept_for_good():
-    """A pipeline group issues only send/recv, whose Works the group keeps for the drain at
-    a pause. They were dropped only when a collective was issued on the same group, so a
-    pipeline pair kept every Work of the job (and every activation sent: a gloo send's Work
-    holds its tensor) until the next pause. Finished ones are dropped as for collectives."""
+def _pair() -> dict[int, ReconfigurablePG]:
+    """Two ranks of one ReconfigurablePG in this process (threads), on real gloo."""
     rv = Rendezvous("127.0.0.1", free_port())
     pgs: dict[int, ReconfigurablePG] = {}
     errors: list[BaseException] = []
@@ -156,6 +153,16 @@ def test_a_pipeline_groups_sends_and_receives_are_not_kept_for_good():
     for t in threads:
         t.join(60)
     assert not errors and len(pgs) == 2, errors
+    return pgs
+
+
+def test_a_pipeline_groups_sends_and_receives_are_not_kept_for_good():
+    """A pipeline group issues only send/recv, whose Works the group keeps for the drain at
+    a pause. They were dropped only when a collective was issued on the same group, so a
+    pipeline pair kept every Work of the job (and every activation sent: a gloo send's Work
+    holds its tensor) until the next pause. Finished ones are dropped as for collectives."""
+    pgs = _pair()
+    errors: list[BaseException] = []
     got: list[float] = []
 
     def receive() -> None:
@@ -213,27 +220,6 @@ def test_tracking_works_that_never_complete_stays_bounded_and_cheap():
             assert i - waited[-1] >= pgmod.TRACK_MAX // 2
     assert checks["n"] <= 4 * n, checks  # amortized: a few is_completed() per collective, not ~256
     assert waited == list(range(len(waited)))  # the oldest first, each once
-
-
-def _pair() -> dict[int, ReconfigurablePG]:
-    """Two ranks of one ReconfigurablePG in this process (threads), on real gloo."""
-    rv = Rendezvous("127.0.0.1", free_port())
-    pgs: dict[int, ReconfigurablePG] = {}
-    errors: list[BaseException] = []
-
-    def make(rank: int) -> None:
-        try:
-            pgs[rank] = ReconfigurablePG(rank=rank, size=2, timeout=datetime.timedelta(seconds=30), rendezvous=rv)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and len(pgs) == 2, errors
-    return pgs
 
 
 def test_a_collectives_buffers_are_freed_a_few_collectives_later():

@@ -61,9 +61,10 @@ SCRIPT = textwrap.dedent(
             x = torch.randn(8, 16, generator=g); loss = m(x).pow(2).mean()
             opt.zero_grad(); loss.backward(); opt.step()
             return loss.detach().clone()
-    elif mode == "pipeline":  # 2 stages, activations and gradients by send/recv in their own group
-        pp = dist.new_group([0, 1])
-        groups = [pp]
+    elif mode in ("pipeline", "pipeline_default"):  # 2 stages, activations and gradients by send/recv
+        # in a group of their own, or on the default group alone (which then carries no collective)
+        pp = dist.new_group([0, 1]) if mode == "pipeline" else None
+        groups = [pp] if pp is not None else []
         torch.manual_seed(r)
         m = nn.Linear(16, 16) if r == 0 else nn.Sequential(nn.Tanh(), nn.Linear(16, 1))
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -80,26 +81,14 @@ SCRIPT = textwrap.dedent(
                 loss = m(h).pow(2).mean(); loss.backward()
                 dist.send(h.grad, 0, group=pp)
             opt.step()
-            loss = loss.detach().clone(); dist.broadcast(loss, 1)  # the last stage's loss, on the default group
-            return loss
-    elif mode == "pipeline_default":  # the same 2 stages, over the default group only: no collective at all
-        torch.manual_seed(r)
-        m = nn.Linear(16, 16) if r == 0 else nn.Sequential(nn.Tanh(), nn.Linear(16, 1))
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(0)
-        def step():
-            opt.zero_grad()
-            if r == 0:
-                h = m(torch.randn(8, 16, generator=g))
-                dist.send(h.detach(), 1)
-                gh = torch.empty_like(h); dist.recv(gh, 1)
-                h.backward(gh); loss = torch.empty(()); dist.recv(loss, 1)
+            loss = loss.detach().clone()
+            if pp is not None:
+                dist.broadcast(loss, 1)  # the last stage's loss, on the default group
+            elif r == 0:
+                dist.recv(loss, 1)  # by send/recv too: no collective at all
             else:
-                h = torch.empty(8, 16); dist.recv(h, 0); h.requires_grad_()
-                loss = m(h).pow(2).mean(); loss.backward()
-                dist.send(h.grad, 0); dist.send(loss.detach().clone(), 0)
-            opt.step()
-            return loss.detach().clone()
+                dist.send(loss, 0)
+            return loss
     else:  # DP x TP (2-D) or DP x PP x TP (3-D) mesh: gradients averaged over dp, loss summed over tp
         shape, names = {"mesh2d": ((2, 2), ("dp", "tp")), "mesh3d": ((2, 1, 2), ("dp", "pp", "tp"))}[mode]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
