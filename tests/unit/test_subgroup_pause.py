@@ -89,6 +89,23 @@ SCRIPT = textwrap.dedent(
             else:
                 dist.send(loss, 0)
             return loss
+    elif mode == "ddp_p2p":  # gradients averaged on the default group; ranks 0 and 1 alone send/recv, once
+        torch.manual_seed(0)
+        m = nn.Linear(16, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        seed = torch.tensor([7])
+        if r == 0:
+            dist.send(seed, 1)
+        elif r == 1:
+            dist.recv(seed, 0)
+        g = torch.Generator().manual_seed(int(seed) + r)
+        def step():
+            loss = m(torch.randn(8, 16, generator=g)).pow(2).mean()
+            opt.zero_grad(); loss.backward()
+            for p in m.parameters():
+                dist.all_reduce(p.grad); p.grad /= dist.get_world_size()
+            opt.step()
+            return loss.detach().clone()
     else:  # DP x TP (2-D) or DP x PP x TP (3-D) mesh: gradients averaged over dp, loss summed over tp
         shape, names = {"mesh2d": ((2, 2), ("dp", "tp")), "mesh3d": ((2, 1, 2), ("dp", "pp", "tp"))}[mode]
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -127,13 +144,15 @@ SCRIPT = textwrap.dedent(
 )
 
 STEPS = 6
-WORLD = {"mesh2d": 4, "mesh3d": 4, "hsdp": 4, "pipeline": 2, "pipeline_default": 2}
+WORLD = {"mesh2d": 4, "mesh3d": 4, "hsdp": 4, "pipeline": 2, "pipeline_default": 2, "ddp_p2p": 3}
 # Per step: the step end, then the default group's collectives: the pipeline's loss
 # broadcast and the total all_reduce (2), the meshes' and HSDP's total all_reduce (1).
 # T = k * PER_STEP stops at the end of step k (after optimizer.step()); other Ts stop
 # before a default-group collective, in the middle of a step.
-# pipeline_default: no collective, only the step end.
-PER_STEP = {"mesh2d": 2, "mesh3d": 2, "hsdp": 2, "pipeline": 3, "pipeline_default": 1}
+# pipeline_default: no collective, only the step end. ddp_p2p counts no step end (its default group
+# carries collectives): 2 gradient all_reduces, the step end at 3k + 2, then the total all_reduce.
+PER_STEP = {"mesh2d": 2, "mesh3d": 2, "hsdp": 2, "pipeline": 3, "pipeline_default": 1, "ddp_p2p": 3}
+STEP_END = {"ddp_p2p": 2}  # T % PER_STEP at a step end (0 unless given)
 
 
 def run(tmp, mode: str, pauses: tuple[int, ...] = ()) -> tuple[list[list[str]], list[str]]:
@@ -151,6 +170,10 @@ def run(tmp, mode: str, pauses: tuple[int, ...] = ()) -> tuple[list[list[str]], 
     # send/recv on the default group and nothing else on it: its count once stood still, and no
     # pause was ever reached; the ends of steps 2 and 4
     ("pipeline_default", (2, 4)),
+    # DDP whose ranks 0 and 1 alone send/recv once at the start: counted as before, collectives only,
+    # on every rank alike (counting step ends on those two alone stopped them elsewhere than rank 2);
+    # the end of step 0, before step 2's second gradient all_reduce
+    ("ddp_p2p", (2, 7)),
 ])
 def test_pauses_tear_down_and_rebuild_every_group_bit_identically(tmp_path, mode, pauses):
     plain, _ = run(tmp_path, mode)
@@ -161,7 +184,8 @@ def test_pauses_tear_down_and_rebuild_every_group_bit_identically(tmp_path, mode
         assert not [ln for ln in errs[r].splitlines() if ln.startswith("torchpass:")], errs[r]
         # (T, sockets, at a step end) per pause: every T reached, no socket left
         log, types, generations, same = ast.literal_eval(out[r][-1].removeprefix("paused "))
-        assert log == [(t, 0, t % PER_STEP[mode] == 0) for t in pauses], log
-        assert set(types) == ({"ReconfigurableSubgroup"} if mode != "pipeline_default" else set()) and same
+        assert log == [(t, 0, t % PER_STEP[mode] == STEP_END.get(mode, 0)) for t in pauses], log
+        assert set(types) == ({"ReconfigurableSubgroup"} if mode not in ("pipeline_default", "ddp_p2p") else set()) \
+            and same
         assert generations == [len(pauses)] * len(types)  # rebuilt at every pause, same objects
     assert out[0][:-1] != out[world // 2][:-1] or mode.startswith("pipeline")  # other data per dp index

@@ -375,7 +375,11 @@ class ReconfigurablePG(_ForwardingGroup):
         # the job's other groups (new_group, DeviceMesh), in the order they were
         # made: the same on every rank, so rebuilding in this order cannot deadlock
         self.subgroups: list[ReconfigurableSubgroup] = []
-        self.default_p2p = False  # a send/recv ran on this group (a pipeline on the default group)
+        # A pipeline over this group alone: step ends count (step_ended). Decided once, at the
+        # first step end after the first send/recv on this group (_p2p_at: the count then).
+        self.default_p2p = False
+        self._p2p_at: int | None = None
+        self._p2p_decided = False
         self.next_backend = ""  # the backend the script asks new_group for (hook.py sets it for the call)
         self._cv = threading.Condition()
         self._state = PGState.RUNNING
@@ -679,7 +683,8 @@ class ReconfigurablePG(_ForwardingGroup):
             self._on_collective(n)
 
     def _p2p(self, name: str, args, kwargs):
-        self.default_p2p = True  # step ends count from now on (step_ended)
+        if self._p2p_at is None:
+            self._p2p_at = self.collectives
         return super()._p2p(name, args, kwargs)
 
     def step_ended(self) -> None:
@@ -702,17 +707,26 @@ class ReconfigurablePG(_ForwardingGroup):
         where every subgroup collective of the step has been issued by every
         member, so none of them waits for a paused peer.
 
-        So does a job that sends and receives on the default group (a
-        pipeline whose stages talk over it, as torch.distributed.pipelining
-        does when given no group): its count would stand still too if the
-        default group carried nothing else. Every stage sends or receives in
-        its first step, before its first step end, so every rank starts
-        counting step ends at the same one. The step end is past every
-        send/recv the rank issued in the step; the drain waits until the
-        peers, still in their own step, have matched them.
+        So does a pipeline whose stages talk over the default group alone
+        (as torch.distributed.pipelining does when given no group): its count
+        would stand still too. It is recognised once, at the first step end
+        after the rank's first send/recv on the default group: no
+        default-group collective in between. Every stage of such a pipeline
+        sends or receives in its first step, so every rank decides the same
+        at the same step end. A job whose default group carries collectives
+        in every step (DDP, even one whose ranks also send/recv on it) keeps
+        counting collectives only, as before, on every rank alike; a job that
+        sends between its backward pass and its optimizer step, on some
+        ranks only, would decide differently on those ranks: its pause times
+        out and rolls back. The step end is past every send/recv the rank
+        issued in the step; the drain waits until the peers, still in their
+        own step, have matched them.
         """
         with self._cv:
             self.steps += 1
+            if self._p2p_at is not None and not self._p2p_decided:
+                self._p2p_decided = True
+                self.default_p2p = self.collectives == self._p2p_at
             self.boundary = (self.steps, self.collectives)
         while True:
             with self._cv:
