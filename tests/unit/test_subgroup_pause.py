@@ -11,7 +11,7 @@ rendezvous port; the losses are bit-identical (float.hex) to the same script
 without the runtime, and the objects the script and DeviceMesh hold are the
 ones it got before the pauses.
 
-Counting in a job with subgroups (or send/recv on the default group): ``collectives`` = default-group
+Counting in a job with subgroups (or a pipeline over the default group alone): ``collectives`` = default-group
 collectives + optimizer step ends; a pause at T stops with exactly T counted
 (pg.py ``step_ended``).
 """
