@@ -70,6 +70,7 @@ def test_success_pauses_dumps_every_rank_and_resumes_in_place():
     dumps = sim.of(ct.DumpRank, sim.quiesce(pause))
     assert sorted((d.rank, d.node, d.snapshot) for d in dumps) == [(0, "node1", "s1"), (1, "node2", "s1"),
                                                                      (2, "node3", "s1")]
+    assert {d.keep for d in dumps} == {2}  # the policy's retention: tpassd's quota check before the dump
     assert "snapshot s1: dumping" in sim.reason
     acts = sim.tick(1.0, *[ct.RankDumped("s1", sim.image(r), {"criu_dump_s": 0.2}) for r in range(3)])
     (resume,) = sim.of(ct.ResumeInPlace, acts)

@@ -213,3 +213,33 @@ def test_the_snapshot_layout():
     assert layout.parse_snapshot_images_dir(p, 7, 2) == (layout.Path("/snap"), "s1")
     assert layout.parse_snapshot_images_dir(p, 7, 3) is None and layout.parse_snapshot_images_dir(p, 8, 2) is None
     assert layout.parse_snapshot_images_dir("/snap/snapshots/job7/../x/rank2", 7, 2) is None
+
+
+def test_a_rank_that_alone_would_pass_the_quota_is_refused_before_anything_is_written(tmp_path):
+    """The quota is checked exactly at the commit; a rank whose own image (its tree's resident memory)
+    would already take the owner past it is refused before CRIU writes a byte, counting what
+    retention removes."""
+    proc = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        rank_dir = layout.rank_records_dir(tmp_path / "state", 5)
+        record = layout.rank_record(rank_dir, 5, 1)
+        record.parent.mkdir(parents=True)
+        record.write_text(json.dumps({"pid": proc.pid, "wrapper_pid": os.getpid()}))
+        svc = CheckpointService(tmp_path / "snap", "n1", state_dir=tmp_path / "state", job_owner=lambda j: 0,
+                                job_pids=lambda j: {proc.pid, os.getpid()}, gpu_in_use=lambda pid: False,
+                                owner_gid=lambda uid: uid, image_estimate=lambda pid: 10_000)
+        _commit(svc, tmp_path, "s0", ident=ROOT, keep=2)  # the job's older snapshot: 300 bytes
+        svc.snapshot_quota_bytes = 10_100
+        body = {"job_id": 5, "rank": 1, "op": "snap", "snapshot": "s1", "generation": 3, "keep": 2}
+        with pytest.raises(RemoteError, match=r"rank 1 alone of snapshot s1 of job 5 \(estimated\)") as exc:
+            svc.snapshot(wire.Message("tpassd.snapshot", body), ROOT)  # s0 stays: 300 + 10,000
+        assert exc.value.code == "conflict"
+        images = layout.snapshot_images_dir(tmp_path / "snap", 5, "s1", 1)
+        assert not images.exists() or not any(images.iterdir())  # nothing written
+        assert proc.poll() is None
+        out = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "keep": 1}), ROOT)  # s0 would go: fits
+        assert out["images"] == str(images) and out["bytes"] > 0 and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -60,6 +60,12 @@ log = structlog.get_logger("tpassd.checkpoint")
 audit_log = structlog.get_logger("tpassd.audit")
 
 
+def _keep(body: dict[str, Any]) -> int:
+    """A request's ``keep`` (the job's retention: the snapshots kept), 1 when absent or not a count."""
+    keep = body.get("keep")
+    return keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else 1
+
+
 def _job_owner(job_id: int) -> int | None:
     info = slurm.client().job(job_id)
     return None if info is None else info.user_id
@@ -310,7 +316,7 @@ class CheckpointService:
         return round(freed / 1e6, 1)
 
     def _dump(self, job_id: int, rank: int, generation: int, marker: Path, act: Audit,
-              snapshot: str | None = None) -> dict[str, Any]:
+              snapshot: str | None = None, keep: int = 1) -> dict[str, Any]:
         """Dump the rank: for a migration (``marker``: the hand-off marker says moving / moved /
         abort), or into whole-job snapshot ``snapshot`` (no marker: nothing moves)."""
         dfd = self._open_rank_dir(job_id)
@@ -333,15 +339,15 @@ class CheckpointService:
             with self._pin(job_id, wrapper, dump=True, view=view) as w, \
                     self._pin(job_id, pid, parent=wrapper, dump=True, view=view) as p:
                 if rank_pid == pid:
-                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, p, view[1], snapshot)
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, p, view[1], snapshot, keep)
                 with self._pin(job_id, rank_pid, parent=pid, dump=True, view=view) as r:
-                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, r, view[1], snapshot)
+                    return self._dump_pinned(job_id, rank, generation, marker, dfd, p, w, r, view[1], snapshot, keep)
         finally:
             os.close(dfd)
 
     def _dump_pinned(self, job_id: int, rank: int, generation: int, marker: Path, dfd: int,
                      p: procs.Pinned, w: procs.Pinned, r: procs.Pinned, owner: int,
-                     snapshot: str | None = None) -> dict[str, Any]:
+                     snapshot: str | None = None, keep: int = 1) -> dict[str, Any]:
         pid = r.pid  # the rank: its GPU state, its stdout/stderr
         try:
             c = criu_mod.find_criu(self.criu_binary)
@@ -359,6 +365,11 @@ class CheckpointService:
             estimate = lambda pid_: self.image_estimate(pid_) + self.keep_free_bytes  # noqa: E731
             marker = None
         who = f"rank {rank}"
+        if snapshot is not None:
+            # The quota is checked again, exactly, at the commit; here, before anything is written, a
+            # rank that alone would take its owner past it (its tree's resident memory, the image's
+            # usual size) is refused, so that an owner over quota does not fill the shared directory.
+            self._check_quota(owner, job_id, snapshot, self.image_estimate(p.pid), keep, part=rank)
         # A full image disk refuses the move before the rank is touched (no marker, no CUDA).
         criu_mod.check_space(who, self.snapshot_dir, estimate(p.pid))
         gpu = self.gpu_in_use(pid)
@@ -493,7 +504,8 @@ class CheckpointService:
         act.fields["snapshot"] = snap
         if op == "snap":
             marker = layout.handoff(self.rank_dir(job_id), job_id, b["rank"])  # named in errors only: never written
-            out = self._dump(job_id, b["rank"], int(b.get("generation") or 0), marker, act, snapshot=snap)
+            out = self._dump(job_id, b["rank"], int(b.get("generation") or 0), marker, act, snapshot=snap,
+                             keep=_keep(b))
             return {**out, "snapshot": snap}
         if op == "commit":
             return self._commit(job_id, snap, b)
@@ -586,8 +598,7 @@ class CheckpointService:
         checked = sorted((self._snapshot_part(job_id, snap, p) for p in parts), key=lambda p: p["rank"])
         if len({p["rank"] for p in checked}) != len(checked):
             raise RemoteError("bad_request", f"commit of snapshot {snap}: a rank is named twice")
-        keep = b.get("keep")
-        keep = keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else 1
+        keep = _keep(b)
         self._check_quota(owner, job_id, snap, sum(p["bytes"] for p in checked), keep)
         manifest = {
             "version": 1, "job_id": job_id, "snapshot": snap, "uid": owner, "created": round(self.wall(), 3),
@@ -635,10 +646,12 @@ class CheckpointService:
                 os.close(dfd)
         return out
 
-    def _check_quota(self, owner: int, job_id: int, snap: str, new_bytes: int, keep: int) -> None:
+    def _check_quota(self, owner: int, job_id: int, snap: str, new_bytes: int, keep: int,
+                     part: int | None = None) -> None:
         """Refuse the commit (RemoteError conflict: the coordinator then discards the images) when the
         owner's complete snapshots, with this one in and the job's oldest gone by retention, would
-        exceed snapshot_quota_bytes."""
+        exceed snapshot_quota_bytes. ``part``: a rank's dump, before it is written (``new_bytes``: its
+        estimate, the rank alone)."""
         if self.snapshot_quota_bytes <= 0:
             return
         used = 0
@@ -648,7 +661,9 @@ class CheckpointService:
                 mine = mine[max(0, len(mine) + 1 - keep):]
             used += sum(int(m.get("bytes") or 0) for m in mine)
         if used + new_bytes > self.snapshot_quota_bytes:
-            raise RemoteError("conflict", f"snapshot {snap} of job {job_id} ({new_bytes / 1e9:.2f} GB) would bring "
+            what = (f"snapshot {snap} of job {job_id}" if part is None
+                    else f"rank {part} alone of snapshot {snap} of job {job_id} (estimated)")
+            raise RemoteError("conflict", f"{what} ({new_bytes / 1e9:.2f} GB) would bring "
                                           f"uid {owner}'s snapshots to {(used + new_bytes) / 1e9:.2f} GB, over this "
                                           f"cluster's quota of {self.snapshot_quota_bytes / 1e9:g} GB per user "
                                           "(tpassd snapshot_quota_gb); delete older ones (tpassctl snapshots "

@@ -166,12 +166,15 @@ class Event:
 class DumpRank:
     """tpassd on ``node``: CRIU dump of the quiesced, held ``rank`` into job snapshot ``snapshot``
     (layout.snapshot_images_dir), leaving it running; no hand-off marker (nothing moves).
-    Outcome: RankDumped or RankDumpFailed."""
+    Outcome: RankDumped or RankDumpFailed. ``keep``: the snapshots of the job that retention
+    keeps (tpassd refuses the dump before writing when the rank alone would take its owner past
+    the snapshot quota, counting that retention)."""
 
     snapshot: str
     rank: int
     node: str
     generation: int
+    keep: int = 1
 
 
 @dataclass(frozen=True)

@@ -1046,7 +1046,7 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
         if done:
             stood = s.ready_at if s.ready_at is not None else now
             for r, node in s.ranks:
-                out.add(DumpRank(s.id, r, node, s.generation))
+                out.add(DumpRank(s.id, r, node, s.generation, policy.snapshot_keep))
             s = _snap_enter(s, SNAP_DUMP, now, now + policy.dump_timeout_s, stood_still_since=stood,
                             step=_snap_step_at(st, s.pause_at or 0))
             return replace(st, snapshot=s)

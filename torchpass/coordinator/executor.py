@@ -743,7 +743,7 @@ class Executor:
     # CRIU finds no socket) and ResumeInPlace with the snapshot's id where a migration's would be.
     def _do_DumpRank(self, a: ct.DumpRank, st: CoordState) -> None:
         body = {"job_id": self.job_id, "rank": a.rank, "generation": a.generation, "op": "snap",
-                "snapshot": a.snapshot, "rank_dir": str(self.rank_dir)}
+                "snapshot": a.snapshot, "rank_dir": str(self.rank_dir), "keep": a.keep}
 
         def run() -> None:
             try:
