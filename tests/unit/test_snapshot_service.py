@@ -4,6 +4,7 @@ and `tpassctl snapshots` listing only what the caller may see."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -165,7 +166,9 @@ def test_tpassctl_snapshots_lists_and_refuses_a_bad_delete(tmp_path):
     assert r.exit_code == 1 and "has no snapshot nope" in r.output
 
 
-def test_snap_dumps_a_real_process_into_the_snapshot_leaving_it_running_without_a_marker(tmp_path):
+@contextlib.contextmanager
+def _sleeping_rank(tmp_path):
+    """Rank 1 of job 5: a real process (sleep) with its rank record, this process as its wrapper."""
     proc = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -173,6 +176,14 @@ def test_snap_dumps_a_real_process_into_the_snapshot_leaving_it_running_without_
         record = layout.rank_record(rank_dir, 5, 1)
         record.parent.mkdir(parents=True)
         record.write_text(json.dumps({"pid": proc.pid, "wrapper_pid": os.getpid()}))
+        yield proc, rank_dir
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_snap_dumps_a_real_process_into_the_snapshot_leaving_it_running_without_a_marker(tmp_path):
+    with _sleeping_rank(tmp_path) as (proc, rank_dir):
         time.sleep(0.3)
         svc = CheckpointService(tmp_path / "snap", "n1", state_dir=tmp_path / "state", job_owner=lambda j: 0,
                                 job_pids=lambda j: {proc.pid, os.getpid()}, gpu_in_use=lambda pid: False)
@@ -192,9 +203,6 @@ def test_snap_dumps_a_real_process_into_the_snapshot_leaving_it_running_without_
         discard = {"job_id": 5, "rank": 0, "op": "discard", "snapshot": "s1"}
         assert svc.snapshot(wire.Message("tpassd.snapshot", discard), ROOT)["discarded_mb"] >= 0
         assert not images.exists()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_bad_snapshot_id_is_refused(tmp_path):
@@ -219,13 +227,7 @@ def test_a_rank_that_alone_would_pass_the_quota_is_refused_before_anything_is_wr
     """The quota is checked exactly at the commit; a rank whose own image (its tree's resident memory)
     would already take the owner past it is refused before CRIU writes a byte, counting what
     retention removes."""
-    proc = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        rank_dir = layout.rank_records_dir(tmp_path / "state", 5)
-        record = layout.rank_record(rank_dir, 5, 1)
-        record.parent.mkdir(parents=True)
-        record.write_text(json.dumps({"pid": proc.pid, "wrapper_pid": os.getpid()}))
+    with _sleeping_rank(tmp_path) as (proc, _):
         svc = CheckpointService(tmp_path / "snap", "n1", state_dir=tmp_path / "state", job_owner=lambda j: 0,
                                 job_pids=lambda j: {proc.pid, os.getpid()}, gpu_in_use=lambda pid: False,
                                 owner_gid=lambda uid: uid, image_estimate=lambda pid: 10_000)
@@ -240,6 +242,3 @@ def test_a_rank_that_alone_would_pass_the_quota_is_refused_before_anything_is_wr
         assert proc.poll() is None
         out = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "keep": 1}), ROOT)  # s0 would go: fits
         assert out["images"] == str(images) and out["bytes"] > 0 and proc.poll() is None
-    finally:
-        proc.kill()
-        proc.wait()
