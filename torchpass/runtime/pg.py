@@ -717,8 +717,8 @@ class ReconfigurablePG(_ForwardingGroup):
         in every step (DDP, even one whose ranks also send/recv on it) keeps
         counting collectives only, as before, on every rank alike; a job that
         sends between its backward pass and its optimizer step, on some
-        ranks only, would decide differently on those ranks: its pause times
-        out and rolls back. The step end is past every send/recv the rank
+        ranks only, would decide differently on those ranks: its pause is
+        expected to time out and roll back (not tested). The step end is past every send/recv the rank
         issued in the step; the drain waits until the peers, still in their
         own step, have matched them.
         """
