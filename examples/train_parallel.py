@@ -98,6 +98,35 @@ def hsdp(world: int, hidden: int):
     return step, m
 
 
+def _stage(stage: int, data_seed: int):
+    """One pipeline stage's model, optimizer and data generator (stage 0: the input layer)."""
+    torch.manual_seed(stage)
+    m = nn.Linear(WIDTH, WIDTH) if stage == 0 else nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, 1))
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), torch.Generator().manual_seed(data_seed)
+
+
+def _microbatches(stage: int, m: nn.Module, g: torch.Generator, peer: int, group) -> torch.Tensor:
+    """Two micro-batches, each forward and backward through both stages, activations and their
+    gradients by send/recv on ``group`` (None: the default group). Stage 1's loss; zero on stage 0."""
+    loss = torch.zeros(())
+    for _ in range(2):
+        if stage == 0:
+            h = m(torch.randn(8, WIDTH, generator=g))
+            dist.send(h.detach(), peer, group=group)
+            grad = torch.empty_like(h)
+            dist.recv(grad, peer, group=group)
+            h.backward(grad)
+        else:
+            h = torch.empty(8, WIDTH)
+            dist.recv(h, peer, group=group)
+            h.requires_grad_()
+            part = m(h).pow(2).mean() / 2
+            part.backward()
+            dist.send(h.grad, peer, group=group)
+            loss += part.detach()
+    return loss
+
+
 def pipeline(world: int, hidden: int):  # its stages are WIDTH wide: hidden is not used
     rank, dp_size = dist.get_rank(), world // 2
     stage, index = divmod(rank, dp_size)
@@ -106,29 +135,11 @@ def pipeline(world: int, hidden: int):  # its stages are WIDTH wide: hidden is n
     dps = [dist.new_group(list(range(s * dp_size, (s + 1) * dp_size))) for s in range(2)]
     pp, dp = pps[index], dps[stage]
     peer = index + dp_size if stage == 0 else index  # the other stage's rank of this pipeline
-    torch.manual_seed(stage)
-    m = nn.Linear(WIDTH, WIDTH) if stage == 0 else nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, 1))
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(index)  # data per pipeline (data-parallel index)
+    m, opt, g = _stage(stage, index)  # data per pipeline (data-parallel index)
 
     def step() -> torch.Tensor:
         opt.zero_grad()
-        loss = torch.zeros(())
-        for _ in range(2):  # two micro-batches, each forward and backward through both stages
-            if stage == 0:
-                h = m(torch.randn(8, WIDTH, generator=g))
-                dist.send(h.detach(), peer, group=pp)
-                grad = torch.empty_like(h)
-                dist.recv(grad, peer, group=pp)
-                h.backward(grad)
-            else:
-                h = torch.empty(8, WIDTH)
-                dist.recv(h, peer, group=pp)
-                h.requires_grad_()
-                part = m(h).pow(2).mean() / 2
-                part.backward()
-                dist.send(h.grad, peer, group=pp)
-                loss += part.detach()
+        loss = _microbatches(stage, m, g, peer, pp)
         for p in m.parameters():
             dist.all_reduce(p.grad, group=dp)
             p.grad /= dp_size
@@ -142,29 +153,11 @@ def p2p(world: int, hidden: int):  # 2 stages over the default group, which carr
     if world != 2:
         raise SystemExit("p2p: 2 ranks (one per stage)")
     stage, peer = dist.get_rank(), 1 - dist.get_rank()
-    torch.manual_seed(stage)
-    m = nn.Linear(WIDTH, WIDTH) if stage == 0 else nn.Sequential(nn.Tanh(), nn.Linear(WIDTH, 1))
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(0)
+    m, opt, g = _stage(stage, 0)
 
     def step() -> torch.Tensor:
         opt.zero_grad()
-        loss = torch.zeros(())
-        for _ in range(2):
-            if stage == 0:
-                h = m(torch.randn(8, WIDTH, generator=g))
-                dist.send(h.detach(), peer)
-                grad = torch.empty_like(h)
-                dist.recv(grad, peer)
-                h.backward(grad)
-            else:
-                h = torch.empty(8, WIDTH)
-                dist.recv(h, peer)
-                h.requires_grad_()
-                part = m(h).pow(2).mean() / 2
-                part.backward()
-                dist.send(h.grad, peer)
-                loss += part.detach()
+        loss = _microbatches(stage, m, g, peer, None)
         if stage == 0:
             dist.recv(loss, peer)  # stage 1's loss, by send/recv too: no collective at all
         else:

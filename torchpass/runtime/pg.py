@@ -375,11 +375,11 @@ class ReconfigurablePG(_ForwardingGroup):
         # the job's other groups (new_group, DeviceMesh), in the order they were
         # made: the same on every rank, so rebuilding in this order cannot deadlock
         self.subgroups: list[ReconfigurableSubgroup] = []
-        # A pipeline over this group alone: step ends count (step_ended). Decided once, at the
-        # first step end after the first send/recv on this group (_p2p_at: the count then).
-        self.default_p2p = False
+        # A pipeline over this group alone: step ends count (step_ended). Decided once (None:
+        # not yet), at the first step end after the first send/recv on this group (_p2p_at: the
+        # count then).
+        self.default_p2p: bool | None = None
         self._p2p_at: int | None = None
-        self._p2p_decided = False
         self.next_backend = ""  # the backend the script asks new_group for (hook.py sets it for the call)
         self._cv = threading.Condition()
         self._state = PGState.RUNNING
@@ -718,14 +718,13 @@ class ReconfigurablePG(_ForwardingGroup):
         counting collectives only, as before, on every rank alike; a job that
         sends between its backward pass and its optimizer step, on some
         ranks only, would decide differently on those ranks: its pause is
-        expected to time out and roll back (not tested). The step end is past every send/recv the rank
-        issued in the step; the drain waits until the peers, still in their
-        own step, have matched them.
+        expected to time out and roll back (not tested). The step end is
+        past every send/recv the rank issued in the step; the drain waits
+        until the peers, still in their own step, have matched them.
         """
         with self._cv:
             self.steps += 1
-            if self._p2p_at is not None and not self._p2p_decided:
-                self._p2p_decided = True
+            if self._p2p_at is not None and self.default_p2p is None:
                 self.default_p2p = self.collectives == self._p2p_at
             self.boundary = (self.steps, self.collectives)
         while True:
