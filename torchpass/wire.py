@@ -89,6 +89,13 @@ BODIES: dict[str, dict[str, F]] = {
         # (e.g. the job made a subgroup the runtime cannot move yet). The job
         # is then unprotected; it runs as without torchpass.
         "unprotected": _f(str, required=False),
+        # (issue 11, torchrun) the Slurm task the rank runs in: the key of its rank record, which
+        # tpassd dumps (rankR.json, R = the task's RANK or SLURM_PROCID). Absent: the rank itself.
+        # Several ranks share one task under torchrun (its workers are the task's children).
+        "task": _f(int, required=False),
+        # (issue 11, torchrun) why the rank's node cannot move (e.g. torchrun's agent there
+        # serves a TCP store that every node connects to); the rest of the job stays protected.
+        "pinned": _f(str, required=False),
     },
     # Progress: step = optimizer steps seen, collectives = collectives issued.
     "rank.progress": {

@@ -1,31 +1,30 @@
-"""``srun torchrun`` under --torchpass: do no harm (issue 11, deliver 1 and 3).
-
-torchpass cannot move a torchrun job yet: its workers are children of
-torchrun's agent (the task Slurm started), and the agent holds TCP
-connections to its c10d rendezvous store (docs/runtime.md, "torchrun"). So
-such a job must run exactly as without torchpass, say once why it is
-unprotected, and never be paused or moved.
+"""``srun torchrun`` under --torchpass: a degrading node's workers move (issue 11, deliver 3).
 
 The job (as the tests' ordinary user, 3 training nodes): ``srun torchrun
---nnodes=3 --nproc-per-node=2 --rdzv-backend=c10d`` of a small gloo DDP
-script, 6 workers. Run twice: under plain sbatch (the reference) and under
-``--torchpass=spares=1`` (one more node, the hot spare; the plugin keeps it
-out of the plain srun, so ``$SLURM_NNODES`` is 3 in both). In the second, an
-ECC drill lands on a random training node at a random step (seed printed;
-``TORCHPASS_TEST_SEED=N`` replays). The workers end their training, then
-wait for a release file before they leave, so the coordinator's answer to
-the drill is seen while the job runs: the test releases them once the event
-log shows it (the reference is released from the start).
+--nnodes=3 --nproc-per-node=2 --rdzv-backend=c10d
+--rdzv-endpoint=<first node>`` of a small gloo DDP script, 6 workers. Each
+Slurm task is torchrun's agent; its two workers are ranks of the runtime,
+and the task's whole tree (agent and workers) is what tpassd dumps and
+restores. The agent on the endpoint's node serves the rendezvous store, and
+the agent of node rank 0 the workers' bootstrap store (torch 2.13 sorts the
+nodes by name: both on node1): that node cannot move (its servers' clients
+could not follow it), so its workers register it as pinned.
+
+Run twice: under plain sbatch (the reference) and under
+``--torchpass=spares=1``. In the second, an ECC drill lands on a random
+other training node at a random step (seed printed;
+``TORCHPASS_TEST_SEED=N`` replays); once that move has completed, a second
+drill lands on node1, the store's node. The workers end their training, then
+wait for a release file, so the answer to the second drill is seen while
+the job runs.
 
 Checked: same job id, COMPLETED 0:0, ``Restarts=0``; every step exactly once
 per worker with the reference's losses bit for bit; each worker's
-``TORCHELASTIC_RESTART_COUNT`` still 0 at the end; exactly one ``torchpass:``
-line in the job's output, saying it was launched by torchrun and to start
-one task per rank with srun instead; a ``job.unprotected`` event saying the
-same; ``tpassctl status`` showing the job unprotected; the drill answered
-by ``migration.skipped`` for that node, and no migration started. (On
-e994c1d the workers registered as movable ranks, said nothing, and the
-drill started a migration whose dump failed: "does not run on node2".)
+``TORCHELASTIC_RESTART_COUNT`` still 0 at the end (the agent never saw a
+worker die); one ``migration.completed`` for the drilled node with both of
+its workers moved; the store's node answered by ``migration.skipped`` naming
+the store; no ``unprotected`` line. (On 17f4b54 every torchrun job ran
+unprotected: the drill was answered by migration.skipped.)
 """
 
 from __future__ import annotations
@@ -46,10 +45,10 @@ from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
 pytestmark = pytest.mark.integration
 
 SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
-STEPS = 25
+STEPS = 80
 NODES = ("node1", "node2", "node3")  # training nodes; node4 is the spare
 WORKERS = 2 * len(NODES)
-TORCHRUN_SAYS = "launched by torchrun"
+STORE_NODE = "node1"  # the rendezvous endpoint, and node rank 0 (the bootstrap store)
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -110,12 +109,11 @@ def _wait_for(what: str, ready, timeout_s: float, diag) -> None:
         time.sleep(0.2)
 
 
-def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes_nothing(
-        cluster, plugin_built, job_dir, job_user):
+def test_srun_torchrun_moves_a_degrading_node_and_keeps_the_store_node(cluster, plugin_built, job_dir, job_user):
     rng = random.Random(f"{SEED}:torchrun")
-    node, at = rng.choice(NODES), rng.randint(2, STEPS - 10)
+    node, at = rng.choice([n for n in NODES if n != STORE_NODE]), rng.randint(3, 15)
     what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): ecc-sbe-storm on {node} at step {at}, "
-            f"srun torchrun --nnodes=3 --nproc-per-node=2")
+            f"then on {STORE_NODE}; srun torchrun --nnodes=3 --nproc-per-node=2")
     print(f"\n{what}")
     (job_dir / "tr.py").write_text(SCRIPT)
     os.chown(job_dir / "tr.py", job_user.uid, job_user.gid)
@@ -140,7 +138,7 @@ def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes
             ref_text[-3000:]
         assert all(len(c) == 1 for c in ref.values()), "the workers disagree on a step's loss"
 
-        # under --torchpass, with a drill on one training node
+        # under --torchpass, with a drill on one training node, then one on the store's node
         job_id, out, release = _submit(job_dir, "tp", True, job_user)
         t0 = time.monotonic()
         jobs.append(job_id)
@@ -148,23 +146,25 @@ def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes
         def diag(msg: str) -> str:
             return diagnosis(cluster, job_id, out, f"{msg}; {what}")
 
+        def kinds(kind: str, on: str) -> list[dict]:
+            return [e for e in events(cluster, job_id) if e["kind"] == kind and e["data"].get("node") == on]
+
         _wait_for(f"step {at}", lambda: out.exists() and f"step={at} " in out.read_text(), 240, diag)
         t_at = time.monotonic() - t0
-        inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
-        assert inj.returncode == 0, (what, inj.stderr)
-        # the coordinator saw the drill on an unprotected job: it says so and moves nothing
-        skipped = lambda: [e for e in events(cluster, job_id)  # noqa: E731
-                           if e["kind"] == "migration.skipped" and e["data"].get("node") == node]
         try:
-            _wait_for("migration.skipped", skipped, 120, diag)
+            inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
+            assert inj.returncode == 0, (what, inj.stderr)
+            _wait_for("migration.completed", lambda: kinds("migration.completed", node), 180, diag)
+            t_moved = time.monotonic() - t0
+            inj = tj.run([*tj.TPASSCTL, "inject", "--node", STORE_NODE, "--fault", "ecc-sbe-storm"])
+            assert inj.returncode == 0, (what, inj.stderr)
+            _wait_for("migration.skipped", lambda: kinds("migration.skipped", STORE_NODE), 120, diag)
             st = tpassctl("status", str(job_id), "--json", user=job_user.name)
         finally:
             release.touch()  # the workers leave whatever happened
-            t_skip = time.monotonic() - t0
         assert st.returncode == 0, st.stderr
         row = json.loads(st.stdout)["jobs"][0]
-        assert row["protected"] is False and TORCHRUN_SAYS in row["unprotected"], row
-        assert row["registered_ranks"] == WORKERS, row
+        assert row["protected"] is True and row["registered_ranks"] == WORKERS, row
 
         final = tj.wait_end(job_id, 300, context=f"{what}: ")
         text, evs = out.read_text(), events(cluster, job_id)
@@ -176,15 +176,17 @@ def test_srun_torchrun_runs_unprotected_as_without_torchpass_and_a_drill_changes
         # the same training, bit for bit, and torchrun never restarted its workers
         assert tj.per_step(tj.steps(text)) == ref, d
         assert text.splitlines().count("restarts=0") == WORKERS, d
-        # one line for the whole job: why, and what to do instead
-        said = [ln for ln in text.splitlines() if ln.startswith("torchpass:")]
-        assert len(said) == 1 and TORCHRUN_SAYS in said[0] and "srun" in said[0], d
-        assert [e for e in evs if e["kind"] == "job.unprotected" and TORCHRUN_SAYS in e["message"]], d
-        assert not [e for e in evs if e["kind"].startswith("migration.")
-                    and e["kind"] not in ("migration.skipped",)], d
-        print(f"torchrun: unprotected, drill on {node} at step {at} skipped: {skipped()[0]['message']}\n"
-              f"reference {t_ref:.1f} s; under --torchpass step {at} after {t_at:.1f} s, skipped after "
-              f"{t_skip:.1f} s, ended after {time.monotonic() - t0:.1f} s")
+        assert not [ln for ln in text.splitlines() if ln.startswith("torchpass:") and "unprotected" in ln], d
+        done = [e for e in evs if e["kind"] == "migration.completed"]
+        assert len(done) == 1 and done[0]["data"].get("node") == node, d
+        started = [e for e in evs if e["kind"] == "migration.started"]
+        assert [e["data"].get("node") for e in started] == [node], d
+        skipped = kinds("migration.skipped", STORE_NODE)
+        assert "serves a TCP store" in skipped[0]["message"], d
+        print(f"torchrun: {node} moved at step {at}, {STORE_NODE} kept: {skipped[0]['message']}\n"
+              f"reference {t_ref:.1f} s; under --torchpass step {at} after {t_at:.1f} s, moved after "
+              f"{t_moved:.1f} s, ended after {time.monotonic() - t0:.1f} s; "
+              f"{done[0]['message']}")
     finally:
         leave_clean_nodes(jobs)
 

@@ -1270,3 +1270,37 @@ def test_a_job_that_turns_unprotected_while_waiting_for_a_spare_cancels_the_move
     assert sim.state.history[-1].outcome == "cancelled"
     (ev,) = sim.events("migration.cancelled")
     assert "the job is unprotected (rank 2 unprotected" in ev.message
+
+
+def test_a_pinned_node_is_skipped_once_and_the_rest_of_the_job_still_moves():
+    """torchrun: the node whose agent serves a store cannot move (its workers register it pinned).
+    A degradation there is said once (migration.skipped, naming why) and moves nothing; an
+    operator request for it is rejected; another node still moves, and a snapshot is refused
+    (several ranks per task)."""
+    sim = Sim()
+    why = "torchrun's agent on this node serves a TCP store"
+    for r in (0, 1):  # node1's two workers, of task 0
+        sim.feed(mc.RankRegistered(r, "node1", 6, task=0, pinned=why))
+    sim.degrade("node1")
+    sim.tick(1.0)
+    (ev,) = sim.events("migration.skipped")
+    assert ev.data["node"] == "node1" and ev.data["pinned"] == why and why in ev.message
+    assert sim.m is None and not [a for a in sim.actions if isinstance(a, PauseAt)]
+    sim.degrade("node2")
+    assert sim.m is not None and sim.m.node == "node2"
+    assert len(sim.events("migration.skipped")) == 1  # said once
+    from torchpass.coordinator.decide import check_snapshot_request
+
+    code, msg = check_snapshot_request(replace(sim.state, migration=None))
+    assert code == "conflict" and "torchrun" in msg
+
+
+def test_an_operator_request_for_a_pinned_node_is_rejected():
+    from torchpass.coordinator.machine import OperatorRejected, accept_operator
+
+    sim = Sim()
+    sim.feed(mc.RankRegistered(0, "node1", 6, task=0, pinned="serves a store"))
+    with pytest.raises(OperatorRejected) as err:
+        accept_operator(sim.state, "node1", None, sim.now)
+    assert "node1 cannot move: serves a store" in str(err.value)
+    accept_operator(sim.state, "node2", None, sim.now)  # the others can

@@ -385,3 +385,48 @@ def test_progress_reports_alone_are_decided_on_the_progress_tick(tmp_path, monke
     d.post(mc.Quiesced(0, 1, 5))  # anything else: decided at once
     d.pump()
     assert len(decided) == 3
+
+
+def test_a_task_of_several_ranks_is_dumped_verified_and_restored_once(tmp_path):
+    """torchrun: n2's Slurm task 1 is torchrun's agent with two workers, ranks 1 and 2 (they
+    register task 1). tpassd, the rank wrapper and the restore step know tasks: one dump, one
+    verify and one restore step for the task, every outcome reported for both ranks."""
+    calls = []
+
+    def request(node, type_, body, timeout_s):
+        calls.append((node, type_, body.get("op"), body.get("rank")))
+        if type_ == "tpassd.snapshot" and body["op"] == "dump":
+            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        return {}
+
+    tp = FakeTpassd(fail_dump=False)
+    tp.request = request
+    job = JobState(job_id=42, spares=1)
+    pol = CoordinatorPolicy()
+    d = Driver(job, pol, spares=("n4",))
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
+                          address_of=lambda n: "10.0.0." + n[1:], srun=str(fake_srun(tmp_path)))
+    d.executor._output = str(tmp_path / "job.out")
+    _open_executors.append(d.executor)
+    for r, n, task in ((0, "n1", 0), (1, "n2", 1), (2, "n2", 1), (3, "n3", 2)):
+        d.feed(mc.RankRegistered(r, n, 4, task=task))
+    for n in ("n1", "n2", "n3", "n4"):
+        d.feed(mc.NodeHealthChanged(n, "healthy"))
+    ex = d.executor
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+    assert list(ex.moves["m1"].gates) == [1]  # one restore step for task 1, launched at the pause
+    assert {r for r in range(4) if "hold_file" in ex.command_for(r)} == {1, 2}  # both workers hold
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(4):
+        d.feed(mc.Quiesced(r, gen, at))
+    # dump -> transfer -> restore (the restore wrapper refuses an image without a manifest): rollback
+    _pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
+    assert [c for c in calls if c[2] == "dump"] == [("n2", "tpassd.snapshot", "dump", 1)]
+    assert [c for c in calls if c[2] == "verify"] == [("n4", "tpassd.restore", "verify", 1)]
+    assert (tmp_path / "srun.calls").read_text().count("\n") == 1
+    m = d.state.migration
+    assert set(m.images) == {1, 2} and set(m.transferred) == {1, 2}  # each worker got the task's outcome
+    rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+    assert "restore on n4 failed" in rb.message, rb.message
+    _pump_until(d, lambda: [c for c in calls if c[2] == "abort"], timeout_s=10)
+    assert {c[3] for c in calls if c[2] == "abort"} == {1}  # the hand-off of task 1 is called off

@@ -1,78 +1,158 @@
-"""torchrun and the other fallbacks: do no harm, and the coordinator hears why (issue 11, deliver 1, 3).
+"""torchrun's workers are ranks, and the other fallbacks tell the coordinator (issue 11, deliver 1, 3).
 
-A job launched by torchrun cannot be moved (its workers are children of
-torchrun's agent, which holds TCP connections to its rendezvous store). The
-runtime sees it from what torchrun puts in every worker's environment
-(``TORCHELASTIC_RUN_ID``) and runs torch's own ``init_process_group``: the
-same group, the same losses bit for bit, the same exit code, and
-``TORCHELASTIC_RESTART_COUNT`` still 0. One ``torchpass:`` line for the
-whole job (from rank 0) says why and what to do instead, and every worker
-registers with the coordinator as unprotected (the coordinator records the
-event and starts no migration: tests/unit/test_coordinator_server.py covers
-its side). On e994c1d the workers were wrapped as movable ranks (a
-``ReconfigurablePG``), said nothing, and a migration was tried and rolled back.
+A worker of torchrun (``TORCHELASTIC_RUN_ID`` in its environment) gets a
+``ReconfigurablePG`` like a task srun started; its first store is its agent's
+(``TORCHELASTIC_USE_AGENT_STORE``), of which it is only a client. Real
+``torchrun --nproc-per-node=2`` here, with the runtime loaded through
+boot/sitecustomize.py as in a job, against a MiniCoordinator, in two forms:
 
-Real ``torchrun --standalone --nproc-per-node=2`` here, with the runtime
-loaded through boot/sitecustomize.py as in a job, against a MiniCoordinator.
+* ``--standalone``: the agent serves the rendezvous store (and the workers'
+  bootstrap store): each worker registers its node as pinned;
+* a client agent (``is_host=false``, the store served by the test, the
+  bootstrap store by worker 0 as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``):
+  not pinned, and while both workers hold, the agent holds no socket either
+  (the whole tree could be dumped), then connects again.
+
+Each: the same losses bit for bit as with the runtime switched off, a pause in
+the middle of training where both workers hold and close every socket, a
+resume at a new rendezvous, exit 0 and ``TORCHELASTIC_RESTART_COUNT`` 0; each
+worker registers its task (the rank wrapper's ``TORCHPASS_TASK``). (On
+17f4b54 every worker fell back to torch's own group, unprotected.)
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import textwrap
+import time
+
+import pytest
+import torch.distributed as dist
 
 from test_runtime_init_forms import SCRIPT as INIT_FORMS_SCRIPT
 
 from torchpass.runtime import boot_dir, hook
+from torchpass.runtime.control import AGENT_SERVES_WHY
+from torchpass.runtime.pg import count_sockets
 from torchpass.runtime.testing import MiniCoordinator, free_port, run_ranks
 
-# The init-forms script (its "noargs" form: init_process_group() as torchrun sets it up, and its
-# "store" form), which first says which restart of torchrun's this worker is.
-SCRIPT = ("import os; print('restarts', os.environ.get('TORCHELASTIC_RESTART_COUNT'), flush=True)\n"
-          + INIT_FORMS_SCRIPT)
+SCRIPT = INIT_FORMS_SCRIPT  # for the store fallback below
 JOB_ID = 4711
+STEPS = 40
+TRAIN = textwrap.dedent(
+    f"""
+    import os, time, torch, torch.distributed as dist, torch.nn as nn
+    torch.set_num_threads(1)
+    print("restarts", os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
+    dist.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    print("group", type(dist.distributed_c10d._get_default_group()).__name__, flush=True)
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for s in range({STEPS}):
+        loss = m(torch.randn(4, 8, generator=g)).pow(2).mean()
+        opt.zero_grad(); loss.backward()
+        for p in m.parameters():
+            dist.all_reduce(p.grad); p.grad /= world
+        opt.step()
+        l = loss.detach().clone(); dist.all_reduce(l)
+        print(f"step={{s}} loss={{l.item().hex()}}", flush=True)
+        time.sleep(0.05)
+    dist.barrier()
+    os._exit(0)  # plain torch 2.13 may abort at exit (docs/runtime.md, "Unprotected jobs")
+    """
+)
 
 
-def _torchrun(tmp_path, tag: str, runtime: bool, coordinator: str) -> tuple[int, list[str], str]:
+def _torchrun(tmp_path, tag: str, runtime: bool, coordinator: str, store_port: int | None = None):
+    """torchrun of TRAIN: standalone, or (``store_port``) as a client of the rendezvous store there."""
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON", "TORCHELASTIC"))}
     env.update(PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB_ID), TORCHPASS_RUNTIME="1" if runtime else "0",
-               TORCHPASS_COORDINATOR=coordinator, TORCHPASS_NODE="nodeA", FORM="noargs")
+               TORCHPASS_COORDINATOR=coordinator, TORCHPASS_NODE="nodeA", TORCHPASS_TASK="3")
     # Each worker's stdout to a file of its own (--redirects 1): two workers writing to one pipe
     # can interleave inside a line under load.
     logs = tmp_path / f"{tag}-logs"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--log-dir", str(logs), "--redirects", "1", str(script)]
-    p = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                       stdin=subprocess.DEVNULL)
-    outs = sorted(logs.rglob("stdout.log"))
-    lines = [ln for f in outs for ln in f.read_text().splitlines() if ln]
-    # the workers' lines, both workers' together
-    return p.returncode, sorted(lines), p.stderr + "".join(f"\n[{f}]" for f in outs)
+    if store_port is None:
+        rdzv = ["--standalone", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    else:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # no bootstrap server in the agent
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store_port}", "--rdzv-conf=is_host=false",
+                f"--rdzv-id={tag}", f"--master-port={free_port()}"]
+    argv = [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nnodes=1", "--nproc-per-node=2",
+            "--log-dir", str(logs), "--redirects", "1", str(script)]
+    return subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL), logs
 
 
-def test_a_torchrun_job_runs_as_without_the_runtime_says_why_once_and_registers_unprotected(tmp_path):
+def _finish(proc, logs) -> tuple[int, list[str], str]:
+    out, err = proc.communicate(timeout=180)
+    files = sorted(logs.rglob("stdout.log"))
+    lines = [ln for f in files for ln in f.read_text().splitlines() if ln]
+    return proc.returncode, sorted(lines), err + "".join(f"\n[{f}]" for f in files)
+
+
+@pytest.fixture(scope="module")
+def rdzv_store():
+    """A c10d rendezvous store served by the test, outside the agent (multi-tenant, as torch's)."""
+    return dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False,
+                         multi_tenant=True)
+
+
+@pytest.mark.parametrize("form", ["standalone", "client"])
+def test_torchrun_workers_are_ranks_that_pause_hold_and_resume_bit_identically(tmp_path, form, rdzv_store):
+    port = rdzv_store.port if form == "client" else None
     with MiniCoordinator(world_size=2, job_id=JOB_ID) as coord:
-        plain_rc, plain, plain_err = _torchrun(tmp_path, "plain", False, coord.endpoint)
-        assert plain_rc == 0 and "torchpass" not in plain_err, plain_err[-3000:]
+        rc0, plain, plain_err = _finish(*_torchrun(tmp_path, "plain", False, coord.endpoint, port))
+        assert rc0 == 0 and "torchpass" not in plain_err, plain_err[-3000:]
         assert not coord.ranks  # the runtime switched off says nothing to anyone
-        rc, out, err = _torchrun(tmp_path, "rt", True, coord.endpoint)
-        ctx = "\n".join([*out, err[-3000:]])
-        # torch's own group and math: the same lines bit for bit, the same exit code, no restart
-        assert rc == plain_rc == 0, ctx
-        assert out == plain, ctx
-        assert len(out) == 2 * 6, ctx  # per worker: its restart count, its group, 4 steps
-        assert [ln for ln in out if "group" in ln] == ["group ProcessGroup undefined"] * 2, ctx
-        assert [ln for ln in out if "restarts" in ln] == ["restarts 0"] * 2, ctx
-        said = [ln for ln in err.splitlines() if "torchpass" in ln]
-        assert said == [f"torchpass: {hook.TORCHRUN_WHY}; training runs unprotected"], ctx
-        assert "launched by torchrun" in said[0] and "srun" in said[0], said
-        # every worker told the coordinator why (the coordinator turns it into one job.unprotected event)
-        coord.wait_registered(timeout=30)
-        assert {r: (v.node, v.unprotected) for r, v in coord.ranks.items()} == {
-            r: ("nodeA", hook.TORCHRUN_WHY) for r in (0, 1)}
+        proc, logs = _torchrun(tmp_path, "rt", True, coord.endpoint, port)
+        agent_sockets = None
+        try:
+            coord.wait_registered(timeout=60)
+            bodies = {r: v.history[0][1] for r, v in coord.ranks.items()}
+            coord.wait_collectives(12)
+            hold = {r: str(tmp_path / f"hold.{r}") for r in (0, 1)}
+            at, gen = coord.pause(margin=6, hold_files=hold)
+            q = coord.wait_quiesced()
+            assert {r: q[r]["collectives"] for r in q} == {0: at, 1: at}
+            # held workers close every socket (their agent's store too): CRIU could dump them now;
+            # a client agent lets go of its rendezvous connection as well
+            pids = {r: v.pid for r, v in coord.ranks.items()}
+            watched = {**pids, "agent": proc.pid} if form == "client" else pids
+            deadline = time.monotonic() + 5
+            while any(count_sockets(p) for p in watched.values()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            agent_sockets = count_sockets(proc.pid)
+            assert {r: count_sockets(p) for r, p in watched.items()} == {r: 0 for r in watched}
+            for f in hold.values():
+                open(f, "w").close()
+            coord.resume(gen, "127.0.0.1", free_port())
+            res = coord.wait_resumed(gen)
+            assert all(res[r]["collectives"] == at for r in res), res
+        finally:
+            if proc.poll() is None:
+                rc, out, err = _finish(proc, logs)
+    ctx = "\n".join([*out, err[-3000:]])
+    assert rc == rc0 == 0, ctx
+    assert [ln for ln in out if "group" in ln] == ["group ReconfigurablePG"] * 2, ctx
+    assert [ln for ln in out if "restarts" in ln] == ["restarts 0"] * 2, ctx
+    # the same losses bit for bit, every step once per worker
+    assert [ln for ln in out if "group" not in ln] == [ln for ln in plain if "group" not in ln], ctx
+    assert len([ln for ln in out if ln.startswith("step=")]) == 2 * STEPS, ctx
+    assert [ln for ln in err.splitlines() if "torchpass:" in ln] == [], ctx
+    # registered as workers of task 3; a standalone agent serves the store: pinned
+    pinned = AGENT_SERVES_WHY if form == "standalone" else None
+    assert {r: (b.get("task"), b.get("pinned"), b.get("unprotected")) for r, b in bodies.items()} \
+        == {r: (3, pinned, None) for r in (0, 1)}, bodies
+    if form == "standalone":
+        assert agent_sockets > 0  # it serves the store all along: why its node cannot move
 
 
 def test_a_fallback_for_a_store_of_the_script_tells_the_coordinator_too(tmp_path):
@@ -83,7 +163,7 @@ def test_a_fallback_for_a_store_of_the_script_tells_the_coordinator_too(tmp_path
                                job_id=JOB_ID, coordinator=coord.endpoint)
         coord.wait_registered(timeout=30)
     why = "init_process_group was given its own store"
-    assert all(out[1] == "group ProcessGroup gloo" for out in outs), outs
+    assert all(out[0] == "group ProcessGroup gloo" for out in outs), outs
     assert {r: v.unprotected for r, v in coord.ranks.items()} == {0: why, 1: why}, errs
 
 

@@ -122,6 +122,9 @@ def set_child_subreaper() -> None:
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+TASK_ENV = "TORCHPASS_TASK"
+
+
 def identity(env=os.environ) -> tuple[str, str]:
     job = env.get("TORCHPASS_JOB_ID") or env.get("SLURM_JOB_ID") or "0"
     rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
@@ -473,6 +476,9 @@ def unprotected(argv: list[str], rank: str, why: str) -> None:
 
 def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> int:
     job, rank = identity()
+    # The key of this task's rank record, for every rank in the task: under torchrun the ranks
+    # are its workers, whose own RANK is torchrun's (control.task_fields sends it).
+    os.environ[TASK_ENV] = rank
     make_pid_namespace(argv, rank, newtime)
     paths = Paths(state_dir, job, rank)
     for p in (paths.handoff, paths.exit):

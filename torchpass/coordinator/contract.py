@@ -227,6 +227,8 @@ class RankRegistered:
     world_size: int
     pid: int = 0
     generation: int = 0
+    task: int = -1  # the Slurm task whose tree holds the rank (-1: the rank itself)
+    pinned: str = ""  # why the rank's node cannot move ("": it can)
 
 
 @dataclass(frozen=True)

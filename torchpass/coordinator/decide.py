@@ -235,6 +235,9 @@ def check_operator_request(st: CoordState, node: str, to: str | None) -> tuple[s
         )
     if node in st.handed:
         return "conflict", f"node {node} was lost and handed to Slurm; it cannot be migrated"
+    pinned = st.pinned_nodes().get(node)
+    if pinned:
+        return "conflict", f"node {node} cannot move: {pinned}"
     if (st.migration is not None and st.migration.node == node) or any(r.node == node for r in st.operator_requests):
         return "conflict", f"a migration of {node} is already in flight or queued"
     if to is not None:
@@ -868,6 +871,18 @@ def _skip_unprotected(out: _Out, st: CoordState, now: float, policy: Coordinator
     return replace(st, operator_requests=(), unprotected_skipped=said)
 
 
+def _skip_pinned(out: _Out, st: CoordState, cands: list, pinned: dict[str, str]) -> CoordState:
+    """Nodes that need to move but cannot (a rank there said why, e.g. torchrun's agent there
+    serves a store every node uses): said once per node; the rest of the job stays protected."""
+    said = st.unprotected_skipped
+    for c in cands:
+        if c.node not in said:
+            out.event("migration.skipped", f"{c.node} needs to move ({c.reason}), but it cannot move "
+                      f"({pinned[c.node]}): not moving it", node=c.node, reason=c.reason, pinned=pinned[c.node])
+            said = said | {c.node}
+    return st if said == st.unprotected_skipped else replace(st, unprotected_skipped=said)
+
+
 def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     if not st.all_registered() or st.slurm_down:
         return st  # a move needs slurmctld (spare, restore step, drain): wait for it
@@ -880,6 +895,11 @@ def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy
             out.event("migration.rejected", f"{req.id}: {req.node} no longer runs ranks of the job; dropped",
                       migration=req.id, node=req.node)
             continue
+        pinned = st.pinned_nodes().get(req.node)
+        if pinned:
+            out.event("migration.rejected", f"{req.id}: {req.node} cannot move ({pinned}); dropped",
+                      migration=req.id, node=req.node, pinned=pinned)
+            continue
         m = _new_migration(st, now, mid=req.id, node=req.node, reason="operator request", trigger=Trigger.OPERATOR,
                            detected=req.at, to=req.to, policy=policy)
         out.event("migration.started", f"{m.id}: operator asked to move {req.node}"
@@ -889,6 +909,12 @@ def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy
     cands = candidates(now, st, policy)
     if not cands:
         return st
+    pinned = st.pinned_nodes()
+    if pinned:
+        st = _skip_pinned(out, st, [c for c in cands if c.node in pinned], pinned)
+        cands = [c for c in cands if c.node not in pinned]
+        if not cands:
+            return st
     c = cands[0]
     mid = f"m{st.next_migration}"
     m = _new_migration(st, now, mid=mid, node=c.node, reason=c.reason, trigger=c.trigger,
@@ -933,6 +959,10 @@ def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
                             "a snapshot needs every rank")
     if st.slurm_down:
         return "unavailable", f"slurmctld is unreachable ({st.slurm_down}); tpassd needs it to check the ranks"
+    pinned = st.pinned_nodes()
+    if pinned or any(rv.task not in (-1, r) for r, rv in st.ranks.items()):
+        return "conflict", (f"job {st.job_id} runs several ranks per task (torchrun): whole-job snapshots of "
+                            "such jobs are not covered yet; live migration is")
     return None
 
 

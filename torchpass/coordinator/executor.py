@@ -184,6 +184,7 @@ class Move:
     """What the executor keeps about one migration (``Executor.moves[migration]``)."""
 
     hold: tuple[int, ...] = ()  # ranks told to hold after quiescing (PauseAt.hold_ranks)
+    hold_tasks: tuple[int, ...] = ()  # their tasks (what tpassd knows; see Executor._task)
     dumps: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> tpassd's dump result (pid, images)
     gates: dict[int, Gate] = field(default_factory=dict)  # rank -> restore step waiting at its gate
     restores: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> restore step running
@@ -259,6 +260,30 @@ class Executor:
         if kind == "pause" and cmd["at"] != at:
             return
         del self.commands[rank]
+
+    # --- tasks: what tpassd dumps and restores ------------------------------------------------
+    # tpassd, the rank wrapper and the restore step know a Slurm task (its rank record's key), not
+    # a rank. Under srun a task holds one rank (its own number); under torchrun a task is the agent
+    # with all its workers. The decision core still speaks of ranks: for a task of several ranks,
+    # its lowest rank (the lead) does the task's work and reports the outcome for every rank of
+    # the task; the others' actions do nothing.
+    @staticmethod
+    def _task(st: CoordState, rank: int) -> tuple[int, tuple[int, ...]] | None:
+        """(task, the ranks in it) when ``rank`` leads its task; None for the task's other ranks."""
+        task = st.task_of(rank)
+        rv = st.ranks.get(rank)
+        if rv is None:
+            return task, (rank,)
+        ranks = tuple(r for r in st.rank_nodes().get(rv.node, ()) if st.task_of(r) == task)
+        return (task, ranks) if ranks and ranks[0] == rank else None
+
+    @staticmethod
+    def _tasks(st: CoordState, ranks) -> dict[int, int]:
+        """Each task of ``ranks`` with its lead (lowest) rank."""
+        out: dict[int, int] = {}
+        for r in sorted(ranks):
+            out.setdefault(st.task_of(r), r)
+        return out
 
     def _hold(self, migration: str, rank: int) -> Path:
         return layout.hold_file(self.state_dir, self.job_id, migration, rank)
@@ -408,6 +433,7 @@ class Executor:
 
     def _do_PauseAt(self, a: ct.PauseAt, st: CoordState) -> None:
         self.move(a.migration).hold = tuple(a.hold_ranks)
+        self.move(a.migration).hold_tasks = tuple(self._tasks(st, a.hold_ranks))
         # What a rank does if no resume comes within deadline_s (the coordinator died): the
         # rollback's own resume in place (docs/coordinator.md, "Never left paused").
         fallback = self._resume_command(a.generation, dc.in_place_master(st))
@@ -426,12 +452,16 @@ class Executor:
             self.commands[r] = cmd
         m = st.migration
         if self.prelaunch_restore and m is not None and m.id == a.migration and m.target:
-            for r in a.hold_ranks:
-                self._prelaunch(a.migration, r, m.target, st)
+            for task in self._tasks(st, a.hold_ranks):
+                self._prelaunch(a.migration, task, m.target, st)
 
     def _do_Snapshot(self, a: ct.Snapshot, st: CoordState) -> None:
         gen = st.migration.generation if st.migration else st.generation + 1
-        body = {"job_id": self.job_id, "rank": a.rank, "generation": gen, "op": "dump",
+        unit = self._task(st, a.rank)
+        if unit is None:
+            return  # its task's lead dumps the task and reports for this rank too
+        task, ranks = unit
+        body = {"job_id": self.job_id, "rank": task, "generation": gen, "op": "dump",
                 "rank_dir": str(self.rank_dir)}
 
         def run() -> None:
@@ -442,12 +472,17 @@ class Executor:
                 return
             durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
             durations["image_mb"] = round(res.get("bytes", 0) / 1e6, 1)
-            self.post(ct.SnapshotDone(a.migration, a.rank, res["images"], res["checksum"], durations, result=res))
+            for r in ranks:
+                self.post(ct.SnapshotDone(a.migration, r, res["images"], res["checksum"], durations, result=res))
 
-        self._thread(run, f"snapshot-{a.rank}")
+        self._thread(run, f"snapshot-{task}")
 
     def _do_Transfer(self, a: ct.Transfer, st: CoordState) -> None:
-        body = {"job_id": self.job_id, "rank": a.rank, "op": "verify", "images": a.image, "checksum": a.checksum}
+        unit = self._task(st, a.rank)
+        if unit is None:
+            return  # its task's lead verifies the task's images and reports for this rank too
+        task, ranks = unit
+        body = {"job_id": self.job_id, "rank": task, "op": "verify", "images": a.image, "checksum": a.checksum}
 
         def run() -> None:
             t0 = time.monotonic()
@@ -459,10 +494,11 @@ class Executor:
             except TorchpassError as exc:  # the target's tpassd does not answer: the target is lost
                 self.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc), target_lost=True))
                 return
-            self.post(ct.TransferDone(a.migration, a.rank, a.target, a.image, a.checksum,
-                                      {"verify_s": round(time.monotonic() - t0, 4)}))
+            for r in ranks:
+                self.post(ct.TransferDone(a.migration, r, a.target, a.image, a.checksum,
+                                          {"verify_s": round(time.monotonic() - t0, 4)}))
 
-        self._thread(run, f"transfer-{a.rank}")
+        self._thread(run, f"transfer-{task}")
 
     def job_output(self) -> str:
         """The job's stdout file (where the restored rank's lines go)."""
@@ -556,6 +592,11 @@ class Executor:
             self._stop_gate(gates.pop(next(iter(gates))))
 
     def _do_Restore(self, a: ct.Restore, st: CoordState) -> None:
+        unit = self._task(st, a.rank)
+        if unit is None:
+            return  # its task's lead restores the task and reports for this rank too
+        task, ranks = unit
+        asked, a = a, replace(a, rank=task)  # from here on: the task, as the restore step knows it
         rec_path = layout.rank_record(self.rank_dir, self.job_id, a.rank)
         errf = self.restore_err(a)
         mv = self.move(a.migration)
@@ -582,8 +623,10 @@ class Executor:
                 except (OSError, ValueError):
                     rec = {}
                 if rec.get("restored_from") == a.image:
-                    self.post(ct.RestoreDone(a.migration, a.rank, a.target, {
-                        "step_s": round(time.monotonic() - t0, 4), "criu_restore_s": rec.get("restore_s", 0.0)}))
+                    for r in ranks:
+                        self.post(ct.RestoreDone(a.migration, r, a.target, {
+                            "step_s": round(time.monotonic() - t0, 4),
+                            "criu_restore_s": rec.get("restore_s", 0.0)}))
                     return
                 rc = proc.poll()
                 if rc is not None and rc != 0 and time.monotonic() - t0 < STEP_CREATE_RETRY_S \
@@ -602,7 +645,7 @@ class Executor:
                     # This launch's lines only (the file also has earlier launches' refusals).
                     tail = " | ".join(_read_from(errf, err_from).strip().splitlines()[-4:])
                     again = f" (launched {tries} times)" if tries > 1 else ""
-                    self.post(ct.RestoreFailed(a.migration, a.rank, a.target,
+                    self.post(ct.RestoreFailed(asked.migration, asked.rank, a.target,
                                                f"restore step exited {rc} before the rank was restored{again}: {tail}"))
                     return
                 time.sleep(0.01)
@@ -612,10 +655,10 @@ class Executor:
     def _do_AbortRestore(self, a: ct.AbortRestore, st: CoordState) -> None:
         self._cancel_gates(a.migration)
         mv = self.move(a.migration)
-        for r in a.ranks:
+        for r, lead in self._tasks(st, a.ranks).items():  # r: the task
             with self._restores_lock:
                 proc = mv.restores.pop(r, None)
-            res = mv.dumps.get(r) or {}
+            res = mv.dumps.get(lead) or {}
 
             def run(proc=proc, r=r, images=res.get("images")) -> None:
                 if images:
@@ -639,10 +682,10 @@ class Executor:
             mv.aborts.append(self._thread(run, f"abort-{r}"))
 
     def _do_KillSource(self, a: ct.KillSource, st: CoordState) -> None:
-        dumps = {r: self.move(a.migration).dumps.get(r) for r in a.ranks}
+        dumps = {task: self.move(a.migration).dumps.get(lead) for task, lead in self._tasks(st, a.ranks).items()}
 
         def run() -> None:
-            for r in a.ranks:
+            for r in dumps:  # r: the task
                 res = dumps[r]
                 if res is None:
                     self.post(ct.KillFailed(a.migration, a.node, f"no dump record of rank {r}"))
@@ -692,7 +735,7 @@ class Executor:
         mv.aborts = []
         self._resume_cmd(ranks, a.generation, a.master)
         if node and mv.hold and self.tpassd is not None:
-            for r in mv.hold:  # the hand-off is off: a later death of the source copy is a real failure
+            for r in mv.hold_tasks:  # the hand-off is off: a later death of the source copy is a real failure
                 try:
                     self.tpassd.request(node, "tpassd.snapshot",
                                         {"job_id": self.job_id, "rank": r, "op": "abort",

@@ -269,6 +269,7 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
                       now if prev is None or prev.node != ev.node else prev.last_advance,
+                      task=ev.task if ev.task >= 0 else ev.rank, pinned=ev.pinned,
                       pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
         st = _put_rank(st, ev.rank, rv, owned)
         return st if st.world_size == ev.world_size else replace(st, world_size=ev.world_size)

@@ -83,6 +83,10 @@ class RankView:
     # Coordinator clock until which its last report waits at the coordinator as a long poll: a
     # command reaches the rank at once until then (None: at its next report).
     listening_until: float | None = None
+    # The Slurm task whose tree holds the rank: what tpassd dumps and restores. One task per rank
+    # under srun; under torchrun a task is the agent with all its workers (several ranks).
+    task: int = -1
+    pinned: str = ""  # why the rank's node cannot move ("": it can), e.g. torchrun's store host
     # What the rank said of itself, for job.status. Decide reads none of these, so they are left
     # out of comparisons: two states that decide cannot tell apart compare equal.
     pid: int = field(default=0, compare=False)
@@ -271,6 +275,14 @@ class CoordState:
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
+
+    def pinned_nodes(self) -> dict[str, str]:
+        """Nodes that cannot move, and why (what their ranks said at registration)."""
+        return {rv.node: rv.pinned for rv in self.ranks.values() if rv.pinned}
+
+    def task_of(self, rank: int) -> int:
+        rv = self.ranks.get(rank)
+        return rv.task if rv is not None and rv.task >= 0 else rank
 
     def rank_nodes(self) -> dict[str, tuple[int, ...]]:
         """Each node's ranks, in rank order. Computed once per state (decide asks several times);

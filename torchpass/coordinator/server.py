@@ -260,7 +260,8 @@ class CoordinatorServer:
                             rank=b["rank"], node=b["node"], pid=b["pid"])
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
         generation = b.get("generation") or 0
-        self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation))
+        self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation,
+                                     b.get("task", -1), b.get("pinned") or ""))
         self._note_unprotected(b)
         return self._with_command(b["rank"], {"generation": generation})
 

@@ -71,6 +71,7 @@ from typing import Callable
 
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
 from torchpass.runtime.say import say
+from torchpass.runtime.store import AGENT_DIR_ENV, HELD_MARKER
 
 # The longest report interval a coordinator's backpressure hint can ask for (report_every_s).
 MAX_HINT_S = 10.0
@@ -91,6 +92,85 @@ def _netns_inode() -> int:
         return os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return 0
+
+
+def _listening_inodes(proc: str = "/proc") -> set[str]:
+    """Socket inodes in LISTEN state in this network namespace (/proc/net/tcp, tcp6)."""
+    found = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc}/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A":  # TCP_LISTEN
+                        found.add(cols[9])
+        except OSError:
+            pass
+    return found
+
+
+def serves_tcp(pid: int, proc: str = "/proc") -> bool:
+    """Whether process ``pid`` holds a listening TCP socket (a TCPStore server, say)."""
+    listening = _listening_inodes(proc)
+    try:
+        fds = os.listdir(f"{proc}/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"{proc}/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in listening:
+            return True
+    return False
+
+
+def _parent_in_proc(proc: str = "/proc") -> int:
+    """The parent's pid as ``proc`` numbers it. A rank is in a PID namespace of its own while /proc
+    is the node's: os.getppid() is the namespace's number, /proc/self/stat has the node's."""
+    try:
+        with open(f"{proc}/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return os.getppid()
+
+
+# torchrun's agent serves a store that every node's agent (and the workers) connect to: it cannot
+# move to another address, so neither can its node (docs/runtime.md, "torchrun").
+AGENT_SERVES_WHY = ("torchrun's agent on this node serves a TCP store (its rendezvous or its workers' "
+                    "bootstrap store) that the other nodes connect to")
+
+
+def task_fields(env=os.environ) -> dict:
+    """``task`` and ``pinned`` for rank.register: the rank wrapper's task (TORCHPASS_TASK, the key
+    of its rank record) and, for a torchrun worker, whether its agent serves a store."""
+    out: dict = {}
+    task = env.get("TORCHPASS_TASK")
+    if task and task.isdigit():
+        out["task"] = int(task)
+    if env.get("TORCHELASTIC_RUN_ID") is not None and serves_tcp(_parent_in_proc()):
+        out["pinned"] = AGENT_SERVES_WHY
+    return out
+
+
+def _agent_marker(env=os.environ) -> tuple[str, str] | None:
+    """(path, content) of this torchrun worker's hold marker for its agent (store.AgentHoldWatch):
+    while every worker of the agent holds one, the agent closes its rendezvous connection, so the
+    node's whole tree can be dumped. None outside torchrun."""
+    d, local, world = env.get(AGENT_DIR_ENV), env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    if not d or not (local or "").isdigit() or not (world or "").isdigit():
+        return None
+    return os.path.join(d, HELD_MARKER.format(local_rank=int(local))), world
+
+
+def _write_marker(path: str, content: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(content)
+    except OSError as exc:  # the agent keeps its connection: the dump refuses, the move rolls back
+        say(f"cannot tell torchrun's agent that this worker holds ({path}: {exc})")
 
 
 class ControlLink(PauseListener):
@@ -282,7 +362,7 @@ class ControlLink(PauseListener):
                 res = self._request(
                     "rank.register",
                     {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
-                     "generation": self.pg.generation, **self._unprotected()},
+                     "generation": self.pg.generation, **self._unprotected(), **task_fields()},
                 )
                 if res is not None:
                     self.registered = True
@@ -389,7 +469,10 @@ class ControlLink(PauseListener):
         path = self._hold_file
         self._close()
         self._holding = True
+        marker = _agent_marker()
         try:
+            if marker is not None:
+                _write_marker(*marker)
             while not self._stop and path and not os.path.exists(path):
                 if self._expired():
                     return
@@ -397,6 +480,11 @@ class ControlLink(PauseListener):
             self._hold_file = None  # released: the coordinator's decision stands, no claim
         finally:
             self._holding = False
+            if marker is not None:
+                try:
+                    os.unlink(marker[0])
+                except OSError:
+                    pass  # a spare has no such directory: nothing to take back
 
     # -- never left paused ------------------------------------------------------------
     def deadline(self) -> float | None:

@@ -16,12 +16,15 @@ the switchable store itself, and calls the real ``init_process_group`` with
 store, ``file://``, ``mpi``/``ucc`` backends, an explicit torchpass-disable)
 falls back to the real call with one ``torchpass:`` line on stderr.
 
-torchrun: its workers (``TORCHELASTIC_RUN_ID`` in their environment) are not
-the tasks Slurm started and its agent holds TCP connections to its rendezvous
-store, so they cannot be moved: the real call runs, untouched (do no harm),
-the worker of global rank 0 says so in one line, and every worker tells the
-coordinator it is unprotected (``_report_unprotected``, as every fallback
-does), which records the job.unprotected event and starts no migration.
+torchrun: its workers (``TORCHELASTIC_RUN_ID`` in their environment) are
+ranks like any other; their first store is the one their agent serves
+(``TORCHELASTIC_USE_AGENT_STORE``), so no worker serves it. In the agent
+itself (no rank: it never calls ``init_process_group``) the hook replaces the
+c10d rendezvous backend's store client with a ``ReconnectingStore`` that lets
+go of its connection while all the agent's workers are held, so that the
+whole tree (agent and workers) can be dumped and moved, and connects again
+after (``_patch_torchrun_agent``). An agent that serves a store cannot move:
+its workers register their node as pinned (control.py).
 
 Subgroups: torch's ``new_group`` (DeviceMesh, new_subgroups, ...) hands the
 making of the group to the ``ReconfigurablePG``, which makes a
@@ -47,6 +50,9 @@ from urllib.parse import urlparse
 from torchpass.runtime.say import say
 
 TARGET = "torch.distributed"
+# torchrun's c10d rendezvous backend, loaded in torchrun's agent (elastic's rendezvous registry
+# imports it when the agent makes its rendezvous handler).
+AGENT_TARGET = "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"
 _lock = threading.Lock()
 _installed = False
 _patched = False
@@ -55,8 +61,9 @@ state: dict = {}  # "pg": the ReconfigurablePG, "control": the ControlLink, "fal
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
+    def __init__(self, inner, then):
         self._inner = inner
+        self._then = then
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
@@ -64,19 +71,20 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            patch()
+            self._then(module)
         except Exception as exc:  # noqa: BLE001 - training must run, unprotected
             say(f"runtime not loaded ({type(exc).__name__}: {exc}); training runs unprotected")
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        then = {TARGET: lambda _m: patch(), AGENT_TARGET: _patch_torchrun_agent}.get(fullname)
+        if then is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, then)
         return spec
 
 
@@ -89,7 +97,8 @@ def install() -> None:
         _installed = True
     if TARGET in sys.modules:
         patch()
-        return
+    if AGENT_TARGET in sys.modules:
+        _patch_torchrun_agent(sys.modules[AGENT_TARGET])
     sys.meta_path.insert(0, _Finder())
 
 
@@ -104,16 +113,13 @@ class Plan:
     timeout: object
     pg: object = None
     store: object = None  # the SwitchableStore: the default group's and, through it, every subgroup's
+    served: bool = True  # rank 0 serves the first store; False under torchrun, whose agent serves it
 
 
 RUNTIME_OFF = "TORCHPASS_RUNTIME=0"  # the fallback's reason when the runtime is switched off
-# torchrun's elastic agent puts this in every worker's environment (torch's LocalElasticAgent).
+# torchrun's elastic agent puts these in every worker's environment (torch's LocalElasticAgent).
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
-TORCHRUN_WHY = (
-    "launched by torchrun: its workers are children of torchrun's agent, not the tasks Slurm started, and "
-    "the agent holds TCP connections to its rendezvous store, so torchpass cannot move them; for live "
-    "migration start one task per rank with srun (srun --ntasks-per-node=K python train.py) instead"
-)
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 # How long a fallen-back rank keeps trying to tell the coordinator (it may come up after the ranks).
 REPORT_UNPROTECTED_S = 600.0
 
@@ -132,8 +138,6 @@ def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=N
 
     if os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
         return None, RUNTIME_OFF
-    if os.environ.get(TORCHRUN_ENV) is not None:
-        return None, TORCHRUN_WHY
     if store is not None:
         return None, "init_process_group was given its own store"
     b = str(backend).lower() if backend is not None else None
@@ -174,7 +178,83 @@ def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=N
         from torch.distributed.distributed_c10d import default_pg_timeout
 
         timeout = default_pg_timeout
-    return Plan(int(rank), int(world_size), addr, int(port), use_nccl, reported, timeout), ""
+    # A torchrun worker's rendezvous address is its agent's store: torch's _create_c10d_store makes
+    # every worker a client of it (env:// and tcp:// alike), and so does the runtime.
+    served = os.environ.get(AGENT_STORE_ENV) != str(True)
+    return Plan(int(rank), int(world_size), addr, int(port), use_nccl, reported, timeout, served=served), ""
+
+
+def _patch_torchrun_agent(backend_module) -> None:
+    """In torchrun's agent: a c10d rendezvous store client that can be let go of during a move.
+
+    The agent's tree (the agent and its workers) is what the rank wrapper starts and what moves;
+    CRIU dumps no TCP connection. ``_create_tcp_store`` returns a ``ReconnectingStore`` instead of
+    a plain client, and an ``AgentHoldWatch`` closes it while every worker of this agent is held
+    (they write markers in ``$TORCHPASS_AGENT_DIR``, which this exports to them). An agent that
+    hosts the store (the endpoint is this host, or ``is_host``) keeps torch's own server: its node
+    cannot move (its workers say so). Only under torchpass (``TORCHPASS_COORDINATOR``), not with
+    the runtime switched off.
+    """
+    if not os.environ.get("TORCHPASS_COORDINATOR") or os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
+        return
+    orig = getattr(backend_module, "_create_tcp_store", None)
+    if orig is None or hasattr(orig, "__torchpass_orig__"):
+        return
+
+    @functools.wraps(orig)
+    def create_tcp_store(params):
+        try:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+            from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+            from torchpass.runtime.store import ReconnectingStore
+
+            host, port = parse_rendezvous_endpoint(params.endpoint, default_port=backend_module.DEFAULT_PORT)
+            is_host = params.get_as_bool("is_host")
+            if is_host is None:
+                is_host = backend_module._matches_machine_hostname(host)
+            timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60)))
+        except Exception as exc:  # noqa: BLE001 - torch's own store: this node cannot move
+            say(f"could not look at torchrun's rendezvous ({type(exc).__name__}: {exc}); "
+                "this node runs unprotected")
+            return orig(params)
+        if is_host:
+            return orig(params)
+
+        def connect():
+            return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+
+        try:
+            store = ReconnectingStore(connect)
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            # what torch's own _create_tcp_store raises when the client cannot connect
+            raise backend_module.RendezvousConnectionError(
+                "The connection to the C10d store has failed. See inner exception for details."
+            ) from exc
+        _watch_agent_holds(store)
+        return store
+
+    create_tcp_store.__torchpass_orig__ = orig
+    backend_module._create_tcp_store = create_tcp_store
+
+
+def _watch_agent_holds(store) -> None:
+    """The agent's hold markers: a directory of its own, exported to the workers it starts."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from torchpass.runtime.store import AGENT_DIR_ENV, AgentHoldWatch
+
+    try:
+        directory = tempfile.mkdtemp(prefix="torchpass-agent-")
+        os.environ[AGENT_DIR_ENV] = directory  # torchrun starts its workers with this environment
+        atexit.register(shutil.rmtree, directory, True)
+        AgentHoldWatch(store, directory).start()
+    except Exception as exc:  # noqa: BLE001 - the workers then hold with the agent still connected
+        say(f"cannot watch for held workers ({type(exc).__name__}: {exc}); this node cannot move")
 
 
 def _creator(store, rank, size, timeout):
@@ -191,7 +271,7 @@ def _creator(store, rank, size, timeout):
         rank=rank,
         size=size,
         timeout=timeout,
-        rendezvous=Rendezvous(plan.master_addr, plan.master_port),
+        rendezvous=Rendezvous(plan.master_addr, plan.master_port, plan.served),
         use_nccl=plan.use_nccl,
         store=plan.store,
         on_collective=None,
@@ -212,9 +292,7 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
         plan, why = None, f"{type(exc).__name__}: {exc}"
     if plan is None:
         state["fallback"] = why
-        # torchrun: every worker falls back alike for the whole job, so only rank 0 says it
-        if why != TORCHRUN_WHY or os.environ.get("RANK", "0") == "0":
-            say(f"{why}; training runs unprotected")
+        say(f"{why}; training runs unprotected")
         out = orig(**call)
         _report_unprotected(why)
         return out
@@ -287,7 +365,7 @@ def _register_unprotected(endpoint: str, body: dict, auth, *, limit_s: float = R
                           timeout_s: float = 2.0, clock=time.monotonic, sleep=time.sleep) -> bool:
     """Send ``body`` as ``rank.register`` until the coordinator answers (backing off up to 5 s,
     for ``limit_s`` at most); True once it took it. Never raises, never prints: the rank's one
-    line (the job's, for torchrun) is said."""
+    line is said."""
     try:
         import zmq
 

@@ -51,6 +51,9 @@ TRACK_MAX = 16  # collective Works kept at most (the oldest are waited for and d
 class Rendezvous:
     master_addr: str
     master_port: int
+    # Rank 0 serves the store at this address (every rendezvous the coordinator names). False for
+    # the first one of a torchrun worker: its agent serves it (TORCHELASTIC_USE_AGENT_STORE).
+    served: bool = True
 
 
 class PauseListener:
@@ -406,7 +409,7 @@ class ReconfigurablePG(_ForwardingGroup):
 
     # -- building and tearing down the inner group -----------------------------
     def _open_store(self, rv: Rendezvous) -> None:
-        tcp = open_tcp_store(rv.master_addr, rv.master_port, self._size, self._rank == 0, self._timeout)
+        tcp = open_tcp_store(rv.master_addr, rv.master_port, self._size, self._rank == 0 and rv.served, self._timeout)
         self.store.switch(tcp)
 
     def _build(self, generation: int, rv: Rendezvous) -> None:
