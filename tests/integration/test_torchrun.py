@@ -84,20 +84,32 @@ BATCH = """#!/bin/bash
 #SBATCH --ntasks-per-node=1
 cd {d}
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+port=$((20000 + SLURM_JOB_ID % 20000))
+{serve}
 srun {torchrun} --nnodes="$SLURM_NNODES" --nproc-per-node=2 --rdzv-backend=c10d \\
-  --rdzv-endpoint="$head:$((20000 + SLURM_JOB_ID % 20000))" --rdzv-id="$SLURM_JOB_ID" \\
-  tr.py {steps} {release}
+  --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" {conf} tr.py {steps} {release}
+rc=$?
+{stop}
+exit $rc
 """
+# The recipe of docs/runtime.md ("torchrun"): the batch script serves the rendezvous store on the
+# batch host, outside every task, and no agent hosts it (is_host=false): every node can move.
+SERVE = ('{py} -c "import datetime, sys, time, torch.distributed as d; '
+         "s = d.TCPStore(sys.argv[1], int(sys.argv[2]), 1, True, datetime.timedelta(seconds=600), "
+         'wait_for_workers=False, multi_tenant=True); time.sleep(86400)" "$head" "$port" &\nstore=$!')
 
 
-def _submit(d: Path, tag: str, torchpass: bool, user) -> tuple[int, Path, Path]:
+def _submit(d: Path, tag: str, torchpass: bool, user, served_by_batch: bool = False) -> tuple[int, Path, Path]:
     """sbatch the torchrun job as ``user``; (job id, its output file, its release file)."""
     release = d / f"{tag}.release"
     args = ["-N", str(len(NODES) + torchpass), "-o", str(d / f"{tag}.%j.out")]
     if torchpass:
         args.insert(0, "--torchpass=spares=1")
     torchrun = Path(job_python()).parent / "torchrun"  # torch's console script in the job venv
-    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release)
+    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release,
+                          serve=SERVE.format(py=job_python()) if served_by_batch else "",
+                          conf="--rdzv-conf=is_host=false" if served_by_batch else "",
+                          stop="kill $store" if served_by_batch else "")
     job_id = job_id_of(sbatch(args, script, cwd=d, user=user.name, env=submit_env(user.name)))
     return job_id, d / f"{tag}.{job_id}.out", release
 
@@ -109,36 +121,66 @@ def _wait_for(what: str, ready, timeout_s: float, diag) -> None:
         time.sleep(0.2)
 
 
+_REFERENCE: dict = {}  # one plain run for both tests: the same script, the same losses
+
+
+def _reference(job_dir: Path, job_user, jobs: list[int]) -> dict:
+    """Every step's loss under plain sbatch (run once per module)."""
+    if "steps" in _REFERENCE:
+        return _REFERENCE["steps"]
+    (job_dir / "ref.release").touch()  # released from the start
+    ref_id, ref_out, _ = _submit(job_dir, "ref", False, job_user)
+    jobs.append(ref_id)
+    t0 = time.monotonic()
+    ref_final = tj.wait_end(ref_id, 300, context="torchrun reference: ")
+    ref_text = ref_out.read_text()
+    assert ref_final["job_state"][0] == "COMPLETED", ref_text[-3000:]
+    # nothing of torchpass's (its lines start "torchpass:"; the job Python's path
+    # /opt/torchpass-dev/... shows up in torch's own tracebacks, e.g. an agent's rendezvous
+    # shutdown error at the end)
+    assert not [ln for ln in ref_text.splitlines() if ln.startswith("torchpass")], ref_text[-3000:]
+    assert ref_text.splitlines().count("restarts=0") == WORKERS, ref_text[-3000:]
+    ref = tj.per_step(tj.steps(ref_text))
+    assert sorted(ref) == list(range(STEPS)) and all(sum(c.values()) == WORKERS for c in ref.values()), \
+        ref_text[-3000:]
+    assert all(len(c) == 1 for c in ref.values()), "the workers disagree on a step's loss"
+    _REFERENCE.update(steps=ref, seconds=time.monotonic() - t0)
+    return ref
+
+
+def _script(job_dir: Path, job_user) -> None:
+    (job_dir / "tr.py").write_text(SCRIPT)
+    os.chown(job_dir / "tr.py", job_user.uid, job_user.gid)
+
+
+def _check_end(cluster, job_id: int, out: Path, ref: dict, moved: list[str], diag) -> list[dict]:
+    """The job ended as the plain one did, with exactly the moves of ``moved``; its events."""
+    final = tj.wait_end(job_id, 300, context=f"torchrun job {job_id}: ")
+    text, evs = out.read_text(), events(cluster, job_id)
+    d = diag("after the job")
+    assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", d
+    assert final["exit_code"]["return_code"]["number"] == 0, d
+    assert final["exit_code"]["signal"]["id"]["number"] == 0, d
+    assert int(final.get("restart_cnt", 0)) == 0, d
+    # the same training, bit for bit, and torchrun never restarted its workers
+    assert tj.per_step(tj.steps(text)) == ref, d
+    assert text.splitlines().count("restarts=0") == WORKERS, d
+    assert not [ln for ln in text.splitlines() if ln.startswith("torchpass:") and "unprotected" in ln], d
+    assert [e["data"].get("node") for e in evs if e["kind"] == "migration.completed"] == moved, d
+    assert [e["data"].get("node") for e in evs if e["kind"] == "migration.started"] == moved, d
+    return evs
+
+
 def test_srun_torchrun_moves_a_degrading_node_and_keeps_the_store_node(cluster, plugin_built, job_dir, job_user):
     rng = random.Random(f"{SEED}:torchrun")
     node, at = rng.choice([n for n in NODES if n != STORE_NODE]), rng.randint(3, 15)
     what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): ecc-sbe-storm on {node} at step {at}, "
             f"then on {STORE_NODE}; srun torchrun --nnodes=3 --nproc-per-node=2")
     print(f"\n{what}")
-    (job_dir / "tr.py").write_text(SCRIPT)
-    os.chown(job_dir / "tr.py", job_user.uid, job_user.gid)
+    _script(job_dir, job_user)
     jobs: list[int] = []
     try:
-        # the reference: plain sbatch, released from the start
-        (job_dir / "ref.release").touch()
-        ref_id, ref_out, _ = _submit(job_dir, "ref", False, job_user)
-        jobs.append(ref_id)
-        t0 = time.monotonic()
-        ref_final = tj.wait_end(ref_id, 300, context="torchrun reference: ")
-        t_ref = time.monotonic() - t0
-        ref_text = ref_out.read_text()
-        assert ref_final["job_state"][0] == "COMPLETED", ref_text[-3000:]
-        # nothing of torchpass's (its lines start "torchpass:"; the job Python's path
-        # /opt/torchpass-dev/... shows up in torch's own tracebacks, e.g. an agent's rendezvous
-        # shutdown error at the end)
-        assert not [ln for ln in ref_text.splitlines() if ln.startswith("torchpass")], ref_text[-3000:]
-        assert ref_text.splitlines().count("restarts=0") == WORKERS, ref_text[-3000:]
-        ref = tj.per_step(tj.steps(ref_text))
-        assert sorted(ref) == list(range(STEPS)) and all(sum(c.values()) == WORKERS for c in ref.values()), \
-            ref_text[-3000:]
-        assert all(len(c) == 1 for c in ref.values()), "the workers disagree on a step's loss"
-
-        # under --torchpass, with a drill on one training node, then one on the store's node
+        ref = _reference(job_dir, job_user, jobs)
         job_id, out, release = _submit(job_dir, "tp", True, job_user)
         t0 = time.monotonic()
         jobs.append(job_id)
@@ -150,7 +192,6 @@ def test_srun_torchrun_moves_a_degrading_node_and_keeps_the_store_node(cluster, 
             return [e for e in events(cluster, job_id) if e["kind"] == kind and e["data"].get("node") == on]
 
         _wait_for(f"step {at}", lambda: out.exists() and f"step={at} " in out.read_text(), 240, diag)
-        t_at = time.monotonic() - t0
         try:
             inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
             assert inj.returncode == 0, (what, inj.stderr)
@@ -165,28 +206,49 @@ def test_srun_torchrun_moves_a_degrading_node_and_keeps_the_store_node(cluster, 
         assert st.returncode == 0, st.stderr
         row = json.loads(st.stdout)["jobs"][0]
         assert row["protected"] is True and row["registered_ranks"] == WORKERS, row
-
-        final = tj.wait_end(job_id, 300, context=f"{what}: ")
-        text, evs = out.read_text(), events(cluster, job_id)
-        d = diag("after the job")
-        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", d
-        assert final["exit_code"]["return_code"]["number"] == 0, d
-        assert final["exit_code"]["signal"]["id"]["number"] == 0, d
-        assert int(final.get("restart_cnt", 0)) == 0, d
-        # the same training, bit for bit, and torchrun never restarted its workers
-        assert tj.per_step(tj.steps(text)) == ref, d
-        assert text.splitlines().count("restarts=0") == WORKERS, d
-        assert not [ln for ln in text.splitlines() if ln.startswith("torchpass:") and "unprotected" in ln], d
-        done = [e for e in evs if e["kind"] == "migration.completed"]
-        assert len(done) == 1 and done[0]["data"].get("node") == node, d
-        started = [e for e in evs if e["kind"] == "migration.started"]
-        assert [e["data"].get("node") for e in started] == [node], d
-        skipped = kinds("migration.skipped", STORE_NODE)
-        assert "serves a TCP store" in skipped[0]["message"], d
+        evs = _check_end(cluster, job_id, out, ref, [node], diag)
+        skipped = [e for e in evs if e["kind"] == "migration.skipped" and e["data"].get("node") == STORE_NODE]
+        assert "serves a TCP store" in skipped[0]["message"], diag("after the job")
+        done = [e for e in evs if e["kind"] in ("migration.resumed", "migration.completed")]
         print(f"torchrun: {node} moved at step {at}, {STORE_NODE} kept: {skipped[0]['message']}\n"
-              f"reference {t_ref:.1f} s; under --torchpass step {at} after {t_at:.1f} s, moved after "
-              f"{t_moved:.1f} s, ended after {time.monotonic() - t0:.1f} s; "
-              f"{done[0]['message']}")
+              f"reference {_REFERENCE['seconds']:.1f} s; under --torchpass moved after {t_moved:.1f} s, "
+              f"ended after {time.monotonic() - t0:.1f} s; " + "; ".join(e["message"] for e in done))
+    finally:
+        leave_clean_nodes(jobs)
+
+
+def test_srun_torchrun_with_the_store_served_by_the_batch_script_moves_the_batch_hosts_node(
+        cluster, plugin_built, job_dir, job_user):
+    """The recipe: the batch script serves the rendezvous store on the batch host (node1), outside
+    every task; no agent hosts it, so no node is pinned. The drill lands on node1 itself."""
+    at = random.Random(f"{SEED}:torchrun-served").randint(3, 15)
+    what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): ecc-sbe-storm on {STORE_NODE} at step {at}; "
+            "srun torchrun, the rendezvous store served by the batch script")
+    print(f"\n{what}")
+    _script(job_dir, job_user)
+    jobs: list[int] = []
+    try:
+        ref = _reference(job_dir, job_user, jobs)
+        job_id, out, release = _submit(job_dir, "served", True, job_user, served_by_batch=True)
+        t0 = time.monotonic()
+        jobs.append(job_id)
+
+        def diag(msg: str) -> str:
+            return diagnosis(cluster, job_id, out, f"{msg}; {what}")
+
+        _wait_for(f"step {at}", lambda: out.exists() and f"step={at} " in out.read_text(), 240, diag)
+        try:
+            inj = tj.run([*tj.TPASSCTL, "inject", "--node", STORE_NODE, "--fault", "ecc-sbe-storm"])
+            assert inj.returncode == 0, (what, inj.stderr)
+            _wait_for("migration.completed", lambda: [e for e in events(cluster, job_id)
+                                                      if e["kind"] == "migration.completed"], 180, diag)
+        finally:
+            release.touch()
+        evs = _check_end(cluster, job_id, out, ref, [STORE_NODE], diag)
+        assert not [e for e in evs if e["kind"] == "migration.skipped"], diag("after the job")
+        done = [e for e in evs if e["kind"] in ("migration.resumed", "migration.completed")]
+        print(f"torchrun (store served by the batch script): {STORE_NODE} moved at step {at}, job ended after "
+              f"{time.monotonic() - t0:.1f} s; " + "; ".join(e["message"] for e in done))
     finally:
         leave_clean_nodes(jobs)
 

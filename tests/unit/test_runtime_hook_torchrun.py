@@ -8,10 +8,11 @@ boot/sitecustomize.py as in a job, against a MiniCoordinator, in two forms:
 
 * ``--standalone``: the agent serves the rendezvous store (and the workers'
   bootstrap store): each worker registers its node as pinned;
-* a client agent (``is_host=false``, the store served by the test, the
-  bootstrap store by worker 0 as with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``):
-  not pinned, and while both workers hold, the agent holds no socket either
-  (the whole tree could be dumped), then connects again.
+* a client agent (``is_host=false``, the store served by the test; the
+  bootstrap store by worker 0, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which
+  the runtime in the agent sets too): not pinned, and while both workers
+  hold, the agent holds no socket either (the whole tree could be dumped),
+  then connects again.
 
 Each: the same losses bit for bit as with the runtime switched off, a pause in
 the middle of training where both workers hold and close every socket, a

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -52,14 +54,49 @@ def _cut(fds: set[int]) -> None:
         s.close()
 
 
+SERVE = ("import datetime, sys, time, torch.distributed as d\n"
+         "s = d.TCPStore('127.0.0.1', 0, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False,"
+         " multi_tenant=True)\n"
+         "print(s.port, flush=True)\n"
+         "sys.stdin.read()\n")
+
+
+@pytest.fixture(scope="module")
+def store_port():
+    """A store served by another process: every new socket in this one is a client's."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(proc.stdout.readline())
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+class Server:
+    """One test's view of the shared server: its keys live under a prefix of their own."""
+
+    def __init__(self, port: int, prefix: str):
+        self.port, self.prefix = port, prefix
+        self.peek = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, 1, False, T))
+
+    def get(self, key):
+        return self.peek.get(key)
+
+    def set(self, key, value):
+        self.peek.set(key, value)
+
+    def connect(self):
+        return dist.PrefixStore(self.prefix, dist.TCPStore("127.0.0.1", self.port, 1, False, T))
+
+
 @pytest.fixture
-def server():
-    return dist.TCPStore("127.0.0.1", 0, 1, True, T, wait_for_workers=False, multi_tenant=True)
+def server(store_port, request):
+    return Server(store_port, request.node.name)
 
 
 def _client(server) -> tuple[store.ReconnectingStore, set[int]]:
     before = _socket_fds()
-    st = store.ReconnectingStore(lambda: dist.TCPStore("127.0.0.1", server.port, 1, False, T))
+    st = store.ReconnectingStore(server.connect)
     return st, _socket_fds() - before
 
 
@@ -144,17 +181,21 @@ def test_the_hook_gives_an_agent_that_is_a_client_a_holdable_store(server, monke
     monkeypatch.setenv("TORCHPASS_COORDINATOR", "tcp://127.0.0.1:1")
     monkeypatch.delenv("TORCHPASS_RUNTIME", raising=False)
     monkeypatch.delenv(store.AGENT_DIR_ENV, raising=False)
+    monkeypatch.delenv(hook.NO_SHARED_STORE_ENV, raising=False)
     orig = backend._create_tcp_store
     monkeypatch.setattr(backend, "_create_tcp_store", orig)
     hook._patch_torchrun_agent(backend)
     assert backend._create_tcp_store.__torchpass_orig__ is orig
+    # the workers' bootstrap store is worker 0's (torch's own switch), not the agent's
+    assert os.environ[hook.NO_SHARED_STORE_ENV] == "1"
 
     client = backend._create_tcp_store(
         RendezvousParameters("c10d", f"127.0.0.1:{server.port}", "run", 1, 1, is_host=False))
     assert isinstance(client, store.ReconnectingStore)
     assert os.path.isdir(os.environ[store.AGENT_DIR_ENV])  # exported for the workers it starts
-    client.set("x", "y")
-    assert server.get("x") == b"y"
+    client.set("hook-x", "y")  # the hook's client has no prefix
+    assert dist.TCPStore("127.0.0.1", server.port, 1, False, T).get("hook-x") == b"y"
+    hook.state.pop("agent_watch").stop()
     # the host of the store keeps torch's own server (its node is pinned: it cannot move)
     port = free_port()
     host = backend._create_tcp_store(RendezvousParameters("c10d", f"127.0.0.1:{port}", "run", 1, 1, is_host=True))
@@ -168,8 +209,9 @@ def test_the_hook_leaves_the_agent_alone_without_torchpass(monkeypatch):
     monkeypatch.setattr(backend, "_create_tcp_store", orig)
     monkeypatch.setenv("TORCHPASS_COORDINATOR", "tcp://127.0.0.1:1")
     monkeypatch.setenv("TORCHPASS_RUNTIME", "0")
+    monkeypatch.delenv(hook.NO_SHARED_STORE_ENV, raising=False)
     hook._patch_torchrun_agent(backend)
     monkeypatch.delenv("TORCHPASS_COORDINATOR")
     monkeypatch.delenv("TORCHPASS_RUNTIME")
     hook._patch_torchrun_agent(backend)
-    assert backend._create_tcp_store is orig
+    assert backend._create_tcp_store is orig and hook.NO_SHARED_STORE_ENV not in os.environ

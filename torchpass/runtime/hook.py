@@ -120,6 +120,7 @@ RUNTIME_OFF = "TORCHPASS_RUNTIME=0"  # the fallback's reason when the runtime is
 # torchrun's elastic agent puts these in every worker's environment (torch's LocalElasticAgent).
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # How long a fallen-back rank keeps trying to tell the coordinator (it may come up after the ranks).
 REPORT_UNPROTECTED_S = 600.0
 
@@ -192,14 +193,19 @@ def _patch_torchrun_agent(backend_module) -> None:
     a plain client, and an ``AgentHoldWatch`` closes it while every worker of this agent is held
     (they write markers in ``$TORCHPASS_AGENT_DIR``, which this exports to them). An agent that
     hosts the store (the endpoint is this host, or ``is_host``) keeps torch's own server: its node
-    cannot move (its workers say so). Only under torchpass (``TORCHPASS_COORDINATOR``), not with
-    the runtime switched off.
+    cannot move (its workers say so). The workers' bootstrap store is left to worker 0
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless set). Only under torchpass
+    (``TORCHPASS_COORDINATOR``), not with the runtime switched off.
     """
     if not os.environ.get("TORCHPASS_COORDINATOR") or os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
         return
     orig = getattr(backend_module, "_create_tcp_store", None)
     if orig is None or hasattr(orig, "__torchpass_orig__"):
         return
+    # torch's own switch (read at each rendezvous): worker 0 serves its workers' bootstrap store
+    # instead of the agent of node rank 0, so that agent's node is not pinned by it; a worker's
+    # store closes at the pause and moves with it. The script's own setting wins.
+    os.environ.setdefault(NO_SHARED_STORE_ENV, "1")
 
     @functools.wraps(orig)
     def create_tcp_store(params):
@@ -252,7 +258,7 @@ def _watch_agent_holds(store) -> None:
         directory = tempfile.mkdtemp(prefix="torchpass-agent-")
         os.environ[AGENT_DIR_ENV] = directory  # torchrun starts its workers with this environment
         atexit.register(shutil.rmtree, directory, True)
-        AgentHoldWatch(store, directory).start()
+        state["agent_watch"] = AgentHoldWatch(store, directory).start()
     except Exception as exc:  # noqa: BLE001 - the workers then hold with the agent still connected
         say(f"cannot watch for held workers ({type(exc).__name__}: {exc}); this node cannot move")
 
