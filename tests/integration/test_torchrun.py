@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent(
     dist.barrier()
     say(f"restarts={os.environ.get('TORCHELASTIC_RESTART_COUNT')}")
     dist.destroy_process_group()
+    os._exit(0)  # plain torch 2.13 may abort at a normal exit (docs/runtime.md, "Unprotected jobs")
     """
 )
 

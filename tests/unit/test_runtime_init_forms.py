@@ -29,7 +29,7 @@ from torchpass.runtime.testing import launch_ranks, run_ranks
 
 SCRIPT = textwrap.dedent(
     r"""
-    import os, torch, torch.distributed as dist, torch.nn as nn
+    import os, time, torch, torch.distributed as dist, torch.nn as nn
     torch.set_num_threads(1)
     form, rank, world = os.environ["FORM"], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
     m = nn.Linear(8, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
-    for s in range(4):
+    for s in range(int(os.environ.get("STEPS", "4"))):
         loss = m(torch.randn(4, 8, generator=g)).pow(2).mean()
         opt.zero_grad(); loss.backward()
         for p in m.parameters():
@@ -58,6 +58,7 @@ SCRIPT = textwrap.dedent(
         opt.step()
         l = loss.detach().clone(); dist.all_reduce(l)
         print(f"step={s} loss={l.item().hex()}", flush=True)
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
     dist.barrier()
     # no teardown: plain torch with tcp:// sometimes aborts at exit ("terminate called without
     # an active exception") once the store's server rank has gone; this test is about training

@@ -89,40 +89,43 @@ class SwitchableStore(dist.Store):
         return inner
 
     # -- dist.Store API (names as the C++ trampoline looks them up) -----------
+    def _call(self, name: str, *args):
+        return getattr(self._s(), name)(*args)
+
     def set(self, key, value):
-        return self._s().set(key, value)
+        return self._call("set", key, value)
 
     def get(self, key):
-        return self._s().get(key)
+        return self._call("get", key)
 
     def add(self, key, value):
-        return self._s().add(key, value)
+        return self._call("add", key, value)
 
     def compare_set(self, key, expected, desired):
-        return self._s().compare_set(key, expected, desired)
+        return self._call("compare_set", key, expected, desired)
 
     def delete_key(self, key):
-        return self._s().delete_key(key)
+        return self._call("delete_key", key)
 
     def num_keys(self):
-        return self._s().num_keys()
+        return self._call("num_keys")
 
     def check(self, keys):
-        return self._s().check(keys)
+        return self._call("check", keys)
 
     def wait(self, keys, timeout=None):
         if timeout is None:
-            return self._s().wait(keys)
-        return self._s().wait(keys, timeout)
+            return self._call("wait", keys)
+        return self._call("wait", keys, timeout)
 
     def append(self, key, value):
-        return self._s().append(key, value)
+        return self._call("append", key, value)
 
     def multi_get(self, keys):
-        return self._s().multi_get(keys)
+        return self._call("multi_get", keys)
 
     def multi_set(self, keys, values):
-        return self._s().multi_set(keys, values)
+        return self._call("multi_set", keys, values)
 
     def clone(self):
         """An independent client of the current inner store (gloo asks for one for
@@ -197,46 +200,11 @@ class ReconnectingStore(SwitchableStore):
         finally:
             self._leave()
 
-    def set(self, key, value):
-        return self._call("set", key, value)
-
-    def get(self, key):
-        return self._call("get", key)
-
-    def add(self, key, value):
-        return self._call("add", key, value)
-
-    def compare_set(self, key, expected, desired):
-        return self._call("compare_set", key, expected, desired)
-
-    def delete_key(self, key):
-        return self._call("delete_key", key)
-
-    def num_keys(self):
-        return self._call("num_keys")
-
-    def check(self, keys):
-        return self._call("check", keys)
-
-    def wait(self, keys, timeout=None):
-        if timeout is None:
-            return self._call("wait", keys)
-        return self._call("wait", keys, timeout)
-
-    def append(self, key, value):
-        return self._call("append", key, value)
-
-    def multi_get(self, keys):
-        return self._call("multi_get", keys)
-
-    def multi_set(self, keys, values):
-        return self._call("multi_set", keys, values)
-
     def clone(self):
         return self._call("clone")
 
     def has_extended_api(self):
-        return True  # a TCPStore's
+        return True  # a TCPStore's (asked while held too)
 
 
 # The agent's directory of hold markers, in its workers' environment (they inherit it).
