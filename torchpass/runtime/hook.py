@@ -117,9 +117,10 @@ class Plan:
 
 
 RUNTIME_OFF = "TORCHPASS_RUNTIME=0"  # the fallback's reason when the runtime is switched off
-# torchrun's elastic agent puts these in every worker's environment (torch's LocalElasticAgent).
-TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+# torchrun's elastic agent puts this in every worker's environment (torch's LocalElasticAgent):
+# True when the worker's rendezvous address is the agent's own store.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+# torch's switch: worker 0 serves the workers' bootstrap store, not an agent (_patch_torchrun_agent).
 NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # How long a fallen-back rank keeps trying to tell the coordinator (it may come up after the ranks).
 REPORT_UNPROTECTED_S = 600.0
