@@ -853,6 +853,18 @@ def _new_migration(st: CoordState, now: float, *, mid: str, node: str, reason: s
     )
 
 
+def _say_skipped(out: _Out, said: frozenset[str], cands, why: Callable[[str], tuple[str, dict]]) -> frozenset[str]:
+    """One migration.skipped per node of ``cands`` not in ``said`` (``why(node)``: what keeps it,
+    and the event's data for it); ``said`` with those nodes."""
+    for c in cands:
+        if c.node not in said:
+            text, data = why(c.node)
+            out.event("migration.skipped", f"{c.node} needs to move ({c.reason}), but {text}: not moving it",
+                      node=c.node, reason=c.reason, **data)
+            said = said | {c.node}
+    return said
+
+
 def _skip_unprotected(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     """The job is unprotected: drop queued operator requests, and say once per node that a
     node needing a move is not moved."""
@@ -860,12 +872,8 @@ def _skip_unprotected(out: _Out, st: CoordState, now: float, policy: Coordinator
     for req in st.operator_requests:
         out.event("migration.rejected", f"{req.id}: the job is unprotected ({why}); dropped",
                   migration=req.id, node=req.node)
-    said = st.unprotected_skipped
-    for c in candidates(now, st, policy):
-        if c.node not in said:
-            out.event("migration.skipped", f"{c.node} needs to move ({c.reason}), but the job is unprotected "
-                      f"({why}): not moving it", node=c.node, reason=c.reason, unprotected=why)
-            said = said | {c.node}
+    said = _say_skipped(out, st.unprotected_skipped, candidates(now, st, policy),
+                        lambda _node: (f"the job is unprotected ({why})", {"unprotected": why}))
     if not st.operator_requests and said == st.unprotected_skipped:
         return st
     return replace(st, operator_requests=(), unprotected_skipped=said)
@@ -874,12 +882,8 @@ def _skip_unprotected(out: _Out, st: CoordState, now: float, policy: Coordinator
 def _skip_pinned(out: _Out, st: CoordState, cands: list, pinned: dict[str, str]) -> CoordState:
     """Nodes that need to move but cannot (a rank there said why, e.g. torchrun's agent there
     serves a store every node uses): said once per node; the rest of the job stays protected."""
-    said = st.unprotected_skipped
-    for c in cands:
-        if c.node not in said:
-            out.event("migration.skipped", f"{c.node} needs to move ({c.reason}), but it cannot move "
-                      f"({pinned[c.node]}): not moving it", node=c.node, reason=c.reason, pinned=pinned[c.node])
-            said = said | {c.node}
+    said = _say_skipped(out, st.unprotected_skipped, cands,
+                        lambda node: (f"it cannot move ({pinned[node]})", {"pinned": pinned[node]}))
     return st if said == st.unprotected_skipped else replace(st, unprotected_skipped=said)
 
 

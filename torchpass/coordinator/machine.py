@@ -66,6 +66,7 @@ from torchpass.coordinator.decide import (
     snapshot_phase_complete,
 )
 from torchpass.coordinator.model import (
+    PINNED_CACHE,
     RANK_NODES_CACHE,
     SNAP_DUMP,
     SNAP_PAUSE,
@@ -231,6 +232,7 @@ def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView
     if owned is not None and st.ranks is owned:
         owned[rank] = rv
         st.__dict__.pop(RANK_NODES_CACHE, None)
+        st.__dict__.pop(PINNED_CACHE, None)
         return st
     return replace(st, ranks={**st.ranks, rank: rv})
 

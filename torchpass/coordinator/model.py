@@ -241,6 +241,7 @@ class SnapshotRun:
 
 
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
+PINNED_CACHE = "_pinned_nodes"  # CoordState.pinned_nodes(), found in the same pass
 
 
 @dataclass(frozen=True)
@@ -277,8 +278,13 @@ class CoordState:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
 
     def pinned_nodes(self) -> dict[str, str]:
-        """Nodes that cannot move, and why (what their ranks said at registration)."""
-        return {rv.node: rv.pinned for rv in self.ranks.values() if rv.pinned}
+        """Nodes that cannot move, and why (what their ranks said at registration). Found in
+        rank_nodes()'s pass and cached with it; callers must not modify the returned dict."""
+        cached = self.__dict__.get(PINNED_CACHE)
+        if cached is None:
+            self.rank_nodes()
+            cached = self.__dict__[PINNED_CACHE]
+        return cached
 
     def task_of(self, rank: int) -> int:
         rv = self.ranks.get(rank)
@@ -292,10 +298,15 @@ class CoordState:
         if cached is not None:
             return cached
         out: dict[str, list[int]] = {}
+        pinned: dict[str, str] = {}
         for r in sorted(self.ranks):
-            out.setdefault(self.ranks[r].node, []).append(r)
+            rv = self.ranks[r]
+            out.setdefault(rv.node, []).append(r)
+            if rv.pinned:
+                pinned[rv.node] = rv.pinned
         nodes = {n: tuple(rs) for n, rs in out.items()}
-        self.__dict__[RANK_NODES_CACHE] = nodes  # not a field: frozen, equality and replace() ignore it
+        # not fields: frozen, equality and replace() ignore them
+        self.__dict__[RANK_NODES_CACHE], self.__dict__[PINNED_CACHE] = nodes, pinned
         return nodes
 
     def spare(self, node: str | None) -> SpareView | None:

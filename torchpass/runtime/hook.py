@@ -78,7 +78,7 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        then = {TARGET: lambda _m: patch(), AGENT_TARGET: _patch_torchrun_agent}.get(fullname)
+        then = _AFTER_LOAD.get(fullname)  # asked for every module the process imports
         if then is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -86,6 +86,10 @@ class _Finder(importlib.abc.MetaPathFinder):
             return spec
         spec.loader = _Loader(spec.loader, then)
         return spec
+
+
+# What runs once a watched module has loaded (late-bound: both functions are defined below).
+_AFTER_LOAD = {TARGET: lambda _module: patch(), AGENT_TARGET: lambda module: _patch_torchrun_agent(module)}
 
 
 def install() -> None:
