@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,9 +85,12 @@ def test_on_real_cgroups_the_agent_lands_in_its_tasks_freezer_cgroup():
     step.mkdir(parents=True)
     task = subprocess.Popen(["sh", "-c", f"echo $$ > {step}/cgroup.procs && exec sleep 60"])
     try:
-        for _ in range(100):
-            if str(task.pid) in (step / "cgroup.procs").read_text().split():
-                break
+        # The shell joins on its own schedule; on a loaded machine that can take a while, and a
+        # task still in the root cgroup would make the assertion below test nothing.
+        deadline = time.monotonic() + 10
+        while str(task.pid) not in (step / "cgroup.procs").read_text().split():
+            assert time.monotonic() < deadline, "the task never joined its step cgroup"
+            time.sleep(0.01)
         out = subprocess.run([sys.executable, "-c", CHILD, str(task.pid)], capture_output=True, text=True,
                              timeout=30)
         assert out.returncode == 0, out.stderr
