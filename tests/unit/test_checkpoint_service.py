@@ -15,6 +15,8 @@ import pytest
 from torchpass import auth, layout, wire
 from torchpass.errors import CheckpointError, RemoteError
 from torchpass.checkpoint import manifest as mf
+from torchpass.checkpoint import procs
+from torchpass.checkpoint.criu import tree_pids
 from torchpass.checkpoint.service import CheckpointService, maps_nvidia_device
 
 
@@ -217,6 +219,100 @@ def test_a_gpu_rank_on_a_node_without_cuda_checkpoint_is_refused_before_anything
     finally:
         proc.kill()
         proc.wait()
+
+
+def _agent_with_workers(tmp_path, n=3):
+    """A torchrun-shaped task: a main process (the agent, no GPU) with ``n`` children (the
+    workers), recorded where tpassd looks; the children's pids once they all run."""
+    agent = subprocess.Popen(["sh", "-c", " ".join(["sleep 60 &"] * n) + " wait"], stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(workers := [q for q in tree_pids(agent.pid) if q != agent.pid]) < n:
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.01)
+    rank_dir = layout.rank_records_dir(tmp_path / "state", 5)
+    record = layout.rank_record(rank_dir, 5, 1)
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"pid": agent.pid, "wrapper_pid": os.getpid()}))
+    return agent, sorted(workers), layout.handoff(rank_dir, 5, 1)
+
+
+def test_under_torchrun_the_dump_suspends_each_worker_not_the_agent(tmp_path):
+    """The task's main process is torchrun's agent; its workers hold the GPU. tpassd suspends
+    each of them (the agent holds no CUDA context: a suspend of it would fail), records them in
+    the image for the restore side, and gives each its GPU back after the dump."""
+    cuda = _CudaRecorder()
+    agent, workers, marker = _agent_with_workers(tmp_path)
+    try:
+        svc = CheckpointService(tmp_path / "snap", "n1", state_dir=tmp_path / "state", job_owner=lambda j: 0,
+                                job_pids=lambda j: {agent.pid, os.getpid()}, gpu_in_use=workers.__contains__,
+                                cuda_loader=lambda: cuda)
+        out = _dump(svc)
+        suspended = [pid for op, pid in cuda.calls if op == "suspend"]
+        assert sorted(suspended) == workers
+        assert cuda.calls == [("suspend", pid) for pid in suspended] + [("resume", pid) for pid in suspended]
+        meta = json.loads((Path(out["images"]) / "manifest.json").read_text())["meta"]
+        # no PID namespace here: the numbers the restore gets back are these pids
+        assert meta["gpu"] is True and sorted(meta["gpu_pids"]) == workers
+        assert marker.read_text() == "moved\n" and agent.poll() is None
+    finally:
+        os.killpg(agent.pid, 9)
+        agent.wait()
+
+
+def test_a_worker_whose_suspend_fails_aborts_the_move_and_every_suspended_worker_gets_its_gpu_back(tmp_path):
+    agent, workers, marker = _agent_with_workers(tmp_path)
+
+    class FailsOnSecond(_CudaRecorder):
+        def suspend(self, pid):
+            self.calls.append(("suspend", pid))
+            if len([c for c in self.calls if c[0] == "suspend"]) == 2:
+                raise CheckpointError(f"cuCheckpointProcessLock(pid {pid}) failed: CUresult 2")
+
+    cuda = FailsOnSecond()
+    try:
+        svc = CheckpointService(tmp_path / "snap", "n1", state_dir=tmp_path / "state", job_owner=lambda j: 0,
+                                job_pids=lambda j: {agent.pid, os.getpid()}, gpu_in_use=workers.__contains__,
+                                cuda_loader=lambda: cuda)
+        with pytest.raises(CheckpointError, match=r"cuCheckpointProcessLock\(pid \d+\) failed"):
+            _dump(svc)
+        tried = [pid for op, pid in cuda.calls if op == "suspend"]
+        assert len(tried) == 2  # the third worker was never touched
+        assert [c for c in cuda.calls if c[0] == "resume"] == [("resume", pid) for pid in tried]
+        assert marker.read_text() == "abort\n" and agent.poll() is None
+    finally:
+        os.killpg(agent.pid, 9)
+        agent.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace of its own needs root (unshare --pid)")
+def test_after_a_restore_cuda_resumes_the_workers_by_their_pids_in_the_tasks_namespace():
+    """The image records the suspended processes by their pid in the task's PID namespace
+    (what a restore gives back); the restore side finds them in the restored tree, whose host
+    pids differ, and resumes them in the recorded order."""
+    from torchpass.checkpoint.rankwrap import resume_cuda_of
+
+    tree = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", "sleep 60 & sleep 60 & sleep 60 & wait"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(pids := tree_pids(tree.pid)) < 5:  # unshare, sh (pid 1 inside), 3 sleeps
+            assert time.monotonic() < deadline, "the tree did not start"
+            time.sleep(0.01)
+        inner = {procs.ns_pid(q): q for q in pids if q != tree.pid}
+        assert sorted(inner) == [1, 2, 3, 4] and all(q > 4 for q in inner.values())
+        cuda = _CudaRecorder()
+        resume_cuda_of(tree.pid, rank_pid=inner[1], meta={"gpu": True, "gpu_pids": [3, 2]}, cuda=cuda)
+        assert cuda.calls == [("resume", inner[3]), ("resume", inner[2])]
+        # an image of a tpassd that suspended the task's main process alone
+        cuda = _CudaRecorder()
+        resume_cuda_of(tree.pid, rank_pid=inner[1], meta={"gpu": True}, cuda=cuda)
+        assert cuda.calls == [("resume", inner[1])]
+        with pytest.raises(CheckpointError, match="restored tree has no process 9 of those whose GPU state"):
+            resume_cuda_of(tree.pid, rank_pid=inner[1], meta={"gpu": True, "gpu_pids": [2, 9]}, cuda=_CudaRecorder())
+    finally:
+        os.killpg(tree.pid, 9)
+        tree.wait()
 
 
 def test_gpu_detection_reads_the_process_maps(tmp_path):

@@ -83,6 +83,15 @@ def read_uids(pid: int, proc: str = "/proc") -> tuple[int, ...]:
     raise OSError(f"{proc}/{pid}/status has no Uid line")
 
 
+def ns_pid(pid: int, proc: str = "/proc") -> int:
+    """``pid`` as its innermost PID namespace numbers it: the number a CRIU restore gives it back."""
+    with open(f"{proc}/{pid}/status", "rb") as f:
+        for line in f.read(1 << 16).decode(errors="replace").splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid  # a kernel before 4.1 has no NSpid line: one namespace
+
+
 def foreign_namespaces(pid: int, proc: str = "/proc", kinds: tuple[str, ...] = SHARED_NAMESPACES) -> list[str]:
     """The namespaces of ``pid`` (among ``kinds``) that are not this process's own."""
     out = []

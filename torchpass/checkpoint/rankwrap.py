@@ -606,10 +606,8 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     if gpu or meta.get("gpu"):
         # GPU state back from host memory before the rank may run on (it is
         # still locked by the driver until then)
-        from torchpass.checkpoint.cuda import CudaCheckpoint
-
         try:
-            CudaCheckpoint.load().resume(rank_pid)
+            resume_cuda_of(pid, rank_pid, meta)
         except TorchpassError as exc:
             say(f"restored rank {rank} but its CUDA state did not come back ({exc}); killing it")
             os.kill(pid, signal.SIGKILL)
@@ -619,6 +617,36 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     wake(wake_file)
     code = relay.wait(pid, init=init)
     return finish_restored(paths, str(images), code)
+
+
+def resume_cuda_of(root: int, rank_pid: int, meta: dict, proc: str = "/proc", cuda=None) -> None:
+    """After a restore, give the GPU state back to every process of the tree that the dump
+    suspended (tpassd recorded them in the image's meta as ``gpu_pids``: their numbers in the
+    tree's PID namespace, which CRIU restores unchanged), parents first. Under torchrun those
+    are the agent's workers, not ``rank_pid`` (the agent)."""
+    from torchpass.checkpoint import procs
+    from torchpass.checkpoint.criu import tree_pids
+    from torchpass.checkpoint.cuda import CudaCheckpoint
+    from torchpass.errors import CheckpointError
+
+    wanted = meta.get("gpu_pids")
+    if wanted is None:  # an image of a tpassd that suspended the task's main process alone
+        targets = [rank_pid]
+    else:
+        by_ns = {}
+        for q in tree_pids(root, proc):
+            try:
+                by_ns[procs.ns_pid(q, proc)] = q
+            except (OSError, ValueError):
+                continue  # gone since: reported below if it was one of them
+        missing = [n for n in wanted if n not in by_ns]
+        if missing:
+            raise CheckpointError(f"the restored tree has no process {', '.join(map(str, missing))} of those whose "
+                                  "GPU state the dump suspended")
+        targets = [by_ns[n] for n in wanted]
+    cuda = cuda or CudaCheckpoint.load()
+    for q in targets:
+        cuda.resume(q)
 
 
 def wake(wake_file: str | None) -> None:

@@ -202,14 +202,12 @@ def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int) -> di
     finally:
         for fd in inherit:
             os.close(fd)
-    from torchpass.checkpoint.rankwrap import wait_child_of
+    from torchpass.checkpoint.rankwrap import resume_cuda_of, wait_child_of
 
     rank_pid = wait_child_of(pid) if meta.get("init") else pid
     if meta.get("gpu"):
-        from torchpass.checkpoint.cuda import CudaCheckpoint
-
         try:
-            CudaCheckpoint.load().resume(rank_pid)
+            resume_cuda_of(pid, rank_pid, meta)
         except TorchpassError as exc:
             os.kill(pid, 9)
             raise TorchpassError(f"restored rank {rank} but its CUDA state did not come back ({exc}); "

@@ -372,7 +372,10 @@ class CheckpointService:
             self._check_quota(owner, job_id, snapshot, self.image_estimate(p.pid), keep, part=rank)
         # A full image disk refuses the move before the rank is touched (no marker, no CUDA).
         criu_mod.check_space(who, self.snapshot_dir, estimate(p.pid))
-        gpu = self.gpu_in_use(pid)
+        # Every process of the tree that holds GPU state: the rank itself, or under torchrun the
+        # agent's workers (the agent is the task's main process and holds none).
+        holders = self._gpu_holders(p.pid)
+        gpu = bool(holders)
         cuda = None
         if gpu:
             try:
@@ -383,15 +386,17 @@ class CheckpointService:
         t0 = time.monotonic()
         if marker is not None:
             self._write(dfd, marker, "moving\n")
-        cuda_touched = False
+        suspended: list[int] = []
         try:
             if not (p.alive() and w.alive() and r.alive()):
                 raise CheckpointError(f"rank {rank} of job {job_id} (pid {pid}) exited before its dump")
             if cuda is not None:
                 # The runtime destroyed its NCCL communicators at the pause; the driver
                 # now moves the GPU state into host memory so CRIU dumps it with the rest.
-                cuda_touched = True
-                cuda.suspend(pid)
+                for q in holders:
+                    suspended.append(q)  # before the call: a suspend that failed half way is resumed too
+                    cuda.suspend(q)
+                gpu_pids = [procs.ns_pid(q, self.proc) for q in holders]
             entered = procs.foreign_namespaces(w.pid, self.proc, procs.ENTERED_NAMESPACES)
             # An ordinary user's tree is dumped with the user's ids (criu_mod.owner_creds says why).
             creds = criu_mod.owner_creds(p.pid, self.proc) if owner != 0 else None
@@ -400,12 +405,13 @@ class CheckpointService:
                                 estimate=estimate,
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
                                       "gpu": gpu, "init": p.pid != pid, "uid": owner,
+                                      **({"gpu_pids": gpu_pids} if gpu else {}),
                                       **({"snapshot": snapshot} if snapshot else {})})
         except BaseException as exc:
             # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
             # the GPU state goes back first, and only then does the marker call the move
             # off, so nothing resumes the rank while CUDA still holds it locked.
-            stuck = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
+            stuck = self._resume_cuda(cuda, job_id, rank, suspended)
             if marker is not None:
                 self._write(dfd, marker, "abort\n")
             if stuck and isinstance(exc, TorchpassError):
@@ -414,7 +420,7 @@ class CheckpointService:
             raise
         # The source copy stays alive (held) until the move commits: give it its GPU
         # state back, so that a later rollback can resume it in place.
-        cuda_error = self._resume_cuda(cuda, job_id, rank, pid) if cuda_touched else None
+        cuda_error = self._resume_cuda(cuda, job_id, rank, suspended)
         if marker is not None:
             self._write(dfd, marker, "moved\n")
         out = {"images": str(res.images), "checksum": checksum_of(read_manifest_bytes(res.images)),
@@ -426,15 +432,23 @@ class CheckpointService:
                  mb=round(res.bytes / 1e6, 1), dump_s=out["criu_dump_s"])
         return out
 
+    def _gpu_holders(self, root: int) -> list[int]:
+        """The processes of ``root``'s tree that hold GPU state, parents first."""
+        return [q for q in criu_mod.tree_pids(root, self.proc) if self.gpu_in_use(q)]
+
     @staticmethod
-    def _resume_cuda(cuda: Any, job_id: int, rank: int, pid: int) -> str | None:
-        """Restore and unlock the rank's CUDA state, whatever state a suspend left it in; the error, if any."""
-        try:
-            cuda.resume(pid)
-        except CheckpointError as exc:
-            log.error("CUDA state of the source copy not resumed", job_id=job_id, rank=rank, pid=pid, error=str(exc))
-            return str(exc)
-        return None
+    def _resume_cuda(cuda: Any, job_id: int, rank: int, pids: list[int]) -> str | None:
+        """Restore and unlock each process's CUDA state, whatever state a suspend left it in; the
+        errors, if any (every process is tried: one that failed does not keep the others locked)."""
+        errors = []
+        for pid in pids:
+            try:
+                cuda.resume(pid)
+            except CheckpointError as exc:
+                log.error("CUDA state of the source copy not resumed", job_id=job_id, rank=rank, pid=pid,
+                          error=str(exc))
+                errors.append(str(exc))
+        return "; ".join(errors) or None
 
     def _pin_unless_gone(self, job_id: int, pid: int, *, parent: int | None = None) -> procs.Pinned | None:
         """The checked, pinned process; None if it is gone (RemoteError if it is not the job's)."""
