@@ -285,9 +285,16 @@ BODIES: dict[str, dict[str, F]] = {
     # degraded or failed and slurmctld says the requester owns job_id, running
     # on this node. `reason` must start with "torchpass: ". Refusals:
     # forbidden / conflict. Result: {"node", "reason", "health"}.
+    # `node`: drain that node instead, a node of the job lost outright (its own
+    # tpassd died with it). This node's tpassd is the witness: granted to root
+    # and SlurmUser; to anyone else only when slurmctld says the requester owns
+    # job_id, running on this node and on `node`, and that it no longer hears
+    # `node` (NOT_RESPONDING or DOWN). Result: {"node", "reason", "health",
+    # "witness", "slurm_state"}; health is "unknown" (no tpassd to ask).
     "tpassd.drain": {
         "job_id": _f(int),
         "reason": _f(str),
+        "node": _f(str, required=False),
     },
 }
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import threading
 import time
 import uuid
@@ -46,7 +47,7 @@ from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint.service import Audit
 from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import RemoteError, TorchpassError
-from torchpass.slurm import SlurmClient
+from torchpass.slurm import NodeInfo, SlurmClient
 from torchpass.slurm.conf import job_privacy
 from torchpass.health_state import State
 from tpassd.checkpoint_handlers import job_state_dir, register as register_checkpoint
@@ -165,6 +166,7 @@ def slurm_admin_uids() -> frozenset[int]:
 DRAIN_PREFIX = "torchpass: "
 DRAIN_REASON_MAX = 200
 DRAINABLE = (State.DEGRADED.value, State.FAILED.value)
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class Tpassd:
@@ -471,6 +473,9 @@ class Tpassd:
     def _h_drain(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
         """Drain this node in Slurm with the coordinator's ``torchpass: ...`` reason, if allowed."""
         b = msg.body
+        lost = b.get("node")
+        if lost is not None and lost != self.node:
+            return self._drain_lost(b, lost, ident)
         with Audit(ident, "drain", b) as act:
             # health first, so that a refused drain's audit line names the state it was refused on
             act.fields.update(node=self.node, reason=b.get("reason"),
@@ -483,6 +488,58 @@ class Tpassd:
             log.warning("node drained", node=self.node, reason=reason, uid=ident.uid, job_id=b["job_id"])
             return {"node": self.node, "reason": reason, "health": health}
 
+    def _drain_lost(self, b: dict[str, Any], lost: str, ident: Any) -> dict[str, Any]:
+        """Drain ``lost``, a node of the requester's job whose own tpassd died with it, on
+        slurmctld's word that it no longer hears it (docs/tpassd.md, "Drains")."""
+        with Audit(ident, "drain", b) as act:
+            act.fields.update(node=lost, witness=self.node, reason=b.get("reason"), health=State.UNKNOWN.value)
+            if not NODE_NAME.fullmatch(lost):  # one node: scontrol would expand "node[1-9]" or "a,b"
+                raise RemoteError("bad_request", f"tpassd.drain: node must be one node's name, got {lost!r}")
+            reason = self._drain_reason(b)
+            view = self._lost_node_view(b["job_id"], lost, ident)
+            act.fields["slurm_state"] = "+".join(view.state) if view else ""
+            try:
+                self._slurm_client().drain(lost, reason)
+            except TorchpassError as exc:
+                raise RemoteError("failed", f"scontrol could not drain {lost}: {exc}") from None
+            log.warning("lost node drained", node=lost, witness=self.node, reason=reason, uid=ident.uid,
+                        job_id=b["job_id"])
+            return {"node": lost, "reason": reason, "health": State.UNKNOWN.value, "witness": self.node,
+                    "slurm_state": act.fields["slurm_state"]}
+
+    def _lost_node_view(self, job_id: Any, lost: str, ident: Any) -> NodeInfo | None:
+        """slurmctld's record of ``lost`` once the requester may have it drained (None for root and
+        SlurmUser, who may drain any node); AuthFailure / RemoteError otherwise."""
+        if isinstance(job_id, bool) or job_id < 0:
+            raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
+        if self._admins is None:
+            self._admins = frozenset(self._admin_uids())
+        if ident.uid in self._admins:
+            return None
+        try:
+            job = self._slurm_client().job(job_id)
+            view = next((n for n in self._slurm_client().nodes() if n.name == lost), None)
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"cannot ask Slurm about job {job_id} and {lost} ({exc})") from None
+        if job is None or job.user_id != ident.uid:
+            raise AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}")
+        if not job.active or self.node not in job.nodes or lost not in job.nodes:
+            raise AuthFailure("forbidden", f"job {job_id} does not run on both {self.node} and {lost}")
+        if view is None or not view.not_answering:
+            said = "+".join(view.state) if view else "nothing"
+            raise RemoteError("conflict", f"slurmctld still hears {lost} ({said}); only root or SlurmUser may "
+                                          "drain a node that slurmctld does not report NOT_RESPONDING or DOWN")
+        return view
+
+    @staticmethod
+    def _drain_reason(b: dict[str, Any]) -> str:
+        reason = b["reason"]
+        if (not reason.startswith(DRAIN_PREFIX) or len(reason) > DRAIN_REASON_MAX
+                or not reason.isprintable()):
+            raise RemoteError("bad_request", f"tpassd.drain: reason must be one printable line starting with "
+                                             f"{DRAIN_PREFIX!r}, at most {DRAIN_REASON_MAX} characters")
+        return reason
+
     def _slurm_client(self) -> SlurmClient:
         if self._slurm is None:
             self._slurm = slurm.client()
@@ -490,13 +547,10 @@ class Tpassd:
 
     def _drain_allowed(self, b: dict[str, Any], ident: Any) -> tuple[str, str]:
         """(the reason, tpassd's node state) of an allowed drain; AuthFailure / RemoteError otherwise."""
-        job_id, reason = b["job_id"], b["reason"]
+        job_id = b["job_id"]
         if isinstance(job_id, bool) or job_id < 0:
             raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
-        if (not reason.startswith(DRAIN_PREFIX) or len(reason) > DRAIN_REASON_MAX
-                or not reason.isprintable()):
-            raise RemoteError("bad_request", f"tpassd.drain: reason must be one printable line starting with "
-                                             f"{DRAIN_PREFIX!r}, at most {DRAIN_REASON_MAX} characters")
+        reason = self._drain_reason(b)
         health = (self.last_sample or {}).get("state", State.UNKNOWN.value)
         if self._admins is None:
             self._admins = frozenset(self._admin_uids())

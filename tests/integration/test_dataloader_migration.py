@@ -67,6 +67,7 @@ SCRIPT = textwrap.dedent(
         time.sleep(0.05)
     del batches, loader
     dist.destroy_process_group()
+    os._exit(0)  # plain torch 2.13 may abort at a normal exit (docs/runtime.md, "Unprotected jobs")
     """
 )
 JOB = Drill("dataloader", SCRIPT, (str(STEPS),), STEPS, nodes=2, per_node=1, fault_steps=(2, 40))

@@ -10,15 +10,17 @@ killed at once, as in a power cut. Checked:
 * the coordinator records one ``node.lost`` event for that node, saying that there is no snapshot
   to restore the job from and what Slurm will do, once slurmctld confirms that it does not hear the
   node either; it pauses nobody and starts no migration;
-* slurmctld marks the node DOWN ("Not responding"): that is what the admin sees (the node's
-  own tpassd, the only root actor that drains for a job user, died with it; docs/coordinator.md,
-  "A node lost outright");
+* the node is drained with a ``torchpass:`` reason through another node of the job (its own
+  tpassd died with it; the witness's tpassd checks with slurmctld that the job runs on both and
+  that slurmctld no longer hears the node): one ``node.drained`` event naming the witness;
+  slurmctld then marks it DOWN and keeps the reason (docs/coordinator.md, "A node lost outright");
 * no process of the crashed node is left, nor its UTS and mount namespaces;
 * the job's step is cancelled "DUE TO NODE FAILURE" and the job, a requeueable batch job (Slurm's
   default), is requeued: Restarts=1, pending behind its requeue hold. The test cancels it;
 * the coordinator ended.
 
-The node is revived at the end (the session's later tests need all four nodes idle).
+The node is revived at the end: its slurmd registers, and it stays drained (it does not return to
+service by itself) until the test resumes it (the session's later tests need all four nodes idle).
 The batch host's crash (node1) is out of scope: the coordinator dies with it and no event can be
 recorded; Slurm requeues the job the same way.
 """
@@ -111,6 +113,17 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         assert SLURM_ON_LOST_NODE in lost["message"], diag()
         assert "tpassd silent; slurmctld reports" in lost["message"], diag()
 
+        # Drained with torchpass's reason, through a node of the job that is still there.
+        wait(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] in ("node.drained", "node.drain_failed")],
+             30, "the drain of the lost node")
+        (drained,) = [e for e in drill.events(cluster, job_id) if e["kind"] in ("node.drained", "node.drain_failed")]
+        print(f"{drained['kind']}: {drained['message']}")
+        assert drained["kind"] == "node.drained", diag()
+        assert drained["data"]["node"] == node and drained["data"]["witness"] in ("node1", "node2", "node3", "node4")
+        assert drained["data"]["witness"] != node, diag()
+        reason = drained["data"]["reason"]
+        assert reason.startswith(f"torchpass: {node} failed outright"), reason
+
         # Slurm: the node DOWN, the step cancelled for the node failure, the job requeued.
         def requeued():
             j = tj.job(job_id)
@@ -122,7 +135,8 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         assert int(final["restart_cnt"]) == 1 and "PENDING" in final["job_state"], (final["job_state"], diag())
         assert "DUE TO NODE FAILURE" in out.read_text(), diag()
         down = tj.node(node)
-        assert "DOWN" in down["state"] and down.get("reason") == "Not responding", (down["state"], down.get("reason"))
+        assert {"DOWN", "DRAIN"} <= set(down["state"]) and down.get("reason") == reason, \
+            (down["state"], down.get("reason"))
         wait(lambda: not pid_alive(coord), 60, "the coordinator's end")
         kinds = [e["kind"] for e in drill.events(cluster, job_id)]
         assert "migration.started" not in kinds, kinds  # nobody paused, nothing moved
@@ -130,7 +144,13 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         tj.run(["scancel", str(job_id)])
         if crashed:
             cluster.revive(node)
-    # The node comes back by itself once its slurmd registers (ReturnToService=2).
+    # Its slurmd registers again (ReturnToService=2 would return a node that was only DOWN to
+    # service); drained, it stays out until an admin resumes it.
+    if crashed:
+        back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
+                      f"{node}'s slurmd registered again", every=0.2)
+        assert "DRAIN" in back["state"] and back.get("reason", "").startswith("torchpass: "), back
+        assert tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"]).returncode == 0
     _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
     tj.wait_end(job_id, 60)
     assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]

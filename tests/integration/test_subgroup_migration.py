@@ -63,6 +63,7 @@ MESH_SCRIPT = textwrap.dedent(
         print(f"step={step} loss={(loss.item() / world).hex()}", flush=True)
         time.sleep(0.05)
     dist.destroy_process_group()
+    os._exit(0)  # plain torch 2.13 may abort at a normal exit (docs/runtime.md, "Unprotected jobs")
     """
 )
 

@@ -25,6 +25,9 @@ worker die); one ``migration.completed`` for the drilled node with both of
 its workers moved; the store's node answered by ``migration.skipped`` naming
 the store; no ``unprotected`` line. (On 17f4b54 every torchrun job ran
 unprotected: the drill was answered by migration.skipped.)
+
+A second job uses docs/runtime.md's recipe (the batch script serves the rendezvous store, no
+agent hosts it) in torchrun's elastic form, ``--nnodes=2:3``, and the drill lands on node1.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ cd {d}
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 port=$((20000 + SLURM_JOB_ID % 20000))
 {serve}
-srun {torchrun} --nnodes="$SLURM_NNODES" --nproc-per-node=2 --rdzv-backend=c10d \\
+srun {torchrun} --nnodes={nnodes} --nproc-per-node=2 --rdzv-backend=c10d \\
   --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" {conf} tr.py {steps} {release}
 rc=$?
 {stop}
@@ -100,14 +103,15 @@ SERVE = ('{py} -c "import datetime, sys, time, torch.distributed as d; '
          'wait_for_workers=False, multi_tenant=True); time.sleep(86400)" "$head" "$port" &\nstore=$!')
 
 
-def _submit(d: Path, tag: str, torchpass: bool, user, served_by_batch: bool = False) -> tuple[int, Path, Path]:
+def _submit(d: Path, tag: str, torchpass: bool, user, served_by_batch: bool = False,
+            nnodes: str = '"$SLURM_NNODES"') -> tuple[int, Path, Path]:
     """sbatch the torchrun job as ``user``; (job id, its output file, its release file)."""
     release = d / f"{tag}.release"
     args = ["-N", str(len(NODES) + torchpass), "-o", str(d / f"{tag}.%j.out")]
     if torchpass:
         args.insert(0, "--torchpass=spares=1")
     torchrun = Path(job_python()).parent / "torchrun"  # torch's console script in the job venv
-    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release,
+    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release, nnodes=nnodes,
                           serve=SERVE.format(py=job_python()) if served_by_batch else "",
                           conf="--rdzv-conf=is_host=false" if served_by_batch else "",
                           stop="kill $store" if served_by_batch else "")
@@ -218,19 +222,24 @@ def test_srun_torchrun_moves_a_degrading_node_and_keeps_the_store_node(cluster, 
         leave_clean_nodes(jobs)
 
 
-def test_srun_torchrun_with_the_store_served_by_the_batch_script_moves_the_batch_hosts_node(
+def test_elastic_torchrun_with_the_store_served_by_the_batch_script_moves_the_batch_hosts_node(
         cluster, plugin_built, job_dir, job_user):
     """The recipe: the batch script serves the rendezvous store on the batch host (node1), outside
-    every task; no agent hosts it, so no node is pinned. The drill lands on node1 itself."""
+    every task; no agent hosts it, so no node is pinned. The drill lands on node1 itself.
+
+    The elastic form, ``--nnodes=2:3``: the 3 agents meet in one round (it closes when the
+    maximum has joined), so the job is the reference's (3 nodes, the same ranks); the move
+    starts no new round (the moved agent keeps its place), so nothing restarts."""
     at = random.Random(f"{SEED}:torchrun-served").randint(3, 15)
     what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): ecc-sbe-storm on {STORE_NODE} at step {at}; "
-            "srun torchrun, the rendezvous store served by the batch script")
+            "srun torchrun --nnodes=2:3, the rendezvous store served by the batch script")
     print(f"\n{what}")
     _script(job_dir, job_user)
     jobs: list[int] = []
     try:
         ref = _reference(job_dir, job_user, jobs)
-        job_id, out, release = _submit(job_dir, "served", True, job_user, served_by_batch=True)
+        job_id, out, release = _submit(job_dir, "served", True, job_user, served_by_batch=True,
+                                       nnodes=f"2:{len(NODES)}")
         t0 = time.monotonic()
         jobs.append(job_id)
 
@@ -248,7 +257,7 @@ def test_srun_torchrun_with_the_store_served_by_the_batch_script_moves_the_batch
         evs = _check_end(cluster, job_id, out, ref, [STORE_NODE], diag)
         assert not [e for e in evs if e["kind"] == "migration.skipped"], diag("after the job")
         done = [e for e in evs if e["kind"] in ("migration.resumed", "migration.completed")]
-        print(f"torchrun (store served by the batch script): {STORE_NODE} moved at step {at}, job ended after "
+        print(f"elastic torchrun (store served by the batch script): {STORE_NODE} moved at step {at}, job ended after "
               f"{time.monotonic() - t0:.1f} s; " + "; ".join(e["message"] for e in done))
     finally:
         leave_clean_nodes(jobs)

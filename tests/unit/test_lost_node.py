@@ -105,3 +105,58 @@ def test_slurm_lost_needs_the_job_on_the_node_and_slurmctld_not_hearing_it():
     ended = JobInfo(7, "j", "u", 1, "NODE_FAIL", ("a", "b"))
     assert slurm_lost(ended, NodeInfo("b", "b", ("DOWN",))) == ""
     assert slurm_lost(None, NodeInfo("b", "b", ("DOWN",))) == ""
+
+
+class WitnessTpassd:
+    """tpassd's answers to ``tpassd.drain`` of a lost node, by witness node: a dict for success,
+    an exception to raise."""
+
+    def __init__(self, answers: dict):
+        self.answers = answers
+        self.calls: list[tuple[str, str, dict]] = []
+
+    def request(self, node, type_, body, timeout_s):
+        self.calls.append((node, type_, dict(body)))
+        ans = self.answers.get(node, {"slurm_state": "MIXED+NOT_RESPONDING"})
+        if isinstance(ans, Exception):
+            raise ans
+        return ans
+
+
+def _lost_with(tmp_path, tp: WitnessTpassd) -> Driver:
+    health = FakeHealth()
+    d = _driver(tmp_path, FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")}), health)
+    d.executor.tpassd = tp
+    health.silent["n2"] = 12.0
+    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("node.drain")])
+    return d
+
+
+def test_a_lost_node_is_drained_through_another_node_of_the_jobs_tpassd(tmp_path):
+    """The lost node's own tpassd died with it: the first healthy other node's tpassd is asked to
+    drain it (it checks with slurmctld itself), and the job's events say so."""
+    tp = WitnessTpassd({})
+    d = _lost_with(tmp_path, tp)
+    drains = [c for c in tp.calls if c[1] == "tpassd.drain"]
+    assert len(drains) == 1
+    witness, _, body = drains[0]
+    assert witness == "n1" and body["node"] == "n2" and body["job_id"] == 42
+    assert body["reason"].startswith("torchpass: n2 failed outright")
+    (ev,) = [e for e in d.job.events if e.kind == "node.drained"]
+    assert ev.data == {"node": "n2", "witness": "n1", "reason": body["reason"]}
+    assert "n2 drained through n1's tpassd (slurmctld reports it MIXED+NOT_RESPONDING)" in ev.message
+
+
+def test_a_witness_that_does_not_answer_is_skipped_and_a_refusal_is_recorded(tmp_path):
+    from torchpass.errors import RemoteError
+
+    tp = WitnessTpassd({"n1": RemoteError("unavailable", "no reply from tcp://10.0.0.1:7461")})
+    _lost_with(tmp_path, tp)
+    assert [c[0] for c in tp.calls if c[1] == "tpassd.drain"] == ["n1", "n3"]  # n4 (the spare) not needed
+
+    refusal = RemoteError("conflict", "slurmctld still hears n2 (MIXED)")
+    tp = WitnessTpassd({"n1": refusal, "n3": {}})
+    d = _lost_with(tmp_path / "b", tp)
+    assert [c[0] for c in tp.calls if c[1] == "tpassd.drain"] == ["n1"]  # slurmctld's answer: the same anywhere
+    (ev,) = [e for e in d.job.events if e.kind == "node.drain_failed"]
+    assert "n2 was not drained (n1: " in ev.message and "slurmctld still hears n2" in ev.message

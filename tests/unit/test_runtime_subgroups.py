@@ -68,6 +68,7 @@ SCRIPT = textwrap.dedent(
         print(s, loss.item().hex(), total.item().hex(), flush=True)
         time.sleep(float(os.environ.get("SLEEP", "0")))
     dist.destroy_process_group()
+    os._exit(0)  # plain torch 2.13 may abort at a normal exit (docs/runtime.md, "Unprotected jobs")
     """
 )
 

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from torchpass import auth, wire, zmqio
 from torchpass.errors import RemoteError
 from torchpass.health import HealthSubscriber, State
-from torchpass.slurm import JobInfo
+from torchpass.slurm import JobInfo, NodeInfo
 from tpassd.collectors.base import Collector
 from tpassd.daemon import Tpassd
 from tpassd.testing import call, credential_as, fake_node_config, wait_for
@@ -25,6 +25,10 @@ class FakeSlurm:
     def __init__(self):
         self.jobs: dict[int, JobInfo] = {}
         self.drained: list[tuple[str, str]] = []
+        self.node_states: dict[str, tuple[str, ...]] = {}
+
+    def nodes(self):
+        return [NodeInfo(n, n, st) for n, st in self.node_states.items()]
 
     def run(self, job_id: int, uid: int, nodes: tuple[str, ...]) -> None:
         self.jobs[job_id] = JobInfo(job_id, "train", f"u{uid}", uid, "RUNNING", nodes)
@@ -155,8 +159,8 @@ def test_a_user_may_drill_only_a_node_no_other_user_runs_jobs_on(node, munge):
     assert call(node.ctl, "node1", "tpassd.drill", body, munge.socket)["kind"] == body["kind"]  # root may
 
 
-def drain(node, uid, job_id, munge, reason="torchpass: gpu0: SBE ECC storm"):
-    body = {"job_id": job_id, "reason": reason}
+def drain(node, uid, job_id, munge, reason="torchpass: gpu0: SBE ECC storm", lost=None):
+    body = {"job_id": job_id, "reason": reason, **({"node": lost} if lost is not None else {})}
     return zmqio.request(node.ctl, "tpassd.drain", body, auth=as_uid(uid, "tpassd.drain", body, munge),
                          timeout_s=5, retries=0)
 
@@ -202,6 +206,43 @@ def test_root_and_slurm_user_may_drain_a_healthy_node(node, munge):
                 munge.socket)["health"] == "healthy"
     assert drain(node, SLURM_USER, 3, munge, reason="torchpass: operator request")["node"] == "node1"
     assert node.slurm.drained == [("node1", "torchpass: operator request")] * 2
+
+
+def test_a_job_owner_drains_a_node_of_their_job_that_slurmctld_no_longer_hears(node, munge):
+    """A node lost outright has no tpassd: another node of the job witnesses for it, on
+    slurmctld's word (the job's owner, the job on both nodes, the lost node not answering)."""
+    node.slurm.run(7, 1001, ("node1", "node2"))
+    node.slurm.run(8, 1002, ("node2", "node3"))
+    node.slurm.node_states.update(node1=("MIXED",), node2=("MIXED",), node3=("IDLE",))
+    reason = "torchpass: node2 failed outright (tpassd silent); no clean dump possible"
+    with capture_logs() as logs:
+        e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node2")  # slurmctld still hears it
+        assert e.code == "conflict" and "slurmctld still hears node2 (MIXED)" in e.remote_message
+        node.slurm.node_states["node2"] = ("MIXED", "NOT_RESPONDING")
+        e = drain_refused(node, 1002, 7, munge, reason=reason, lost="node2")  # not their job
+        assert e.code == "forbidden" and "uid 1002 does not own job 7" in e.remote_message
+        e = drain_refused(node, 1002, 8, munge, reason=reason, lost="node2")  # their job, not on this witness
+        assert e.code == "forbidden" and "does not run on both node1 and node2" in e.remote_message
+        node.slurm.node_states["node3"] = ("IDLE", "NOT_RESPONDING")
+        e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node3")  # not in the job
+        assert e.code == "forbidden" and "does not run on both node1 and node3" in e.remote_message
+        for bad in ("node[2-3]", "node2,node3", "-x"):
+            assert drain_refused(node, 1001, 7, munge, reason=reason, lost=bad).code == "bad_request"
+        assert drain_refused(node, 1001, 7, munge, reason="node2 is gone", lost="node2").code == "bad_request"
+        assert node.slurm.drained == []
+        res = drain(node, 1001, 7, munge, reason=reason, lost="node2")
+    assert res == {"node": "node2", "reason": reason, "health": "unknown", "witness": "node1",
+                   "slurm_state": "MIXED+NOT_RESPONDING"}
+    assert node.slurm.drained == [("node2", reason)]
+    audit = [e for e in logs if e["event"] == "privileged action" and e["action"] == "drain"]
+    assert [(a["requester_uid"], a["node"], a["outcome"]) for a in audit][-1] == (1001, "node2", "ok")
+    assert all(a["witness"] == "node1" for a in audit) and len(audit) == 9
+    # root and SlurmUser need no witness evidence, as for any drain
+    node.slurm.node_states["node3"] = ("IDLE",)
+    assert drain(node, SLURM_USER, 99, munge, reason=reason, lost="node3")["node"] == "node3"
+    # naming this node itself is an ordinary drain of it (its own health view decides)
+    e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node1")
+    assert e.code == "conflict" and "node1 is healthy" in e.remote_message
 
 
 def test_the_executor_drains_through_the_nodes_tpassd(node, munge, tmp_path):

@@ -53,7 +53,8 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
 * HandToSlurm: a log line (decide records the ``node.lost`` event); Slurm's normal handling
   applies. A node is lost outright when its tpassd fell silent and slurmctld, asked by
   ``check_silent`` in a worker at most every SILENT_CHECK_S, does not hear it either
-  (docs/coordinator.md, "A node lost outright").
+  (docs/coordinator.md, "A node lost outright"). Such a node is also drained, through
+  another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``).
 * Shrink and every other Slurm query or update: the torchpass.slurm
   client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
   no step of the job still runs on the node (the source's task wrapper waits
@@ -89,6 +90,7 @@ from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
+from torchpass.health_state import State
 from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, overlap_step_argv
 
@@ -115,16 +117,13 @@ STEP_CREATE_RETRY_S = 30.0
 
 # check_silent: slurmctld is asked about job nodes whose tpassd fell silent at most this often.
 SILENT_CHECK_S = 2.0
-# Node states in which slurmctld no longer hears the node's slurmd (a lost node, with a silent tpassd).
-SLURM_NOT_ANSWERING = ("NOT_RESPONDING", "DOWN")
-
 
 def slurm_lost(job: JobInfo | None, node: NodeInfo | None) -> str:
     """Why slurmctld confirms that ``node`` of ``job`` is lost ("" if it does not): the job
     runs on it and slurmctld does not hear its slurmd either."""
     if job is None or node is None or not job.active or node.name not in job.nodes:
         return ""
-    if not set(node.state) & set(SLURM_NOT_ANSWERING):
+    if not node.not_answering:
         return ""
     said = f" ({node.reason})" if node.reason else ""
     return f"tpassd silent; slurmctld reports {'+'.join(node.state)}{said}"
@@ -198,6 +197,18 @@ class AbortsFinished:
     (or given up), so its pending rollback may release the source copies."""
 
     migration: str
+
+
+@dataclass(frozen=True)
+class LostNodeDrain:
+    """Executor-internal outcome: the drain of a node lost outright, through another node's
+    tpassd (``witness``), succeeded (``error`` None) or not. Recorded as an event."""
+
+    node: str
+    reason: str
+    witness: str | None
+    slurm_state: str
+    error: str | None
 
 
 # ============================================================================
@@ -321,6 +332,17 @@ class Executor:
         elif isinstance(outcome, ct.Shrunk):
             for alloc in [a for a, n in self.companions.items() if n in outcome.nodes]:
                 del self.companions[alloc]
+        elif isinstance(outcome, LostNodeDrain):
+            if outcome.error is None:
+                self.job.record(self.wall(), "node.drained",
+                                f"{outcome.node} drained through {outcome.witness}'s tpassd (slurmctld reports it "
+                                f"{outcome.slurm_state or 'not answering'}): {outcome.reason}",
+                                node=outcome.node, witness=outcome.witness, reason=outcome.reason)
+            else:
+                self.job.record(self.wall(), "node.drain_failed",
+                                f"{outcome.node} was not drained ({outcome.error}); slurmctld's own DOWN state is "
+                                "what remains", node=outcome.node, error=outcome.error)
+            return True
         elif isinstance(outcome, AbortsFinished):
             mv = self.moves.get(outcome.migration)
             if mv is not None and mv.rollback is not None:
@@ -873,11 +895,36 @@ class Executor:
         self._thread(run, "shrink")
 
     def _do_HandToSlurm(self, a: ct.HandToSlurm, st: CoordState) -> None:
-        # Nothing to do but say so: the node's own tpassd is gone (the only root actor that drains
-        # for a job user), and slurmctld marks a node that stops answering DOWN ("Not responding")
-        # by itself after SlurmdTimeout, ending the job as a node failure (requeued if requeueable).
-        # docs/coordinator.md, "A node lost outright".
+        # slurmctld marks a node that stops answering DOWN ("Not responding") by itself after
+        # SlurmdTimeout, ending the job as a node failure (requeued if requeueable). A node lost
+        # outright (slurmctld confirmed it: unreachable) is also drained, with the reason, so that
+        # it does not return to service by itself when its slurmd comes back: its own tpassd died
+        # with it, so another node of the job witnesses for it. docs/coordinator.md, "A node lost
+        # outright".
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
+        if self.tpassd is None or st.node_health(a.node).reachable:
+            return
+        witnesses = sorted((n for n in {*st.rank_nodes(), *(sp.node for sp in st.spares)}
+                            if n != a.node and n not in st.handed and st.node_health(n).reachable),
+                           key=lambda n: (st.node_health(n).state != State.HEALTHY, n))
+
+        def run() -> None:
+            tried = []
+            for node in witnesses:
+                try:
+                    res = self.tpassd.request(node, "tpassd.drain", {"job_id": self.job_id, "reason": a.reason,
+                                                                     "node": a.node}, DRAIN_TIMEOUT_S)
+                except TorchpassError as exc:
+                    tried.append(f"{node}: {exc}")
+                    if isinstance(exc, RemoteError) and exc.code in ("forbidden", "bad_request", "conflict"):
+                        break  # slurmctld's answer, the same through any witness
+                    continue
+                self.post(LostNodeDrain(a.node, a.reason, node, str(res.get("slurm_state") or ""), None))
+                return
+            self.post(LostNodeDrain(a.node, a.reason, None, "", "; ".join(tried) or "no other node of the job "
+                                                                                  "has a tpassd that answers"))
+
+        self._thread(run, "drain-lost")
 
     def check_silent(self, silent: Collection[str]) -> None:
         """Job nodes whose tpassd fell silent: ask slurmctld (in a worker, at most every
@@ -1106,4 +1153,4 @@ class Driver:
             self.executor.close()
 
 
-__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "Move", "TpassdClient", "resume_port"]
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "Move", "TpassdClient", "resume_port"]

@@ -17,6 +17,15 @@ class NodeInfo:
     def drained(self) -> bool:
         return "DRAIN" in self.state or "DRAINED" in self.state
 
+    @property
+    def not_answering(self) -> bool:
+        """slurmctld no longer hears the node's slurmd (a node lost outright looks like this)."""
+        return bool(set(self.state) & set(NOT_ANSWERING))
+
+
+# Node states in which slurmctld no longer hears a node's slurmd.
+NOT_ANSWERING = ("NOT_RESPONDING", "DOWN")
+
 
 @dataclass(frozen=True)
 class JobInfo:
