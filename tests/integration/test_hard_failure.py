@@ -117,7 +117,7 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         wait(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] in ("node.drained", "node.drain_failed")],
              30, "the drain of the lost node")
         (drained,) = [e for e in drill.events(cluster, job_id) if e["kind"] in ("node.drained", "node.drain_failed")]
-        print(f"{drained['kind']}: {drained['message']}")
+        print(f"{drained['kind']} after {time.monotonic() - t0:.1f} s: {drained['message']}")
         assert drained["kind"] == "node.drained", diag()
         assert drained["data"]["node"] == node and drained["data"]["witness"] in ("node1", "node2", "node3", "node4")
         assert drained["data"]["witness"] != node, diag()
@@ -135,22 +135,25 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         assert int(final["restart_cnt"]) == 1 and "PENDING" in final["job_state"], (final["job_state"], diag())
         assert "DUE TO NODE FAILURE" in out.read_text(), diag()
         down = tj.node(node)
-        assert {"DOWN", "DRAIN"} <= set(down["state"]) and down.get("reason") == reason, \
+        # slurmctld keeps the drain's reason when it marks the node DOWN, and appends its own
+        assert {"DOWN", "DRAIN"} <= set(down["state"]) and down.get("reason", "").startswith(reason), \
             (down["state"], down.get("reason"))
         wait(lambda: not pid_alive(coord), 60, "the coordinator's end")
         kinds = [e["kind"] for e in drill.events(cluster, job_id)]
         assert "migration.started" not in kinds, kinds  # nobody paused, nothing moved
     finally:
         tj.run(["scancel", str(job_id)])
+        back = None
         if crashed:
             cluster.revive(node)
-    # Its slurmd registers again (ReturnToService=2 would return a node that was only DOWN to
-    # service); drained, it stays out until an admin resumes it.
-    if crashed:
-        back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
-                      f"{node}'s slurmd registered again", every=0.2)
-        assert "DRAIN" in back["state"] and back.get("reason", "").startswith("torchpass: "), back
-        assert tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"]).returncode == 0
+            # Its slurmd registers again (ReturnToService=2 would return a node that was only DOWN
+            # to service); drained, it stays out until an admin resumes it (here the test, also
+            # when it failed: the session's later tests need the node).
+            back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
+                          f"{node}'s slurmd registered again", every=0.2)
+            if "DRAIN" in back["state"]:
+                tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+    assert back is not None and "DRAIN" in back["state"] and back.get("reason", "").startswith("torchpass: "), back
     _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
     tj.wait_end(job_id, 60)
     assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]

@@ -6,8 +6,10 @@ Driver + executor with a fake health view and a fake Slurm (no services)."""
 
 from __future__ import annotations
 
+import json
 import time
 
+from torchpass import layout
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
 from torchpass.coordinator.executor import Driver, Executor, slurm_lost
@@ -127,6 +129,7 @@ def _lost_with(tmp_path, tp: WitnessTpassd) -> Driver:
     health = FakeHealth()
     d = _driver(tmp_path, FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")}), health)
     d.executor.tpassd = tp
+    layout.events_json(tmp_path, 42).parent.mkdir(parents=True)  # made by the coordinator's start
     health.silent["n2"] = 12.0
     _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("node.drain")])
     return d
@@ -145,6 +148,8 @@ def test_a_lost_node_is_drained_through_another_node_of_the_jobs_tpassd(tmp_path
     (ev,) = [e for e in d.job.events if e.kind == "node.drained"]
     assert ev.data == {"node": "n2", "witness": "n1", "reason": body["reason"]}
     assert "n2 drained through n1's tpassd (slurmctld reports it MIXED+NOT_RESPONDING)" in ev.message
+    saved = json.loads(layout.events_json(tmp_path, 42).read_text())  # what tpassctl events shows
+    assert [e["kind"] for e in saved if e["kind"].startswith("node.")] == ["node.lost", "node.drained"]
 
 
 def test_a_witness_that_does_not_answer_is_skipped_and_a_refusal_is_recorded(tmp_path):

@@ -342,6 +342,9 @@ class Executor:
                 self.job.record(self.wall(), "node.drain_failed",
                                 f"{outcome.node} was not drained ({outcome.error}); slurmctld's own DOWN state is "
                                 "what remains", node=outcome.node, error=outcome.error)
+            log.warning("lost node drained" if outcome.error is None else "lost node not drained", node=outcome.node,
+                        witness=outcome.witness, error=outcome.error)
+            self.save_events()
             return True
         elif isinstance(outcome, AbortsFinished):
             mv = self.moves.get(outcome.migration)
