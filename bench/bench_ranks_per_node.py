@@ -8,8 +8,9 @@ training nodes, 1 hot spare; devcluster nodes have 2 CPUs, so 4 ranks per
 node need ``--overcommit``), as the devcluster's job user, and an ECC drill
 on a random training node at a random step: every rank of that node is
 paused, dumped, restored on the spare, the group rebuilt. The same drill as
-tests/integration/test_ranks_per_node.py (tests/integration/drill.py),
-without the plain reference run (the tests check the losses). From the
+tests/integration/test_mesh_shapes.py uses (tests/integration/drill.py),
+without the plain reference run (the tests check the losses: at 4 ranks per
+node, the 3-D mesh job). From the
 coordinator's ``migration.completed`` event: the phases (pause, dump,
 transfer, restore, ...) and ``paused``, the time training stood still.
 Prints a table; ``--json`` writes the rows too. The seed is printed.

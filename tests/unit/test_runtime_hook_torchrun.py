@@ -85,13 +85,23 @@ def rdzv_store():
                          multi_tenant=True)
 
 
-@pytest.mark.parametrize("form", ["standalone", "client"])
-def test_torchrun_workers_are_ranks_that_pause_hold_and_resume_bit_identically(tmp_path, form, rdzv_store):
-    port = rdzv_store.port if form == "client" else None
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """TRAIN under torchrun with the runtime switched off (one run for both forms: the
+    rendezvous changes nothing of the training): its exit code and its workers' lines."""
     with MiniCoordinator(world_size=2, job_id=JOB_ID) as coord:
-        rc0, plain, plain_err = _finish(*_torchrun(tmp_path, "plain", False, coord.endpoint, port))
+        rc0, plain, plain_err = _finish(*_torchrun(tmp_path_factory.mktemp("plain"), "plain", False, coord.endpoint))
         assert rc0 == 0 and "torchpass" not in plain_err, plain_err[-3000:]
         assert not coord.ranks  # the runtime switched off says nothing to anyone
+    return rc0, plain
+
+
+@pytest.mark.parametrize("form", ["standalone", "client"])
+def test_torchrun_workers_are_ranks_that_pause_hold_and_resume_bit_identically(tmp_path, form, rdzv_store,
+                                                                               plain_run):
+    port = rdzv_store.port if form == "client" else None
+    rc0, plain = plain_run
+    with MiniCoordinator(world_size=2, job_id=JOB_ID) as coord:
         proc, logs = _torchrun(tmp_path, "rt", True, coord.endpoint, port)
         agent_sockets = None
         try:
