@@ -495,7 +495,7 @@ class Tpassd:
             act.fields.update(node=lost, witness=self.node, reason=b.get("reason"), health=State.UNKNOWN.value)
             if not NODE_NAME.fullmatch(lost):  # one node: scontrol would expand "node[1-9]" or "a,b"
                 raise RemoteError("bad_request", f"tpassd.drain: node must be one node's name, got {lost!r}")
-            reason = self._drain_reason(b)
+            reason = self._drain_request(b)
             view = self._lost_node_view(b["job_id"], lost, ident)
             act.fields["slurm_state"] = "+".join(view.state) if view else ""
             try:
@@ -507,14 +507,10 @@ class Tpassd:
             return {"node": lost, "reason": reason, "health": State.UNKNOWN.value, "witness": self.node,
                     "slurm_state": act.fields["slurm_state"]}
 
-    def _lost_node_view(self, job_id: Any, lost: str, ident: Any) -> NodeInfo | None:
+    def _lost_node_view(self, job_id: int, lost: str, ident: Any) -> NodeInfo | None:
         """slurmctld's record of ``lost`` once the requester may have it drained (None for root and
         SlurmUser, who may drain any node); AuthFailure / RemoteError otherwise."""
-        if isinstance(job_id, bool) or job_id < 0:
-            raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
-        if self._admins is None:
-            self._admins = frozenset(self._admin_uids())
-        if ident.uid in self._admins:
+        if self._slurm_admin(ident.uid):
             return None
         try:
             job = self._slurm_client().job(job_id)
@@ -523,7 +519,7 @@ class Tpassd:
             raise RemoteError("unavailable", f"cannot ask Slurm about job {job_id} and {lost} ({exc})") from None
         if job is None or job.user_id != ident.uid:
             raise AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}")
-        if not job.active or self.node not in job.nodes or lost not in job.nodes:
+        if job.state != "RUNNING" or self.node not in job.nodes or lost not in job.nodes:
             raise AuthFailure("forbidden", f"job {job_id} does not run on both {self.node} and {lost}")
         if view is None or not view.not_answering:
             said = "+".join(view.state) if view else "nothing"
@@ -531,8 +527,17 @@ class Tpassd:
                                           "drain a node that slurmctld does not report NOT_RESPONDING or DOWN")
         return view
 
+    def _slurm_admin(self, uid: int) -> bool:
+        """Root or SlurmUser: may drain any node, as with scontrol."""
+        if self._admins is None:
+            self._admins = frozenset(self._admin_uids())
+        return uid in self._admins
+
     @staticmethod
-    def _drain_reason(b: dict[str, Any]) -> str:
+    def _drain_request(b: dict[str, Any]) -> str:
+        """The reason of a well-formed drain request (bad_request otherwise)."""
+        if isinstance(b["job_id"], bool) or b["job_id"] < 0:
+            raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
         reason = b["reason"]
         if (not reason.startswith(DRAIN_PREFIX) or len(reason) > DRAIN_REASON_MAX
                 or not reason.isprintable()):
@@ -548,13 +553,9 @@ class Tpassd:
     def _drain_allowed(self, b: dict[str, Any], ident: Any) -> tuple[str, str]:
         """(the reason, tpassd's node state) of an allowed drain; AuthFailure / RemoteError otherwise."""
         job_id = b["job_id"]
-        if isinstance(job_id, bool) or job_id < 0:
-            raise RemoteError("bad_request", "tpassd.drain: job_id must be a non-negative integer")
-        reason = self._drain_reason(b)
+        reason = self._drain_request(b)
         health = (self.last_sample or {}).get("state", State.UNKNOWN.value)
-        if self._admins is None:
-            self._admins = frozenset(self._admin_uids())
-        if ident.uid in self._admins:
+        if self._slurm_admin(ident.uid):
             return reason, health  # root and SlurmUser may drain any node (as with scontrol)
         try:
             job = self._slurm_client().job(job_id)
