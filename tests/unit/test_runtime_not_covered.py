@@ -1,6 +1,6 @@
-"""``_coalescing_manager`` under the runtime (issue 11: each pattern not covered does no harm).
+"""Collective patterns the pause does not fully cover do no harm (issue 11).
 
-Two gloo ranks run blocks of two all_reduces inside ``dist._coalescing_manager`` (synchronous in
+``_coalescing_manager``: two gloo ranks run blocks of two all_reduces inside ``dist._coalescing_manager`` (synchronous in
 even steps, ``async_ops=True`` with ``cm.wait()`` in odd ones), then one plain all_reduce per step.
 Each rank arms its default group itself (as the coordinator would) at several pause points. The
 results are the plain run's bit for bit at every pause point. At a pause between a block's
@@ -8,6 +8,10 @@ all_reduces the rank holds no socket (a dump could go ahead); at a pause before 
 all_reduce of an asynchronous block it still holds gloo's sockets, so tpassd's dump, which refuses any
 socket, would refuse it and the move would roll back, training unchanged (docs/runtime.md, "What is
 covered").
+
+Work handles the script keeps across a collective (``all_reduce(async_op=True)`` waited for after the
+next one): the results are the plain run's at every pause point, and the rank still holds gloo's
+sockets there (the handle keeps the old generation's context alive), so a dump would be refused.
 """
 
 from __future__ import annotations
@@ -55,11 +59,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp, pauses: tuple[int, ...]):
+KEEP_WORK = SCRIPT[:SCRIPT.index("a, b, c = ")] + textwrap.dedent(
+    r"""
+    a, c = torch.full((3,), float(r + 1)), torch.ones(1)
+    for s in range(int(os.environ["STEPS"])):
+        w = dist.all_reduce(a, async_op=True)
+        dist.all_reduce(c)  # issued while the handle is still held
+        w.wait(); a /= 2
+        print(s, a.tolist(), c.tolist(), flush=True)
+    print("paused", log, flush=True)
+    os._exit(0)
+    """
+)
+
+
+def _run(tmp, pauses: tuple[int, ...], script: str = SCRIPT):
     env = {"STEPS": str(STEPS), "PAUSES": ",".join(map(str, pauses)),
            "PORTS": ",".join(str(free_port()) for _ in pauses)}
-    return run_ranks(SCRIPT, 2, tmp, "p" + ("-".join(map(str, pauses)) or "lain"), runtime=bool(pauses), env=env,
-                     timeout=60)
+    tag = ("keep-" if script is not SCRIPT else "") + ("-".join(map(str, pauses)) or "plain")
+    return run_ranks(script, 2, tmp, tag, runtime=bool(pauses), env=env, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +100,14 @@ def test_coalesced_collectives_pause_and_resume_with_the_plain_runs_results(tmp_
         log = ast.literal_eval(o[-1].removeprefix("paused "))
         assert [t for t, _ in log] == list(pauses), log
         assert ["none" if held == 0 else "open" for _, held in log] == sockets, log
+
+
+@pytest.mark.parametrize("pauses", [(1,), (2, 5)])
+def test_work_handles_kept_across_a_collective_leave_results_unchanged_and_sockets_open(tmp_path, pauses):
+    plain, _ = _run(tmp_path, (), KEEP_WORK)
+    out, errs = _run(tmp_path, pauses, KEEP_WORK)
+    assert [o[:-1] for o in out] == [o[:-1] for o in plain] and len(out[0]) == STEPS + 1, (out, errs)
+    assert not [ln for e in errs for ln in e.splitlines() if ln.startswith("torchpass:")], errs
+    for o in out:
+        log = ast.literal_eval(o[-1].removeprefix("paused "))
+        assert [t for t, _ in log] == list(pauses) and all(held > 0 for _, held in log), log
