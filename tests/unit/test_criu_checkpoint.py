@@ -138,6 +138,26 @@ def test_dump_refuses_a_process_holding_a_socket(tmp_path):
         srv.close()
 
 
+def test_dump_of_a_process_reading_a_terminal_is_refused_and_it_runs_on(tmp_path):
+    """stdin on a terminal (``srun --pty``): CRIU cannot dump a terminal whose other end is outside
+    the tree, so a move of such a rank is refused in one line and the rank is left running
+    (docs/runtime.md, "What is covered", stdin)."""
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=terminal,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        with pytest.raises(CheckpointError, match=r"criu dump of pid \d+ failed .*tty.*the rank was left running") as ei:
+            criu.dump(criu.find_criu(), proc.pid, tmp_path / "snap")
+        assert "\n" not in str(ei.value)
+        assert proc.poll() is None and not (tmp_path / "snap").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(controller)
+        os.close(terminal)
+
+
 def test_dump_wants_a_fresh_directory(tmp_path):
     d = tmp_path / "img"
     d.mkdir()
