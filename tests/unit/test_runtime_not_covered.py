@@ -102,11 +102,18 @@ def test_coalesced_collectives_pause_and_resume_with_the_plain_runs_results(tmp_
         assert ["none" if held == 0 else "open" for _, held in log] == sockets, log
 
 
+@pytest.fixture(scope="module")
+def plain_keep(tmp_path_factory):
+    out, _ = _run(tmp_path_factory.mktemp("plain-keep"), (), KEEP_WORK)
+    assert all(len(o) == STEPS + 1 for o in out), out
+    return [o[:-1] for o in out]
+
+
 @pytest.mark.parametrize("pauses", [(1,), (2, 5)])
-def test_work_handles_kept_across_a_collective_leave_results_unchanged_and_sockets_open(tmp_path, pauses):
-    plain, _ = _run(tmp_path, (), KEEP_WORK)
+def test_work_handles_kept_across_a_collective_leave_results_unchanged_and_sockets_open(tmp_path, plain_keep,
+                                                                                       pauses):
     out, errs = _run(tmp_path, pauses, KEEP_WORK)
-    assert [o[:-1] for o in out] == [o[:-1] for o in plain] and len(out[0]) == STEPS + 1, (out, errs)
+    assert [o[:-1] for o in out] == plain_keep, (out, errs)
     assert not [ln for e in errs for ln in e.splitlines() if ln.startswith("torchpass:")], errs
     for o in out:
         log = ast.literal_eval(o[-1].removeprefix("paused "))
