@@ -11,9 +11,6 @@ torchpass):
 * ``inject``: an error inside the runtime (its init decision raises; put in
   by a ``sitecustomize`` on the user's PYTHONPATH, which the runtime's boot
   file chains to, active only in a torchpass job);
-* ``torchrun``: ``srun torchrun --nnodes=2 --nproc-per-node=1`` with c10d
-  rendezvous (covered since issue 11's torchrun work, test_torchrun.py; kept
-  here as a step between others that must end as without torchpass);
 * ``stdin``: the step count read from stdin that srun forwards;
 * ``selfkill`` last: the rank forks a shell that leaves an orphan behind (it
   must not become the rank's child: the rank is not PID 1 of its namespace)
@@ -44,7 +41,7 @@ SCRIPT = textwrap.dedent(
     r"""
     import os, signal, subprocess, sys, time, torch, torch.distributed as dist, torch.nn as nn
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_ddp import setup_env  # RANK/WORLD_SIZE/MASTER_* from Slurm (torchrun sets its own)
+    from train_ddp import setup_env  # RANK/WORLD_SIZE/MASTER_* from Slurm
     mode = sys.argv[1]
     torch.set_num_threads(1)
     setup_env()
@@ -112,8 +109,6 @@ for mode in newgroup store; do
   srun {py} dnh.py $mode; echo "$mode rc=$?"
 done
 PYTHONPATH={d}/inject srun {py} dnh.py inject; echo "inject rc=$?"
-srun {py} -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
-  --rdzv-endpoint=$MASTER_ADDR:$((MASTER_PORT + 1)) --rdzv-id=$SLURM_JOB_ID dnh.py torchrun; echo "torchrun rc=$?"
 printf '4\\n' | srun {py} dnh.py stdin; echo "stdin rc=$?"
 srun {py} dnh.py selfkill
 """
@@ -154,7 +149,7 @@ def test_unprotected_patterns_stdin_and_a_signal_death_end_as_without_torchpass(
     assert outcome(plain)[0] == ["FAILED"], plain_out[-20:] + [plain_err[-3000:]]
     assert outcome(wrapped) == outcome(plain), ctx
     rcs = [ln for ln in plain_out if " rc=" in ln]
-    assert rcs == [f"{m} rc=0" for m in ("newgroup", "store", "inject", "torchrun", "stdin")], plain_out
+    assert rcs == [f"{m} rc=0" for m in ("newgroup", "store", "inject", "stdin")], plain_out
     # The same lines (losses bit for bit), each step's exit status in order, the orphan elsewhere.
     assert Counter(out) == Counter(plain_out), ctx
     assert [ln for ln in out if " rc=" in ln] == rcs, ctx
