@@ -33,17 +33,9 @@ SCRIPT = textwrap.dedent(
     pauses = [int(x) for x in os.environ.get("PAUSES", "").split(",") if x]
     ports = [int(x) for x in os.environ.get("PORTS", "").split(",") if x]
     log = []
-    if pauses:
-        from torchpass.runtime.pg import PauseListener, Rendezvous
-        class L(PauseListener):
-            def on_quiesced(self, pg, info):
-                log.append((info["collectives"], info["sockets"]))
-                pg.resume(info["next_generation"], Rendezvous("127.0.0.1", ports[len(log) - 1]))
-            def on_resumed(self, pg, info):
-                if len(log) < len(pauses):
-                    assert pg.arm(pauses[len(log)], info["generation"] + 1)
-        pg.listener = L()
-        assert pg.arm(pauses[0], 1)
+    if pauses:  # arm each pause as a coordinator would
+        from torchpass.runtime.testing import arm_self
+        log = arm_self(pg, pauses, ports)
     a, b, c = torch.full((3,), float(r + 1)), torch.full((2,), float(10 * r)), torch.ones(1)
     for s in range(int(os.environ["STEPS"])):
         with dist._coalescing_manager(async_ops=(s % 2 == 1)) as cm:

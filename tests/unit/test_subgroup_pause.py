@@ -35,17 +35,9 @@ SCRIPT = textwrap.dedent(
     pauses = [int(x) for x in os.environ.get("PAUSES", "").split(",") if x]
     ports = [int(x) for x in os.environ.get("PORTS", "").split(",") if x]
     log = []
-    if pauses:
-        from torchpass.runtime.pg import PauseListener, Rendezvous
-        class L(PauseListener):
-            def on_quiesced(self, pg, info):
-                log.append((info["collectives"], info["sockets"], info["at_step_end"]))
-                pg.resume(info["next_generation"], Rendezvous("127.0.0.1", ports[len(log) - 1]))
-            def on_resumed(self, pg, info):
-                if len(log) < len(pauses):
-                    assert pg.arm(pauses[len(log)], info["generation"] + 1)
-        pg.listener = L()
-        assert pg.arm(pauses[0], 1)
+    if pauses:  # arm each pause as a coordinator would
+        from torchpass.runtime.testing import arm_self
+        log = arm_self(pg, pauses, ports, ("collectives", "sockets", "at_step_end"))
     from torch.distributed.device_mesh import init_device_mesh
     groups, mesh = [], None
     if mode == "hsdp":

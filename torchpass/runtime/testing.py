@@ -232,6 +232,28 @@ class MiniCoordinator:
 
 
 
+def arm_self(pg, pauses: list[int], ports: list[int], fields: tuple[str, ...] = ("collectives", "sockets")) -> list:
+    """In a rank script (the runtime loaded): arm the default group ``pg`` at each of ``pauses`` in
+    turn, as a coordinator would, and resume each pause at the next of ``ports`` on 127.0.0.1.
+    Returns the list that gets, per pause, the ``rank.quiesced`` report's ``fields``."""
+    from torchpass.runtime.pg import PauseListener, Rendezvous
+
+    log: list = []
+
+    class SelfArmed(PauseListener):
+        def on_quiesced(self, pg, info):
+            log.append(tuple(info[f] for f in fields))
+            pg.resume(info["next_generation"], Rendezvous("127.0.0.1", ports[len(log) - 1]))
+
+        def on_resumed(self, pg, info):
+            if len(log) < len(pauses):
+                assert pg.arm(pauses[len(log)], info["generation"] + 1)
+
+    pg.listener = SelfArmed()
+    assert pg.arm(pauses[0], 1)
+    return log
+
+
 def launch_ranks(argv: list[str], world: int, tmp, tag: str, *, runtime: bool, env: dict | None = None,
                  job_id: int = 4343, extra_path=(), coordinator: str | None = None) -> list:
     """Start ``argv`` as ``world`` ranks on 127.0.0.1 (env:// rendezvous), the runtime
