@@ -396,7 +396,6 @@ class CheckpointService:
                 for q in holders:
                     suspended.append(q)  # before the call: a suspend that failed half way is resumed too
                     cuda.suspend(q)
-                gpu_pids = [procs.ns_pid(q, self.proc) for q in holders]
             entered = procs.foreign_namespaces(w.pid, self.proc, procs.ENTERED_NAMESPACES)
             # An ordinary user's tree is dumped with the user's ids (criu_mod.owner_creds says why).
             creds = criu_mod.owner_creds(p.pid, self.proc) if owner != 0 else None
@@ -405,7 +404,8 @@ class CheckpointService:
                                 estimate=estimate,
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": self.node,
                                       "gpu": gpu, "init": p.pid != pid, "uid": owner,
-                                      **({"gpu_pids": gpu_pids} if gpu else {}),
+                                      # their pids as the restore gives them back (the task's PID namespace)
+                                      **({"gpu_pids": [procs.ns_pid(q, self.proc) for q in holders]} if gpu else {}),
                                       **({"snapshot": snapshot} if snapshot else {})})
         except BaseException as exc:
             # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
