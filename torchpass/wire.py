@@ -221,6 +221,22 @@ BODIES: dict[str, dict[str, F]] = {
         "moved": _f(bool),  # its network namespace or hostname changed since start
         "cancelled": _f(bool, required=False),  # the pause was cancelled: nothing rebuilt
     },
+    # An application checkpoint (torchpass.checkpoint, issue 12) completed or failed: rank 0
+    # says so once the checkpoint's .metadata and torchpass.json are written (or it gave up).
+    # The coordinator records checkpoint.completed / checkpoint.failed.
+    "rank.checkpoint": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "outcome": _f(str),  # "completed" or "failed"
+        "step": _f(int),
+        "path": _f(str),  # the checkpoint's directory (DCP format), as the ranks see it
+        "bytes": _f(int, required=False),
+        "blocking_s": _f(float, int, required=False),  # training stood still for the copy and the plan
+        "write_s": _f(float, int, required=False),  # the background part, to the checkpoint complete
+        "waited_s": _f(float, int, required=False),  # of blocking_s: waiting for the previous save
+        "removed": _f(list, required=False),  # steps retention removed
+        "error": _f(str, required=False),
+    },
     # --- anyone -> coordinator ---------------------------------------------
     "job.status": {},
     "job.events": {"since_seq": _f(int, required=False)},

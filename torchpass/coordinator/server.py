@@ -203,6 +203,7 @@ class CoordinatorServer:
             "rank.armed": self._on_armed,
             "rank.quiesced": self._on_quiesced,
             "rank.resumed": self._on_resumed,
+            "rank.checkpoint": self._on_checkpoint,
             "job.migrate": self._on_migrate,
             "job.snapshot": self._on_snapshot,
         }
@@ -346,6 +347,28 @@ class CoordinatorServer:
                  rebuild_s=b["rebuild_s"], cancelled=b.get("cancelled", False))
         self._feed(mc.Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False)),
                               b["collectives"]))
+        return self._with_command(b["rank"], {})
+
+    def _on_checkpoint(self, msg: wire.Message) -> dict[str, Any]:
+        """An application checkpoint of the job (torchpass.checkpoint) completed or failed: an event.
+
+        The path is the job's own (the ranks run as the job's user, as this coordinator does);
+        nothing here reads or writes it."""
+        b = msg.body
+        self._rank(b)
+        if b["outcome"] not in ("completed", "failed"):
+            raise RemoteError("bad_request", f"checkpoint outcome {b['outcome']!r} is not completed or failed")
+        figures = {k: b[k] for k in ("bytes", "blocking_s", "write_s", "waited_s", "removed", "error") if k in b}
+        if b["outcome"] == "completed":
+            mb = (b.get("bytes") or 0) / 1e6
+            text = (f"application checkpoint of step {b['step']} complete in {b['path']} ({mb:.1f} MB; training "
+                    f"blocked {b.get('blocking_s', 0):.3f} s, written in {b.get('write_s', 0):.2f} s)")
+        else:
+            text = f"application checkpoint of step {b['step']} failed: {b.get('error', 'no reason given')}"
+        self.job.record(self.wall(), f"checkpoint.{b['outcome']}", text, step=b["step"], path=b["path"], **figures)
+        log.info("application checkpoint", outcome=b["outcome"], step=b["step"], path=b["path"], **figures)
+        if self.driver is not None and self.driver.executor is not None:
+            self.driver.executor.save_events()
         return self._with_command(b["rank"], {})
 
     def _on_migrate(self, msg: wire.Message) -> dict[str, Any]:

@@ -241,6 +241,12 @@ class ControlLink(PauseListener):
         self._rebuilt = threading.Event()
         self._failing_since: float | None = None
         self.lost_noted = False
+        # Called before a held rank reports quiesced (it is about to be dumped): the job's
+        # torchpass.checkpoint waits there for its background write, so no checkpoint file is
+        # open in the image. Each may block; an exception is said and ignored.
+        self.before_dump: list[Callable[[], object]] = []
+        self._checkpoints_posted = 0  # rank.checkpoint reports posted, and answered by the coordinator
+        self._checkpoints_told = 0
         pg.listener = self
 
     @classmethod
@@ -384,6 +390,10 @@ class ControlLink(PauseListener):
                         self._sleep(min(self.interval_s, 0.2))
                         continue
                     self._handle(res)
+                    if type_ == "rank.checkpoint":
+                        with self._cv:
+                            self._checkpoints_told += 1
+                            self._cv.notify_all()
                     if type_ == "rank.quiesced" and body["hold"]:
                         self._hold()
                     continue
@@ -669,11 +679,41 @@ class ControlLink(PauseListener):
         except (BlockingIOError, InterruptedError):
             pass  # full: the poll wakes anyway
 
+    def report_checkpoint(self, body: dict) -> None:
+        """An application checkpoint completed or failed (torchpass.checkpoint, rank 0): tell the
+        coordinator (``rank.checkpoint``; any thread)."""
+        with self._cv:
+            self._checkpoints_posted += 1
+        self._post("rank.checkpoint", {**self._base(), **body})
+
+    def checkpoints_told(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the coordinator has answered every checkpoint report
+        (torchpass.checkpoint's close(), before the rank exits)."""
+        end = self.clock() + timeout
+        with self._cv:
+            while self._checkpoints_told < self._checkpoints_posted and not self._stop:
+                left = end - self.clock()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+            return self._checkpoints_told >= self._checkpoints_posted
+
+    def _guard_dump(self) -> None:
+        for guard in list(self.before_dump):
+            try:
+                guard()
+            except Exception as exc:  # noqa: BLE001 - never take training down
+                say(f"before the dump: {type(exc).__name__}: {exc}")
+
     # -- PauseListener (called from the pausing training thread) --------------------
     def on_quiesced(self, pg: ReconfigurablePG, info: dict) -> None:
+        hold = self._hold_file is not None
+        if hold and self.before_dump:
+            t0 = self.clock()
+            self._guard_dump()
+            info = {**info, "drain_s": float(info["drain_s"]) + (self.clock() - t0)}
         if self._pause is not None:
             self._quiesced_wall = self.wall()  # D counts from here
-        hold = self._hold_file is not None
         self._post("rank.quiesced", {**self._base(), "generation": int(info["next_generation"]),
                                      "collectives": pg.collectives, "sockets": int(info["sockets"]),
                                      "drain_s": float(info["drain_s"]), "node": self.node, "pid": os.getpid(),

@@ -72,7 +72,9 @@ class MiniCoordinator:
             "rank.armed": self._armed,
             "rank.quiesced": self._quiesced,
             "rank.resumed": self._resumed,
+            "rank.checkpoint": self._checkpoint,
         }
+        self.checkpoints: list[dict] = []  # rank.checkpoint bodies, in arrival order
         self._thread = threading.Thread(target=self._serve, name="mini-coordinator", daemon=True)
         self._thread.start()
 
@@ -159,6 +161,13 @@ class MiniCoordinator:
                 v.command = None
             if b.get("cancelled"):
                 self.generation = b["generation"]  # nothing was rebuilt
+            self._lock.notify_all()
+            return self._reply(v)
+
+    def _checkpoint(self, msg):
+        with self._lock:
+            v = self._view(msg.body)
+            self.checkpoints.append(dict(msg.body))
             self._lock.notify_all()
             return self._reply(v)
 
