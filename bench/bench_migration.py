@@ -156,6 +156,7 @@ class Bench:
     def __init__(self, cluster: Devcluster, work: Path):
         self.c = cluster
         self.work = work
+        self.policy = ""  # the live migrations' --torchpass policy name ("": default)
 
     # --- Slurm helpers ---------------------------------------------------------------
     def submit(self, tag: str, cmd: str, sbatch_args: list[str]) -> tuple[int, Path]:
@@ -270,7 +271,8 @@ class Bench:
 
     def migration(self, size: str, plan: dict, ref: dict, run_no: int = 1) -> dict:
         cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
-        job_id, out = self.submit(f"mig-{size}-{run_no}", cmd, ["-N4", "--torchpass=spares=1"])
+        option = "--torchpass=spares=1" + (f",policy={self.policy}" if self.policy else "")
+        job_id, out = self.submit(f"mig-{size}-{run_no}", cmd, ["-N4", option])
         tail = Tail(out)
         tail.start()
         try:
@@ -450,6 +452,9 @@ def main() -> int:
     ap.add_argument("--subnet", default=os.environ.get("TORCHPASS_TEST_SUBNET", "10.76.0"))
     ap.add_argument("--repeat", type=int, default=0,
                     help="migration runs per size (default: the plan's, 3 for 10M, 1 for 100M); the median counts")
+    ap.add_argument("--policy", default="",
+                    help="the live migrations' --torchpass policy (a file /etc/torchpass/policies/NAME.toml), "
+                         "e.g. to run the same bench with other pause settings side by side")
     ap.add_argument("--requeue-hold", choices=sorted(HOLDS), default="both",
                     help="checkpoint-restart baseline: wait out Slurm's requeue hold (slurm), lift it (lifted), "
                          "or run both side by side (both, the default)")
@@ -470,6 +475,7 @@ def main() -> int:
             work = Path(tmp)
             work.chmod(0o777)
             b = Bench(c, work)
+            b.policy = args.policy
             time.sleep(2.0)  # every tpassd has published its first sample
             for size in sizes:
                 plan = PLANS[size]
@@ -517,6 +523,7 @@ def main() -> int:
         "checkpoint_restart_lost_s_hold_lifted": {s: r["checkpoint_restart_hold_lifted"]["lost_s"]
                                                   for s, r in results.items() if "checkpoint_restart_hold_lifted" in r},
         "models": results,
+        "policy": args.policy or "default",
         "machine": machine(),
         "bench_seconds": round(time.monotonic() - t_all, 1),
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -807,7 +807,8 @@ def test_never_left_paused_and_one_migration_at_a_time(data):
 # ============================================================================
 from torchpass.coordinator.decide import RankView, pause_point  # noqa: E402
 
-TP = replace(P, pause_margin_collectives=2, pause_slack_s=0.5, pause_fallback_collectives=64)
+TP = replace(P, pause_margin_collectives=2, pause_slack_s=0.5, pause_slack_listening_s=0.1,
+             pause_fallback_collectives=64)
 
 
 def _train(sim, seconds, per_report=3, per_step=2, interval=0.5):
@@ -860,8 +861,11 @@ def test_a_rank_whose_report_waits_at_the_coordinator_hears_the_pause_at_once():
     base = dict(collectives=100, reported_at=10.0, report_gap=2.0, rate=4.0)
     waiting = {0: RankView(0, "n", listening_until=12.0, **base)}
     tp = replace(TP, pause_fanout_s_per_1000_ranks=0.0)
-    # 0.25 s since its report + 0.5 s slack: ceil(4 x 0.75) = 3; + margin 2.
-    assert pause_point(10.25, waiting, tp)[0] == 100 + 3 + 2
+    # 0.25 s since its report + 0.1 s slack (the reply leaves at once): ceil(4 x 0.35) = 2; + margin 2.
+    assert pause_point(10.25, waiting, tp)[0] == 100 + 2 + 2
+    # The slack of a rank that hears at its next report does not apply to it.
+    assert pause_point(10.25, waiting, replace(tp, pause_slack_s=5.0))[0] == 100 + 2 + 2
+    assert pause_point(10.25, waiting, replace(tp, pause_slack_listening_s=0.5))[0] == 100 + 3 + 2
     # The same rank reporting without a long poll hears it one report interval later.
     assert pause_point(10.25, {0: RankView(0, "n", **base)}, tp)[0] == 100 + 10 + 2
     # Its poll answered (listening_until passed): at its next report, here overdue (2.5 s + slack).
@@ -869,9 +873,9 @@ def test_a_rank_whose_report_waits_at_the_coordinator_hears_the_pause_at_once():
     # A re-arm after a refusal, every rank listening: only the slack.
     assert pause_point(10.0, waiting, tp, floor=130)[0] == 130 + 2 + 2
     # 2,000 listening ranks: the last one hears the pause 2 x pause_fanout_s_per_1000_ranks
-    # (0.25 s) after the first: ceil(4 x (0.25 + 0.5 + 0.5)) = 5.
+    # (0.25 s) after the first: ceil(4 x (0.25 + 0.5 + 0.1)) = 4.
     many = {r: RankView(r, "n", listening_until=12.0, **base) for r in range(2000)}
-    assert pause_point(10.25, many, TP)[0] == 100 + 5 + 2
+    assert pause_point(10.25, many, TP)[0] == 100 + 4 + 2
 
 
 def test_a_long_poll_marks_the_rank_listening_until_another_message_answers_it():

@@ -411,8 +411,8 @@ def pause_point(now: float, ranks: dict[int, RankView], policy: CoordinatorPolic
 
     A rank whose last report still waits at the coordinator as a long poll
     (``listening_until``) learns of the pause at once: it is ``now -
-    reported_at`` past its reported count, plus ``pause_slack_s`` for the
-    decision and the reply. Any other rank learns of it in the reply to its
+    reported_at`` past its reported count, plus ``pause_slack_listening_s``
+    for the decision and the reply. Any other rank learns of it in the reply to its
     next progress report: ``report_gap`` after its last one (or at once if
     that is already overdue), plus ``pause_slack_s``. Until
     then it keeps issuing collectives at the job's rate (every rank issues
@@ -438,7 +438,8 @@ def pause_point(now: float, ranks: dict[int, RankView], policy: CoordinatorPolic
         reach = floor + int(-(-rate * (gap + policy.pause_slack_s) // 1))
     for r in views:
         since = now - r.reported_at if r.reported_at is not None else 0.0
-        horizon = (since + fanout if _listening(r, now) else max(since, r.report_gap)) + policy.pause_slack_s
+        horizon = (since + fanout + policy.pause_slack_listening_s if _listening(r, now)
+                   else max(since, r.report_gap) + policy.pause_slack_s)
         reach = max(reach, r.collectives + int(-(-rate * horizon // 1)))  # ceil
     at = reach + policy.pause_margin_collectives
     how = f"max reported {top}, {rate:.1f} collectives/s, reachable {reach}, + {policy.pause_margin_collectives}"

@@ -75,6 +75,12 @@ class CoordinatorPolicy:
     # Covers the coordinator's decision delay and the reply's round trip
     # (and jitter of the report interval on a loaded node).
     pause_slack_s: float = 0.5
+    # The same for a rank whose report waits at the coordinator as a long poll:
+    # the pause leaves in the reply at once (milliseconds), so only the
+    # decision and the reply's way to the rank are left to cover. T nearer by
+    # (0.5 - 0.1) s x the job's rate: at 10M on the devcluster about one step
+    # (docs/benchmarks.md, "Decision to standstill").
+    pause_slack_listening_s: float = 0.1
     # The pause to every long-polling rank leaves as one batch of replies; the
     # last rank of a large job hears it this much later per 1,000 ranks
     # (measured with bench/bench_coordinator.py: 0.25-0.46 s for 2,048 ranks on
@@ -158,7 +164,7 @@ class CoordinatorPolicy:
             raise ConfigError(f"pause_margin_collectives must be >= 1, got {self.pause_margin_collectives}")
         if self.pause_fallback_collectives < 1:
             raise ConfigError(f"pause_fallback_collectives must be >= 1, got {self.pause_fallback_collectives}")
-        for name in ("pause_slack_s", "pause_fanout_s_per_1000_ranks"):
+        for name in ("pause_slack_s", "pause_slack_listening_s", "pause_fanout_s_per_1000_ranks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_spare_attempts", "max_resume_attempts", "max_attempts_per_node"):
