@@ -94,9 +94,17 @@ def test_saves_change_nothing_and_a_relaunch_goes_on_from_the_newest_complete_ch
     torn = ckpt / "step-000000035"
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"half")
-    out, errs = run(tmp_path, "relaunch", CHECKPOINTED, args)
+    # and one of a step the relaunch saves again, with a stale results file of rank 1
+    stale = ckpt / "step-000000040" / ".torchpass-results"
+    stale.mkdir(parents=True)
+    (stale / "rank1").write_bytes(b"stale")
+    out, errs = run(tmp_path, "relaunch", CHECKPOINTED, [*args[:1], "50", *args[2:]])
     assert "ckpt loaded step=30" in errs[0]
-    assert out[0] == plain[30:] and out[1] == plain[30:]
+    assert out[0][:10] == plain[30:] and out[1][:10] == plain[30:]
+    assert "ckpt saved step=40" in errs[0] and "failed" not in errs[0]
+    # step 40 was saved anew (the stale results file did not pass for rank 1's part)
+    assert steps_of(ckpt) == [30, 40]
+    assert json.loads((ckpt / "step-000000040" / "torchpass.json").read_text())["step"] == 40
 
 
 def test_a_corrupt_checkpoint_is_one_clear_error(tmp_path):

@@ -261,6 +261,10 @@ class Checkpointer:
         path = step_dir(self.root, step)
         staged = self._stage(_plain_state(state))
         if self.rank == 0:
+            # A directory of this step left by an earlier run of the job (it died while writing
+            # it) goes first: its ranks' results files would pass for this save's. Every other
+            # rank writes there only after the plan's collectives, which rank 0 joins after this.
+            shutil.rmtree(path, ignore_errors=True)
             (path / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         planner = DefaultSavePlanner()
