@@ -97,7 +97,7 @@ def test_saves_change_nothing_and_a_relaunch_goes_on_from_the_newest_complete_ch
     # and one of a step the relaunch saves again, with a stale results file of rank 1
     stale = ckpt / "step-000000040" / ".torchpass-results"
     stale.mkdir(parents=True)
-    (stale / "rank1").write_bytes(b"stale")
+    (stale / "1.results").write_bytes(b"stale")
     out, errs = run(tmp_path, "relaunch", CHECKPOINTED, [*args[:1], "50", *args[2:]])
     assert "ckpt loaded step=30" in errs[0]
     assert out[0][:10] == plain[30:] and out[1][:10] == plain[30:]

@@ -132,6 +132,11 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:09d}"
 
 
+def results_file(step_path: Path, rank: int) -> Path:
+    """Where ``rank`` leaves its write results of one save, for rank 0's ``.metadata``."""
+    return step_path / RESULTS_DIR / f"{rank}.results"
+
+
 def complete_checkpoints(root: Path) -> list[Saved]:
     """The complete checkpoints under ``root``, oldest first (``.metadata`` and ``torchpass.json``)."""
     found = []
@@ -186,10 +191,9 @@ class _Write:
             fut.wait()
             results = fut.value()
             self.write_s = time.monotonic() - t0
-            results_dir = self.path / RESULTS_DIR
-            _write_atomically(results_dir / f"rank{self.ckpt.rank}", pickle.dumps(results))
+            _write_atomically(results_file(self.path, self.ckpt.rank), pickle.dumps(results))
             if self.ckpt.rank == 0:
-                self._finish(results_dir, t0)
+                self._finish(t0)
         except Exception as exc:  # noqa: BLE001 - a failed checkpoint never takes training down
             self.error = f"{type(exc).__name__}: {exc}"
             _say(f"checkpoint of step {self.step} in {self.path} failed on rank {self.ckpt.rank}: {self.error}; "
@@ -199,13 +203,13 @@ class _Write:
         finally:
             self.planner = self.plan = None  # the staged copy goes with the planner
 
-    def _finish(self, results_dir: Path, t0: float) -> None:
+    def _finish(self, t0: float) -> None:
         """Rank 0: every rank's part written -> DCP's .metadata, then torchpass.json, then retention."""
         world = self.ckpt.world
         deadline = time.monotonic() + self.ckpt.finish_timeout_s
         all_results = []
         for r in range(world):
-            f = results_dir / f"rank{r}"
+            f = results_file(self.path, r)
             while not f.exists():
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"rank {r} did not write its part within {self.ckpt.finish_timeout_s:g} s")
@@ -217,7 +221,7 @@ class _Write:
         record = {"step": self.step, "world_size": world, "bytes": size, "time": time.time(),
                   "blocking_s": round(self.blocking_s, 4), "write_s": round(total_s, 4)}
         _write_atomically(self.path / COMPLETE, json.dumps(record).encode())
-        shutil.rmtree(results_dir, ignore_errors=True)
+        shutil.rmtree(self.path / RESULTS_DIR, ignore_errors=True)
         removed = self.ckpt._retain()
         self.ckpt._report("completed", self.step, self.path, bytes=size, blocking_s=self.blocking_s,
                           write_s=total_s, waited_s=self.waited_s, removed=removed)
