@@ -42,35 +42,19 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(REPO / "examples"))
-    from train_ddp import build_model, parse_params
+    from train_ddp import start
 
     import torchpass.checkpoint as tpc
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = build_model(parse_params(args.size))
-    ddp = DDP(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
-
-    def step() -> None:
-        x = torch.randn(16, 64, generator=gen)
-        loss = nn.functional.mse_loss(ddp(x), torch.tanh(x @ w_true))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    job = start(argparse.Namespace(params=args.size, lr=1e-3, batch=16))
+    rank, model, ddp, opt = job.rank, job.model, job.ddp, job.opt
 
     def steps(n: int) -> float:
         t0 = time.monotonic()
         for _ in range(n):
-            step()
+            job.step()
         return (time.monotonic() - t0) / n
 
     def slowest(seconds: float) -> float:

@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from train_ddp import build_model, parse_params, setup_env  # noqa: E402
+from train_ddp import add_args, start  # noqa: E402
 
 
 def save(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
@@ -62,45 +61,22 @@ def load(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Ge
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--params", default="100K")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--sleep", type=float, default=0.0)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    add_args(ap)
     ap.add_argument("--ckpt-dir", type=Path, required=True)
     ap.add_argument("--ckpt-every", type=int, default=10)
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(1)
-    setup_env()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    torch.manual_seed(0)
-    model = build_model(parse_params(args.params))
-    # Same construction order as train_ddp.py (DDP, then Adam), so the state loads into the same layout.
-    ddp = DDP(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+    job = start(args)
     t0 = time.monotonic()
-    start = load(args.ckpt_dir, model, opt, gen, rank)
-    if start and rank == 0:
-        print(f"ckpt loaded step={start} seconds={time.monotonic() - t0:.3f}", file=sys.stderr, flush=True)
+    first = load(args.ckpt_dir, job.model, job.opt, job.gen, job.rank)
+    if first and job.rank == 0:
+        print(f"ckpt loaded step={first} seconds={time.monotonic() - t0:.3f}", file=sys.stderr, flush=True)
 
-    for step in range(start, args.steps):
-        x = torch.randn(args.batch, 64, generator=gen)
-        y = torch.tanh(x @ w_true)
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        print(f"step={step} loss={(t.item() / world).hex()}", flush=True)
+    for step in range(first, args.steps):
+        print(f"step={step} loss={job.step().hex()}", flush=True)
         if (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
-            s = save(args.ckpt_dir, step + 1, model, opt, gen, rank)
-            if rank == 0:
+            s = save(args.ckpt_dir, step + 1, job.model, job.opt, job.gen, job.rank)
+            if job.rank == 0:
                 print(f"ckpt saved step={step + 1} seconds={s:.3f}", file=sys.stderr, flush=True)
         if args.sleep:
             time.sleep(args.sleep)

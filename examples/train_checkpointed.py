@@ -23,11 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_ddp import build_model, parse_params, setup_env  # noqa: E402
+from train_ddp import add_args, start  # noqa: E402
 
 import torchpass.checkpoint as tpc  # noqa: E402
 
@@ -47,47 +45,24 @@ class RankGenerator:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--params", default="100K")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--sleep", type=float, default=0.0)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    add_args(ap)
     ap.add_argument("--ckpt-dir", type=Path, required=True)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--keep", type=int, default=2)
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(1)
-    setup_env()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    torch.manual_seed(0)
-    model = build_model(parse_params(args.params))
-    ddp = DDP(model)  # the same construction order as train_ddp.py
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
-
+    job = start(args)
     ckpt = tpc.Checkpointer(args.ckpt_dir, keep=args.keep)
-    state = {"train": tpc.ModelState(ddp, opt), "data": RankGenerator(gen, rank)}
-    start = ckpt.load(state) or 0
-    if start and rank == 0:
-        print(f"ckpt loaded step={start}", file=sys.stderr, flush=True)
+    state = {"train": tpc.ModelState(job.ddp, job.opt), "data": RankGenerator(job.gen, job.rank)}
+    first = ckpt.load(state) or 0
+    if first and job.rank == 0:
+        print(f"ckpt loaded step={first}", file=sys.stderr, flush=True)
 
-    for step in range(start, args.steps):
-        x = torch.randn(args.batch, 64, generator=gen)
-        y = torch.tanh(x @ w_true)
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        print(f"step={step} loss={(t.item() / world).hex()}", flush=True)
+    for step in range(first, args.steps):
+        print(f"step={step} loss={job.step().hex()}", flush=True)
         if (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
             ckpt.save(step + 1, state)  # steps done: a restart goes on from here
-            if rank == 0:
+            if job.rank == 0:
                 print(f"ckpt saved step={step + 1} blocking_s={ckpt.last['blocking_s']:.4f}",
                       file=sys.stderr, flush=True)
         if args.sleep:
@@ -95,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.close()
     # As in train_ddp.py: free what holds the group before destroying it (plain torch 2.13 can
     # abort at exit otherwise), and leave without the interpreter's own teardown.
-    ddp = model = opt = loss = t = state = None
+    job = state = None
     gc.collect()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,47 +55,73 @@ def build_model(params: int, width_in: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(width_in, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh(), nn.Linear(h, 1))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The options this script shares with its variants (examples/train_checkpointed.py)."""
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--params", default="100K", help="model size, e.g. 100K, 10M, 100M")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb")
-    args = ap.parse_args(argv)
 
+
+@dataclass
+class Training:
+    """One rank's training: the model, DDP, Adam, its data generator."""
+
+    rank: int
+    world: int
+    model: nn.Module
+    ddp: DDP
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    w_true: torch.Tensor
+    batch: int
+
+    def step(self) -> float:
+        """One optimizer step; the global mean loss (the same number on every rank)."""
+        x = torch.randn(self.batch, 64, generator=self.gen)
+        y = torch.tanh(x @ self.w_true)
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(self.ddp(x), y)
+        loss.backward()
+        self.opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+
+def start(args: argparse.Namespace) -> Training:
+    """The process group and the seeded model, DDP (then Adam: the order the state loads into)."""
     torch.set_num_threads(1)
     setup_env()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-
     torch.manual_seed(0)
     model = build_model(parse_params(args.params))
-    kw = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
-    ddp = DDP(model, **kw)
+    bucket_mb = getattr(args, "bucket_mb", None)
+    ddp = DDP(model, **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)
     w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+    return Training(rank, world, model, ddp, opt, gen, w_true, args.batch)
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    add_args(ap)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb")
+    args = ap.parse_args(argv)
+
+    job = start(args)
     for step in range(args.steps):
-        x = torch.randn(args.batch, 64, generator=gen)
-        y = torch.tanh(x @ w_true)
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        # the global mean loss: the same number on every rank
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        print(f"step={step} loss={(t.item() / world).hex()}", flush=True)
+        print(f"step={step} loss={job.step().hex()}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
     # Plain torch 2.13 (gloo) can abort at interpreter exit, "terminate called without an
     # active exception" (7 of 30 two-rank runs of this script on one host, no torchpass
     # loaded). Freeing the model, DDP's reducer and the last tensors while the group lives
     # avoids it (0 of 30).
-    ddp = model = opt = loss = t = None
+    job = None
     gc.collect()
     dist.destroy_process_group()
     return 0
