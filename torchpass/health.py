@@ -245,6 +245,13 @@ class HealthSubscriber:
         with self._lock:
             return {n: v.as_dict(now) for n, v in self._views.items()}
 
+    def brief(self) -> dict[str, tuple[str, tuple[str, ...], float | None]]:
+        """Per node (state, reasons, heartbeat age): what the coordinator's health poll needs,
+        without ``nodes()``'s copy of every component (16 ms a poll at 1,025 nodes)."""
+        now = self._clock()
+        with self._lock:
+            return {n: (v.state.value, tuple(v.reasons), v.heartbeat_age(now)) for n, v in self._views.items()}
+
     def state(self, node: str) -> State:
         with self._lock:
             return self._views[node].state

@@ -26,10 +26,9 @@ class FakeHealth:
     def __init__(self):
         self.silent: dict[str, float] = {}
 
-    def nodes(self):
-        return {n: {"node": n, "state": "unknown" if n in self.silent else "healthy",
-                    "reasons": ["no heartbeat"] if n in self.silent else [],
-                    "last_heartbeat_age_s": self.silent.get(n, 0.5)} for n in NODES}
+    def brief(self):
+        return {n: ("unknown" if n in self.silent else "healthy", ("no heartbeat",) if n in self.silent else (),
+                    self.silent.get(n, 0.5)) for n in NODES}
 
 
 class FakeSlurm:

@@ -182,10 +182,13 @@ def test_subscriber_follows_a_node_added_while_running():
     try:
         s.follow("n9", f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1")
         assert s.nodes()["n9"]["state"] == "unknown"  # visible at once, unknown until it reports
+        assert s.brief()["n9"] == ("unknown", ("no heartbeat seen yet",), None)
         s.follow("n9", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")  # a second follow changes nothing
         s.poll_once(50)
         assert asked == [("n9", "tcp://127.0.0.1:1")]
         assert s.nodes()["n9"]["state"] == "healthy"
+        state, reasons, age = s.brief()["n9"]  # the coordinator's poll: what nodes() says, lean
+        assert (state, reasons) == ("healthy", ()) and age is not None and age >= 0
     finally:
         s.close()
         pub.close(linger=0)

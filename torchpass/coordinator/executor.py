@@ -1088,15 +1088,13 @@ class Driver:
         if self.health is None:
             return
         silent = []
-        for node, v in self.health.nodes().items():
-            age = v.get("last_heartbeat_age_s")
+        for node, (state, reasons, age) in self.health.brief().items():
             reachable = age is not None and age < 10.0
-            key = (v["state"], tuple(v["reasons"]), reachable)
+            key = (state, reasons, reachable)
             if self._fed_health.get(node) != key:
                 self._fed_health[node] = key
-                self.state = mc.apply(self.state, ct.NodeHealthChanged(node, v["state"], tuple(v["reasons"]),
-                                                                       reachable), self.clock())
-            if not reachable and v["state"] != "failed":
+                self.state = mc.apply(self.state, ct.NodeHealthChanged(node, state, reasons, reachable), self.clock())
+            if not reachable and state != "failed":
                 silent.append(node)
         # A node lost outright (power, kernel) has a silent tpassd: slurmctld confirms it or not.
         lost = set(silent).intersection(self.state.rank_nodes()).difference(self.state.handed)
