@@ -33,10 +33,15 @@ ctx = zmq.Context()
 sock, port = zmqio.bind_router(ctx, "127.0.0.1")
 print(port, flush=True)
 pause, at, progress = json.loads(sys.argv[1]), int(sys.argv[2]), 0
+refuse = sys.argv[3:] == ["refuse-checkpoints"]  # as a coordinator older than rank.checkpoint would
 while True:
     parts = sock.recv_multipart()
     msg = wire.decode(parts[-1])
     result = {}
+    if refuse and msg.type == "rank.checkpoint":
+        print(parts[0].hex(), msg.type, flush=True)
+        sock.send_multipart(parts[:-1] + [wire.encode_error(msg.id, "bad_request", "unknown message type")])
+        continue
     if msg.type == "rank.progress":
         if progress == at:
             result = {"command": pause}
@@ -47,8 +52,8 @@ while True:
 
 
 class Peer:
-    def __init__(self, pause: dict | None = None, at: int = -1):
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(pause), str(at)],
+    def __init__(self, pause: dict | None = None, at: int = -1, *flags: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(pause), str(at), *flags],
                                      stdout=subprocess.PIPE, text=True)
         self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
         self.seen: list[tuple[str, str]] = []  # (connection identity, message type)
@@ -343,3 +348,19 @@ def test_a_long_polling_rank_falls_back_at_its_deadline_when_the_coordinator_nev
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_checkpoint_report_the_coordinator_refuses_is_dropped_and_holds_up_nothing(peers):
+    """A coordinator that does not know rank.checkpoint answers it with an error: the link drops
+    the report (never resent), close() does not wait for it, and the reports after it flow."""
+    peer = peers(None, -1, "refuse-checkpoints")
+    link = start_link(peer.endpoint)
+    try:
+        peer.wait(lambda: progress(peer) >= 2, "the first reports")
+        link.report_checkpoint({"outcome": "completed", "step": 10, "path": "/ckpt/step-000000010"})
+        assert link.checkpoints_told(10.0)
+        before = progress(peer)
+        peer.wait(lambda: progress(peer) >= before + 5, "reports after the refused one")
+        assert sum(t == "rank.checkpoint" for _, t in list(peer.seen)) == 1
+    finally:
+        link.stop()

@@ -226,6 +226,7 @@ class ControlLink(PauseListener):
         self._holding = False
         self.registered = False
         self.errors = 0
+        self.refused: Exception | None = None  # the last request's error reply, if it got one
         # Never left paused: the accepted pause (its deadline_s, fallback, join_s), when this rank
         # quiesced for it (wall clock), and why it resumed without the coordinator (then unprotected).
         self.state_dir = state_dir
@@ -312,7 +313,7 @@ class ControlLink(PauseListener):
 
     def _request(self, type_: str, body: dict) -> dict | None:
         from torchpass import zmqio
-        from torchpass.errors import TorchpassError
+        from torchpass.errors import RemoteError, TorchpassError
 
         if self._client is None:
             self._client = zmqio.Client(self.endpoint, retries=0, auth=self.auth, context=self._open)
@@ -324,12 +325,14 @@ class ControlLink(PauseListener):
             if result is None:
                 return None  # given up, not unanswered
         except TorchpassError as exc:
+            self.refused = exc if isinstance(exc, RemoteError) else None  # answered, with an error
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
                 say(f"coordinator {self.endpoint} did not answer {type_} ({exc}); will keep trying")
             self._note_silence(str(exc))
             return None
         self.errors = 0
+        self.refused = None
         self._failing_since = None
         return result
 
@@ -384,6 +387,14 @@ class ControlLink(PauseListener):
                 if item is not None:
                     type_, body = item
                     res = self._request(type_, body)
+                    if res is None and type_ == "rank.checkpoint" and self.refused is not None:
+                        # The coordinator answered that it will not take it (one older than the
+                        # report): dropped, never resent, so it cannot hold up a pause's reports.
+                        say(f"the coordinator refused a checkpoint report ({self.refused}); not resent")
+                        with self._cv:
+                            self._checkpoints_told += 1
+                            self._cv.notify_all()
+                        continue
                     if res is None:
                         with self._cv:
                             self._outbox.appendleft(item)  # resend after a pause
