@@ -153,10 +153,10 @@ class Tail(threading.Thread):
 
 
 class Bench:
-    def __init__(self, cluster: Devcluster, work: Path):
+    def __init__(self, cluster: Devcluster, work: Path, policy: str = ""):
         self.c = cluster
         self.work = work
-        self.policy = ""  # the live migrations' --torchpass policy name ("": default)
+        self.policy = policy  # the live migrations' --torchpass policy name ("": default)
 
     # --- Slurm helpers ---------------------------------------------------------------
     def submit(self, tag: str, cmd: str, sbatch_args: list[str]) -> tuple[int, Path]:
@@ -474,8 +474,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
             work = Path(tmp)
             work.chmod(0o777)
-            b = Bench(c, work)
-            b.policy = args.policy
+            b = Bench(c, work, args.policy)
             time.sleep(2.0)  # every tpassd has published its first sample
             for size in sizes:
                 plan = PLANS[size]

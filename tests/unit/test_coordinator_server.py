@@ -514,3 +514,25 @@ def test_shutdown_answers_the_parked_polls(parking):
     server.stop()
     res = answer(s, id_, 3.0)
     assert res is not None and "command" not in res
+
+
+def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_outcome(served):
+    """rank.checkpoint (torchpass.checkpoint, rank 0): one event per outcome (docs/checkpoint.md)."""
+    _, ep, _ = served
+    req(ep, "rank.register", {"job_id": 42, "rank": 0, "world_size": 1, "node": "node1", "pid": 7})
+    req(ep, "rank.checkpoint", {"job_id": 42, "rank": 0, "outcome": "completed", "step": 100,
+                                "path": "/shared/ckpt/step-000000100", "bytes": 5_000_000, "blocking_s": 0.02,
+                                "write_s": 1.5, "waited_s": 0.0, "removed": [80]})
+    req(ep, "rank.checkpoint", {"job_id": 42, "rank": 0, "outcome": "failed", "step": 200,
+                                "path": "/shared/ckpt/step-000000200", "error": "OSError: No space left on device"})
+    with pytest.raises(RemoteError) as exc:
+        req(ep, "rank.checkpoint", {"job_id": 42, "rank": 0, "outcome": "maybe", "step": 1, "path": "/x"})
+    assert exc.value.code == "bad_request"
+    with pytest.raises(RemoteError) as exc:  # a rank that never registered
+        req(ep, "rank.checkpoint", {"job_id": 42, "rank": 3, "outcome": "completed", "step": 1, "path": "/x"})
+    assert exc.value.code == "not_found"
+    events = [e for e in req(ep, "job.events")["events"] if e["kind"].startswith("checkpoint.")]
+    assert [e["kind"] for e in events] == ["checkpoint.completed", "checkpoint.failed"]
+    assert events[0]["data"]["step"] == 100 and events[0]["data"]["removed"] == [80]
+    assert "5.0 MB" in events[0]["message"] and "blocked 0.020 s" in events[0]["message"]
+    assert "No space left" in events[1]["message"]

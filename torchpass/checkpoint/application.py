@@ -330,10 +330,6 @@ class Checkpointer:
         self.last = {**(self.last or {}), "write_s": w.write_s, "error": w.error}
         return w.error is None
 
-    def writing(self) -> bool:
-        w = self._write
-        return w is not None and w.thread.is_alive()
-
     def close(self, tell_timeout_s: float = 5.0) -> None:
         """Wait for the last save, and (rank 0, under torchpass) until the coordinator heard of
         it, at most ``tell_timeout_s`` more (also run at interpreter exit)."""
