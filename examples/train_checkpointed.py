@@ -6,7 +6,8 @@ the model, the Adam state and each rank's data generator with
 ``torchpass.checkpoint.Checkpointer`` (training waits only for the copy to host
 memory; the files are written in the background). At start it loads the newest
 complete checkpoint, if any, and goes on from the step after it: what a job
-relaunched after a failure does. Rank 0 prints ``ckpt loaded step=N`` and, per
+relaunched after a failure does (with one zero-loss backward pass first, so that
+DDP's gradient buckets are the ones the job had: ``ddp_warm_up``). Rank 0 prints ``ckpt loaded step=N`` and, per
 save, ``ckpt saved step=N blocking_s=S`` to stderr.
 
     python examples/train_checkpointed.py --steps 60 --params 10M --ckpt-dir /shared/ckpt/run1 --ckpt-every 10
@@ -43,6 +44,18 @@ class RankGenerator:
         self.gen.set_state(state[self.key])
 
 
+def ddp_warm_up(ddp: torch.nn.Module, width_in: int = 64) -> None:
+    """One backward pass of a zero loss, no optimizer step: the state stays as loaded.
+
+    DDP rebuilds its gradient buckets in the order gradients became ready, after its first
+    iteration. A fresh DDP (a relaunch) would run its first iteration on the initial order, and
+    with 3 or more ranks a different bucket layout sums some gradient elements in another order
+    (the last bits differ). This pass makes the relaunched job's buckets the ones the job had."""
+    ddp(torch.zeros(1, width_in)).sum().mul(0).backward()
+    for p in ddp.parameters():
+        p.grad = None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     add_args(ap)
@@ -55,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = tpc.Checkpointer(args.ckpt_dir, keep=args.keep)
     state = {"train": tpc.ModelState(job.ddp, job.opt), "data": RankGenerator(job.gen, job.rank)}
     first = ckpt.load(state) or 0
-    if first and job.rank == 0:
-        print(f"ckpt loaded step={first}", file=sys.stderr, flush=True)
+    if first:
+        ddp_warm_up(job.ddp)
+        if job.rank == 0:
+            print(f"ckpt loaded step={first}", file=sys.stderr, flush=True)
 
     for step in range(first, args.steps):
         print(f"step={step} loss={job.step().hex()}", flush=True)

@@ -49,6 +49,21 @@ static void vlog(enum tpass_log_level level, const char *fmt, va_list ap)
 		va_end(ap);                            \
 	}
 
+/*
+ * A line the user must see in sbatch/srun/salloc without -v (what torchpass
+ * did to their command: srun starting its step again after a lost node).
+ */
+void tpass_notice(const char *fmt, ...)
+{
+	char buf[1024];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	slurm_info("tpass: %s", buf);
+}
+
 DEFINE_LOG(tpass_error, TPASS_LOG_ERROR)
 DEFINE_LOG(tpass_info, TPASS_LOG_INFO)
 DEFINE_LOG(tpass_verbose, TPASS_LOG_VERBOSE)

@@ -600,6 +600,28 @@ int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
 				errlen);
 }
 
+bool tpass_coord_running(const char *state_dir, unsigned job_id, uid_t uid,
+			 const char *node)
+{
+	char path[TPASS_PATH_MAXLEN + 32], pnode[256];
+	unsigned long long start;
+	pid_t pid;
+	int dfd;
+
+	snprintf(path, sizeof(path), "%s/" TPASS_LAYOUT_JOBS "/%u", state_dir, job_id);
+	dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (dfd < 0)
+		return false;
+	if (read_pidfile(dfd, &pid, &start, pnode, sizeof(pnode)) < 0) {
+		close(dfd);
+		return false;
+	}
+	close(dfd);
+	if (strcmp(pnode, node))
+		return true; /* another node's process: cannot tell, assume so */
+	return still_ours(pid, start, uid);
+}
+
 int tpass_ready_line_valid(const char *line, char *err, size_t errlen)
 {
 	const char *host, *colon;

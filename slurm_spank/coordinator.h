@@ -76,6 +76,14 @@ int tpass_coord_stop_from_pidfile(const struct tpass_conf *conf,
 				  bool *stopped, char *err, size_t errlen);
 
 /*
+ * Whether the coordinator of STATE_DIR/jobs/JOB/coordinator.pid still runs
+ * (as uid, with its recorded start time).  No pid file: false.  Started on
+ * another node than node: true (this node cannot see it).
+ */
+bool tpass_coord_running(const char *state_dir, unsigned job_id, uid_t uid,
+			 const char *node);
+
+/*
  * Check the first line the coordinator writes to its ready fd:
  * "tcp://ADDR:PORT".
  */

@@ -84,6 +84,8 @@ int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
 int slurm_spank_exit(spank_t sp, int ac, char **av)
 {
 	switch (spank_context()) {
+	case S_CTX_LOCAL:
+		return tpass_local_exit(sp, ac, av);
 	case S_CTX_REMOTE:
 		return tpass_remote_exit(sp, ac, av);
 	default:

@@ -9,13 +9,40 @@
  * snapshot_every are per job: a nested srun may repeat them or give
  * --torchpass=off, nothing else.
  * The checks run from the option callback (see allocator.c for why).
+ *
+ * Relaunch after a lost node (relaunch.h): at init srun keeps its own
+ * arguments (/proc/self/cmdline), environment and executable, and the job's
+ * relaunch count.  At exit, if the coordinator has since decided a relaunch
+ * (Slurm ended this srun's step because a node of it was lost; the job's host
+ * file now names a spare in its place), srun execs itself again with them:
+ * the batch script's srun goes on as the relaunched step and its exit status
+ * is that step's.  srun calls the exit hook from an atexit handler, so the
+ * exec replaces srun's exit with the new step.
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "context.h"
+#include "coordinator.h"
+#include "proc.h"
+#include "relaunch.h"
 #include "tpass.h"
+
+extern char **environ;
+
+/* What srun needs to exec itself again (armed at init in a --torchpass job). */
+static struct {
+	bool armed;
+	unsigned job_id;
+	unsigned baseline; /* the job's relaunch count when this srun started */
+	char exe[PATH_MAX];
+	char **argv;
+	char **envp;
+} again;
 
 static int local_check(const struct tpass_opts *opts)
 {
@@ -52,9 +79,121 @@ static int local_check(const struct tpass_opts *opts)
 	return 0;
 }
 
+static char **copy_environ(void)
+{
+	size_t n = 0;
+	char **copy;
+
+	while (environ[n])
+		n++;
+	copy = calloc(n + 1, sizeof(*copy));
+	if (!copy)
+		return NULL;
+	for (size_t i = 0; i < n; i++) {
+		copy[i] = strdup(environ[i]);
+		if (!copy[i]) {
+			tpass_argv_free(copy);
+			return NULL;
+		}
+	}
+	return copy;
+}
+
+static void arm_relaunch(void)
+{
+	const char *job = getenv("SLURM_JOB_ID");
+	const char *tjob = getenv("TORCHPASS_JOB_ID");
+	char cmdline[65536], err[TPASS_ERR_MAXLEN];
+	struct tpass_relaunch v;
+	ssize_t n, len;
+
+	if (!tpass.conf_ok || !job || !tjob || strcmp(job, tjob) ||
+	    tpass_parse_uint(job, 1, 4294967295u, &again.job_id) < 0)
+		return;
+	if (tpass_relaunch_read(tpass.conf.state_dir, again.job_id, &v, err,
+				sizeof(err)) < 0) {
+		tpass_verbose("no relaunch after a lost node for this srun: %s", err);
+		return;
+	}
+	len = readlink("/proc/self/exe", again.exe, sizeof(again.exe) - 1);
+	n = tpass_proc_read(getpid(), "cmdline", cmdline, sizeof(cmdline));
+	if (len <= 0 || n <= 0 || (size_t)n >= sizeof(cmdline) - 1)
+		return; /* arguments too long to keep: this srun is not relaunched */
+	again.exe[len] = '\0';
+	again.argv = tpass_argv_split(cmdline, (size_t)n);
+	again.envp = copy_environ();
+	if (!again.argv || !again.envp) {
+		tpass_argv_free(again.argv);
+		tpass_argv_free(again.envp);
+		again.argv = again.envp = NULL;
+		return;
+	}
+	again.baseline = v.count;
+	again.armed = true;
+}
+
 int tpass_local_init(spank_t sp, int ac, char **av)
 {
+	int rc;
+
 	(void)ac;
 	(void)av;
-	return tpass_option_register(sp, local_check);
+	rc = tpass_option_register(sp, local_check);
+	arm_relaunch();
+	return rc;
+}
+
+static double mono_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+int tpass_local_exit(spank_t sp, int ac, char **av)
+{
+	char err[TPASS_ERR_MAXLEN], node[256];
+	struct tpass_relaunch v;
+	double deadline = mono_s() + TPASS_RELAUNCH_WAIT_S;
+	bool said = false;
+
+	(void)sp;
+	(void)ac;
+	(void)av;
+	if (!again.armed || !tpass.opts.given || tpass.opts.off || tpass.opts_bad)
+		return 0;
+	tpass_node_name(node, sizeof(node));
+	for (;;) {
+		enum tpass_relaunch_step next;
+
+		if (tpass_relaunch_read(tpass.conf.state_dir, again.job_id, &v,
+					err, sizeof(err)) < 0) {
+			tpass_error("job %u: %s; srun exits as it would without torchpass",
+				    again.job_id, err);
+			return 0;
+		}
+		next = tpass_relaunch_next(&v, again.baseline,
+					   tpass_coord_running(tpass.conf.state_dir,
+							       again.job_id,
+							       getuid(), node),
+					   mono_s() > deadline);
+		if (next == TPASS_RELAUNCH_EXIT)
+			return 0;
+		if (next == TPASS_RELAUNCH_AGAIN)
+			break;
+		if (!said) {
+			tpass_notice("job %u: node %s is silent; waiting for torchpass's verdict before srun exits (at most %ds)",
+				     again.job_id, v.node, TPASS_RELAUNCH_WAIT_S);
+			said = true;
+		}
+		usleep(250000);
+	}
+	tpass_notice("job %u lost %s; srun starts its step again with a spare in its place (relaunch %u; 'tpassctl events %u' says more)",
+		     again.job_id, v.node, v.count, again.job_id);
+	fflush(NULL);
+	execve(again.exe, again.argv, again.envp);
+	tpass_error("job %u: cannot start srun again (%s: %m); srun exits as it would without torchpass",
+		    again.job_id, again.exe);
+	return 0;
 }

@@ -42,6 +42,8 @@ void tpass_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void tpass_info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void tpass_verbose(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void tpass_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* At Slurm's info level in every context: shown by srun/sbatch without -v. */
+void tpass_notice(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /*
  * This node's name: the short host name.  (slurmstepd does not know the

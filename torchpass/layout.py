@@ -8,7 +8,11 @@ STATE_DIR/                        (tpassd/coordinator --state-dir, /var/lib/torc
     coordinator.json              coordinator_json(): registration (endpoint, auth) for tpassctl
     coordinator.pid               coordinator_pid(): "PID STARTTIME NODE" (written by the C plugin)
     coordinator.log               coordinator_log(): the coordinator's stdout/stderr (C plugin)
-    hostfile                      hostfile(): active nodes, once per task (C plugin)
+    hostfile                      hostfile(): active nodes, once per task (C plugin; the coordinator
+                                  rewrites it when it relaunches the job's step)
+    relaunch                      relaunch_file(): the coordinator's verdict on a lost node, read by
+                                  srun's exit hook (C plugin): "count=N" relaunches decided,
+                                  "pending=1" while a silent node may lead to one
     events.json                   events_json(): the event log, outlives the coordinator
     restored-ranks.out            restored_ranks_out(): stdout of restore steps (default)
     restore-M-rankR.err           restore_error_file(): why restore step M of rank R failed
@@ -41,12 +45,13 @@ from pathlib import Path
 
 PathLike = str | os.PathLike
 
-# Names under STATE_DIR/jobs/J (the C plugin spells the first five too).
+# Names under STATE_DIR/jobs/J (the C plugin spells the first five and RELAUNCH too).
 JOBS = "jobs"
 COORDINATOR_JSON = "coordinator.json"
 COORDINATOR_PID = "coordinator.pid"
 COORDINATOR_LOG = "coordinator.log"
 HOSTFILE = "hostfile"
+RELAUNCH = "relaunch"
 EVENTS_JSON = "events.json"
 RANKS = "ranks"
 HOLD = "hold"
@@ -93,6 +98,7 @@ coordinator_json = _job_file(COORDINATOR_JSON)
 coordinator_pid = _job_file(COORDINATOR_PID)
 coordinator_log = _job_file(COORDINATOR_LOG)
 hostfile = _job_file(HOSTFILE)
+relaunch_file = _job_file(RELAUNCH)
 events_json = _job_file(EVENTS_JSON)
 restored_ranks_out = _job_file(RESTORED_RANKS_OUT)
 
@@ -227,10 +233,10 @@ def snapshot_manifest(state_dir: PathLike, job: int | str, snap: str) -> Path:
 
 
 __all__ = [
-    "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "EVENTS_JSON",
+    "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
     "DEFAULT_RANK_DIR",
-    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile",
+    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
     "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",

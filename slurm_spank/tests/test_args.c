@@ -1,7 +1,7 @@
 /*
  * test_args.c - unit tests for the pure parsers (no Slurm needed): conf.c,
- * opts.c, hostlist.c, pythonpath.c, util.c and the ready line of
- * coordinator.c.
+ * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c and the ready line
+ * of coordinator.c.
  * Build and run: make -C slurm_spank test
  * Prints one line per failed check and a summary "N checks, F failed".
  */
@@ -10,6 +10,7 @@
 #include "../hostlist.h"
 #include "../opts.h"
 #include "../pythonpath.h"
+#include "../relaunch.h"
 #include "../util.h"
 
 #include <stdio.h>
@@ -459,6 +460,53 @@ static void test_ready(void)
 	CHECK(tpass_ready_line_valid("tcp://a;rm:1", err, sizeof(err)) < 0);
 }
 
+static void test_relaunch(void)
+{
+	struct tpass_relaunch v;
+	char block[] = "srun\0-N\0003\0python\0train.py\0";
+	char **argv;
+
+	CHECK(tpass_relaunch_parse("count=2\npending=1\nnode=node7\n", &v, err,
+				   sizeof(err)) == 0 &&
+	      v.count == 2 && v.pending && !strcmp(v.node, "node7"));
+	CHECK(tpass_relaunch_parse("count=0\npending=0\nnode=\nnew=x\n", &v,
+				   err, sizeof(err)) == 0 &&
+	      v.count == 0 && !v.pending && !v.node[0]);
+	CHECK(tpass_relaunch_parse("count=3", &v, err, sizeof(err)) == 0 &&
+	      v.count == 3 && !v.pending);
+	CHECK(tpass_relaunch_parse("pending=1\n", &v, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "no count");
+	CHECK(tpass_relaunch_parse("count=-1\n", &v, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "count '-1' is not a number");
+	CHECK(tpass_relaunch_parse("count=1\npending=yes\n", &v, err,
+				   sizeof(err)) < 0);
+	CHECK(tpass_relaunch_parse("count=1\ngarbage\n", &v, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "'garbage' is not key=value");
+	CHECK(tpass_relaunch_read("/nonexistent-state-dir", 5, &v, err,
+				  sizeof(err)) == 0 && v.count == 0 && !v.pending);
+
+	/* the exit hook's choice */
+	v.count = 1; v.pending = false;
+	CHECK(tpass_relaunch_next(&v, 0, true, false) == TPASS_RELAUNCH_AGAIN);
+	CHECK(tpass_relaunch_next(&v, 0, false, true) == TPASS_RELAUNCH_AGAIN);
+	CHECK(tpass_relaunch_next(&v, 1, true, false) == TPASS_RELAUNCH_EXIT);
+	v.pending = true; /* a node is silent: wait while the coordinator runs */
+	CHECK(tpass_relaunch_next(&v, 1, true, false) == TPASS_RELAUNCH_WAIT);
+	CHECK(tpass_relaunch_next(&v, 1, false, false) == TPASS_RELAUNCH_EXIT);
+	CHECK(tpass_relaunch_next(&v, 1, true, true) == TPASS_RELAUNCH_EXIT);
+	CHECK(tpass_relaunch_next(&v, 0, true, false) == TPASS_RELAUNCH_AGAIN);
+
+	argv = tpass_argv_split(block, sizeof(block) - 1);
+	CHECK(argv && !strcmp(argv[0], "srun") && !strcmp(argv[1], "-N") &&
+	      !strcmp(argv[2], "3") && !strcmp(argv[4], "train.py") &&
+	      argv[5] == NULL);
+	tpass_argv_free(argv);
+	argv = tpass_argv_split("srun\0x", 6); /* last argument without its NUL */
+	CHECK(argv && !strcmp(argv[1], "x") && argv[2] == NULL);
+	tpass_argv_free(argv);
+	CHECK(tpass_argv_split("", 0) == NULL);
+}
+
 int main(void)
 {
 	tpass_conf_defaults(&conf);
@@ -472,6 +520,7 @@ int main(void)
 	test_tasks();
 	test_pythonpath();
 	test_ready();
+	test_relaunch();
 	printf("%d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;
 }

@@ -1,5 +1,7 @@
-"""A training node lost outright, with no snapshot (issue 12, first slice): Slurm's normal
-behaviour applies, with a clear event.
+"""A training node lost outright (issue 12): with no restore point Slurm's normal behaviour
+applies, with a clear event; with an application checkpoint the job's step is relaunched.
+
+The first test:
 
 ``sbatch -N4 --torchpass=spares=1`` of examples/train_ddp.py as the job user (3 gloo DDP ranks
 on node1..node3, hot spare node4). At a random step a random training node other than the batch
@@ -23,6 +25,17 @@ The node is revived at the end: its slurmd registers, and it stays drained (it d
 service by itself) until the test resumes it (the session's later tests need all four nodes idle).
 The batch host's crash (node1) is out of scope: the coordinator dies with it and no event can be
 recorded; Slurm requeues the job the same way.
+
+The second: examples/train_checkpointed.py (a torchpass.checkpoint save every 5 steps) under
+``sbatch --no-kill --torchpass=spares=1`` as the job user, and a plain run of it (the reference).
+node2 or node3 is crashed at a random step (seed printed). The coordinator ends the step that lost
+the node, puts the hot spare in its place in the job's host file, and the user's srun starts the
+step again (the SPANK plugin's exit hook); the script loads its newest complete checkpoint.
+Checked: the same job id, Restarts=0, COMPLETED 0:0; every step's loss line, the recomputed ones
+included, equals the reference bit for bit; the relaunched step loads the checkpoint the
+``job.relaunching`` event names, which is the newest one the coordinator heard of before the loss,
+and only the steps from it on are computed again (each once per rank after the relaunch); the dead
+node is drained with a ``torchpass:`` reason.
 """
 
 from __future__ import annotations
@@ -31,10 +44,12 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
 import drill
 import pytest
 import training_jobs as tj
+from drill import Drill
 from slurm_helpers import until as _until
 
 from torchpass import layout
@@ -45,6 +60,13 @@ pytestmark = pytest.mark.integration
 
 SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 NODES = ("node1", "node2", "node3", "node4")
+REPO = Path(__file__).resolve().parents[2]
+CKPT_STEPS = 120
+CKPT_EVERY = 5
+CHECKPOINTED = Drill("train_checkpointed", (REPO / "examples" / "train_checkpointed.py").read_text(),
+                     ("--steps", str(CKPT_STEPS), "--params", "1M", "--sleep", "0.05", "--ckpt-every",
+                      str(CKPT_EVERY), "--ckpt-dir", "ckpt.$SLURM_JOB_ID"),
+                     CKPT_STEPS, nodes=3, fault_steps=(12, 60), sbatch_extra=("--no-kill",))
 
 
 def _ns_holders(kind: str, inode: str) -> list[int]:
@@ -143,17 +165,87 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         assert "migration.started" not in kinds, kinds  # nobody paused, nothing moved
     finally:
         tj.run(["scancel", str(job_id)])
-        back = None
-        if crashed:
-            cluster.revive(node)
-            # Its slurmd registers again (ReturnToService=2 would return a node that was only DOWN
-            # to service); drained, it stays out until an admin resumes it (here the test, also
-            # when it failed: the session's later tests need the node).
-            back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
-                          f"{node}'s slurmd registered again", every=0.2)
-            if "DRAIN" in back["state"]:
-                tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+        back = _revive(cluster, node) if crashed else None
     assert back is not None and "DRAIN" in back["state"] and back.get("reason", "").startswith("torchpass: "), back
-    _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
     tj.wait_end(job_id, 60)
+    assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]
+
+
+def _revive(cluster, node: str) -> dict:
+    """Its slurmd registers again (ReturnToService=2 would return a node that was only DOWN to
+    service); drained, it stays out until an admin resumes it (here the test, also when it failed:
+    the session's later tests need the node). The node's record once it registered."""
+    cluster.revive(node)
+    back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
+                  f"{node}'s slurmd registered again", every=0.2)
+    if "DRAIN" in back["state"]:
+        tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+    _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
+    return back
+
+
+def test_a_node_lost_outright_relaunches_a_checkpointed_job_on_the_spare(cluster, plugin_built, job_dir, job_user):
+    d = CHECKPOINTED
+    rng = random.Random(f"{SEED}:relaunch")
+    node, at = rng.choice(("node2", "node3")), rng.randint(*d.fault_steps)
+    what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): crash of {node} at step {at}, {d.name}"
+    print(f"\n{what}")
+    jobs: list[int] = []
+    crashed = False
+    try:
+        ref = drill.reference(d, job_dir, job_user.name, jobs)
+        job_id = drill.submit(d, job_dir, "relaunch", "spares=1", job_user.name)
+        jobs.append(job_id)
+        out = job_dir / f"relaunch.{job_id}.out"
+        drill.wait_step(cluster, job_id, out, at, what)
+        t0 = time.monotonic()
+        cluster.crash(node)
+        crashed = True
+        final = tj.wait_end(job_id, 240, context=f"{what}: ")
+        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the crash")
+        diag = drill.diagnosis(cluster, job_id, out, what)
+        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
+        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
+
+        evs = drill.events(cluster, job_id)
+        kinds = [e["kind"] for e in evs]
+        (lost,) = [e for e in evs if e["kind"] == "node.lost"]
+        (going,) = [e for e in evs if e["kind"] == "job.relaunching"]
+        (back,) = [e for e in evs if e["kind"] == "job.relaunched"]
+        print(going["message"])
+        print(back["message"])
+        assert lost["data"]["node"] == node and lost["data"]["spare"] == d.spare, diag
+        # the newest checkpoint the coordinator heard of before the loss is the one used
+        told = [e["data"]["step"] for e in evs[:kinds.index("node.lost")] if e["kind"] == "checkpoint.completed"]
+        used = going["data"]["checkpoint"]
+        assert told and used == told[-1], (told, used, diag)
+        assert going["data"]["replaced"] == {node: d.spare}, diag
+
+        text = out.read_text()
+        marker = f"srun: tpass: job {job_id} lost {node}; srun starts its step again"
+        assert text.count(marker) == 1, diag
+        before, after = text.split(marker)
+        assert after.count(f"ckpt loaded step={used}") == 1 and "ckpt loaded" not in before, diag
+        # every loss line, the recomputed ones included, is the reference's, bit for bit
+        lines = tj.steps(text)
+        assert all(ln in ref[int(ln.split()[0][5:])] for ln in lines), diag
+        # after the relaunch: exactly the steps from the checkpoint on, once per rank
+        redo = tj.per_step(tj.steps(after))
+        assert sorted(redo) == list(range(used, d.steps)) and all(sum(c.values()) == d.ranks
+                                                                   for c in redo.values()), diag
+        # before it: every step up to the crash, none past the ones recomputed
+        first = tj.per_step(tj.steps(before))
+        assert sorted(first) == list(range(max(first) + 1)) and used <= max(first) + 1, diag
+        recomputed = max(first) + 1 - used
+        print(f"checkpoint of step {used}; steps {used}..{max(first)} ({recomputed}) computed again; "
+              f"{back['data']['lost_to_registered_s']} s from the loss found to every rank back")
+
+        dn = tj.node(node)
+        assert "DRAIN" in dn["state"] and dn.get("reason", "").startswith(f"torchpass: {node} failed outright"), dn
+    finally:
+        for j in jobs:
+            tj.run(["scancel", str(j)])
+        back = _revive(cluster, node) if crashed else None
+        drill.leave_clean(d, jobs)
+    assert back is not None and "DRAIN" in back["state"], back  # it stayed out until resumed
     assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]

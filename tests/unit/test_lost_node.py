@@ -15,7 +15,7 @@ from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
 from torchpass.coordinator.executor import Driver, Executor, slurm_lost
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
-from torchpass.slurm.base import JobInfo, NodeInfo
+from torchpass.slurm.base import JobInfo, NodeInfo, StepInfo
 
 NODES = ("n1", "n2", "n3", "n4")
 
@@ -25,16 +25,29 @@ class FakeHealth:
 
     def __init__(self):
         self.silent: dict[str, float] = {}
+        self.failed: dict[str, str] = {}  # node -> reason (its tpassd answers)
 
     def brief(self):
-        return {n: ("unknown" if n in self.silent else "healthy", ("no heartbeat",) if n in self.silent else (),
-                    self.silent.get(n, 0.5)) for n in NODES}
+        def one(n):
+            if n in self.failed:
+                return "failed", (self.failed[n],), 0.5
+            return ("unknown", ("no heartbeat",), self.silent[n]) if n in self.silent else ("healthy", (), 0.5)
+        return {n: one(n) for n in NODES}
 
 
 class FakeSlurm:
     def __init__(self, states: dict[str, tuple[str, ...]]):
         self.states = states
         self.asked = 0
+        self.cancelled: list[str] = []
+
+    def steps(self, job_id):
+        return [StepInfo(f"{job_id}.batch", "batch", ("n1",), "RUNNING"),
+                StepInfo(f"{job_id}.0", "python", ("n1", "n2", "n3"), "RUNNING"),
+                StepInfo(f"{job_id}.1", "sleep", ("n1",), "RUNNING")]
+
+    def cancel_step(self, step_id):
+        self.cancelled.append(step_id)
 
     def job(self, job_id):
         return JobInfo(job_id, "train", "u", 1001, "RUNNING", NODES, batch_host="n1")
@@ -164,3 +177,79 @@ def test_a_witness_that_does_not_answer_is_skipped_and_a_refusal_is_recorded(tmp
     assert [c[0] for c in tp.calls if c[1] == "tpassd.drain"] == ["n1"]  # slurmctld's answer: the same anywhere
     (ev,) = [e for e in d.job.events if e.kind == "node.drain_failed"]
     assert "n2 was not drained (n1: " in ev.message and "slurmctld still hears n2" in ev.message
+
+
+def _with_hostfile(tmp_path, d: Driver) -> None:
+    """The job's host file as the SPANK plugin writes it (one line per task of the active nodes),
+    and the job's newest application checkpoint: step 20 (its ranks are at step 23)."""
+    jd = layout.job_dir(tmp_path, 42)
+    jd.mkdir(parents=True, exist_ok=True)
+    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
+    d.feed(mc.CheckpointCompleted(15, "/ckpt/step-15"))
+    d.feed(mc.CheckpointCompleted(20, "/ckpt/step-20"))
+    d.feed(mc.CheckpointCompleted(10, "/ckpt/step-10"))  # late report of an older one: not the restore point
+    for r in range(3):
+        d.feed(mc.RankProgress(r, 100, step=23))
+
+
+def _verdict(tmp_path) -> dict[str, str]:
+    text = layout.relaunch_file(tmp_path, 42).read_text()
+    return dict(line.split("=", 1) for line in text.splitlines())
+
+
+def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_the_spare(tmp_path):
+    """While n2's tpassd is silent, srun's exit hook is told to wait (pending=1); once slurmctld
+    does not hear n2 either, the host file names n4 in its place and the verdict counts one
+    relaunch; the ranks register again (on n4 for rank 1) and the relaunch is said to be done."""
+    health = FakeHealth()
+    slurm = FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    _with_hostfile(tmp_path, d)
+    assert d.state.restore_point == (20, "/ckpt/step-20")
+    health.silent["n2"] = 12.0
+    _pump_for(d, 1.0)
+    assert _verdict(tmp_path) == {"count": "0", "pending": "1", "node": "n2"}, "silent n2: srun must wait"
+    assert not _lost_events(d)
+
+    slurm.states["n2"] = ("MIXED", "NOT_RESPONDING")
+    _pump_for(d, 5.0, until=lambda: bool(_lost_events(d)))
+    (ev,) = _lost_events(d)
+    assert "relaunching the job's training step with spare n4 in its place, from the application checkpoint " \
+           "of step 20" in ev.message, ev.message
+    assert ev.data["checkpoint"] == 20 and ev.data["spare"] == "n4" and ev.data["relaunch"] == 1
+    (go,) = [e for e in d.job.events if e.kind == "job.relaunching"]
+    assert go.data["recompute_steps"] == 4 and go.data["last_step"] == 23 and go.data["replaced"] == {"n2": "n4"}
+    assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
+    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2"}
+    _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))
+    assert slurm.cancelled == ["42.0"]  # the step on n2 ends now, not at Slurm's SlurmdTimeout
+    st = d.state
+    assert st.handed == frozenset({"n2"}) and st.ranks == {} and st.relaunches == 1 and st.generation == 0
+    assert st.spare("n4").status == "used"
+    assert not [e for e in d.job.events if e.kind == "job.relaunched"]
+
+    for r, n in enumerate(("n1", "n4", "n3")):  # the relaunched srun's ranks
+        d.feed(mc.RankRegistered(r, n, 3, pid=5000 + r))
+    _pump_for(d, 0.3)
+    (done,) = [e for e in d.job.events if e.kind == "job.relaunched"]
+    assert done.data["relaunch"] == 1 and done.data["checkpoint"] == 20 and done.data["lost_to_registered_s"] >= 0
+    assert d.state.relaunch is None and d.state.rank_nodes() == {"n1": (0,), "n4": (1,), "n3": (2,)}
+    assert _verdict(tmp_path)["count"] == "1"
+
+
+def test_a_lost_node_with_a_checkpoint_but_no_free_spare_is_handed_to_slurm(tmp_path):
+    health = FakeHealth()
+    slurm = FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")})
+    d = _driver(tmp_path, slurm, health)
+    _with_hostfile(tmp_path, d)
+    health.failed["n4"] = "gpu lost"  # the hot spare
+    health.silent["n2"] = 12.0
+    _pump_for(d, 5.0, until=lambda: bool(_lost_events(d)))
+    (ev,) = _lost_events(d)
+    assert "no free hot spare for every lost node (0 for 1) to relaunch the job on from its checkpoint of step 20" \
+        in ev.message and SLURM_ON_LOST_NODE in ev.message, ev.message
+    assert ev.data["checkpoint"] == 20 and "relaunch" not in ev.data
+    assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn2\nn3\n"
+    assert not layout.relaunch_file(tmp_path, 42).exists()  # no relaunch possible: srun never waits
+    assert d.state.relaunches == 0 and d.state.ranks and d.state.handed == frozenset({"n2"})
+    assert slurm.cancelled == []

@@ -153,6 +153,32 @@ class HandToSlurm:
 
 
 @dataclass(frozen=True)
+class Relaunch:
+    """A node of the job is lost outright and the job has a restore point (an application
+    checkpoint that torchpass.checkpoint reported complete): start the job's training step again
+    on the surviving nodes with the spare in the lost node's place. The executor rewrites the
+    job's host file (the lost node's lines name the spare) and writes the relaunch verdict that
+    srun's exit hook (the SPANK plugin) reads: the user's srun, ended by Slurm for the node
+    failure, execs itself again with its own arguments and environment, and the job script's
+    srun takes the relaunched step's exit status. No outcome: the relaunched ranks register."""
+
+    count: int  # relaunches decided in this job so far, this one included
+    replaced: tuple[tuple[str, str], ...]  # (lost node, the spare in its place)
+    checkpoint_step: int
+
+
+@dataclass(frozen=True)
+class RelaunchPossible:
+    """Tell srun's exit hook whether to wait for a verdict on a lost node: ``pending`` while a
+    node of the job is silent and a relaunch could follow (a srun ending meanwhile waits for the
+    verdict instead of exiting), cleared when that is no longer so. No outcome."""
+
+    count: int  # relaunches decided so far (the verdict file keeps it)
+    pending: bool
+    node: str = ""
+
+
+@dataclass(frozen=True)
 class Event:
     """Record in the job's event log (`tpassctl events`)."""
 
@@ -213,7 +239,8 @@ class DiscardSnapshot:
 
 Action = Union[
     RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
-    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Event, DumpRank, CommitSnapshot, DiscardSnapshot,
+    Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Relaunch, RelaunchPossible, Event, DumpRank, CommitSnapshot,
+    DiscardSnapshot,
 ]
 
 
@@ -243,6 +270,15 @@ class RankProgress:
     # > 0: the report is a long poll, parked at the coordinator for up to this many seconds;
     # until then a command reaches the rank at once (decide.pause_point)
     wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointCompleted:
+    """torchpass.checkpoint reported an application checkpoint of ``step`` complete (rank 0,
+    after its torchpass.json was written): the job's newest restore point."""
+
+    step: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -469,12 +505,14 @@ Outcome = Union[
     SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
+    CheckpointCompleted,
 ]
 
 
 __all__ = [
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
-    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action",
+    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Relaunch", "RelaunchPossible", "Event", "Action",
+    "CheckpointCompleted",
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",

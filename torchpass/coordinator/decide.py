@@ -56,6 +56,8 @@ from torchpass.coordinator.contract import (
     HandToSlurm,
     KillSource,
     PauseAt,
+    Relaunch,
+    RelaunchPossible,
     RequestSpare,
     Restore,
     Resume,
@@ -77,6 +79,7 @@ from torchpass.coordinator.model import (
     NodeHealth,
     OperatorRequest,
     RankView,
+    RelaunchRun,
     SpareHow,
     SpareStatus,
     SnapshotRun,
@@ -823,23 +826,115 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
             out.event("spare.lost", f"spare {sp.node} failed ({_health_text(st.node_health(sp.node))})",
                       node=sp.node)
     involved = {m.node, m.target} if m else set()
-    for node in sorted(st.rank_nodes()):
-        if node in st.handed or node in st.released or node in involved:
-            continue
+    lost = [n for n in sorted(st.rank_nodes())
+            if n not in st.handed and n not in st.released and n not in involved and _lost(st.node_health(n))]
+    if lost and (plan := _relaunch_plan(st, lost, policy)) is not None:
+        return _relaunch(out, st, now, plan)
+    for node in lost:
         h = st.node_health(node)
-        if not _lost(h):
-            continue
         reason = f"torchpass: {node} failed outright ({_health_text(h)}); no clean dump possible"
         out.add(HandToSlurm(node, reason))
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible "
-                  "and no snapshot of the job to restore from; handed to Slurm's normal handling: "
+                  f"and {_no_relaunch_why(st, lost, policy)}; handed to Slurm's normal handling: "
                   f"{SLURM_ON_LOST_NODE}",
-                  node=node, snapshot=None, ranks=list(st.rank_nodes()[node]))
+                  node=node, snapshot=None, checkpoint=st.restore_point[0] if st.restore_point else None,
+                  ranks=list(st.rank_nodes()[node]))
         st = replace(st, handed=st.handed | {node},
                      operator_requests=tuple(r for r in st.operator_requests if r.node != node))
         if st.migration is not None and st.migration.paused and st.migration.phase != Phase.ROLLBACK \
                 and st.migration.phase != Phase.REBUILD:
             st = _rollback(out, st, st.migration, now, policy, f"{node} (not part of the move) was lost")
+    return _relaunch_watch(out, st, now, policy)
+
+
+# ============================================================================
+# Relaunch after a lost node (issue 12): the job's training step starts again
+# ============================================================================
+# A node lost outright leaves nothing to dump. When the job has a restore point (the newest
+# application checkpoint torchpass.checkpoint reported complete) and a free spare for every lost
+# node, the job's training step is started again inside the allocation: the executor rewrites the
+# job's host file (each lost node's lines name its spare) and writes the verdict that the SPANK
+# plugin's srun exit hook reads. The user's srun, ended by Slurm for the node failure, execs itself
+# again with its own arguments and environment; the script goes on from its newest checkpoint. The
+# job is not requeued. Slurm ends the job anyway unless it runs with --no-kill (docs/coordinator.md,
+# "Surviving a lost node"). Every rank registers again, as generation 0 (fresh processes).
+
+
+def _relaunch_spares(st: CoordState, policy: CoordinatorPolicy) -> list[SpareView]:
+    """Free spares a relaunched srun can run on: the hot spares (--torchpass=spares=N). They are
+    in the job's host file, which places every srun of the batch script; a spare slurmctld grants
+    later is not (nor can the job's srun reach a companion allocation)."""
+    return [sp for sp in st.spares if sp.how == SpareHow.HOT and spare_usable(st, sp, policy)]
+
+
+def _relaunch_plan(st: CoordState, lost: list[str], policy: CoordinatorPolicy) -> tuple[tuple[str, str], ...] | None:
+    """(lost node, spare) for every lost node, or None when the job cannot be relaunched."""
+    if st.restore_point is None or st.migration is not None or st.snapshot is not None:
+        return None
+    spares = _relaunch_spares(st, policy)
+    if len(spares) < len(lost):
+        return None
+    return tuple(zip(lost, (sp.node for sp in spares)))
+
+
+def _no_relaunch_why(st: CoordState, lost: list[str], policy: CoordinatorPolicy) -> str:
+    if st.restore_point is None:
+        return "no snapshot of the job to restore from"
+    if st.migration is not None:
+        return f"migration {st.migration.id} is in flight, so the job is not relaunched"
+    if st.snapshot is not None:
+        return f"snapshot {st.snapshot.id} is in flight, so the job is not relaunched"
+    free = len(_relaunch_spares(st, policy))
+    return (f"no free hot spare for every lost node ({free} for {len(lost)}) to relaunch the job "
+            f"on from its checkpoint of step {st.restore_point[0]}")
+
+
+def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...]) -> CoordState:
+    assert st.restore_point is not None
+    ck_step, ck_path = st.restore_point
+    count = st.relaunches + 1
+    last = max((rv.step for rv in st.ranks.values()), default=-1)
+    recompute = max(0, last - ck_step + 1)
+    nodes = st.rank_nodes()
+    moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
+    since = min(st.node_health(node).since for node, _ in plan)
+    for node, spare in plan:
+        h = st.node_health(node)
+        out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
+                                  f"relaunched from its checkpoint of step {ck_step}"))
+        out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
+                  f"relaunching the job's training step with spare {spare} in its place, from the application "
+                  f"checkpoint of step {ck_step}", node=node, snapshot=None, checkpoint=ck_step, spare=spare,
+                  ranks=list(nodes[node]), relaunch=count)
+    out.add(Relaunch(count, plan, ck_step))
+    out.event("job.relaunching", f"relaunch {count}: the training step starts again on the surviving nodes with "
+              f"{moved}; the script goes on from its checkpoint of step {ck_step} ({ck_path}): steps {ck_step}.."
+              f"{last} ({recompute}) are computed again", relaunch=count, checkpoint=ck_step, path=ck_path,
+              last_step=last, recompute_steps=recompute, replaced=dict(plan))
+    for _node, spare in plan:
+        st = _set_spare(st, spare, SpareStatus.USED)
+    return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, generation=0, relaunches=count,
+                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, since, ck_step, last),
+                   relaunch_pending="", snapshot_clock=None,
+                   operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
+
+
+def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """Say when a relaunch's ranks are all back, and keep srun's exit hook told whether a silent
+    node of the job could lead to a relaunch (it then waits for the verdict)."""
+    r = st.relaunch
+    if r is not None and st.all_registered():
+        out.event("job.relaunched", f"relaunch {r.count}: every rank of the relaunched training step registered, "
+                  f"{now - r.lost_since:.1f} s after {r.lost} was found lost ({now - r.decided:.1f} s after the "
+                  f"decision); it goes on from its checkpoint of step {r.checkpoint_step}",
+                  relaunch=r.count, lost_to_registered_s=_r(now - r.lost_since),
+                  decision_to_registered_s=_r(now - r.decided), checkpoint=r.checkpoint_step)
+        st = replace(st, relaunch=None)
+    silent = next((n for n in sorted(st.rank_nodes()) if n not in st.handed and not st.node_health(n).reachable), "")
+    pending = silent if silent and _relaunch_plan(st, [silent], policy) is not None else ""
+    if pending != st.relaunch_pending:
+        out.add(RelaunchPossible(st.relaunches, bool(pending), pending))
+        st = replace(st, relaunch_pending=pending)
     return st
 
 

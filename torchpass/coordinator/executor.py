@@ -55,6 +55,14 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   ``check_silent`` in a worker at most every SILENT_CHECK_S, does not hear it either
   (docs/coordinator.md, "A node lost outright"). Such a node is also drained, through
   another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``).
+* Relaunch: the job's host file (layout.hostfile, which places every srun of
+  the batch script) gets each lost node's lines replaced by its spare, then the
+  relaunch verdict (layout.relaunch_file) counts one more relaunch; then every
+  step of the job on a lost node is cancelled (``scancel J.S``: Slurm would end
+  it only when it marks the node DOWN). srun's exit hook (the SPANK plugin)
+  reads the verdict: the user's srun execs itself again. RelaunchPossible writes the same file with
+  ``pending=1`` while a silent node may lead to a relaunch, so that a srun that
+  ends meanwhile waits for the verdict.
 * Shrink and every other Slurm query or update: the torchpass.slurm
   client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
   no step of the job still runs on the node (the source's task wrapper waits
@@ -95,6 +103,13 @@ from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, overlap_step_argv
 
 log = structlog.get_logger("torchpass.coordinator.executor")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (a reader, such as the SPANK plugin, never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 RESTORE_STEP_NAME = "torchpass-restore-"  # job name of restore steps (-J torchpass-restore-RANK)
 RESTORE_STEP_END_GRACE_S = 10.0
@@ -928,6 +943,42 @@ class Executor:
                                                                                   "has a tpassd that answers"))
 
         self._thread(run, "drain-lost")
+
+    def _write_relaunch(self, count: int, pending: bool, node: str) -> None:
+        write_atomically(layout.relaunch_file(self.state_dir, self.job_id),
+                         f"count={count}\npending={int(pending)}\nnode={node}\n")
+
+    def _do_Relaunch(self, a: ct.Relaunch, st: CoordState) -> None:
+        path = layout.hostfile(self.state_dir, self.job_id)
+        swap = dict(a.replaced)
+        lines = path.read_text().splitlines()
+        write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
+        self._write_relaunch(a.count, False, ",".join(swap))
+        log.warning("relaunching the job's training step", job_id=self.job_id, relaunch=a.count,
+                    replaced=swap, checkpoint_step=a.checkpoint_step)
+        if self.slurm is None:
+            return
+
+        def run() -> None:
+            # Slurm ends a step that lost a node only once it marks the node DOWN (SlurmdTimeout,
+            # 300 s by default); its tasks on the other nodes hang in a collective until then.
+            # Ending it now lets srun exit, and its exit hook start it again, at once.
+            try:
+                for step in self.slurm.steps(self.job_id):
+                    if step.user_step and swap.keys() & set(step.nodes):
+                        self.slurm.cancel_step(step.step_id)
+                        log.info("step on a lost node ended", job_id=self.job_id, step=step.step_id,
+                                 nodes=list(step.nodes))
+            except TorchpassError as exc:
+                log.warning("cannot end the step on the lost node; Slurm ends it when it marks the node DOWN",
+                            job_id=self.job_id, error=str(exc))
+
+        self._thread(run, "relaunch-cancel")
+
+    def _do_RelaunchPossible(self, a: ct.RelaunchPossible, st: CoordState) -> None:
+        self._write_relaunch(a.count, a.pending, a.node)
+        log.info("relaunch verdict pending" if a.pending else "relaunch verdict no longer pending",
+                 job_id=self.job_id, node=a.node)
 
     def check_silent(self, silent: Collection[str]) -> None:
         """Job nodes whose tpassd fell silent: ask slurmctld (in a worker, at most every

@@ -26,6 +26,7 @@ from typing import Any
 
 from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-exported as machine.X
     Armed,
+    CheckpointCompleted,
     DrainFailed,
     Drained,
     KillFailed,
@@ -267,6 +268,9 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
     m = st.migration
     if isinstance(ev, _SNAPSHOT_OUTCOMES):
         return _apply_snapshot(st, ev, now)
+    if isinstance(ev, CheckpointCompleted):
+        newest = st.restore_point
+        return st if newest is not None and newest[0] > ev.step else replace(st, restore_point=(ev.step, ev.path))
     if isinstance(ev, RankRegistered):
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
@@ -439,5 +443,5 @@ __all__ = [
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
-    "ReasonLog", "unprotected_text", "accept_snapshot",
+    "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted",
 ]

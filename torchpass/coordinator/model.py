@@ -240,6 +240,20 @@ class SnapshotRun:
     phase_durations: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RelaunchRun:
+    """A relaunch of the job's training step after a node was lost outright (decide.Relaunch),
+    until every rank registered again."""
+
+    count: int
+    lost: str
+    spare: str
+    decided: float  # coordinator clock of the decision
+    lost_since: float  # when the node was seen failed and unreachable
+    checkpoint_step: int  # the restore point the relaunched script goes on from
+    last_step: int  # the newest step any rank reported before the loss (-1: none)
+
+
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
 PINNED_CACHE = "_pinned_nodes"  # CoordState.pinned_nodes(), found in the same pass
 
@@ -273,6 +287,11 @@ class CoordState:
     # When the interval to the next periodic snapshot (policy.snapshot_every_s) began: every rank
     # registered, then the end of each snapshot. None until the job is fully registered.
     snapshot_clock: float | None = None
+    # The newest application checkpoint reported complete (torchpass.checkpoint): (step, path).
+    restore_point: tuple[int, str] | None = None
+    relaunches: int = 0  # training-step relaunches decided so far (decide.Relaunch)
+    relaunch: RelaunchRun | None = None  # the one whose ranks have not all registered yet
+    relaunch_pending: str = ""  # the silent node srun's exit hook was told to wait for ("": none)
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
@@ -322,5 +341,5 @@ class CoordState:
 __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
     "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState",
-    "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SnapshotRun",
+    "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SnapshotRun", "RelaunchRun",
 ]

@@ -268,6 +268,9 @@ class CoordinatorServer:
 
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:
         b = msg.body
+        if self.state.relaunch is not None and b["rank"] not in self.state.ranks:
+            self._check_job(b)
+            return {}  # a rank of the step being relaunched (ended by Slurm now): nothing to say to it
         self._rank(b)
         wait_s = min(max(float(b.get("wait_s") or 0.0), 0.0), PARK_MAX_S)
         self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
@@ -353,7 +356,8 @@ class CoordinatorServer:
         return self._with_command(b["rank"], {})
 
     def _on_checkpoint(self, msg: wire.Message) -> dict[str, Any]:
-        """An application checkpoint of the job (torchpass.checkpoint) completed or failed: an event.
+        """An application checkpoint of the job (torchpass.checkpoint) completed or failed: an event;
+        a completed one is the job's restore point (decide relaunches the job from it when a node is lost).
 
         The path is the job's own (the ranks run as the job's user, as this coordinator does);
         nothing here reads or writes it."""
@@ -370,6 +374,8 @@ class CoordinatorServer:
             text = f"application checkpoint of step {b['step']} failed: {b.get('error', 'no reason given')}"
         self.job.record(self.wall(), f"checkpoint.{b['outcome']}", text, step=b["step"], path=b["path"], **figures)
         log.info("application checkpoint", outcome=b["outcome"], step=b["step"], path=b["path"], **figures)
+        if b["outcome"] == "completed":  # the job's newest restore point: a lost node relaunches from it
+            self._feed(mc.CheckpointCompleted(b["step"], b["path"]))
         if self.driver is not None and self.driver.executor is not None:
             self.driver.executor.save_events()
         return self._with_command(b["rank"], {})

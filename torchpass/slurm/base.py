@@ -138,3 +138,7 @@ class SlurmClient(ABC):
 
     @abstractmethod
     def cancel(self, job_id: int) -> None: ...
+
+    @abstractmethod
+    def cancel_step(self, step_id: str) -> None:
+        """End one step of a job ("J.S"), its tasks killed; the job runs on."""

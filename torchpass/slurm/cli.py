@@ -206,3 +206,7 @@ class CliSlurmClient(SlurmClient):
 
     def cancel(self, job_id: int) -> None:
         self._run(["scancel", str(int(job_id))])
+
+    def cancel_step(self, step_id: str) -> None:
+        job, _, step = step_id.partition(".")
+        self._run(["scancel", f"{int(job)}.{int(step)}"])

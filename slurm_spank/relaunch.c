@@ -1,0 +1,144 @@
+/*
+ * relaunch.c - the coordinator's relaunch verdict (see relaunch.h).
+ */
+#include "relaunch.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "layout.h"
+#include "util.h"
+
+int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
+			 char *err, size_t errlen)
+{
+	const char *line = text;
+	bool seen_count = false;
+
+	memset(out, 0, sizeof(*out));
+	while (*line) {
+		const char *end = strchr(line, '\n'), *eq;
+		size_t len = end ? (size_t)(end - line) : strlen(line);
+		char val[256];
+
+		eq = memchr(line, '=', len);
+		if (len && !eq)
+			return tpass_fail(err, errlen,
+				    "relaunch verdict line '%.*s' is not key=value",
+				    (int)(len > 80 ? 80 : len), line);
+		if (eq) {
+			size_t klen = (size_t)(eq - line);
+
+			if (tpass_copy_str(val, sizeof(val), eq + 1,
+					   len - klen - 1) < 0)
+				return tpass_fail(err, errlen,
+					    "relaunch verdict value of '%.*s' is too long",
+					    (int)klen, line);
+			if (klen == 5 && !strncmp(line, "count", 5)) {
+				if (tpass_parse_uint(val, 0, 1000000,
+						     &out->count) < 0)
+					return tpass_fail(err, errlen,
+						    "relaunch verdict count '%s' is not a number",
+						    val);
+				seen_count = true;
+			} else if (klen == 7 && !strncmp(line, "pending", 7)) {
+				if (strcmp(val, "0") && strcmp(val, "1"))
+					return tpass_fail(err, errlen,
+						    "relaunch verdict pending '%s' is not 0 or 1",
+						    val);
+				out->pending = val[0] == '1';
+			} else if (klen == 4 && !strncmp(line, "node", 4)) {
+				snprintf(out->node, sizeof(out->node), "%s",
+					 val);
+			}
+		}
+		if (!end)
+			break;
+		line = end + 1;
+	}
+	if (!seen_count)
+		return tpass_fail(err, errlen, "relaunch verdict has no count");
+	return 0;
+}
+
+int tpass_relaunch_read(const char *state_dir, unsigned job_id,
+			struct tpass_relaunch *out, char *err, size_t errlen)
+{
+	char path[TPASS_PATH_MAXLEN + 64], buf[1024];
+	ssize_t n;
+	int fd;
+
+	memset(out, 0, sizeof(*out));
+	snprintf(path, sizeof(path),
+		 "%s/" TPASS_LAYOUT_JOBS "/%u/" TPASS_LAYOUT_RELAUNCH,
+		 state_dir, job_id);
+	fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0) {
+		if (errno == ENOENT)
+			return 0;
+		return tpass_fail(err, errlen, "cannot read %s: %s", path,
+			    strerror(errno));
+	}
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n < 0)
+		return tpass_fail(err, errlen, "cannot read %s: %s", path,
+			    strerror(errno));
+	buf[n] = '\0';
+	if (tpass_relaunch_parse(buf, out, err, errlen) < 0)
+		return -1;
+	return 0;
+}
+
+enum tpass_relaunch_step tpass_relaunch_next(const struct tpass_relaunch *v,
+					     unsigned baseline,
+					     bool coordinator_runs,
+					     bool expired)
+{
+	if (v->count > baseline)
+		return TPASS_RELAUNCH_AGAIN;
+	if (v->pending && coordinator_runs && !expired)
+		return TPASS_RELAUNCH_WAIT;
+	return TPASS_RELAUNCH_EXIT;
+}
+
+char **tpass_argv_split(const char *buf, size_t len)
+{
+	size_t n = 0, i, at = 0;
+	char **argv;
+
+	if (!len)
+		return NULL;
+	for (i = 0; i < len; i++)
+		if (!buf[i])
+			n++;
+	if (buf[len - 1])
+		n++; /* no terminating NUL on the last argument */
+	argv = calloc(n + 1, sizeof(*argv));
+	if (!argv)
+		return NULL;
+	for (i = 0; i < n; i++) {
+		size_t l = strnlen(buf + at, len - at);
+
+		argv[i] = strndup(buf + at, l);
+		if (!argv[i]) {
+			tpass_argv_free(argv);
+			return NULL;
+		}
+		at += l + 1;
+	}
+	return argv;
+}
+
+void tpass_argv_free(char **argv)
+{
+	if (!argv)
+		return;
+	for (char **a = argv; *a; a++)
+		free(*a);
+	free(argv);
+}

@@ -1,0 +1,75 @@
+/*
+ * relaunch.h - the coordinator's relaunch verdict, as srun's exit hook reads
+ * it (no Slurm calls).
+ *
+ * When a node of a --torchpass job is lost outright and the job has a restore
+ * point (an application checkpoint) and a hot spare, the coordinator rewrites
+ * the job's host file (the spare in the lost node's place) and counts one
+ * more relaunch in STATE_DIR/jobs/J/relaunch:
+ *
+ *   count=N        relaunches decided in the job so far
+ *   pending=0|1    1 while a silent node of the job may lead to one
+ *   node=NAME      the node concerned (for the message)
+ *
+ * srun remembers count when it starts.  At its exit (Slurm ended its step for
+ * the node failure) it waits while pending=1 and the coordinator runs, and
+ * execs itself again, with its own arguments and environment, if count grew.
+ * The file is the job user's (written by the coordinator, which runs as the
+ * job user), read by the job user's srun: no privilege is involved.
+ */
+#ifndef TPASS_RELAUNCH_H
+#define TPASS_RELAUNCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+/* How long srun's exit hook waits for a pending verdict at most. */
+#define TPASS_RELAUNCH_WAIT_S 300
+
+struct tpass_relaunch {
+	unsigned count;
+	bool pending;
+	char node[256];
+};
+
+/*
+ * Parse the verdict text: "key=value" lines, count required, unknown keys
+ * ignored (a newer coordinator may add some).  -1 with err on bad input.
+ */
+int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
+			 char *err, size_t errlen);
+
+/*
+ * Read STATE_DIR/jobs/JOB/relaunch.  No file: count 0, nothing pending
+ * (returns 0).  -1 with err when it cannot be read or parsed.
+ */
+int tpass_relaunch_read(const char *state_dir, unsigned job_id,
+			struct tpass_relaunch *out, char *err, size_t errlen);
+
+/* What srun's exit hook does with a verdict. */
+enum tpass_relaunch_step {
+	TPASS_RELAUNCH_EXIT,    /* exit as srun would without torchpass */
+	TPASS_RELAUNCH_WAIT,    /* read the verdict again shortly */
+	TPASS_RELAUNCH_AGAIN,   /* exec srun again */
+};
+
+/*
+ * The exit hook's choice for verdict v, given the count when this srun
+ * started, whether the coordinator still runs and whether the wait expired:
+ * a relaunch decided since the start wins; a pending verdict is waited for
+ * while the coordinator runs and the wait has not expired.
+ */
+enum tpass_relaunch_step tpass_relaunch_next(const struct tpass_relaunch *v,
+					     unsigned baseline,
+					     bool coordinator_runs,
+					     bool expired);
+
+/*
+ * Split a NUL-separated argument block (/proc/self/cmdline) of len bytes into
+ * a NULL-terminated, malloc'd argv of copies.  NULL if it is empty or memory
+ * runs out.  tpass_argv_free() frees it.
+ */
+char **tpass_argv_split(const char *buf, size_t len);
+void tpass_argv_free(char **argv);
+
+#endif /* TPASS_RELAUNCH_H */
