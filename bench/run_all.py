@@ -15,6 +15,9 @@ it; default "bench" on 10.76.0) and needs root.
 ``coordinator`` (bench_coordinator.py: the real coordinator against simulated
 ranks at 64 to 8,192 ranks, ~15 minutes on this VM) is opt-in: it runs only
 when named in ``--only``; ``--full`` runs all four sizes, otherwise 64 and 512.
+``hard_failure`` (bench_hard_failure.py: a node crashed under a checkpointed
+job, relaunched by torchpass against requeued by Slurm, ~4 minutes a pair) is
+opt-in too: one pair, or two with ``--full``.
 
 bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
 from the newest results file that has it, and bench_migration's end-to-end
@@ -36,8 +39,9 @@ BENCHES = {
     "tpassd": ("bench_tpassd.py", ["--drills", "10", "--fast-drills", "8", "--cpu-seconds", "30"], []),
     "migration": ("bench_migration.py", ["--sizes", "10M"], []),
     "coordinator": ("bench_coordinator.py", ["--sizes", "64,512"], []),
+    "hard_failure": ("bench_hard_failure.py", ["--pairs", "1"], []),
 }
-OPT_IN = {"coordinator"}  # run only when named in --only
+OPT_IN = {"coordinator", "hard_failure"}  # run only when named in --only
 
 
 def main() -> int:

@@ -94,6 +94,8 @@ def _document(
             "checkpoints": s.checkpoints,
             "failures": s.failures,
             "hard_failures": s.hard_failures,
+            # the share of the hard failures that cost a requeue (the rest are relaunched)
+            "hard_failures_requeued_share": model.requeued_share(inp) if name == "live_migration" else 1.0,
             "soft_failures": s.soft_failures,
             "failures_per_month": s.failures_per_month,
             "lost_hours_per_failure": s.lost_hours_per_failure,
@@ -154,6 +156,17 @@ def _money(value: float) -> str:
     return f"{sign}${value:,.0f}"
 
 
+def _hard_failure_text(inp: model.GoodputInputs) -> str:
+    """Which hard failures still cost a requeue (the rest are relaunched inside the allocation)."""
+    share = model.requeued_share(inp)
+    if share >= 1.0:
+        why = ("lm_hard_failure=requeue" if inp.lm_hard_failure != "relaunch"
+               else f"a relaunch needs a hot spare (spare_policy={inp.spare_policy})")
+        return f"every one is requeued, as under checkpoint-restart ({why})"
+    return (f"relaunched from the newest checkpoint in {inp.lm_relaunch_s:g} s with a hot spare, no requeue; "
+            f"the batch host's ({share:.2%} of them) are still requeued")
+
+
 def _table(result: model.ModelResult, simulation: dict[str, Any] | None, preset: str | None) -> str:
     inp = result.inputs
     names = list(model.STRATEGIES)
@@ -176,6 +189,7 @@ def _table(result: model.ModelResult, simulation: dict[str, Any] | None, preset:
     else:
         spares = f"no spares: the job waits {inp.repair_hours:g} h for each repair"
     lines.append(f"spares: {spares}; soft (migratable) failures: {inp.soft_fraction:.0%}")
+    lines.append(f"hard failures under live migration: {_hard_failure_text(inp)}")
     lines.append("")
 
     def row(label: str, cells: list[str]) -> None:

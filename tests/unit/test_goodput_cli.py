@@ -151,6 +151,21 @@ def test_measured_file_sets_live_migration_times(tmp_path):
     assert doc["inputs"]["lm_migrate_s"] == 30
 
 
+def test_measured_relaunch_time_and_which_hard_failures_are_requeued(tmp_path):
+    results = tmp_path / "hard_failure.json"
+    results.write_text(json.dumps({"hard_failure_relaunch_s": {"mean": 31.5, "p50": 30.9, "n": 2}}))
+    doc = run_json("--measured", str(results), "--no-simulate")
+    assert doc["inputs"]["lm_relaunch_s"] == 31.5
+    lm = doc["strategies"]["live_migration"]
+    assert lm["hard_failures_requeued_share"] == pytest.approx(1 / 128)  # the batch host of 128 nodes
+    assert doc["strategies"]["checkpoint_restart"]["hard_failures_requeued_share"] == 1.0
+    out = CliRunner().invoke(goodput, ["--measured", str(results), "--no-simulate"]).output
+    assert "hard failures under live migration: relaunched from the newest checkpoint in 31.5 s" in out
+    assert "the batch host's (0.78% of them) are still requeued" in out
+    out = CliRunner().invoke(goodput, ["--spare-policy", "pool", "--no-simulate"]).output
+    assert "every one is requeued, as under checkpoint-restart (a relaunch needs a hot spare" in out
+
+
 def test_measured_auto_discovers_results_and_falls_back(tmp_path):
     runner = CliRunner()
     with runner.isolated_filesystem(temp_dir=tmp_path) as cwd:

@@ -107,6 +107,29 @@ def test_live_migration_hand_worked():
     assert r.soft_failures == pytest.approx(0.05 * exposed)
 
 
+def test_hard_failures_are_relaunched_with_a_hot_spare_except_the_batch_hosts():
+    """25 nodes, hot spares: a node lost outright costs lm_relaunch_s (no requeue, no wait), but the
+    batch host's failure (1 of 25) is still requeued: restart 0.5 h. The rollback is unchanged."""
+    hot = dict(spare_policy="hot", spare_nodes=2, lm_relaunch_s=180.0)  # 0.05 h
+    relaunch = model.plans(round_inputs(**hot))["live_migration"]
+    share = 1 / 25
+    assert model.requeued_share(round_inputs(**hot)) == pytest.approx(share)
+    assert relaunch.hard_recovery_h == pytest.approx(share * 0.5 + (1 - share) * 0.05)
+    assert relaunch.hard_wait_h == 0.0  # hot spares: nothing to wait for either way
+    requeue = model.plans(round_inputs(**hot, lm_hard_failure="requeue"))["live_migration"]
+    assert requeue.hard_recovery_h == pytest.approx(0.5) and model.requeued_share(
+        round_inputs(**hot, lm_hard_failure="requeue")) == 1.0
+    # everything else the same: the relaunch only shortens each hard failure
+    assert (relaunch.hard_rate, relaunch.interval_h) == (requeue.hard_rate, requeue.interval_h)
+    a, b = (evaluate(round_inputs(**hot, lm_hard_failure=x)).strategies["live_migration"]
+            for x in ("relaunch", "requeue"))
+    assert a.hard_failures == pytest.approx(b.hard_failures)
+    assert b.wall_hours - a.wall_hours == pytest.approx(b.hard_failures * (0.5 - relaunch.hard_recovery_h))
+    # a pool spare is not in the allocation: every hard failure is requeued and waits for it
+    pool = model.plans(round_inputs())["live_migration"]
+    assert model.requeued_share(round_inputs()) == 1.0 and (pool.hard_recovery_h, pool.hard_wait_h) == (0.5, 0.5)
+
+
 def test_savings_are_differences_of_monthly_loss():
     s = evaluate(round_inputs()).strategies
     assert s["checkpoint_restart"].savings_vs_checkpoint_restart_usd_per_month == 0.0

@@ -11,7 +11,7 @@ import time
 
 from torchpass import layout
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
+from torchpass.coordinator.decide import SLURM_ON_LOST_NODE, check_snapshot_request
 from torchpass.coordinator.executor import Driver, Executor, slurm_lost
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
@@ -235,6 +235,8 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
     assert done.data["relaunch"] == 1 and done.data["checkpoint"] == 20 and done.data["lost_to_registered_s"] >= 0
     assert d.state.relaunch is None and d.state.rank_nodes() == {"n1": (0,), "n4": (1,), "n3": (2,)}
     assert _verdict(tmp_path)["count"] == "1"
+    # the job is whole again: snapshots may be taken (the lost node no longer runs a rank of it)
+    assert check_snapshot_request(d.state) is None
 
 
 def test_a_lost_node_with_a_checkpoint_but_no_free_spare_is_handed_to_slurm(tmp_path):
@@ -253,3 +255,4 @@ def test_a_lost_node_with_a_checkpoint_but_no_free_spare_is_handed_to_slurm(tmp_
     assert not layout.relaunch_file(tmp_path, 42).exists()  # no relaunch possible: srun never waits
     assert d.state.relaunches == 0 and d.state.ranks and d.state.handed == frozenset({"n2"})
     assert slurm.cancelled == []
+    assert "were lost; no snapshot" in check_snapshot_request(d.state)[1]  # n2's rank is gone with it

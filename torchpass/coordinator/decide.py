@@ -930,8 +930,11 @@ def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPo
                   relaunch=r.count, lost_to_registered_s=_r(now - r.lost_since),
                   decision_to_registered_s=_r(now - r.decided), checkpoint=r.checkpoint_step)
         st = replace(st, relaunch=None)
-    silent = next((n for n in sorted(st.rank_nodes()) if n not in st.handed and not st.node_health(n).reachable), "")
-    pending = silent if silent and _relaunch_plan(st, [silent], policy) is not None else ""
+    pending = ""
+    if st.restore_point is not None:  # no restore point, no relaunch: nothing to tell srun
+        silent = next((n for n in sorted(st.rank_nodes()) if n not in st.handed and not st.node_health(n).reachable),
+                      "")
+        pending = silent if silent and _relaunch_plan(st, [silent], policy) is not None else ""
     if pending != st.relaunch_pending:
         out.add(RelaunchPossible(st.relaunches, bool(pending), pending))
         st = replace(st, relaunch_pending=pending)
@@ -1052,8 +1055,9 @@ def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
     if st.migration is not None or st.operator_requests:
         what = st.migration.id if st.migration is not None else st.operator_requests[0].id
         return "conflict", f"migration {what} of job {st.job_id} is in flight or queued; snapshot after it ends"
-    if st.handed:
-        return "conflict", f"node(s) {', '.join(sorted(st.handed))} of job {st.job_id} were lost; no snapshot"
+    lost = st.handed.intersection(st.rank_nodes())  # a relaunch left its lost node behind: not these
+    if lost:
+        return "conflict", f"node(s) {', '.join(sorted(lost))} of job {st.job_id} were lost; no snapshot"
     if not st.all_registered():
         return "conflict", (f"job {st.job_id} has {len(st.ranks)}/{st.world_size or '?'} ranks registered; "
                             "a snapshot needs every rank")

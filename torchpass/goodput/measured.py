@@ -12,8 +12,10 @@ docs/benchmarks.md may carry the same figures in a fenced block tagged
     }
 
 Each figure is an object of statistics or a bare number. The model needs
-expected values, so ``mean`` is used, else ``p50``. Any of the three keys may
-be missing; a file with none of them is not a results file for this purpose.
+expected values, so ``mean`` is used, else ``p50``. bench_hard_failure adds
+``hard_failure_relaunch_s`` (a node lost outright to training resumed from the
+newest checkpoint: ``lm_relaunch_s``). Any of the keys may be missing; a file
+with none of them is not a results file for this purpose.
 
 The pause grows with the model (its image is moved), so bench_migration also
 writes the stall of every model it measured, ``"by_model": {"10M": 1.2,
@@ -39,6 +41,7 @@ MEASURED_KEYS = {
     "detection_latency_s": "lm_detect_s",
     "migration_pause_s": "lm_migrate_s",
     "steady_state_overhead": "lm_overhead",
+    "hard_failure_relaunch_s": "lm_relaunch_s",
 }
 STATISTICS = ("mean", "p50")
 PAUSE_KEY = "migration_pause_s"

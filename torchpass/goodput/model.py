@@ -15,8 +15,11 @@ Three strategies share one evaluator; each is described by a ``StrategyPlan``:
 * checkpointless: every failure is recovered from peers ("soft" for the
   model: no rollback), paid for by a steady-state overhead.
 * live migration: a ``soft_fraction`` of failures is migrated away (pause
-  only); the rest falls back to checkpoint-restart, whose interval is then
-  tuned to the lower rate of hard failures.
+  only); the rest are hard, roll back to the last checkpoint (whose interval
+  is tuned to the lower rate of hard failures) and, with
+  ``lm_hard_failure = relaunch`` and a hot spare, cost ``lm_relaunch_s``
+  instead of a requeue, except a failure of the job's batch host (1 node in
+  ``nodes``), which is still requeued.
 
 This module needs only the standard library.
 """
@@ -34,6 +37,7 @@ SECONDS_PER_HOUR = 3600.0
 HOURS_PER_MONTH = 730.0  # 365 * 24 / 12: the usual cloud-billing month
 SPARE_POLICIES = ("hot", "pool", "none")
 INTERVAL_RULES = ("daly", "young", "exact")
+LM_HARD_FAILURE = ("relaunch", "requeue")
 STRATEGIES = ("checkpoint_restart", "checkpointless", "live_migration")
 STRATEGY_LABELS = {
     "checkpoint_restart": "checkpoint-restart",
@@ -159,6 +163,19 @@ INPUT_SPECS: tuple[InputSpec, ...] = (
         0, True, 0.99,
     ),
     InputSpec(
+        "lm_hard_failure", str,
+        "Live migration: what a node lost outright costs. relaunch: the job's step starts again inside "
+        "the allocation from its newest torchpass.checkpoint, with a hot spare in the node's place (sbatch "
+        "--no-kill; the batch host's failure is still requeued); requeue: checkpoint-restart's requeue.",
+        choices=LM_HARD_FAILURE,
+    ),
+    InputSpec(
+        "lm_relaunch_s", float,
+        "Live migration, lm_hard_failure=relaunch: seconds from a node lost outright until training "
+        "resumes from the newest checkpoint (detection, the relaunched step, the checkpoint's load).",
+        0, True, 30 * 86400,
+    ),
+    InputSpec(
         "weibull_shape", float,
         "Simulator only: Weibull shape of the times between failures "
         "(1 = exponential; below 1 = clustered failures). Default: Poisson.",
@@ -209,6 +226,11 @@ class GoodputInputs:
     lm_detect_s: float = 10.0
     lm_migrate_s: float = 120.0
     lm_overhead: float = 0.005
+    # tpassd silent 10 s + slurmctld's NOT_RESPONDING (a failed ping: up to SlurmdTimeout/3,
+    # 100 s at the default 300) + srun's wait for the dead node's task (KillWait, 30 s) + the
+    # relaunched step's start and checkpoint load (60 s): docs/goodput.md.
+    lm_hard_failure: str = "relaunch"
+    lm_relaunch_s: float = 200.0
     weibull_shape: float | None = None
 
     def __post_init__(self) -> None:
@@ -520,6 +542,14 @@ def _interval(inp: GoodputInputs, save_h: float, hard_rate: float) -> tuple[floa
     return INTERVAL_FUNCTIONS[inp.interval_rule](save_h, 1.0 / hard_rate), inp.interval_rule
 
 
+def requeued_share(inp: GoodputInputs) -> float:
+    """The share of live migration's hard failures that still cost a requeue: all of them with
+    lm_hard_failure=requeue or without a hot spare; with a relaunch, those of the batch host."""
+    if inp.lm_hard_failure != "relaunch" or inp.spare_policy != "hot" or inp.spare_nodes < inp.nodes_per_failure:
+        return 1.0
+    return min(1.0, inp.nodes_per_failure / inp.nodes)
+
+
 def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
     lam = inp.failure_rate_per_hour
     save_h = inp.checkpoint_save_s / SECONDS_PER_HOUR
@@ -545,9 +575,13 @@ def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
     soft = inp.soft_fraction if inp.spare_policy != "none" else 0.0
     lm_hard = lam * (1.0 - soft)
     lm_interval, lm_rule = _interval(inp, save_h, lm_hard)
+    # A relaunch replaces the lost node with a hot spare inside the allocation; the batch host's
+    # failure takes the coordinator with it and is requeued (its share: one node in ``nodes``).
+    requeued = requeued_share(inp)
+    lm_hard_recovery_h = requeued * restart_h + (1.0 - requeued) * inp.lm_relaunch_s / SECONDS_PER_HOUR
     live_migration = StrategyPlan(
         name="live_migration", overhead=inp.lm_overhead, hard_rate=lm_hard, soft_rate=lam * soft,
-        hard_recovery_h=restart_h, hard_wait_h=wait_h,
+        hard_recovery_h=lm_hard_recovery_h, hard_wait_h=requeued * wait_h,
         soft_recovery_h=(inp.lm_detect_s + inp.lm_migrate_s) / SECONDS_PER_HOUR, soft_wait_h=0.0,
         checkpointing=True, save_h=save_h, interval_h=lm_interval, interval_rule=lm_rule,
     )
