@@ -227,7 +227,7 @@ BODIES: dict[str, dict[str, F]] = {
     "rank.checkpoint": {
         "job_id": _f(int),
         "rank": _f(int),
-        "outcome": _f(str),  # "completed" or "failed"
+        "outcome": _f(str),  # "completed", "failed", or "loaded" (the job went on from it)
         "step": _f(int),
         "path": _f(str),  # the checkpoint's directory (DCP format), as the ranks see it
         "bytes": _f(int, required=False),

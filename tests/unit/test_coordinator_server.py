@@ -516,6 +516,13 @@ def test_shutdown_answers_the_parked_polls(parking):
     assert res is not None and "command" not in res
 
 
+def _until(cond, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "not within the time-out"
+        time.sleep(0.01)
+
+
 def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_outcome(served):
     """rank.checkpoint (torchpass.checkpoint, rank 0): one event per outcome (docs/checkpoint.md)."""
     _, ep, _ = served
@@ -531,8 +538,15 @@ def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_o
     with pytest.raises(RemoteError) as exc:  # a rank that never registered
         req(ep, "rank.checkpoint", {"job_id": 42, "rank": 3, "outcome": "completed", "step": 1, "path": "/x"})
     assert exc.value.code == "not_found"
+    # a relaunched (or requeued) script went on from a checkpoint: the job's steps count from there
+    req(ep, "rank.progress", {"job_id": 42, "rank": 0, "collectives": 40, "step": 3})
+    _until(lambda: served[0].state.ranks[0].step == 3)  # progress is applied on the serve loop's tick
+    req(ep, "rank.checkpoint", {"job_id": 42, "rank": 0, "outcome": "loaded", "step": 100,
+                                "path": "/shared/ckpt/step-000000100"})
     events = [e for e in req(ep, "job.events")["events"] if e["kind"].startswith("checkpoint.")]
-    assert [e["kind"] for e in events] == ["checkpoint.completed", "checkpoint.failed"]
+    assert [e["kind"] for e in events] == ["checkpoint.completed", "checkpoint.failed", "checkpoint.loaded"]
     assert events[0]["data"]["step"] == 100 and events[0]["data"]["removed"] == [80]
     assert "5.0 MB" in events[0]["message"] and "blocked 0.020 s" in events[0]["message"]
     assert "No space left" in events[1]["message"]
+    assert "loaded the application checkpoint of step 100" in events[2]["message"]
+    _until(lambda: served[0].state.step_offset == 97)  # its step 3 is the job's 100  # the runtime had counted 3 steps: its step 3 is the job's 100

@@ -181,7 +181,7 @@ def test_a_witness_that_does_not_answer_is_skipped_and_a_refusal_is_recorded(tmp
 
 def _with_hostfile(tmp_path, d: Driver) -> None:
     """The job's host file as the SPANK plugin writes it (one line per task of the active nodes),
-    and the job's newest application checkpoint: step 20 (its ranks are at step 23)."""
+    and the job's newest application checkpoint: step 20 (its ranks completed 23 steps)."""
     jd = layout.job_dir(tmp_path, 42)
     jd.mkdir(parents=True, exist_ok=True)
     layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
@@ -218,7 +218,8 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
            "of step 20" in ev.message, ev.message
     assert ev.data["checkpoint"] == 20 and ev.data["spare"] == "n4" and ev.data["relaunch"] == 1
     (go,) = [e for e in d.job.events if e.kind == "job.relaunching"]
-    assert go.data["recompute_steps"] == 4 and go.data["last_step"] == 23 and go.data["replaced"] == {"n2": "n4"}
+    # the ranks completed 23 steps (0..22): 20, 21 and 22 are computed again
+    assert go.data["recompute_steps"] == 3 and go.data["last_step"] == 22 and go.data["replaced"] == {"n2": "n4"}
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
     assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2"}
     _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))
@@ -232,7 +233,7 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
         d.feed(mc.RankRegistered(r, n, 3, pid=5000 + r))
     _pump_for(d, 0.3)
     (done,) = [e for e in d.job.events if e.kind == "job.relaunched"]
-    assert done.data["relaunch"] == 1 and done.data["checkpoint"] == 20 and done.data["lost_to_registered_s"] >= 0
+    assert done.data["relaunch"] == 1 and done.data["checkpoint"] == 20 and done.data["decision_to_registered_s"] >= 0
     assert d.state.relaunch is None and d.state.rank_nodes() == {"n1": (0,), "n4": (1,), "n3": (2,)}
     assert _verdict(tmp_path)["count"] == "1"
     # the job is whole again: snapshots may be taken (the lost node no longer runs a rank of it)

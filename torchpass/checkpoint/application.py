@@ -362,6 +362,8 @@ class Checkpointer:
             why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"cannot load checkpoint {saved.path}: {why}; "
                                   "move that directory aside to start from the one before it") from None
+        if self.rank == 0:  # the coordinator numbers the job's steps from here (its relaunch events)
+            self._report("loaded", saved.step, saved.path)
         return saved.step
 
     # -- rank 0: retention, and the coordinator ------------------------------------------------

@@ -282,6 +282,16 @@ class CheckpointCompleted:
 
 
 @dataclass(frozen=True)
+class CheckpointLoaded:
+    """Rank 0 loaded the application checkpoint of ``step`` (the job goes on from it) when its
+    runtime had counted ``steps_then`` optimizer steps: the job's step numbering is the runtime's
+    count plus ``step - steps_then`` from now on."""
+
+    step: int
+    steps_then: int
+
+
+@dataclass(frozen=True)
 class NodeHealthChanged:
     node: str
     state: State | str
@@ -505,14 +515,14 @@ Outcome = Union[
     SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
-    CheckpointCompleted,
+    CheckpointCompleted, CheckpointLoaded,
 ]
 
 
 __all__ = [
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Relaunch", "RelaunchPossible", "Event", "Action",
-    "CheckpointCompleted",
+    "CheckpointCompleted", "CheckpointLoaded",
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",

@@ -857,7 +857,7 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
 # plugin's srun exit hook reads. The user's srun, ended by Slurm for the node failure, execs itself
 # again with its own arguments and environment; the script goes on from its newest checkpoint. The
 # job is not requeued. Slurm ends the job anyway unless it runs with --no-kill (docs/coordinator.md,
-# "Surviving a lost node"). Every rank registers again, as generation 0 (fresh processes).
+# "A node lost outright"). Every rank registers again, as generation 0 (fresh processes).
 
 
 def _relaunch_spares(st: CoordState, policy: CoordinatorPolicy) -> list[SpareView]:
@@ -893,11 +893,13 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
     assert st.restore_point is not None
     ck_step, ck_path = st.restore_point
     count = st.relaunches + 1
-    last = max((rv.step for rv in st.ranks.values()), default=-1)
+    # The newest step a rank completed, in the job's numbering: the runtime reports how many
+    # optimizer steps it completed (its own count, from 0 in a fresh process; step_offset shifts it).
+    done = max((rv.step for rv in st.ranks.values()), default=0)
+    last = done + st.step_offset - 1
     recompute = max(0, last - ck_step + 1)
     nodes = st.rank_nodes()
     moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
-    since = min(st.node_health(node).since for node, _ in plan)
     for node, spare in plan:
         h = st.node_health(node)
         out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
@@ -914,7 +916,8 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
     for _node, spare in plan:
         st = _set_spare(st, spare, SpareStatus.USED)
     return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, generation=0, relaunches=count,
-                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, since, ck_step, last),
+                   step_offset=ck_step,  # until the relaunched rank 0 says what it loaded
+                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, ck_step, last),
                    relaunch_pending="", snapshot_clock=None,
                    operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
 
@@ -924,11 +927,10 @@ def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPo
     node of the job could lead to a relaunch (it then waits for the verdict)."""
     r = st.relaunch
     if r is not None and st.all_registered():
-        out.event("job.relaunched", f"relaunch {r.count}: every rank of the relaunched training step registered, "
-                  f"{now - r.lost_since:.1f} s after {r.lost} was found lost ({now - r.decided:.1f} s after the "
-                  f"decision); it goes on from its checkpoint of step {r.checkpoint_step}",
-                  relaunch=r.count, lost_to_registered_s=_r(now - r.lost_since),
-                  decision_to_registered_s=_r(now - r.decided), checkpoint=r.checkpoint_step)
+        out.event("job.relaunched", f"relaunch {r.count}: every rank of the relaunched training step registered "
+                  f"{now - r.decided:.1f} s after {r.lost} was found lost; it goes on from its checkpoint of step "
+                  f"{r.checkpoint_step}", relaunch=r.count, decision_to_registered_s=_r(now - r.decided),
+                  checkpoint=r.checkpoint_step)
         st = replace(st, relaunch=None)
     pending = ""
     if st.restore_point is not None:  # no restore point, no relaunch: nothing to tell srun

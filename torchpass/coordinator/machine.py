@@ -27,6 +27,7 @@ from typing import Any
 from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-exported as machine.X
     Armed,
     CheckpointCompleted,
+    CheckpointLoaded,
     DrainFailed,
     Drained,
     KillFailed,
@@ -271,6 +272,8 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
     if isinstance(ev, CheckpointCompleted):
         newest = st.restore_point
         return st if newest is not None and newest[0] > ev.step else replace(st, restore_point=(ev.step, ev.path))
+    if isinstance(ev, CheckpointLoaded):
+        return replace(st, step_offset=ev.step - max(0, ev.steps_then))
     if isinstance(ev, RankRegistered):
         prev = st.ranks.get(ev.rank)
         rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
@@ -443,5 +446,5 @@ __all__ = [
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
-    "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted",
+    "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded",
 ]

@@ -248,8 +248,7 @@ class RelaunchRun:
     count: int
     lost: str
     spare: str
-    decided: float  # coordinator clock of the decision
-    lost_since: float  # when the node was seen failed and unreachable
+    decided: float  # coordinator clock of the decision (the node was found lost then)
     checkpoint_step: int  # the restore point the relaunched script goes on from
     last_step: int  # the newest step any rank reported before the loss (-1: none)
 
@@ -292,6 +291,9 @@ class CoordState:
     relaunches: int = 0  # training-step relaunches decided so far (decide.Relaunch)
     relaunch: RelaunchRun | None = None  # the one whose ranks have not all registered yet
     relaunch_pending: str = ""  # the silent node srun's exit hook was told to wait for ("": none)
+    # The job's step is the runtime's count of optimizer steps plus this (a script that went on from
+    # a checkpoint numbers its steps from there: machine.CheckpointLoaded).
+    step_offset: int = 0
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))

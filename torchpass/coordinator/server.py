@@ -356,15 +356,24 @@ class CoordinatorServer:
         return self._with_command(b["rank"], {})
 
     def _on_checkpoint(self, msg: wire.Message) -> dict[str, Any]:
-        """An application checkpoint of the job (torchpass.checkpoint) completed or failed: an event;
-        a completed one is the job's restore point (decide relaunches the job from it when a node is lost).
+        """An application checkpoint of the job (torchpass.checkpoint) completed, failed or was
+        loaded: an event; a completed one is the job's restore point (decide relaunches the job from
+        it when a node is lost), a loaded one numbers the job's steps from its step.
 
         The path is the job's own (the ranks run as the job's user, as this coordinator does);
         nothing here reads or writes it."""
         b = msg.body
         self._rank(b)
-        if b["outcome"] not in ("completed", "failed"):
-            raise RemoteError("bad_request", f"checkpoint outcome {b['outcome']!r} is not completed or failed")
+        if b["outcome"] not in ("completed", "failed", "loaded"):
+            raise RemoteError("bad_request", f"checkpoint outcome {b['outcome']!r} is not completed, failed or "
+                                             "loaded")
+        if b["outcome"] == "loaded":
+            rv = self.state.ranks.get(b["rank"])
+            self.job.record(self.wall(), "checkpoint.loaded", f"rank {b['rank']} loaded the application checkpoint "
+                            f"of step {b['step']} ({b['path']}): the job goes on from there",
+                            step=b["step"], path=b["path"])
+            self._feed(mc.CheckpointLoaded(b["step"], rv.step if rv is not None else 0))
+            return self._with_command(b["rank"], {})
         figures = {k: b[k] for k in ("bytes", "blocking_s", "write_s", "waited_s", "removed", "error") if k in b}
         if b["outcome"] == "completed":
             mb = (b.get("bytes") or 0) / 1e6
