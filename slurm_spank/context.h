@@ -14,6 +14,7 @@ int tpass_allocator_init(spank_t sp, int ac, char **av);
 
 /* local.c: srun */
 int tpass_local_init(spank_t sp, int ac, char **av);
+int tpass_local_user_init(spank_t sp, int ac, char **av);
 int tpass_local_exit(spank_t sp, int ac, char **av);
 
 /* remote.c: slurmstepd */

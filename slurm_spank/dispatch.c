@@ -51,6 +51,16 @@ int slurm_spank_user_init(spank_t sp, int ac, char **av)
 	}
 }
 
+int slurm_spank_local_user_init(spank_t sp, int ac, char **av)
+{
+	switch (spank_context()) {
+	case S_CTX_LOCAL:
+		return tpass_local_user_init(sp, ac, av);
+	default:
+		return 0;
+	}
+}
+
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 {
 	switch (spank_context()) {

@@ -12,14 +12,16 @@
  *
  * Relaunch after a lost node (relaunch.h): at init srun keeps its own
  * arguments (/proc/self/cmdline), environment and executable, and the job's
- * relaunch count.  At exit, if the coordinator has since decided a relaunch
- * (Slurm ended this srun's step because a node of it was lost; the job's host
- * file now names a spare in its place), srun execs itself again with them:
+ * relaunch count; local_user_init, its step id.  At exit, if the coordinator
+ * has since decided a relaunch that ended this srun's step (a node of it was
+ * lost; the job's host file now names a spare in its place), srun execs
+ * itself again with them:
  * the batch script's srun goes on as the relaunched step and its exit status
  * is that step's.  srun calls the exit hook from an atexit handler, so the
  * exec replaces srun's exit with the new step.
  */
 #include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +41,8 @@ static struct {
 	bool armed;
 	unsigned job_id;
 	unsigned baseline; /* the job's relaunch count when this srun started */
+	bool step_known;   /* local_user_init ran: step_id is this srun's step */
+	unsigned step_id;
 	char exe[PATH_MAX];
 	char **argv;
 	char **envp;
@@ -143,6 +147,19 @@ int tpass_local_init(spank_t sp, int ac, char **av)
 	return rc;
 }
 
+int tpass_local_user_init(spank_t sp, int ac, char **av)
+{
+	uint32_t step;
+
+	(void)ac;
+	(void)av;
+	if (again.armed && spank_get_item(sp, S_JOB_STEPID, &step) == ESPANK_SUCCESS) {
+		again.step_id = step;
+		again.step_known = true;
+	}
+	return 0;
+}
+
 static double mono_s(void)
 {
 	struct timespec ts;
@@ -173,7 +190,8 @@ int tpass_local_exit(spank_t sp, int ac, char **av)
 				    again.job_id, err);
 			return 0;
 		}
-		next = tpass_relaunch_next(&v, again.baseline,
+		next = tpass_relaunch_next(&v, again.baseline, again.step_known,
+					   again.step_id,
 					   tpass_coord_running(tpass.conf.state_dir,
 							       again.job_id,
 							       getuid(), node),

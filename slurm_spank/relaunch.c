@@ -13,6 +13,34 @@
 #include "layout.h"
 #include "util.h"
 
+/* "S,S,...": step ids; "" is no step at all (nothing of the job's ran there). */
+static int parse_steps(const char *val, struct tpass_relaunch *out, char *err,
+		       size_t errlen)
+{
+	const char *p = val;
+
+	out->steps_known = true;
+	out->nsteps = 0;
+	while (*p) {
+		const char *comma = strchr(p, ',');
+		size_t len = comma ? (size_t)(comma - p) : strlen(p);
+		char num[16];
+
+		if (out->nsteps == TPASS_RELAUNCH_MAX_STEPS ||
+		    tpass_copy_str(num, sizeof(num), p, len) < 0 ||
+		    tpass_parse_uint(num, 0, 4294967294u,
+				     &out->steps[out->nsteps]) < 0)
+			return tpass_fail(err, errlen,
+				    "relaunch verdict steps '%.80s' is not a list of at most %d step ids",
+				    val, TPASS_RELAUNCH_MAX_STEPS);
+		out->nsteps++;
+		if (!comma)
+			break;
+		p = comma + 1;
+	}
+	return 0;
+}
+
 int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
 			 char *err, size_t errlen)
 {
@@ -54,6 +82,9 @@ int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
 			} else if (klen == 4 && !strncmp(line, "node", 4)) {
 				snprintf(out->node, sizeof(out->node), "%s",
 					 val);
+			} else if (klen == 5 && !strncmp(line, "steps", 5)) {
+				if (parse_steps(val, out, err, errlen) < 0)
+					return -1;
 			}
 		}
 		if (!end)
@@ -94,13 +125,28 @@ int tpass_relaunch_read(const char *state_dir, unsigned job_id,
 	return 0;
 }
 
+static bool ended_mine(const struct tpass_relaunch *v, bool step_known,
+		       unsigned step)
+{
+	if (!v->steps_known)
+		return true;
+	if (!step_known)
+		return false;
+	for (unsigned i = 0; i < v->nsteps; i++)
+		if (v->steps[i] == step)
+			return true;
+	return false;
+}
+
 enum tpass_relaunch_step tpass_relaunch_next(const struct tpass_relaunch *v,
 					     unsigned baseline,
+					     bool step_known, unsigned step,
 					     bool coordinator_runs,
 					     bool expired)
 {
 	if (v->count > baseline)
-		return TPASS_RELAUNCH_AGAIN;
+		return ended_mine(v, step_known, step) ? TPASS_RELAUNCH_AGAIN :
+							 TPASS_RELAUNCH_EXIT;
 	if (v->pending && coordinator_runs && !expired)
 		return TPASS_RELAUNCH_WAIT;
 	return TPASS_RELAUNCH_EXIT;

@@ -10,10 +10,16 @@
  *   count=N        relaunches decided in the job so far
  *   pending=0|1    1 while a silent node of the job may lead to one
  *   node=NAME      the node concerned (for the message)
+ *   steps=S,S,...  the job's steps the relaunch ended (those with a task on
+ *                  the lost node); absent when the coordinator could not
+ *                  list them, then any ending srun is relaunched
  *
- * srun remembers count when it starts.  At its exit (Slurm ended its step for
- * the node failure) it waits while pending=1 and the coordinator runs, and
- * execs itself again, with its own arguments and environment, if count grew.
+ * srun remembers count when it starts, and its step id once the step exists
+ * (local_user_init).  At its exit it waits while pending=1 and the
+ * coordinator runs, and execs itself again, with its own arguments and
+ * environment, if count grew and its step is one the relaunch ended: an
+ * srun of the batch script that ran elsewhere and ends later is not run
+ * again.
  * The file is the job user's (written by the coordinator, which runs as the
  * job user), read by the job user's srun: no privilege is involved.
  */
@@ -25,11 +31,15 @@
 
 /* How long srun's exit hook waits for a pending verdict at most. */
 #define TPASS_RELAUNCH_WAIT_S 300
+#define TPASS_RELAUNCH_MAX_STEPS 64
 
 struct tpass_relaunch {
 	unsigned count;
 	bool pending;
 	char node[256];
+	bool steps_known;   /* steps= given */
+	unsigned nsteps;
+	unsigned steps[TPASS_RELAUNCH_MAX_STEPS];
 };
 
 /*
@@ -55,12 +65,15 @@ enum tpass_relaunch_step {
 
 /*
  * The exit hook's choice for verdict v, given the count when this srun
- * started, whether the coordinator still runs and whether the wait expired:
- * a relaunch decided since the start wins; a pending verdict is waited for
- * while the coordinator runs and the wait has not expired.
+ * started, its step (step_known false: local_user_init never told it),
+ * whether the coordinator still runs and whether the wait expired: a
+ * relaunch decided since the start that ended this srun's step wins; a
+ * pending verdict is waited for while the coordinator runs and the wait has
+ * not expired.
  */
 enum tpass_relaunch_step tpass_relaunch_next(const struct tpass_relaunch *v,
 					     unsigned baseline,
+					     bool step_known, unsigned step,
 					     bool coordinator_runs,
 					     bool expired);
 

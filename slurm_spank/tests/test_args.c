@@ -486,15 +486,24 @@ static void test_relaunch(void)
 				  sizeof(err)) == 0 && v.count == 0 && !v.pending);
 
 	/* the exit hook's choice */
-	v.count = 1; v.pending = false;
-	CHECK(tpass_relaunch_next(&v, 0, true, false) == TPASS_RELAUNCH_AGAIN);
-	CHECK(tpass_relaunch_next(&v, 0, false, true) == TPASS_RELAUNCH_AGAIN);
-	CHECK(tpass_relaunch_next(&v, 1, true, false) == TPASS_RELAUNCH_EXIT);
+	CHECK(tpass_relaunch_parse("count=1\nsteps=0,7\n", &v, err, sizeof(err)) == 0 &&
+	      v.steps_known && v.nsteps == 2 && v.steps[1] == 7);
+	CHECK(tpass_relaunch_parse("count=1\nsteps=\n", &v, err, sizeof(err)) == 0 &&
+	      v.steps_known && v.nsteps == 0);
+	CHECK(tpass_relaunch_parse("count=1\nsteps=1,x\n", &v, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "not a list of at most");
+	CHECK(tpass_relaunch_parse("count=1\nsteps=0,7\n", &v, err, sizeof(err)) == 0);
+	CHECK(tpass_relaunch_next(&v, 0, true, 7, true, false) == TPASS_RELAUNCH_AGAIN);
+	CHECK(tpass_relaunch_next(&v, 0, true, 3, true, false) == TPASS_RELAUNCH_EXIT); /* ran elsewhere */
+	CHECK(tpass_relaunch_next(&v, 0, false, 0, true, false) == TPASS_RELAUNCH_EXIT);
+	CHECK(tpass_relaunch_next(&v, 1, true, 7, true, false) == TPASS_RELAUNCH_EXIT); /* started after */
+	v.steps_known = false; /* the coordinator could not list the steps: any srun */
+	CHECK(tpass_relaunch_next(&v, 0, true, 3, false, true) == TPASS_RELAUNCH_AGAIN);
+	CHECK(tpass_relaunch_next(&v, 0, false, 0, true, false) == TPASS_RELAUNCH_AGAIN);
 	v.pending = true; /* a node is silent: wait while the coordinator runs */
-	CHECK(tpass_relaunch_next(&v, 1, true, false) == TPASS_RELAUNCH_WAIT);
-	CHECK(tpass_relaunch_next(&v, 1, false, false) == TPASS_RELAUNCH_EXIT);
-	CHECK(tpass_relaunch_next(&v, 1, true, true) == TPASS_RELAUNCH_EXIT);
-	CHECK(tpass_relaunch_next(&v, 0, true, false) == TPASS_RELAUNCH_AGAIN);
+	CHECK(tpass_relaunch_next(&v, 1, true, 3, true, false) == TPASS_RELAUNCH_WAIT);
+	CHECK(tpass_relaunch_next(&v, 1, true, 3, false, false) == TPASS_RELAUNCH_EXIT);
+	CHECK(tpass_relaunch_next(&v, 1, true, 3, true, true) == TPASS_RELAUNCH_EXIT);
 
 	argv = tpass_argv_split(block, sizeof(block) - 1);
 	CHECK(argv && !strcmp(argv[0], "srun") && !strcmp(argv[1], "-N") &&

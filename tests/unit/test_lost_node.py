@@ -220,9 +220,10 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
     (go,) = [e for e in d.job.events if e.kind == "job.relaunching"]
     # the ranks completed 23 steps (0..22): 20, 21 and 22 are computed again
     assert go.data["recompute_steps"] == 3 and go.data["last_step"] == 22 and go.data["replaced"] == {"n2": "n4"}
+    _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))  # the executor's worker
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
-    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2"}
-    _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))
+    # step 0 ran on n2: its srun starts again; step 1 (on n1 only) is none of the relaunch's
+    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0"}
     assert slurm.cancelled == ["42.0"]  # the step on n2 ends now, not at Slurm's SlurmdTimeout
     st = d.state
     assert st.handed == frozenset({"n2"}) and st.ranks == {} and st.relaunches == 1 and st.generation == 0

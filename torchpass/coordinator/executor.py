@@ -57,10 +57,11 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``).
 * Relaunch: the job's host file (layout.hostfile, which places every srun of
   the batch script) gets each lost node's lines replaced by its spare, then the
-  relaunch verdict (layout.relaunch_file) counts one more relaunch; then every
-  step of the job on a lost node is cancelled (``scancel J.S``: Slurm would end
-  it only when it marks the node DOWN). srun's exit hook (the SPANK plugin)
-  reads the verdict: the user's srun execs itself again. RelaunchPossible writes the same file with
+  relaunch verdict (layout.relaunch_file) counts one more relaunch and lists the
+  job's steps with a task on a lost node; then those steps are cancelled
+  (``scancel J.S``: Slurm would end them only when it marks the node DOWN).
+  srun's exit hook (the SPANK plugin) reads the verdict: the user's srun of a
+  listed step execs itself again. RelaunchPossible writes the same file with
   ``pending=1`` while a silent node may lead to a relaunch, so that a srun that
   ends meanwhile waits for the verdict.
 * Shrink and every other Slurm query or update: the torchpass.slurm
@@ -944,36 +945,42 @@ class Executor:
 
         self._thread(run, "drain-lost")
 
-    def _write_relaunch(self, count: int, pending: bool, node: str) -> None:
-        write_atomically(layout.relaunch_file(self.state_dir, self.job_id),
-                         f"count={count}\npending={int(pending)}\nnode={node}\n")
+    def _write_relaunch(self, count: int, pending: bool, node: str, steps: list[str] | None = None) -> None:
+        text = f"count={count}\npending={int(pending)}\nnode={node}\n"
+        if steps is not None:  # without it srun's exit hook relaunches any srun that ends
+            text += f"steps={','.join(s.split('.', 1)[1] for s in steps)}\n"
+        write_atomically(layout.relaunch_file(self.state_dir, self.job_id), text)
 
     def _do_Relaunch(self, a: ct.Relaunch, st: CoordState) -> None:
         path = layout.hostfile(self.state_dir, self.job_id)
         swap = dict(a.replaced)
         lines = path.read_text().splitlines()
-        write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
-        self._write_relaunch(a.count, False, ",".join(swap))
         log.warning("relaunching the job's training step", job_id=self.job_id, relaunch=a.count,
                     replaced=swap, checkpoint_step=a.checkpoint_step)
-        if self.slurm is None:
-            return
 
         def run() -> None:
-            # Slurm ends a step that lost a node only once it marks the node DOWN (SlurmdTimeout,
-            # 300 s by default); its tasks on the other nodes hang in a collective until then.
-            # Ending it now lets srun exit, and its exit hook start it again, at once.
+            # The steps with a task on a lost node are the ones to start again. Slurm ends such a
+            # step only once it marks the node DOWN (SlurmdTimeout, 300 s by default); its tasks
+            # on the other nodes hang in a collective until then. Ending it now lets its srun exit,
+            # and its exit hook start it again, at once: after the host file and the verdict.
+            ended: list[str] | None = None
             try:
-                for step in self.slurm.steps(self.job_id):
-                    if step.user_step and swap.keys() & set(step.nodes):
-                        self.slurm.cancel_step(step.step_id)
-                        log.info("step on a lost node ended", job_id=self.job_id, step=step.step_id,
-                                 nodes=list(step.nodes))
+                ended = [s.step_id for s in self.slurm.steps(self.job_id)
+                         if s.user_step and swap.keys() & set(s.nodes)] if self.slurm is not None else None
             except TorchpassError as exc:
-                log.warning("cannot end the step on the lost node; Slurm ends it when it marks the node DOWN",
+                log.warning("cannot list the job's steps; any srun that ends is started again",
                             job_id=self.job_id, error=str(exc))
+            write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
+            self._write_relaunch(a.count, False, ",".join(swap), ended)
+            for step in ended or ():
+                try:
+                    self.slurm.cancel_step(step)
+                    log.info("step on a lost node ended", job_id=self.job_id, step=step)
+                except TorchpassError as exc:
+                    log.warning("cannot end the step on the lost node; Slurm ends it when it marks the node DOWN",
+                                job_id=self.job_id, step=step, error=str(exc))
 
-        self._thread(run, "relaunch-cancel")
+        self._thread(run, "relaunch")
 
     def _do_RelaunchPossible(self, a: ct.RelaunchPossible, st: CoordState) -> None:
         self._write_relaunch(a.count, a.pending, a.node)
