@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,9 +46,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 from bench_migration import Tail, first_arrivals, machine, per_step  # noqa: E402
-from bench_overhead import as_user, job_state  # noqa: E402
+from bench_overhead import as_user, devcluster, job_state, user_workdir  # noqa: E402
 
-from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
+from torchpass.devcluster import Devcluster  # noqa: E402
 
 CRASHED = "node2"
 SIDES = {
@@ -158,17 +156,9 @@ def main() -> int:
         ap.error("need 0 < --every < --crash-at < --steps - 10 and --pairs >= 1")
     t_all = time.monotonic()
     load0 = os.getloadavg()
-    c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=4))
-    saved = dict(os.environ)
-    os.environ.update(c.env())
     runs: list[dict] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-hard-failure-") as tmp:
-            work = Path(tmp)
-            pw = pwd.getpwnam(args.user)
-            work.chmod(0o755)
-            os.chown(work, pw.pw_uid, pw.pw_gid)
-            time.sleep(2.0)  # every tpassd has published its first sample
+    with devcluster(args.cluster, args.subnet, nodes=4) as c:
+        with user_workdir("bench-hard-failure-", args.user) as work:
             for i in range(args.pairs):
                 order = ("relaunch", "requeue") if i % 2 == 0 else ("requeue", "relaunch")
                 for side in order:
@@ -177,10 +167,6 @@ def main() -> int:
                     runs.append(r)
                     log(f"{side}: resumed {r['resumed_s']} s after the crash, lost {r['lost_s']} s; checkpoint "
                         f"{r['checkpoint_loaded']}, {r['recomputed_steps']} steps again, restarts {r['restarts']}")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        c.down()
     reference = last_per_step(runs[0]["lines"])
     for r in runs:
         if last_per_step(r.pop("lines")) != reference:

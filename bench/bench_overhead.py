@@ -35,6 +35,7 @@ Writes bench/results/overhead.json; docs/benchmarks.md quotes the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -61,6 +62,34 @@ SPLIT_ORDERS = ("ABC", "CBA", "BCA", "ACB", "CAB", "BAC")
 
 def log(msg: str) -> None:
     print(f"[bench_overhead {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def devcluster(name: str, subnet: str, nodes: int):
+    """A devcluster of ``nodes`` for one benchmark, its exports in os.environ meanwhile (as after
+    ``eval "$(tpassctl devcluster env)"``); brought down after, the environment restored."""
+    c = Devcluster.up(DevclusterSpec(name=name, subnet=subnet, nodes=nodes))
+    saved = dict(os.environ)
+    os.environ.update(c.env())
+    try:
+        yield c
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        c.down()
+
+
+@contextlib.contextmanager
+def user_workdir(prefix: str, user: str):
+    """A temporary directory the job user owns (the jobs' scripts and outputs), yielded once every
+    tpassd of a devcluster just brought up has published its first sample."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(tmp)
+        pw = pwd.getpwnam(user)
+        work.chmod(0o755)
+        os.chown(work, pw.pw_uid, pw.pw_gid)
+        time.sleep(2.0)
+        yield work
 
 
 def as_user(user: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -155,24 +184,17 @@ def main() -> int:
         ap.error("--pairs must be >= 1 and --steps at least --warmup + 10")
     t_all = time.monotonic()
     load0 = os.getloadavg()
-    c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=3))
-    saved = dict(os.environ)
-    os.environ.update(c.env())
     if args.layout:
         args.script = REPO / "examples" / "train_parallel.py"
-        cmd = f"{c.job_python} {args.script} {args.layout} --steps {args.steps} --hidden {args.hidden} --sleep 0"
+        script = f"{args.script} {args.layout} --steps {args.steps} --hidden {args.hidden} --sleep 0"
         per_node = 2
     else:
-        cmd = f"{c.job_python} {args.script} --steps {args.steps} --params {args.params} --sleep 0"
+        script = f"{args.script} --steps {args.steps} --params {args.params} --sleep 0"
         per_node = 1
     pairs: list[dict] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-            work = Path(tmp)
-            pw = pwd.getpwnam(args.user)
-            work.chmod(0o755)
-            os.chown(work, pw.pw_uid, pw.pw_gid)
-            time.sleep(2.0)  # every tpassd has published its first sample
+    with devcluster(args.cluster, args.subnet, nodes=3) as c:
+        cmd = f"{c.job_python} {script}"
+        with user_workdir("bench-overhead-", args.user) as work:
             for i in range(args.pairs):
                 order = SPLIT_ORDERS[i % len(SPLIT_ORDERS)] if args.split else ("AB" if i % 2 == 0 else "BA")
                 runs = {s: one_run(c, work, args.user, s, f"{i}{s}", cmd, 600, per_node=per_node) for s in order}
@@ -195,10 +217,6 @@ def main() -> int:
                     msg += f", runtime off {tc * 1000:.1f} ms/step"
                 pairs.append(row)
                 log(f"{msg}, ratio {tb / ta:.4f}")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        c.down()
     med_a = statistics.median(p["plain_step_s"] for p in pairs)
     med_b = statistics.median(p["torchpass_step_s"] for p in pairs)
     ratios = [p["ratio"] for p in pairs]

@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,10 +38,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 from bench_migration import first_arrivals, machine, per_step  # noqa: E402
-from bench_overhead import one_run  # noqa: E402
+from bench_overhead import devcluster, one_run, user_workdir  # noqa: E402
 
 from torchpass import layout  # noqa: E402
-from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
+from torchpass.devcluster import Devcluster  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -94,17 +92,9 @@ def main() -> int:
              "B": (f"snapshot_every={args.every}", [f"--torchpass=snapshot_every={args.every}"])}
     t_all = time.monotonic()
     load0 = os.getloadavg()
-    c = Devcluster.up(DevclusterSpec(name=args.cluster, subnet=args.subnet, nodes=3))
-    saved = dict(os.environ)
-    os.environ.update(c.env())
     rows: list[dict] = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-snapshot-") as tmp:
-            work = Path(tmp)
-            pw = pwd.getpwnam(args.user)
-            work.chmod(0o755)
-            os.chown(work, pw.pw_uid, pw.pw_gid)
-            time.sleep(2.0)  # every tpassd has published its first sample
+    with devcluster(args.cluster, args.subnet, nodes=3) as c:
+        with user_workdir("bench-snapshot-", args.user) as work:
             for size, n in zip(sizes, steps):
                 cmd = f"{c.job_python} {REPO / 'examples' / 'train_ddp.py'} --steps {n} --params {size} --sleep 0"
                 for i in range(args.pairs):
@@ -133,10 +123,6 @@ def main() -> int:
                     log(f"{size} pair {i + 1} ({order}): {len(done)} snapshots, pause median "
                         f"{row['pause_s_median']} s; training {ta:.1f} s without, {tb:.1f} s with")
                     delete_snapshots(b["job_id"])  # leave the disk as found
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        c.down()
     data = {"every_s": args.every, "ranks": 3, "rows": rows, "load_at_start": [round(x, 2) for x in load0],
             "machine": machine(), "bench_seconds": round(time.monotonic() - t_all, 1),
             "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
