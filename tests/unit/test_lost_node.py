@@ -182,8 +182,7 @@ def test_a_witness_that_does_not_answer_is_skipped_and_a_refusal_is_recorded(tmp
 def _with_hostfile(tmp_path, d: Driver) -> None:
     """The job's host file as the SPANK plugin writes it (one line per task of the active nodes),
     and the job's newest application checkpoint: step 20 (its ranks completed 23 steps)."""
-    jd = layout.job_dir(tmp_path, 42)
-    jd.mkdir(parents=True, exist_ok=True)
+    layout.job_dir(tmp_path, 42).mkdir(parents=True, exist_ok=True)
     layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
     d.feed(mc.CheckpointCompleted(15, "/ckpt/step-15"))
     d.feed(mc.CheckpointCompleted(20, "/ckpt/step-20"))
@@ -203,7 +202,11 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
     relaunch; the ranks register again (on n4 for rank 1) and the relaunch is said to be done."""
     health = FakeHealth()
     slurm = FakeSlurm({})
+    stale = layout.relaunch_file(tmp_path, 42)
+    stale.parent.mkdir(parents=True)
+    stale.write_text("count=5\npending=0\nnode=n3\n")  # an earlier run of the job (requeued)
     d = _driver(tmp_path, slurm, health)
+    assert not stale.exists()  # this run's sruns must not compare against its count
     _with_hostfile(tmp_path, d)
     assert d.state.restore_point == (20, "/ckpt/step-20")
     health.silent["n2"] = 12.0

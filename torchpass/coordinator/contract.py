@@ -171,9 +171,9 @@ class Relaunch:
 class RelaunchPossible:
     """Tell srun's exit hook whether to wait for a verdict on a lost node: ``pending`` while a
     node of the job is silent and a relaunch could follow (a srun ending meanwhile waits for the
-    verdict instead of exiting), cleared when that is no longer so. No outcome."""
+    verdict instead of exiting), cleared when that is no longer so. The file keeps the count of the
+    relaunches carried out (their host file written). No outcome."""
 
-    count: int  # relaunches decided so far (the verdict file keeps it)
     pending: bool
     node: str = ""
 

@@ -938,7 +938,7 @@ def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPo
                       "")
         pending = silent if silent and _relaunch_plan(st, [silent], policy) is not None else ""
     if pending != st.relaunch_pending:
-        out.add(RelaunchPossible(st.relaunches, bool(pending), pending))
+        out.add(RelaunchPossible(bool(pending), pending))
         st = replace(st, relaunch_pending=pending)
     return st
 

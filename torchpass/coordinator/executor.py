@@ -266,6 +266,13 @@ class Executor:
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
         self._output: str | None = None  # the job's stdout file (cached)
         self._silent_check: threading.Thread | None = None  # check_silent's worker
+        # The relaunch verdict: written by the serve thread (RelaunchPossible) and by a Relaunch's
+        # worker, under this lock; the steps the newest relaunch ended stay in every later write.
+        self._verdict_lock = threading.Lock()
+        self._verdict_steps: tuple[int, list[str] | None] = (0, None)  # (count, steps) published
+        # A verdict left by an earlier run of the job (requeued) would hide this run's relaunches
+        # from its sruns (they compare counts): this run's sruns start after its coordinator.
+        layout.relaunch_file(self.state_dir, self.job_id).unlink(missing_ok=True)
         self._next_silent_check = 0.0
 
     def move(self, migration: str) -> Move:
@@ -945,11 +952,18 @@ class Executor:
 
         self._thread(run, "drain-lost")
 
-    def _write_relaunch(self, count: int, pending: bool, node: str, steps: list[str] | None = None) -> None:
-        text = f"count={count}\npending={int(pending)}\nnode={node}\n"
-        if steps is not None:  # without it srun's exit hook relaunches any srun that ends
-            text += f"steps={','.join(s.split('.', 1)[1] for s in steps)}\n"
-        write_atomically(layout.relaunch_file(self.state_dir, self.job_id), text)
+    def _write_relaunch(self, pending: bool, node: str, relaunch: tuple[int, list[str] | None] | None = None) -> None:
+        """The verdict: with ``relaunch`` (count, the steps it ended; None: not known) a relaunch
+        whose host file is written; without, the newest relaunch's again, pending or not (a
+        pending flag never publishes a relaunch before its worker wrote the host file)."""
+        with self._verdict_lock:
+            if relaunch is not None:
+                self._verdict_steps = relaunch
+            count, steps = self._verdict_steps
+            text = f"count={count}\npending={int(pending)}\nnode={node}\n"
+            if steps is not None:  # without it srun's exit hook relaunches any srun that ends
+                text += f"steps={','.join(s.split('.', 1)[1] for s in steps)}\n"
+            write_atomically(layout.relaunch_file(self.state_dir, self.job_id), text)
 
     def _do_Relaunch(self, a: ct.Relaunch, st: CoordState) -> None:
         path = layout.hostfile(self.state_dir, self.job_id)
@@ -971,7 +985,7 @@ class Executor:
                 log.warning("cannot list the job's steps; any srun that ends is started again",
                             job_id=self.job_id, error=str(exc))
             write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
-            self._write_relaunch(a.count, False, ",".join(swap), ended)
+            self._write_relaunch(False, ",".join(swap), (a.count, ended))
             for step in ended or ():
                 try:
                     self.slurm.cancel_step(step)
@@ -983,7 +997,7 @@ class Executor:
         self._thread(run, "relaunch")
 
     def _do_RelaunchPossible(self, a: ct.RelaunchPossible, st: CoordState) -> None:
-        self._write_relaunch(a.count, a.pending, a.node)
+        self._write_relaunch(a.pending, a.node)
         log.info("relaunch verdict pending" if a.pending else "relaunch verdict no longer pending",
                  job_id=self.job_id, node=a.node)
 
