@@ -934,8 +934,9 @@ def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPo
         st = replace(st, relaunch=None)
     pending = ""
     if st.restore_point is not None:  # no restore point, no relaunch: nothing to tell srun
-        silent = next((n for n in sorted(st.rank_nodes()) if n not in st.handed and not st.node_health(n).reachable),
-                      "")
+        nodes = st.rank_nodes()  # a pass over the health reports (few silent), no sort of every node
+        silent = min((n for n, h in st.health.items() if not h.reachable and n in nodes and n not in st.handed),
+                     default="")
         pending = silent if silent and _relaunch_plan(st, [silent], policy) is not None else ""
     if pending != st.relaunch_pending:
         out.add(RelaunchPossible(bool(pending), pending))

@@ -416,11 +416,9 @@ class Executor:
 
     def save_events(self) -> None:
         """STATE_DIR/jobs/J/events.json: the event log outlives the coordinator (tpassctl, tests)."""
-        path = layout.events_json(self.state_dir, self.job_id)
         try:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps([e.as_dict() for e in self.job.events]))
-            os.replace(tmp, path)
+            write_atomically(layout.events_json(self.state_dir, self.job_id),
+                             json.dumps([e.as_dict() for e in self.job.events]))
         except OSError as exc:
             log.warning("cannot save the event log", error=str(exc))
 
