@@ -1,6 +1,6 @@
 """Live migration against checkpoint-restart, in the same run, on the devcluster.
 
-    .venv/bin/python bench/bench_migration.py [--sizes 10M,100M] [--repeat N] [--requeue-hold both|slurm|lifted]
+    .venv/bin/python bench/bench_migration.py [--sizes 10M,100M] [--repeat N] [--requeue-hold both|slurm|lifted|none]
                                               [--out bench/results/migration.json]
 
 For each model size (examples/train_ddp.py, 3-layer MLP + Adam, gloo, one
@@ -328,6 +328,14 @@ class Bench:
             "dump", "transfer", "restore", "kill_source", "rebuild")), 4)
         if started:
             res["detection_latency_s"] = round(started[0]["time"] - wall_fault, 4)
+        image_mb = res["tool_durations"].get("dump.image_mb")
+        if image_mb:
+            # The machine's own floor, right after this migration: the image's bytes written
+            # to fresh memory (what dump and restore each pay on this VM).
+            res["image_mb"] = image_mb
+            res["effective_gb_s"] = round(image_mb / 1e3 / max(res["stall_s"], 1e-3), 3)
+            res["floor"] = first_touch_floor(int(image_mb * 1e6))
+            res["effective_to_floor"] = round(res["effective_gb_s"] / res["floor"]["gb_s"], 3)
         del t_fault
         return res
 
@@ -457,8 +465,12 @@ def main() -> int:
                          "e.g. to run the same bench with other pause settings side by side")
     ap.add_argument("--requeue-hold", choices=sorted(HOLDS), default="both",
                     help="checkpoint-restart baseline: wait out Slurm's requeue hold (slurm), lift it (lifted), "
-                         "or run both side by side (both, the default)")
+                         "run both side by side (both, the default), or none (migration only: a run "
+                         "for investigation; bench/run_all.py never passes it)")
     args = ap.parse_args()
+    if args.requeue_hold == "none" and args.out == ap.get_default("out"):
+        ap.error("--requeue-hold none runs no baseline: give --out a file outside bench/results/ "
+                 "(tpassctl goodput --measured reads bench/results/migration.json)")
     sizes = [s.strip().upper() for s in args.sizes.split(",") if s.strip()]
     for s in sizes:
         if s not in PLANS:
@@ -497,10 +509,11 @@ def main() -> int:
                 results[size] = {
                     "plan": plan, "reference_step_period_s": round(ref["step_period_s"], 4),
                     "migration": mig, "migration_runs": runs,
-                    "checkpoint_restart": crs.get("slurm") or crs["lifted"],
-                    "lost_time_ratio": round((crs.get("slurm") or crs["lifted"])["lost_s"]
-                                             / max(mig["stall_s"], 1e-3), 1),
                 }
+                if crs:
+                    results[size]["checkpoint_restart"] = crs.get("slurm") or crs["lifted"]
+                    results[size]["lost_time_ratio"] = round(
+                        results[size]["checkpoint_restart"]["lost_s"] / max(mig["stall_s"], 1e-3), 1)
                 if "lifted" in crs and "slurm" in crs:
                     results[size]["checkpoint_restart_hold_lifted"] = crs["lifted"]
                     results[size]["lost_time_ratio_hold_lifted"] = round(
@@ -518,7 +531,8 @@ def main() -> int:
         "detection_latency_s": {"mean": round(statistics.mean(
             r["migration"]["detection_latency_s"] for r in results.values()), 4), "n": len(results),
             "what": "fault drill sent to migration.started (tpassd detection + coordinator decision)"},
-        "checkpoint_restart_lost_s": {s: r["checkpoint_restart"]["lost_s"] for s, r in results.items()},
+        "checkpoint_restart_lost_s": {s: r["checkpoint_restart"]["lost_s"] for s, r in results.items()
+                                      if "checkpoint_restart" in r},
         "checkpoint_restart_lost_s_hold_lifted": {s: r["checkpoint_restart_hold_lifted"]["lost_s"]
                                                   for s, r in results.items() if "checkpoint_restart_hold_lifted" in r},
         "models": results,
@@ -536,8 +550,33 @@ def main() -> int:
     return 0
 
 
+# A first-touch write of N bytes: fresh anonymous memory, every page written once (memset),
+# in a process of its own so the bench's own memory plays no part.
+FIRST_TOUCH = (
+    "import ctypes, mmap, sys, time\n"
+    "n = int(sys.argv[1])\n"
+    "m = mmap.mmap(-1, n)\n"
+    "a = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+    "t = time.monotonic()\n"
+    "ctypes.memset(a, 1, n)\n"
+    "print(time.monotonic() - t)\n"
+)
+
+
+def first_touch_floor(nbytes: int, passes: int = 3) -> dict:
+    """The machine's floor for moving ``nbytes`` into a process: the median of ``passes``
+    first-touch writes of that many bytes (GB/s and seconds, each pass kept)."""
+    times = []
+    for _ in range(passes):
+        p = run([sys.executable, "-c", FIRST_TOUCH, str(nbytes)], timeout=300)
+        times.append(float(p.stdout.strip()))
+    med = statistics.median(times)
+    return {"bytes": nbytes, "seconds": round(med, 4), "seconds_runs": [round(t, 4) for t in times],
+            "gb_s": round(nbytes / 1e9 / med, 3)}
+
+
 PLANS_ORDER = list(PLANS)
-HOLDS = {"both": ("slurm", "lifted"), "slurm": ("slurm",), "lifted": ("lifted",)}
+HOLDS = {"both": ("slurm", "lifted"), "slurm": ("slurm",), "lifted": ("lifted",), "none": ()}
 
 
 def print_table(results: dict) -> None:
@@ -549,10 +588,21 @@ def print_table(results: dict) -> None:
     print("-" * len(hdr))
     for size, r in results.items():
         m = r["migration"]
+        if "floor" in m:
+            print(f"{size:>6} image {m['image_mb']:.0f} MB, stall {m['stall_s']:.3f} s = {m['effective_gb_s']:.3f} GB/s;"
+                  f" first-touch floor {m['floor']['gb_s']:.3f} GB/s ({m['floor']['seconds']:.3f} s for the same"
+                  f" bytes); effective / floor {m['effective_to_floor']:.2f}"
+                  f"; freed before the dump {m['tool_durations'].get('quiesce.released_mb', 0):.0f} MB")
+    for size, r in results.items():
+        m = r["migration"]
         pd = m["phase_durations_s"]
         phases = " ".join(f"{k}={pd[k]}" for k in ("pause", "dump", "transfer", "restore", "kill_source", "rebuild")
                           if k in pd)
         runs = ",".join(f"{x:.2f}" for x in m.get("stall_s_runs", [m["stall_s"]]))
+        if "checkpoint_restart" not in r:
+            print(f"{size:>6} {r['reference_step_period_s']:>6.3f} | {m['stall_s']:>9.3f} {runs:>17} "
+                  f"{m['steps_lost']!s:>4} {m['bit_identical_to_reference']!s:>5} | (no baseline run) | {phases}")
+            continue
         rows = [(r["checkpoint_restart"], r["lost_time_ratio"])]
         if "checkpoint_restart_hold_lifted" in r:
             rows.append((r["checkpoint_restart_hold_lifted"], r["lost_time_ratio_hold_lifted"]))

@@ -210,6 +210,8 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str),
         "pid": _f(int),  # pid as seen from the node (host pid namespace when known)
         "hold": _f(bool),  # True: it now closes its link and waits for hold_file
+        # (issue 13) a held rank: resident memory its allocator caches gave back before the dump
+        "released_mb": _f(float, int, required=False),
     },
     "rank.resumed": {
         "job_id": _f(int),

@@ -145,6 +145,8 @@ def test_a_rank_about_to_be_dumped_waits_for_its_write_and_one_that_stays_does_n
             open_files = open_paths(pid1)
             assert not [f for f in open_files if f.startswith(str(ckpt))], open_files
             assert q[1]["hold"] and not q[0]["hold"]
+            # the rank about to be dumped freed its allocator caches; the one that stays kept them
+            assert q[1]["released_mb"] >= 0 and "released_mb" not in q[0], q
             assert q[1]["drain_s"] > 0.5 * slow_s, q  # it waited for its write
             assert q[0]["drain_s"] < 0.5 * slow_s, q  # the rank that stays did not
             assert waited >= 0.5 * slow_s

@@ -942,9 +942,10 @@ def test_paused_is_the_standstill_from_the_last_rank_at_T():
     sim.degrade("node2")
     m = sim.m
     sim.tick(0.4, *[mc.Quiesced(r, m.generation, m.pause_at) for r in range(5)])
-    sim.tick(1.0, mc.Quiesced(5, m.generation, m.pause_at, 0.25))  # the last rank gets there 1 s later
+    sim.tick(1.0, mc.Quiesced(5, m.generation, m.pause_at, 0.25, 12.5))  # the last rank gets there 1 s later
     assert sim.m.phase == Phase.DUMP and sim.m.stood_still_since == sim.now
     assert sim.m.tool_durations["quiesce.drain_s"] == 0.25
+    assert sim.m.tool_durations["quiesce.released_mb"] == 12.5  # the held rank's freed caches
     sim.dump_all()
     sim.transfer_all()
     sim.restore_all()

@@ -335,6 +335,7 @@ class Quiesced:
     generation: int
     collectives: int
     drain_s: float = 0.0  # the rank's pause to torn down (wait for in-flight work, meet the others, close)
+    released_mb: float | None = None  # a held rank: memory its allocator caches gave back before the dump
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,8 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
             first = m.first_quiesced if m.first_quiesced is not None else now
             tools = _merge_max(m.tool_durations, "quiesce", {"drain_s": round(ev.drain_s, 4)}) \
                 if ev.drain_s > 0 else m.tool_durations
+            if ev.released_mb is not None:
+                tools = _merge_max(tools, "quiesce", {"released_mb": round(ev.released_mb, 1)})
             return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}, first_quiesced=first,
                                                  tool_durations=tools))
         return st

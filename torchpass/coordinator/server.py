@@ -341,7 +341,9 @@ class CoordinatorServer:
         # phases and their figures are in the events.
         log.debug("rank quiesced", rank=b["rank"], generation=b["generation"], collectives=b["collectives"],
                  hold=b["hold"], sockets=b["sockets"], drain_s=b["drain_s"])
-        self._feed(mc.Quiesced(b["rank"], b["generation"], b["collectives"], float(b.get("drain_s") or 0.0)))
+        released = b.get("released_mb")
+        self._feed(mc.Quiesced(b["rank"], b["generation"], b["collectives"], float(b.get("drain_s") or 0.0),
+                               None if released is None else float(released)))
         return self._with_command(b["rank"], {})
 
     def _on_resumed(self, msg: wire.Message) -> dict[str, Any]:

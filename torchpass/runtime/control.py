@@ -70,6 +70,7 @@ from collections import deque
 from typing import Callable
 
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
+from torchpass.runtime.release import release_allocator_caches
 from torchpass.runtime.say import say
 from torchpass.runtime.store import AGENT_DIR_ENV, HELD_MARKER
 
@@ -719,16 +720,28 @@ class ControlLink(PauseListener):
     # -- PauseListener (called from the pausing training thread) --------------------
     def on_quiesced(self, pg: ReconfigurablePG, info: dict) -> None:
         hold = self._hold_file is not None
-        if hold and self.before_dump:
+        released: dict = {}
+        if hold:
             t0 = self.clock()
             self._guard_dump()
+            # after the guards: a checkpoint's finished write frees its buffers
+            released = self._release_caches()
             info = {**info, "drain_s": float(info["drain_s"]) + (self.clock() - t0)}
         if self._pause is not None:
             self._quiesced_wall = self.wall()  # D counts from here
         self._post("rank.quiesced", {**self._base(), "generation": int(info["next_generation"]),
                                      "collectives": pg.collectives, "sockets": int(info["sockets"]),
                                      "drain_s": float(info["drain_s"]), "node": self.node, "pid": os.getpid(),
-                                     "hold": hold})
+                                     "hold": hold, **released})
+
+    def _release_caches(self) -> dict:
+        """Free allocator caches before the dump (torchpass/runtime/release.py): the figure
+        ``released_mb`` goes to the coordinator; a failure is said and ignored."""
+        try:
+            return {"released_mb": float(release_allocator_caches()["released_mb"])}
+        except Exception as exc:  # noqa: BLE001 - never take training down
+            say(f"before the dump, freeing allocator caches: {type(exc).__name__}: {exc}")
+            return {}
 
     def on_resumed(self, pg: ReconfigurablePG, info: dict) -> None:
         self._rebuilt.set()
