@@ -17,7 +17,8 @@ order, ``--reps`` times each:
 Per save it prints the seconds training stood still (the slowest rank's), and for torchpass
 also the time to the complete checkpoint and the mean step time of the ``--steps-after`` steps
 run while the background write goes on, against steps with nothing in flight (the write
-shares the machine's cores with training). Writes bench/results/app_checkpoint.json.
+shares the machine's cores with training). Writes bench/results/app_checkpoint.json, with
+``checkpoint_blocking_s`` (per model size) for ``tpassctl goodput --measured``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,21 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def blocking_figure(table: list[dict]) -> dict | None:
+    """``checkpoint_blocking_s`` for ``tpassctl goodput --measured`` (lm_checkpoint_save_s): the
+    median blocking time of torchpass's later saves (the steady state; the first one allocates the
+    kept host copy), per model size, the largest size's as the headline figure, and torch.save's
+    of the same state beside it."""
+    mine = {s["size"]: s["blocking_s_median"] for s in table if s["method"] == "torchpass"}
+    if not mine:
+        return None
+    big = max(mine, key=lambda size: float(size.rstrip("KMGkmg") or 0) * {"K": 1e3, "M": 1e6, "G": 1e9}.get(
+        size[-1:].upper(), 1))
+    return {"p50": mine[big], "model": big, "by_model": mine,
+            "torch_save_by_model": {s["size"]: s["blocking_s_median"] for s in table if s["method"] == "torch.save"},
+            "what": "seconds one torchpass.checkpoint save blocks training (median of the saves after the first)"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="10M,100M")
@@ -192,7 +208,8 @@ def main() -> int:
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": {"cpus": os.cpu_count(), "load_1min_at_end": round(os.getloadavg()[0], 2)},
         "world": args.world, "reps": args.reps, "steps_after": args.steps_after,
-        "summary": table, "saves": rows}, indent=1) + "\n")
+        "summary": table, "saves": rows,
+        **({"checkpoint_blocking_s": fig} if (fig := blocking_figure(table)) else {})}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

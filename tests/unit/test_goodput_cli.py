@@ -324,6 +324,22 @@ def test_measured_model_size_without_per_model_figures_says_so(tmp_path):
     assert any("pause of 100M only" in w and "used for 7B" in w for w in doc["warnings"]), doc["warnings"]
 
 
+def test_measured_checkpoint_blocking_is_the_one_for_the_model_size(tmp_path):
+    # As bench_app_checkpoint writes it: torchpass.checkpoint's blocking time per model size.
+    results = tmp_path / "app_checkpoint.json"
+    results.write_text(json.dumps({"checkpoint_blocking_s": {
+        "p50": 0.157, "model": "100M", "by_model": {"10M": 0.022, "100M": 0.157},
+        "torch_save_by_model": {"10M": 0.287, "100M": 2.825}}}))
+    doc = run_json("--measured", str(results), "--model-size", "10M", "--no-simulate")
+    assert doc["inputs"]["lm_checkpoint_save_s"] == 0.022
+    assert doc["input_sources"]["lm_checkpoint_save_s"] == f"measured {results}"
+    assert any("torchpass.checkpoint save blocking 0.022 s measured with the 10M model" in w
+               for w in doc["warnings"]), doc["warnings"]
+    big = run_json("--measured", str(results), "--no-simulate")
+    assert big["inputs"]["lm_checkpoint_save_s"] == 0.157
+    assert big["inputs"]["checkpoint_save_s"] == 30.0  # checkpoint-restart's own save is the user's
+
+
 def test_model_size_is_checked(tmp_path):
     results = _by_model_results(tmp_path / "migration.json")
     result = run("--model-size", "10M")

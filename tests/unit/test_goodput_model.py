@@ -130,6 +130,25 @@ def test_hard_failures_are_relaunched_with_a_hot_spare_except_the_batch_hosts():
     assert model.requeued_share(round_inputs()) == 1.0 and (pool.hard_recovery_h, pool.hard_wait_h) == (0.5, 0.5)
 
 
+def test_torchpass_checkpoint_save_cost_is_live_migrations_own():
+    """lm_checkpoint_save_s (torchpass.checkpoint's blocking time) is what live migration's saves
+    cost, and moves its optimal interval; checkpoint-restart keeps checkpoint_save_s. Unset: the
+    same save cost for both."""
+    free = dict(checkpoint_interval_s=None, interval_rule="young")
+    same = model.plans(round_inputs(**free))
+    own = model.plans(round_inputs(**free, lm_checkpoint_save_s=36.0))  # 0.01 h against 0.1 h
+    assert same["live_migration"].save_h == same["checkpoint_restart"].save_h == pytest.approx(0.1)
+    assert own["live_migration"].save_h == pytest.approx(0.01)
+    assert own["checkpoint_restart"] == same["checkpoint_restart"]
+    hard_mtbf = 1.0 / own["live_migration"].hard_rate
+    assert own["live_migration"].interval_h == pytest.approx(math.sqrt(2 * 0.01 * hard_mtbf))
+    assert own["live_migration"].interval_h < same["live_migration"].interval_h
+    # cheaper saves, more often: less time lost in all for the same failures
+    a = evaluate(round_inputs(**free)).strategies["live_migration"]
+    b = evaluate(round_inputs(**free, lm_checkpoint_save_s=36.0)).strategies["live_migration"]
+    assert b.wall_hours < a.wall_hours and b.checkpoints > a.checkpoints
+
+
 def test_savings_are_differences_of_monthly_loss():
     s = evaluate(round_inputs()).strategies
     assert s["checkpoint_restart"].savings_vs_checkpoint_restart_usd_per_month == 0.0

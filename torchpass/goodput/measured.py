@@ -14,15 +14,18 @@ docs/benchmarks.md may carry the same figures in a fenced block tagged
 Each figure is an object of statistics or a bare number. The model needs
 expected values, so ``mean`` is used, else ``p50``. bench_hard_failure adds
 ``hard_failure_relaunch_s`` (a node lost outright to training resumed from the
-newest checkpoint: ``lm_relaunch_s``). Any of the keys may be missing; a file
+newest checkpoint: ``lm_relaunch_s``), bench_app_checkpoint
+``checkpoint_blocking_s`` (how long one torchpass.checkpoint save blocks
+training: ``lm_checkpoint_save_s``). Any of the keys may be missing; a file
 with none of them is not a results file for this purpose.
 
 The pause grows with the model (its image is moved), so bench_migration also
 writes the stall of every model it measured, ``"by_model": {"10M": 1.2,
 "100M": 7.6}`` inside ``migration_pause_s`` (its ``mean`` is the largest
-model's). With a model size (``tpassctl goodput --measured --model-size
-1B``) the pause is the one measured for that size, else for the nearest
-measured size (by ratio: 1B is nearer 100M than 10B is); a note says which.
+model's); so does bench_app_checkpoint's ``checkpoint_blocking_s``. With a
+model size (``tpassctl goodput --measured --model-size 1B``) each of these
+is the one measured for that size, else for the nearest measured size (by
+ratio: 1B is nearer 100M than 10B is); a note says which.
 """
 
 from __future__ import annotations
@@ -42,9 +45,15 @@ MEASURED_KEYS = {
     "migration_pause_s": "lm_migrate_s",
     "steady_state_overhead": "lm_overhead",
     "hard_failure_relaunch_s": "lm_relaunch_s",
+    "checkpoint_blocking_s": "lm_checkpoint_save_s",
 }
 STATISTICS = ("mean", "p50")
 PAUSE_KEY = "migration_pause_s"
+# The figures that grow with the model, measured per size ("by_model"), and what each is called in notes.
+BY_MODEL_KEYS = {
+    PAUSE_KEY: ("migration pause", "the pause grows with the model's memory"),
+    "checkpoint_blocking_s": ("torchpass.checkpoint save blocking", "the copy to host memory grows with the state"),
+}
 RESULTS_GLOB = "bench/results/*.json"
 BENCHMARKS_DOC = "docs/benchmarks.md"
 _FENCE = re.compile(r"^```json[ \t]+torchpass-measured[ \t]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -99,25 +108,26 @@ def nearest_size(wanted: str, measured: list[str]) -> str:
     return min(measured, key=lambda s: (abs(math.log(model_params(s)) - w), -model_params(s)))
 
 
-def _pause_for_size(where: str, raw: Any, model_size: str) -> tuple[float, str, str]:
-    """(pause, statistic, note) from ``migration_pause_s`` for ``model_size``."""
+def _for_size(where: str, key: str, raw: Any, model_size: str) -> tuple[float, str, str]:
+    """(figure, statistic, note) from ``key``'s ``by_model`` for ``model_size`` (a BY_MODEL_KEYS key)."""
+    what, why = BY_MODEL_KEYS[key]
     by_model = raw.get("by_model") if isinstance(raw, dict) else None
     if not isinstance(by_model, dict) or not by_model:
-        value, used = _figure(where, PAUSE_KEY, raw)
+        value, used = _figure(where, key, raw)
         of = raw.get("model") if isinstance(raw, dict) else None
-        return value, used, (f"{where} has the migration pause of {of} only, not one per model size: "
+        return value, used, (f"{where} has the {what} of {of} only, not one per model size: "
                              f"{value:g} s used for {model_size}" if of else
-                             f"{where} does not say which model its migration pause ({value:g} s) is from; "
+                             f"{where} does not say which model its {what} ({value:g} s) is from; "
                              f"used for {model_size}")
     for size in by_model:
         model_params(size)  # a bad key is named, not skipped
     chosen = nearest_size(model_size, list(by_model))
-    value, used = _figure(where, f"{PAUSE_KEY}.by_model.{chosen}", by_model[chosen])
+    value, used = _figure(where, f"{key}.by_model.{chosen}", by_model[chosen])
     sizes = ", ".join(sorted(by_model, key=model_params))
     if model_params(chosen) == model_params(model_size):
-        return value, used, f"migration pause {value:g} s measured with the {chosen} model (measured: {sizes})"
-    return value, used, (f"migration pause {value:g} s from the {chosen} model, the measured size nearest "
-                         f"{model_size} (measured: {sizes}); the pause grows with the model's memory")
+        return value, used, f"{what} {value:g} s measured with the {chosen} model (measured: {sizes})"
+    return value, used, (f"{what} {value:g} s from the {chosen} model, the measured size nearest "
+                         f"{model_size} (measured: {sizes}); {why}")
 
 
 def parse(data: Any, where: str, model_size: str | None = None) -> Measured | None:
@@ -134,14 +144,14 @@ def parse(data: Any, where: str, model_size: str | None = None) -> Measured | No
     stats: dict[str, str] = {}
     notes: list[str] = []
     for key in present:
-        if key == PAUSE_KEY and model_size is not None:
-            value, used, note = _pause_for_size(where, data[key], model_size)
+        if key in BY_MODEL_KEYS and model_size is not None:
+            value, used, note = _for_size(where, key, data[key], model_size)
             notes.append(note)
         else:
             value, used = _figure(where, key, data[key])
-            by_model = data[key].get("by_model") if key == PAUSE_KEY and isinstance(data[key], dict) else None
+            by_model = data[key].get("by_model") if key in BY_MODEL_KEYS and isinstance(data[key], dict) else None
             if isinstance(by_model, dict) and len(by_model) > 1:
-                notes.append(f"migration pause {value:g} s is {where}'s headline figure"
+                notes.append(f"{BY_MODEL_KEYS[key][0]} {value:g} s is {where}'s headline figure"
                              + (f" (the {data[key]['model']} model)" if data[key].get("model") else "")
                              + f"; --model-size picks the one measured for your model "
                              f"(measured: {', '.join(map(str, by_model))})")

@@ -19,7 +19,8 @@ Three strategies share one evaluator; each is described by a ``StrategyPlan``:
   is tuned to the lower rate of hard failures) and, with
   ``lm_hard_failure = relaunch`` and a hot spare, cost ``lm_relaunch_s``
   instead of a requeue, except a failure of the job's batch host (1 node in
-  ``nodes``), which is still requeued.
+  ``nodes``), which is still requeued. Its checkpoints block training for
+  ``lm_checkpoint_save_s`` each (torchpass.checkpoint), if given.
 
 This module needs only the standard library.
 """
@@ -176,6 +177,13 @@ INPUT_SPECS: tuple[InputSpec, ...] = (
         0, True, 30 * 86400,
     ),
     InputSpec(
+        "lm_checkpoint_save_s", float,
+        "Live migration: seconds one checkpoint save blocks training when the job saves with "
+        "torchpass.checkpoint (the copy to host memory; the write runs in the background). "
+        "Default: checkpoint_save_s.",
+        0, False, 30 * 86400, optional=True,
+    ),
+    InputSpec(
         "weibull_shape", float,
         "Simulator only: Weibull shape of the times between failures "
         "(1 = exponential; below 1 = clustered failures). Default: Poisson.",
@@ -231,6 +239,7 @@ class GoodputInputs:
     # relaunched step's start and checkpoint load (60 s): docs/goodput.md.
     lm_hard_failure: str = "relaunch"
     lm_relaunch_s: float = 200.0
+    lm_checkpoint_save_s: float | None = None
     weibull_shape: float | None = None
 
     def __post_init__(self) -> None:
@@ -574,7 +583,10 @@ def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
     # in soft_fraction: such a fault is a hard one).
     soft = inp.soft_fraction if inp.spare_policy != "none" else 0.0
     lm_hard = lam * (1.0 - soft)
-    lm_interval, lm_rule = _interval(inp, save_h, lm_hard)
+    # torchpass.checkpoint blocks only for its copy to host memory; its own, shorter, save
+    # cost moves live migration's optimal interval too.
+    lm_save_h = save_h if inp.lm_checkpoint_save_s is None else inp.lm_checkpoint_save_s / SECONDS_PER_HOUR
+    lm_interval, lm_rule = _interval(inp, lm_save_h, lm_hard)
     # A relaunch replaces the lost node with a hot spare inside the allocation; the batch host's
     # failure takes the coordinator with it and is requeued (its share: one node in ``nodes``).
     requeued = requeued_share(inp)
@@ -583,7 +595,7 @@ def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
         name="live_migration", overhead=inp.lm_overhead, hard_rate=lm_hard, soft_rate=lam * soft,
         hard_recovery_h=lm_hard_recovery_h, hard_wait_h=requeued * wait_h,
         soft_recovery_h=(inp.lm_detect_s + inp.lm_migrate_s) / SECONDS_PER_HOUR, soft_wait_h=0.0,
-        checkpointing=True, save_h=save_h, interval_h=lm_interval, interval_rule=lm_rule,
+        checkpointing=True, save_h=lm_save_h, interval_h=lm_interval, interval_rule=lm_rule,
     )
     return {p.name: p for p in (checkpoint_restart, checkpointless, live_migration)}
 
