@@ -13,7 +13,6 @@ their caches warm.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 import time
@@ -30,11 +29,10 @@ def _resident_bytes() -> int:
 
 
 def _malloc_trim() -> None:
-    # glibc only (musl has no malloc_trim): a missing symbol is not an error.
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    # The process's own symbols (libc among them), not ctypes.util.find_library, which runs
+    # ldconfig in a child process. glibc only (musl has no malloc_trim): a missing symbol is
+    # not an error.
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim.argtypes = [ctypes.c_size_t]
         trim(0)
