@@ -17,8 +17,12 @@ killed at once, as in a power cut. Checked:
   that slurmctld no longer hears the node): one ``node.drained`` event naming the witness;
   slurmctld then marks it DOWN and keeps the reason (docs/coordinator.md, "A node lost outright");
 * no process of the crashed node is left, nor its UTS and mount namespaces;
-* the job's step is cancelled "DUE TO NODE FAILURE" and the job, a requeueable batch job (Slurm's
-  default), is requeued: Restarts=1, pending behind its requeue hold. The test cancels it;
+* the job, a requeueable batch job (Slurm's default), is requeued: Restarts=1, pending behind its
+  requeue hold. The test cancels it. Run twice: plainly, where slurmctld requeues it when it marks
+  the node DOWN ("DUE TO NODE FAILURE") unless the coordinator's own requeue (after the drain)
+  came first; and with ``sbatch --no-kill`` (what a relaunch needs), where slurmctld would leave the
+  job running with its other ranks waiting for the lost one, and the coordinator requeues it
+  (``job.requeued``);
 * the coordinator ended.
 
 The node is revived at the end: its slurmd registers, and it stays drained (it does not return to
@@ -53,7 +57,7 @@ from drill import Drill
 from slurm_helpers import until as _until
 
 from torchpass import layout
-from torchpass.coordinator.decide import SLURM_ON_LOST_NODE
+from torchpass.coordinator.decide import ENDED_LIKE_SLURM, SLURM_ON_LOST_NODE
 from torchpass.devcluster.cluster import pid_alive
 
 pytestmark = pytest.mark.integration
@@ -82,13 +86,16 @@ def _ns_holders(kind: str, inode: str) -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("no_kill", [False, True], ids=["slurm-kills", "no-kill"])
 def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_event(cluster, plugin_built, job_dir,
-                                                                                  job_user):
+                                                                                  job_user, no_kill):
     rng = random.Random(SEED)
     node, at = rng.choice(("node2", "node3")), rng.randint(3, 15)
-    what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): crash of {node} at step {at}"
+    what = (f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): crash of {node} at step {at}"
+            + (", sbatch --no-kill" if no_kill else ""))
     print(f"\n{what}")
-    job_id = tj.submit(job_dir, "crash", steps=3000, nodes=4, user=job_user.name)
+    job_id = tj.submit(job_dir, "crash", steps=3000, nodes=4, user=job_user.name,
+                       sbatch_extra=("--no-kill",) if no_kill else ())
     out = job_dir / f"crash.{job_id}.out"
 
     def diag() -> str:
@@ -132,7 +139,7 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         print(f"node.lost after {time.monotonic() - t0:.1f} s: {lost['message']}")
         assert lost["data"]["node"] == node and lost["data"]["snapshot"] is None, diag()
         assert "no snapshot of the job to restore from" in lost["message"], diag()
-        assert SLURM_ON_LOST_NODE in lost["message"], diag()
+        assert SLURM_ON_LOST_NODE in lost["message"] and ENDED_LIKE_SLURM in lost["message"], diag()
         assert "tpassd silent; slurmctld reports" in lost["message"], diag()
 
         # Drained with torchpass's reason, through a node of the job that is still there.
@@ -146,16 +153,28 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         reason = drained["data"]["reason"]
         assert reason.startswith(f"torchpass: {node} failed outright"), reason
 
-        # Slurm: the node DOWN, the step cancelled for the node failure, the job requeued.
-        def requeued():
+        # The job requeued: by the coordinator after the drain, or by slurmctld when it marks the node
+        # DOWN, whichever comes first; with --no-kill slurmctld would not, and only the coordinator's
+        # requeue keeps the job's other ranks from waiting in their collectives for the lost one.
+        def requeued():  # pending again (a requeue leaves it COMPLETING until the lost node is DOWN)
             j = tj.job(job_id)
-            return j if int(j.get("restart_cnt", 0)) >= 1 or not set(j["job_state"]) & tj.ACTIVE else None
+            again = int(j.get("restart_cnt", 0)) >= 1 and "PENDING" in j["job_state"]
+            return j if again or not set(j["job_state"]) & tj.ACTIVE else None
 
         final = wait(requeued, 90, "the job's requeue", every=0.5)
         print(f"job {job_id}: {final['job_state']}, Restarts={final.get('restart_cnt')}, "
               f"{final.get('state_reason')} ({time.monotonic() - t0:.1f} s after the crash)")
         assert int(final["restart_cnt"]) == 1 and "PENDING" in final["job_state"], (final["job_state"], diag())
-        assert "DUE TO NODE FAILURE" in out.read_text(), diag()
+        ours = [e for e in drill.events(cluster, job_id) if e["kind"].startswith("job.")]
+        print(f"the coordinator's word on the job: {[e['kind'] for e in ours]}")
+        if no_kill:
+            assert [e["kind"] for e in ours] == ["job.requeued"], (ours, diag())
+            assert ours[0]["data"]["node"] == node
+        else:  # slurmctld's own requeue, or the coordinator's if it came first (then slurmctld finds it pending)
+            assert [e["kind"] for e in ours] in (["job.requeued"], ["job.not_ended"], []), (ours, diag())
+            if not ours or ours[0]["kind"] != "job.requeued":
+                assert "DUE TO NODE FAILURE" in out.read_text(), diag()
+        wait(lambda: "DOWN" in tj.node(node)["state"], 60, f"slurmctld marking {node} DOWN", every=0.5)
         down = tj.node(node)
         # slurmctld keeps the drain's reason when it marks the node DOWN, and appends its own
         assert {"DOWN", "DRAIN"} <= set(down["state"]) and down.get("reason", "").startswith(reason), \

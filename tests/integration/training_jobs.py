@@ -37,12 +37,12 @@ def train_script(job_dir: Path) -> Path:
 
 
 def submit(job_dir: Path, tag: str, steps: int, nodes: int, torchpass: str = "spares=1",
-           user: str | None = None) -> int:
+           user: str | None = None, sbatch_extra: tuple[str, ...] = ()) -> int:
     """sbatch examples/train_ddp.py (1M parameters, one rank per training node) as ``user``
     (root if None), run by the job Python; the job id. The job's coordinator is strict
-    (tests/conftest.py's TORCHPASS_STRICT_TRANSITIONS)."""
+    (tests/conftest.py's TORCHPASS_STRICT_TRANSITIONS). ``sbatch_extra``: more sbatch options."""
     strict = {k: v for k, v in os.environ.items() if k == "TORCHPASS_STRICT_TRANSITIONS"}
-    proc = sbatch(["-N", str(nodes), "--ntasks-per-node=1", f"--torchpass={torchpass}",
+    proc = sbatch(["-N", str(nodes), "--ntasks-per-node=1", f"--torchpass={torchpass}", *sbatch_extra,
                    "-o", str(job_dir / f"{tag}.%j.out")],
                   "#!/bin/bash\n"
                   f"srun {job_python()} {train_script(job_dir)} --steps {steps} --params 1M --sleep 0.05\n",

@@ -36,10 +36,13 @@ class FakeHealth:
 
 
 class FakeSlurm:
-    def __init__(self, states: dict[str, tuple[str, ...]]):
+    def __init__(self, states: dict[str, tuple[str, ...]], requeueable: bool = True, state: str = "RUNNING"):
         self.states = states
         self.asked = 0
         self.cancelled: list[str] = []
+        self.requeueable = requeueable
+        self.state = state
+        self.calls: list[str] = []  # requeue, cancel_step, in order
 
     def steps(self, job_id):
         return [StepInfo(f"{job_id}.batch", "batch", ("n1",), "RUNNING"),
@@ -48,9 +51,13 @@ class FakeSlurm:
 
     def cancel_step(self, step_id):
         self.cancelled.append(step_id)
+        self.calls.append(f"cancel {step_id}")
+
+    def requeue(self, job_id):
+        self.calls.append(f"requeue {job_id}")
 
     def job(self, job_id):
-        return JobInfo(job_id, "train", "u", 1001, "RUNNING", NODES, batch_host="n1")
+        return JobInfo(job_id, "train", "u", 1001, self.state, NODES, batch_host="n1", requeue=self.requeueable)
 
     def nodes(self):
         self.asked += 1
@@ -259,5 +266,62 @@ def test_a_lost_node_with_a_checkpoint_but_no_free_spare_is_handed_to_slurm(tmp_
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn2\nn3\n"
     assert not layout.relaunch_file(tmp_path, 42).exists()  # no relaunch possible: srun never waits
     assert d.state.relaunches == 0 and d.state.ranks and d.state.handed == frozenset({"n2"})
-    assert slurm.cancelled == []
+    _pump_for(d, 3.0, until=lambda: bool(slurm.calls))
+    assert slurm.calls == ["requeue 42"]  # as slurmctld would, also for a --no-kill job; no step ended
     assert "were lost; no snapshot" in check_snapshot_request(d.state)[1]  # n2's rank is gone with it
+
+
+# -- no relaunch possible: what slurmctld does to a job without --no-kill, done now ------------------
+class OrderedWitness(WitnessTpassd):
+    """The witness's drain, logged in the same list as Slurm's calls (the drain must come first)."""
+
+    def __init__(self, calls: list[str]):
+        super().__init__({})
+        self.log = calls
+
+    def request(self, node, type_, body, timeout_s):
+        self.log.append(f"drain {body['node']} via {node}")
+        return super().request(node, type_, body, timeout_s)
+
+
+def _lost_no_relaunch(tmp_path, slurm: FakeSlurm) -> Driver:
+    health = FakeHealth()
+    d = _driver(tmp_path, slurm, health)
+    d.executor.tpassd = OrderedWitness(slurm.calls)
+    layout.events_json(tmp_path, 42).parent.mkdir(parents=True)
+    health.silent["n2"] = 12.0
+    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("job.")])
+    return d
+
+
+def test_a_lost_node_without_a_relaunch_requeues_a_requeueable_job_after_the_drain(tmp_path):
+    """No restore point: the job is requeued now, as slurmctld would at DOWN without --no-kill
+    (with --no-kill it would leave the other ranks waiting in their collectives)."""
+    slurm = FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")})
+    d = _lost_no_relaunch(tmp_path, slurm)
+    assert slurm.calls == ["drain n2 via n1", "requeue 42"], slurm.calls
+    kinds = [e.kind for e in d.job.events if e.kind.startswith(("node.", "job."))]
+    assert kinds == ["node.lost", "node.drained", "job.requeued"], kinds
+    (ev,) = [e for e in d.job.events if e.kind == "job.requeued"]
+    assert "n2 lost, no relaunch possible" in ev.message and ev.data == {"node": "n2"}
+    saved = [e["kind"] for e in json.loads(layout.events_json(tmp_path, 42).read_text())]
+    assert "job.requeued" in saved
+    _pump_for(d, 1.0)
+    assert slurm.calls.count("requeue 42") == 1  # once
+
+
+def test_a_lost_node_without_a_relaunch_ends_the_steps_on_it_when_the_job_is_not_requeueable(tmp_path):
+    slurm = FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")}, requeueable=False)
+    d = _lost_no_relaunch(tmp_path, slurm)
+    # only the step with a task on n2; not the batch step, not a step on n1 alone
+    assert slurm.calls == ["drain n2 via n1", "cancel 42.0"], slurm.calls
+    (ev,) = [e for e in d.job.events if e.kind == "job.steps_ended"]
+    assert ev.data["steps"] == ["42.0"] and "not requeueable" in ev.message, ev.message
+
+
+def test_a_job_slurmctld_already_ended_is_left_as_it_is(tmp_path):
+    slurm = FakeSlurm({"n2": ("DOWN", "NOT_RESPONDING")}, state="COMPLETING")
+    d = _lost_no_relaunch(tmp_path, slurm)
+    assert [c for c in slurm.calls if not c.startswith("drain")] == []
+    (ev,) = [e for e in d.job.events if e.kind == "job.not_ended"]
+    assert "slurmctld reports the job COMPLETING already" in ev.message, ev.message

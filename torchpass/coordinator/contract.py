@@ -146,10 +146,16 @@ class Shrink:
 @dataclass(frozen=True)
 class HandToSlurm:
     """The node is lost with no clean dump possible: leave it to Slurm's normal
-    behaviour (no torchpass action beyond the event). No outcome needed."""
+    behaviour (no torchpass action beyond the event and the drain). No outcome needed.
+
+    ``end_job``: the node was lost outright and the job cannot be relaunched: after the drain,
+    do what slurmctld does to a job without ``--no-kill`` when it marks one of its nodes DOWN
+    (requeue a requeueable batch job, else end its steps on the node), so that a job submitted
+    with ``--no-kill`` for torchpass's relaunch does not hang instead (docs/coordinator.md)."""
 
     node: str
     reason: str
+    end_job: bool = False
 
 
 @dataclass(frozen=True)

@@ -815,6 +815,11 @@ def _start_transfer(out: _Out, st: CoordState, m: Migration, now: float, policy:
 # from yet): measured on the devcluster (tests/integration/test_hard_failure.py).
 SLURM_ON_LOST_NODE = ("slurmctld marks the node DOWN once it stops answering (SlurmdTimeout) and ends the job "
                       "as a node failure: a requeueable batch job is requeued, any other ends NODE_FAIL")
+# What the coordinator itself does then (HandToSlurm end_job): the same, at once, also for a job
+# submitted with --no-kill (which torchpass's relaunch needs), which slurmctld would leave running
+# with ranks waiting in their collectives for a peer that is gone.
+ENDED_LIKE_SLURM = ("torchpass does the same now, after the drain, also for a job run with --no-kill: "
+                    "requeues it if it is a requeueable batch job, else ends its steps on the node")
 
 
 def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -833,10 +838,10 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
     for node in lost:
         h = st.node_health(node)
         reason = f"torchpass: {node} failed outright ({_health_text(h)}); no clean dump possible"
-        out.add(HandToSlurm(node, reason))
+        out.add(HandToSlurm(node, reason, end_job=True))
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible "
                   f"and {_no_relaunch_why(st, lost, policy)}; handed to Slurm's normal handling: "
-                  f"{SLURM_ON_LOST_NODE}",
+                  f"{SLURM_ON_LOST_NODE}; {ENDED_LIKE_SLURM}",
                   node=node, snapshot=None, checkpoint=st.restore_point[0] if st.restore_point else None,
                   ranks=list(st.rank_nodes()[node]))
         st = replace(st, handed=st.handed | {node},

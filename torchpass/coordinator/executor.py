@@ -54,7 +54,11 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   applies. A node is lost outright when its tpassd fell silent and slurmctld, asked by
   ``check_silent`` in a worker at most every SILENT_CHECK_S, does not hear it either
   (docs/coordinator.md, "A node lost outright"). Such a node is also drained, through
-  another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``).
+  another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``). With
+  ``end_job`` (no relaunch possible), after the drain the job is requeued if slurmctld
+  may requeue it (``scontrol requeue``, event ``job.requeued``), else its steps with a
+  task on the node are ended (``job.steps_ended``): what slurmctld does at DOWN to a job
+  without ``--no-kill``, done at once and also for a ``--no-kill`` job.
 * Relaunch: the job's host file (layout.hostfile, which places every srun of
   the batch script) gets each lost node's lines replaced by its spare, then the
   relaunch verdict (layout.relaunch_file) counts one more relaunch and lists the
@@ -216,6 +220,18 @@ class AbortsFinished:
 
 
 @dataclass(frozen=True)
+class LostNodeEnded:
+    """Executor-internal outcome: what became of a job that lost ``node`` and cannot be
+    relaunched (HandToSlurm ``end_job``): ``how`` "requeued", "steps_ended" or "" (nothing done:
+    ``why``). Recorded as an event."""
+
+    node: str
+    how: str
+    why: str
+    steps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LostNodeDrain:
     """Executor-internal outcome: the drain of a node lost outright, through another node's
     tpassd (``witness``), succeeded (``error`` None) or not. Recorded as an event."""
@@ -367,6 +383,25 @@ class Executor:
                                 "what remains", node=outcome.node, error=outcome.error)
             log.warning("lost node drained" if outcome.error is None else "lost node not drained", node=outcome.node,
                         witness=outcome.witness, error=outcome.error)
+            self.save_events()
+            return True
+        elif isinstance(outcome, LostNodeEnded):
+            if outcome.how == "requeued":
+                self.job.record(self.wall(), "job.requeued",
+                                f"job requeued by torchpass, as slurmctld requeues a batch job that loses a node "
+                                f"({outcome.node} lost, no relaunch possible): it starts again from its batch "
+                                "script under the same job id", node=outcome.node)
+            elif outcome.how == "steps_ended":
+                self.job.record(self.wall(), "job.steps_ended",
+                                f"{outcome.why}: step(s) {', '.join(outcome.steps)} with a task on {outcome.node} "
+                                "ended, as slurmctld would end the job; the batch script goes on",
+                                node=outcome.node, steps=list(outcome.steps), why=outcome.why)
+            else:
+                self.job.record(self.wall(), "job.not_ended",
+                                f"the job was left as it is after losing {outcome.node}: {outcome.why}",
+                                node=outcome.node, why=outcome.why)
+            log.warning("job after a lost node", node=outcome.node, how=outcome.how or "left", why=outcome.why,
+                        steps=list(outcome.steps))
             self.save_events()
             return True
         elif isinstance(outcome, AbortsFinished):
@@ -926,13 +961,14 @@ class Executor:
         # with it, so another node of the job witnesses for it. docs/coordinator.md, "A node lost
         # outright".
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
-        if self.tpassd is None or st.node_health(a.node).reachable:
+        drain = self.tpassd is not None and not st.node_health(a.node).reachable
+        if not drain and not a.end_job:
             return
         witnesses = sorted((n for n in {*st.rank_nodes(), *(sp.node for sp in st.spares)}
                             if n != a.node and n not in st.handed and st.node_health(n).reachable),
                            key=lambda n: (st.node_health(n).state != State.HEALTHY, n))
 
-        def run() -> None:
+        def drain_through_a_witness() -> None:
             tried = []
             for node in witnesses:
                 try:
@@ -948,7 +984,41 @@ class Executor:
             self.post(LostNodeDrain(a.node, a.reason, None, "", "; ".join(tried) or "no other node of the job "
                                                                                   "has a tpassd that answers"))
 
+        def run() -> None:
+            # The drain first: the witness's tpassd drains only a node slurmctld says the job still
+            # runs on, which a requeue would end.
+            if drain:
+                drain_through_a_witness()
+            if a.end_job:
+                self.post(self._end_as_node_failure(a.node))
+
         self._thread(run, "drain-lost")
+
+    def _end_as_node_failure(self, node: str) -> LostNodeEnded:
+        """What slurmctld does to a job without --no-kill when it marks one of its nodes DOWN, done
+        now: requeue a requeueable batch job, else end the steps with a task on the node. Without it
+        a job run with --no-kill (as torchpass's relaunch needs) that cannot be relaunched would keep
+        its other ranks waiting in their collectives (until their timeout: 10 to 30 minutes)."""
+        if self.slurm is None:
+            return LostNodeEnded(node, "", "no Slurm client")
+        try:
+            job = self.slurm.job(self.job_id)
+            if job is None or job.state != "RUNNING":
+                return LostNodeEnded(node, "", f"slurmctld reports the job {job.state if job else 'gone'} already")
+            if job.requeue and job.batch:
+                self.slurm.requeue(self.job_id)
+                return LostNodeEnded(node, "requeued", "")
+            why = ("the job is not requeueable (--no-requeue, or JobRequeue=0 in slurm.conf)" if job.batch
+                   else "the job is an allocation, not a batch job")
+            steps = tuple(s.step_id for s in self.slurm.steps(self.job_id) if s.user_step and node in s.nodes)
+            for step in steps:
+                self.slurm.cancel_step(step)
+            if not steps:
+                return LostNodeEnded(node, "", f"{why}; no step of the job has a task on {node} any more")
+            return LostNodeEnded(node, "steps_ended", why, steps)
+        except TorchpassError as exc:
+            return LostNodeEnded(node, "", f"slurmctld refused or did not answer ({exc}); slurmctld's own DOWN "
+                                           "handling is what remains")
 
     def _write_relaunch(self, pending: bool, node: str, relaunch: tuple[int, list[str] | None] | None = None) -> None:
         """The verdict: with ``relaunch`` (count, the steps it ended; None: not known) a relaunch
@@ -1224,4 +1294,4 @@ class Driver:
             self.executor.close()
 
 
-__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "Move", "TpassdClient", "resume_port"]
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "Move", "TpassdClient", "resume_port"]

@@ -44,6 +44,9 @@ class JobInfo:
     qos: str = ""
     end_time: int | None = None  # epoch seconds the job's time limit ends (None: unlimited/unknown)
     output: str = ""  # the batch script's stdout file ("": not known)
+    # Slurm may requeue it (a batch job submitted with --requeue or under JobRequeue=1); None: not known
+    requeue: bool | None = None
+    batch: bool = True  # a batch job (sbatch), not an salloc allocation
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -142,3 +145,8 @@ class SlurmClient(ABC):
     @abstractmethod
     def cancel_step(self, step_id: str) -> None:
         """End one step of a job ("J.S"), its tasks killed; the job runs on."""
+
+    @abstractmethod
+    def requeue(self, job_id: int) -> None:
+        """Requeue a running batch job (``scontrol requeue``; its owner may): its processes end
+        and it pends again under the same job id, its restart count one higher."""

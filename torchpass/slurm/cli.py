@@ -90,6 +90,8 @@ class CliSlurmClient(SlurmClient):
             qos=j.get("qos", "") or "",
             end_time=_number(j.get("end_time")),
             output=j.get("standard_output", "") or "",
+            requeue=bool(j["requeue"]) if isinstance(j.get("requeue"), bool) else None,
+            batch=bool(j.get("batch_flag", True)),
             extra={"raw_nodes": nodes},
         )
 
@@ -210,3 +212,6 @@ class CliSlurmClient(SlurmClient):
     def cancel_step(self, step_id: str) -> None:
         job, _, step = step_id.partition(".")
         self._run(["scancel", f"{int(job)}.{int(step)}"])
+
+    def requeue(self, job_id: int) -> None:
+        self._run(["scontrol", "requeue", str(int(job_id))])

@@ -79,6 +79,8 @@ class PyslurmClient(CliSlurmClient):
             qos=getattr(j, "qos", "") or "",
             end_time=int(j.end_time) if getattr(j, "end_time", None) else None,
             output=getattr(j, "standard_output", "") or "",
+            requeue=j.is_requeueable if isinstance(getattr(j, "is_requeueable", None), bool) else None,
+            batch=bool(getattr(j, "is_batch_job", True)),
         )
 
     def nodes(self) -> list[NodeInfo]:
