@@ -36,7 +36,7 @@ class FakeHealth:
 
 
 class FakeSlurm:
-    def __init__(self, states: dict[str, tuple[str, ...]], requeueable: bool = True, state: str = "RUNNING"):
+    def __init__(self, states: dict[str, tuple[str, ...]], requeueable: bool | None = True, state: str = "RUNNING"):
         self.states = states
         self.asked = 0
         self.cancelled: list[str] = []
@@ -317,6 +317,12 @@ def test_a_lost_node_without_a_relaunch_ends_the_steps_on_it_when_the_job_is_not
     assert slurm.calls == ["drain n2 via n1", "cancel 42.0"], slurm.calls
     (ev,) = [e for e in d.job.events if e.kind == "job.steps_ended"]
     assert ev.data["steps"] == ["42.0"] and "not requeueable" in ev.message, ev.message
+    # a record without the requeue flag: not requeued on a guess, and said so
+    unknown = FakeSlurm({"n2": ("MIXED", "NOT_RESPONDING")}, requeueable=None)
+    d = _lost_no_relaunch(tmp_path / "b", unknown)
+    assert unknown.calls == ["drain n2 via n1", "cancel 42.0"], unknown.calls
+    (ev,) = [e for e in d.job.events if e.kind == "job.steps_ended"]
+    assert "slurmctld does not say whether the job may be requeued" in ev.message, ev.message
 
 
 def test_a_job_slurmctld_already_ended_is_left_as_it_is(tmp_path):

@@ -1008,8 +1008,9 @@ class Executor:
             if job.requeue and job.batch:
                 self.slurm.requeue(self.job_id)
                 return LostNodeEnded(node, "requeued", "")
-            why = ("the job is not requeueable (--no-requeue, or JobRequeue=0 in slurm.conf)" if job.batch
-                   else "the job is an allocation, not a batch job")
+            why = ("the job is an allocation, not a batch job" if not job.batch
+                   else "slurmctld does not say whether the job may be requeued" if job.requeue is None
+                   else "the job is not requeueable (--no-requeue, or JobRequeue=0 in slurm.conf)")
             steps = tuple(s.step_id for s in self.slurm.steps(self.job_id) if s.user_step and node in s.nodes)
             for step in steps:
                 self.slurm.cancel_step(step)
@@ -1294,4 +1295,5 @@ class Driver:
             self.executor.close()
 
 
-__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "Move", "TpassdClient", "resume_port"]
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "Move", "TpassdClient",
+           "resume_port"]
