@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchpass.goodput.measured import model_params
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 METHODS = ("torch.save", "dcp.save", "torchpass")
@@ -169,8 +171,7 @@ def blocking_figure(table: list[dict]) -> dict | None:
     mine = {s["size"]: s["blocking_s_median"] for s in table if s["method"] == "torchpass"}
     if not mine:
         return None
-    big = max(mine, key=lambda size: float(size.rstrip("KMGkmg") or 0) * {"K": 1e3, "M": 1e6, "G": 1e9}.get(
-        size[-1:].upper(), 1))
+    big = max(mine, key=model_params)
     return {"p50": mine[big], "model": big, "by_model": mine,
             "torch_save_by_model": {s["size"]: s["blocking_s_median"] for s in table if s["method"] == "torch.save"},
             "what": "seconds one torchpass.checkpoint save blocks training (median of the saves after the first)"}
