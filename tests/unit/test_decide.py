@@ -1309,3 +1309,55 @@ def test_an_operator_request_for_a_pinned_node_is_rejected():
         accept_operator(sim.state, "node1", None, sim.now)
     assert "node1 cannot move: serves a store" in str(err.value)
     accept_operator(sim.state, "node2", None, sim.now)  # the others can
+
+
+def test_a_fan_in_in_a_batch_gives_the_same_state_as_one_report_at_a_time():
+    """machine.thaw_acks/freeze_acks (issue 13): a batch adds each quiesced and resumed report to
+    one set in place; the states that come out equal those of applying them one by one."""
+    from dataclasses import replace
+
+    from torchpass.coordinator import machine as mc
+    from torchpass.coordinator.decide import Phase
+    from torchpass.coordinator.model import CoordState, Migration, RankView
+
+    ranks = {r: RankView(r, f"n{r // 4}", collectives=50, task=r) for r in range(16)}
+    m = Migration(id="m1", node="n0", reason="x", trigger="health", ranks=(0, 1, 2, 3), detected=1.0,
+                  started=1.0, phase=Phase.PAUSE, phase_started=1.0, deadline=60.0, generation=1, pause_at=60)
+    start = CoordState(job_id=1, world_size=16, ranks=ranks, migration=m)
+
+    one_by_one = start
+    for r in range(16):
+        one_by_one = mc.apply(one_by_one, mc.Quiesced(r, 1, 60), 2.0 + r)
+    batched = start
+    for lo in (0, 5, 11):  # three batches, the last one completes the pause
+        batched = mc.thaw_acks(replace(batched, ranks=dict(batched.ranks)))
+        owned = batched.ranks
+        for r in range(lo, {0: 5, 5: 11, 11: 16}[lo]):
+            batched = mc.apply(batched, mc.Quiesced(r, 1, 60), 2.0 + r, owned=owned)
+        assert type(batched.migration.quiesced) is set  # added to in place
+        batched = mc.freeze_acks(batched)
+        assert type(batched.migration.quiesced) is frozenset
+    assert batched == one_by_one
+    assert batched.migration.ready_at == 17.0  # stamped by the sixteenth report
+    assert start.migration.quiesced == frozenset()  # the state before the batches: untouched
+
+
+def test_the_rank_views_carry_over_and_are_rebuilt_when_a_rank_changes_node():
+    """CoordState.carry_views (issue 13): a state made from another with the same ranks keeps its
+    rank_nodes(); a report in a batch that moves a rank to another node drops them."""
+    from dataclasses import replace
+
+    from torchpass.coordinator import machine as mc
+    from torchpass.coordinator.model import RANK_NODES_CACHE, CoordState, RankView
+
+    st = CoordState(job_id=1, world_size=4, ranks={r: RankView(r, f"n{r // 2}") for r in range(4)})
+    assert st.rank_nodes() == {"n0": (0, 1), "n1": (2, 3)}
+    same = st.carry_views(replace(st, slurm_down="x"))
+    assert RANK_NODES_CACHE in same.__dict__
+    copied = st.carry_views(replace(st, ranks=dict(st.ranks)), copied_ranks=True)
+    owned = copied.ranks
+    after = mc.apply(copied, mc.RankProgress(0, 5, 1, "n7"), 1.0, owned=owned)  # rank 0 moved
+    assert after.rank_nodes() == {"n7": (0,), "n0": (1,), "n1": (2, 3)}
+    kept = mc.apply(after, mc.RankProgress(1, 5, 1), 2.0, owned=owned)  # a report alone
+    assert kept.rank_nodes() is after.rank_nodes()
+    assert st.rank_nodes() == {"n0": (0, 1), "n1": (2, 3)}  # the state before the batch: its own views

@@ -430,3 +430,44 @@ def test_a_task_of_several_ranks_is_dumped_verified_and_restored_once(tmp_path):
     assert "restore on n4 failed" in rb.message, rb.message
     _pump_until(d, lambda: [c for c in calls if c[2] == "abort"], timeout_s=10)
     assert {c[3] for c in calls if c[2] == "abort"} == {1}  # the hand-off of task 1 is called off
+
+
+def test_a_pause_fan_in_is_added_in_place_in_a_batch_and_decided_when_complete(tmp_path, monkeypatch):
+    """Issue 13: the acknowledgments of a pause go into one set per batch (not a copy per report),
+    a report that completes nothing waits for the progress tick, and the one that completes the
+    phase is decided on at once. Every state outside a batch holds frozen sets; the states
+    before the batch are untouched."""
+    from torchpass.coordinator import executor as exmod
+
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=True))  # the dump after the pause fails: rolled back
+    d.feed(mc.NodeHealthChanged("n3", "degraded", ("x",)))
+    cmd = d.executor.command_for(0)
+    assert cmd["command"] == "pause" and d.state.migration.phase.value == "pause"
+    now = [time.monotonic()]
+    d.clock = lambda: now[0]
+    decided: list[float] = []
+    real = d.decide
+    monkeypatch.setattr(d, "decide", lambda: (decided.append(now[0]), real())[1])
+    d.pump(force=True)
+    decided.clear()
+    before = d.state
+
+    d.begin_batch()
+    for r in (0, 1):
+        d.feed(mc.Quiesced(r, cmd["generation"], cmd["at"]))
+    d.end_batch()
+    assert decided == []  # two of three: nothing to decide before the tick
+    m = d.state.migration
+    assert type(m.quiesced) is frozenset and m.quiesced == {0, 1} and m.ready_at is None
+    assert before.migration.quiesced == frozenset()  # the state before the batch: unchanged
+    now[0] += exmod.PROGRESS_TICK_S
+    d.pump()
+    assert decided == [now[0]]  # the tick decides on them
+
+    d.begin_batch()
+    d.feed(mc.Quiesced(2, cmd["generation"], cmd["at"]))
+    d.end_batch()
+    assert len(decided) == 2  # the last one: at once
+    m = d.state.migration
+    assert m.phase.value != "pause" or m.ready_at is not None
+    assert type(m.quiesced) is frozenset and m.quiesced == {0, 1, 2}

@@ -188,11 +188,14 @@ def stalled_ranks(now: float, st: CoordState, policy: CoordinatorPolicy) -> list
     """Ranks behind another rank's collective count that have not advanced for stall_s."""
     if policy.stall_s <= 0 or len(st.ranks) < 2:
         return []
+    # One pass for the ranks quiet that long (none, mostly), and the highest count only then:
+    # decide asks on every tick, over every rank (issue 13).
+    stall_s = policy.stall_s
+    quiet = [r for r in st.ranks.values() if now - r.last_advance >= stall_s]
+    if not quiet:
+        return []
     top = max(r.collectives for r in st.ranks.values())
-    return [
-        r for _, r in sorted(st.ranks.items())
-        if r.collectives < top and now - r.last_advance >= policy.stall_s
-    ]
+    return sorted((r for r in quiet if r.collectives < top), key=lambda r: r.rank)
 
 
 @dataclass(frozen=True)
@@ -209,13 +212,17 @@ def candidates(now: float, st: CoordState, policy: CoordinatorPolicy) -> list[Ca
     busy |= {r.node for r in st.operator_requests}
     skip = busy | set(st.handed) | set(st.released) | set(st.given_up)
     found: dict[str, Candidate] = {}
-    nodes = st.rank_nodes()
-    for node in sorted(nodes):
-        if node in skip or st.deferred.get(node, float("-inf")) > now:
+    # Only a node with a health report can trigger (unknown and healthy never do): the few in a
+    # triggering state, found in one pass over the reports (decide runs every tick; issue 13).
+    triggering = [n for n, h in st.health.items()
+                  if h.state is not State.HEALTHY and h.state.value in policy.migrate_on]
+    nodes = st.rank_nodes() if triggering else {}
+    for node in sorted(triggering):
+        if node not in nodes or node in skip or st.deferred.get(node, float("-inf")) > now:
             continue
-        h = st.node_health(node)
-        if _lost(h) or h.state.value not in policy.migrate_on:
-            continue  # unknown and healthy never trigger; lost is handed to Slurm
+        h = st.health[node]
+        if _lost(h):
+            continue  # lost is handed to Slurm
         found[node] = Candidate(node, _health_text(h), Trigger.HEALTH, h.since)
     for r in stalled_ranks(now, st, policy):
         if r.node in skip or r.node in found or st.deferred.get(r.node, float("-inf")) > now:
@@ -260,11 +267,16 @@ def check_operator_request(st: CoordState, node: str, to: str | None) -> tuple[s
     return None
 
 
+def _everyone_in(st: CoordState, acks: frozenset[int]) -> bool:
+    """Every rank is in ``acks``. machine asks after each rank's report: the sizes first, so that a
+    fan-in of N reports costs O(N), not O(N) each (issue 13)."""
+    return bool(st.ranks) and len(acks) >= len(st.ranks) and st.ranks.keys() <= acks
+
+
 def phase_complete(st: CoordState, m: Migration) -> bool:
     """The completion condition of the current phase (used by machine for ready_at)."""
-    everyone = set(st.ranks)
     if m.phase == Phase.PAUSE:
-        return bool(everyone) and everyone <= m.quiesced
+        return _everyone_in(st, m.quiesced)
     if m.phase == Phase.DUMP:
         return set(m.ranks) <= set(m.images)
     if m.phase == Phase.TRANSFER:
@@ -274,7 +286,7 @@ def phase_complete(st: CoordState, m: Migration) -> bool:
     if m.phase == Phase.KILL_SOURCE:
         return m.source_killed
     if m.phase in (Phase.REBUILD, Phase.ROLLBACK):
-        return bool(everyone) and everyone <= m.resumed
+        return _everyone_in(st, m.resumed)
     if m.phase == Phase.DRAIN:
         return m.drain_done
     if m.phase == Phase.SHRINK:
@@ -831,8 +843,12 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
             out.event("spare.lost", f"spare {sp.node} failed ({_health_text(st.node_health(sp.node))})",
                       node=sp.node)
     involved = {m.node, m.target} if m else set()
-    lost = [n for n in sorted(st.rank_nodes())
-            if n not in st.handed and n not in st.released and n not in involved and _lost(st.node_health(n))]
+    # Lost needs a report (state failed, unreachable): only those are looked at.
+    lost = [n for n, h in st.health.items() if not h.reachable and _lost(h)]
+    if lost:
+        nodes = st.rank_nodes()
+        lost = sorted(n for n in lost if n in nodes and n not in st.handed and n not in st.released
+                      and n not in involved)
     if lost and (plan := _relaunch_plan(st, lost, policy)) is not None:
         return _relaunch(out, st, now, plan)
     for node in lost:
@@ -1090,13 +1106,12 @@ def periodic_snapshot_due(now: float, st: CoordState, policy: CoordinatorPolicy)
 
 def snapshot_phase_complete(st: CoordState, s: SnapshotRun) -> bool:
     """The completion condition of the snapshot's phase (machine stamps ready_at with it)."""
-    everyone = set(st.ranks)
     if s.phase == SNAP_PAUSE:
-        return bool(everyone) and everyone <= s.quiesced
+        return _everyone_in(st, s.quiesced)
     if s.phase == SNAP_DUMP:
         return {r for r, _ in s.ranks} <= set(s.images)
     if s.phase == SNAP_RESUME:
-        return bool(everyone) and everyone <= s.resumed
+        return _everyone_in(st, s.resumed)
     return False
 
 
@@ -1303,7 +1318,9 @@ def _reason(now: float, st: CoordState, policy: CoordinatorPolicy) -> str:
         else:
             parts.append("no migration needed")
     nodes = st.rank_nodes()
-    unknown = sorted(n for n in nodes if st.node_health(n).state == State.UNKNOWN and n not in st.handed)
+    health = st.health
+    unknown = sorted(n for n in nodes if ((h := health.get(n)) is None or h.state == State.UNKNOWN)
+                     and n not in st.handed)
     if unknown:
         parts.append(f"health unknown (not a reason to move): {', '.join(unknown)}")
     unprot = sorted(n for n in st.unprotected if n in nodes and n not in st.handed)

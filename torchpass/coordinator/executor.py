@@ -1129,6 +1129,22 @@ class Executor:
 # reports only, at most this often (a report changes a rank's pace and stall clock, which are
 # read in seconds, not milliseconds).
 IDLE_TICK_S = 0.2
+
+
+def _ready_marks(st: CoordState) -> tuple[float | None, float | None]:
+    return (st.migration.ready_at if st.migration is not None else None,
+            st.snapshot.ready_at if st.snapshot is not None else None)
+
+
+def _routine_ack(before: CoordState, after: CoordState, outcome: Any) -> bool:
+    """A rank's acknowledgment that completed nothing: decided on the progress tick, like a progress
+    report, not at the end of its batch (issue 13: a pause of 8,192 ranks brings 16,384 of them).
+    A refused or unprotected pause, and the acknowledgment that completes the phase, are decided
+    on at once."""
+    if isinstance(outcome, (mc.Quiesced, mc.Resumed)) or (
+            isinstance(outcome, mc.Armed) and outcome.accepted and not outcome.unprotected):
+        return _ready_marks(before) == _ready_marks(after)
+    return False
 PROGRESS_TICK_S = 0.05
 HEALTH_POLL_S = 0.1  # the health view is read at most this often (each read copies every node's)
 
@@ -1165,10 +1181,11 @@ class Driver:
 
     def feed(self, outcome: Any) -> None:
         """Apply ``outcome`` and decide now; within a batch (begin_batch) decide once at its end."""
-        self.state = mc.apply(self.state, outcome, self.clock(), owned=self._owned)
+        before = self.state
+        self.state = mc.apply(before, outcome, self.clock(), owned=self._owned)
         if self._owned is None:
             self.decide()
-        elif isinstance(outcome, mc.RankProgress):
+        elif isinstance(outcome, mc.RankProgress) or _routine_ack(before, self.state, outcome):
             self._progress_fed = True  # decided on the next progress tick (pump)
         else:
             self._batch_fed = True
@@ -1181,12 +1198,19 @@ class Driver:
             self._batch_fed = False
 
     def _own_ranks(self) -> None:
-        self.state = replace(self.state, ranks=dict(self.state.ranks))
+        """A batch begins: its outcomes write into a private copy of the ranks and of the pause's
+        or resume's acknowledgment sets (machine.thaw_acks) until _release_ranks()."""
+        st = self.state
+        self.state = mc.thaw_acks(st.carry_views(replace(st, ranks=dict(st.ranks)), copied_ranks=True))
         self._owned = self.state.ranks
+
+    def _release_ranks(self) -> None:
+        self._owned = None
+        self.state = mc.freeze_acks(self.state)
 
     def end_batch(self) -> None:
         """Stop writing into the batch's ranks, then pump (drain, health, decide once)."""
-        self._owned = None
+        self._release_ranks()
         fed, self._batch_fed = self._batch_fed, False
         self.pump(force=fed)
 
@@ -1195,7 +1219,7 @@ class Driver:
         if dc.periodic_snapshot_due(now, self.state, self.policy):
             self._periodic_snapshot()
         d = dc.decide(now, self.state, self.policy)
-        self.state = d.state
+        self.state = self.state.carry_views(d.state)
         if self.reasons.changed(d.reason):
             log.info("decision", job_id=self.job.job_id, reason=d.reason)
         for a in d.actions:
@@ -1238,6 +1262,8 @@ class Driver:
             if not reachable and state != "failed":
                 silent.append(node)
         # A node lost outright (power, kernel) has a silent tpassd: slurmctld confirms it or not.
+        if not silent:
+            return
         lost = set(silent).intersection(self.state.rank_nodes()).difference(self.state.handed)
         if lost and self.executor is not None:
             self.executor.check_silent(lost)
@@ -1269,7 +1295,7 @@ class Driver:
             try:
                 fed = self._drain()
             finally:
-                self._owned = None
+                self._release_ranks()
         else:
             fed = self._drain()
         fed = fed or force

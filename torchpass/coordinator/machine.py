@@ -122,7 +122,8 @@ def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str =
 _SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed)
 
 
-def _snapshot_report(st: CoordState, ev: Outcome, now: float) -> CoordState:
+def _snapshot_report(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None = None
+                     ) -> CoordState:
     """A rank's armed / quiesced / resumed report, for the whole-job snapshot in flight (the rank's own
     view was recorded already). Reports of another generation or phase are stale and ignored."""
     s = st.snapshot
@@ -135,10 +136,11 @@ def _snapshot_report(st: CoordState, ev: Outcome, now: float) -> CoordState:
     elif isinstance(ev, Quiesced):
         if s.phase == SNAP_PAUSE and ev.generation == s.generation and ev.collectives == s.pause_at:
             first = s.first_quiesced if s.first_quiesced is not None else now
-            return replace(st, snapshot=replace(s, quiesced=s.quiesced | {ev.rank}, first_quiesced=first))
+            return replace(st, snapshot=replace(s, quiesced=_with_ack(s.quiesced, ev.rank, owned),
+                                                first_quiesced=first))
     elif isinstance(ev, Resumed):
         if s.phase == SNAP_RESUME and (ev.generation == s.generation or ev.cancelled):
-            return replace(st, snapshot=replace(s, resumed=s.resumed | {ev.rank}))
+            return replace(st, snapshot=replace(s, resumed=_with_ack(s.resumed, ev.rank, owned)))
     return st
 
 
@@ -231,12 +233,49 @@ def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView
     """``st`` with ``ranks[rank] = rv``: in place when the caller owns ``st.ranks`` (a batch of
     reports, Driver.begin_batch: one copy of the ranks per batch instead of one per report),
     otherwise on a copy."""
+    # ``st`` is always the state apply() was given (every caller puts the rank first): apply carries
+    # that state's views to its result (CoordState.carry_views) unless they were dropped here.
     if owned is not None and st.ranks is owned:
+        prev = owned.get(rank)
         owned[rank] = rv
-        st.__dict__.pop(RANK_NODES_CACHE, None)
-        st.__dict__.pop(PINNED_CACHE, None)
+        if prev is None or prev.node != rv.node or prev.pinned != rv.pinned:
+            # rank_nodes() reads only these: a progress report keeps the views (issue 13: rebuilding
+            # them over 8,192 ranks on every batch was a large part of each decision).
+            st.__dict__.pop(RANK_NODES_CACHE, None)
+            st.__dict__.pop(PINNED_CACHE, None)
         return st
     return replace(st, ranks={**st.ranks, rank: rv})
+
+
+def thaw_acks(st: CoordState) -> CoordState:
+    """``st`` with the acknowledgment sets (quiesced, resumed) of the pause or resume in flight as
+    plain sets that apply(owned=...) adds to in place, for a batch of outcomes (Driver.begin_batch).
+    A frozenset copied on every rank's report grows the fan-in quadratically: at 8,192 ranks each
+    quiesced report cost ~0.4 ms to copy the set (issue 13). freeze_acks() ends it."""
+    m, s = st.migration, st.snapshot
+    if m is not None:
+        m = replace(m, quiesced=set(m.quiesced), resumed=set(m.resumed))
+    if s is not None:
+        s = replace(s, quiesced=set(s.quiesced), resumed=set(s.resumed))
+    return st if m is st.migration and s is st.snapshot else st.carry_views(replace(st, migration=m, snapshot=s))
+
+
+def freeze_acks(st: CoordState) -> CoordState:
+    """``st`` with the sets thaw_acks() made frozen again: what decide and every later state see."""
+    m, s = st.migration, st.snapshot
+    if m is not None and (type(m.quiesced) is set or type(m.resumed) is set):
+        m = replace(m, quiesced=frozenset(m.quiesced), resumed=frozenset(m.resumed))
+    if s is not None and (type(s.quiesced) is set or type(s.resumed) is set):
+        s = replace(s, quiesced=frozenset(s.quiesced), resumed=frozenset(s.resumed))
+    return st if m is st.migration and s is st.snapshot else st.carry_views(replace(st, migration=m, snapshot=s))
+
+
+def _with_ack(acks: frozenset[int], rank: int, owned: dict[int, RankView] | None) -> frozenset[int]:
+    """``acks`` and ``rank``: in place in a batch's thawed set (thaw_acks), else a new frozenset."""
+    if owned is not None and type(acks) is set:
+        acks.add(rank)
+        return acks
+    return acks | {rank}
 
 
 def _reported(st: CoordState, rank: int, now: float, owned: dict[int, RankView] | None = None,
@@ -324,8 +363,8 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
                 if ev.drain_s > 0 else m.tool_durations
             if ev.released_mb is not None:
                 tools = _merge_max(tools, "quiesce", {"released_mb": round(ev.released_mb, 1)})
-            return replace(st, migration=replace(m, quiesced=m.quiesced | {ev.rank}, first_quiesced=first,
-                                                 tool_durations=tools))
+            return replace(st, migration=replace(m, quiesced=_with_ack(m.quiesced, ev.rank, owned),
+                                                 first_quiesced=first, tool_durations=tools))
         return st
     if isinstance(ev, Resumed):
         rv = st.ranks.get(ev.rank)
@@ -337,7 +376,7 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
         ):
-            return replace(st, migration=replace(m, resumed=m.resumed | {ev.rank}))
+            return replace(st, migration=replace(m, resumed=_with_ack(m.resumed, ev.rank, owned)))
         return st
     if isinstance(ev, SpareGranted):
         spares = st.spares
@@ -418,9 +457,9 @@ def apply(state: CoordState, outcome: Outcome, now: float, *, owned: dict[int, R
     ``owned``: a ranks dict that the caller alone holds (it copied it for a batch of reports);
     when it is ``state.ranks``, rank updates write into it instead of copying every rank.
     """
-    st = _apply(state, outcome, now, owned)
+    st = state.carry_views(_apply(state, outcome, now, owned))
     if isinstance(outcome, (Armed, Quiesced, Resumed)):
-        st = _snapshot_report(st, outcome, now)
+        st = _snapshot_report(st, outcome, now, owned)
     s = st.snapshot
     if s is not None and s.ready_at is None and s is not state.snapshot and snapshot_phase_complete(st, s):
         st = replace(st, snapshot=replace(s, ready_at=now))
@@ -448,5 +487,6 @@ __all__ = [
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
-    "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded",
+    "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",
+    "freeze_acks",
 ]
