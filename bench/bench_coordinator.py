@@ -88,6 +88,7 @@ JOB_ID = 77001
 PROGRESS_INTERVAL_S = 0.5  # torchpass.runtime.control defaults
 PAUSED_INTERVAL_S = 0.02
 MAX_HINT_S = 10.0  # torchpass.runtime.control.MAX_HINT_S
+MAX_REPLY_HINT_S = 20.0  # torchpass.runtime.control.MAX_REPLY_HINT_S
 REQUEST_TIMEOUT_S = 2.0
 OUTBOX_RETRY_S = 0.2
 HOLD_POLL_S = 0.02
@@ -209,7 +210,7 @@ class SimRank:
 
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
-                 "hint_s", "paused_hint_s", "wait_max_s")
+                 "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
@@ -229,6 +230,7 @@ class SimRank:
         self.hint_s = 0.0  # the coordinator's backpressure hints (report_every_s, paused_every_s)
         self.paused_hint_s = 0.0
         self.wait_max_s = 0.0  # > 0: the coordinator parks long polls (its replies' wait_max_s)
+        self.reply_hint_s = 0.0  # the coordinator's reply_within_s (ControlLink.reply_hint_s)
 
     def every(self) -> float:
         """Seconds to the next report, as ControlLink.every_s/paused_every_s choose them."""
@@ -247,7 +249,8 @@ class LoadGen:
     stops at T+1, where it blocks), and ranks tear down at T only once every rank has reached it."""
 
     def __init__(self, endpoint: str, job_id: int, world: int, ranks: range, secret: str, t0: float,
-                 persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True, running_long: bool = True):
+                 persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True, running_long: bool = True,
+                 reply_hints: bool = True):
         import zmq
 
         from torchpass import jobauth, wire, zmqio
@@ -257,6 +260,7 @@ class LoadGen:
         self.persistent = persistent
         self.long_poll = long_poll  # paused ranks long-poll as the runtime does (else every 20 ms, as before)
         self.running_long = running_long  # running ranks' reports are long polls too (else plain, as before)
+        self.reply_hints = reply_hints  # a request waits max(2 s, reply_within_s) (else 2 s, as before)
         self.conn = conn
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
@@ -336,7 +340,8 @@ class LoadGen:
         rk.inflight = (sock, type_, body, now, self._seq, id_)
         self.by_sock[sock] = i
         self.poller.register(sock, zmq.POLLIN)
-        heapq.heappush(self.deadlines, (now + REQUEST_TIMEOUT_S + body.get("wait_s", 0.0), self._seq, i))
+        timeout_s = max(REQUEST_TIMEOUT_S, rk.reply_hint_s) if self.reply_hints else REQUEST_TIMEOUT_S
+        heapq.heappush(self.deadlines, (now + timeout_s + body.get("wait_s", 0.0), self._seq, i))
         self._count("sent")
 
     def _finish(self, i: int, keep: bool) -> None:
@@ -458,6 +463,7 @@ class LoadGen:
             rk.hint_s = min(float(result.get("report_every_s") or 0.0), MAX_HINT_S)
             rk.paused_hint_s = min(float(result.get("paused_every_s") or 0.0), MAX_HINT_S)
             rk.wait_max_s = min(float(result.get("wait_max_s") or 0.0), MAX_HINT_S)
+            rk.reply_hint_s = min(float(result.get("reply_within_s") or 0.0), MAX_REPLY_HINT_S)
         cmd = result.get("command") if isinstance(result, dict) else None
         if not isinstance(cmd, dict):
             return
@@ -615,11 +621,11 @@ class LoadGen:
 
 
 def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
-                 long_poll=True, running_long=True) -> None:
+                 long_poll=True, running_long=True, reply_hints=True) -> None:
     lim = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim[1], lim[1]))
     LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen,
-            long_poll, running_long).run()
+            long_poll, running_long, reply_hints).run()
 
 
 # ============================================================================
@@ -796,7 +802,7 @@ def trial_figures(events: list[tuple[int, str, int, float]], t_fault: float, bad
 
 
 def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: str = "long",
-             running_poll: str = "long") -> dict[str, Any]:
+             running_poll: str = "long", reply_timeout: str = "hinted") -> dict[str, Any]:
     from torchpass.ports import TPASSD_PUB_PORT
 
     assert TPASSD_PUB_PORT == PUB_PORT
@@ -808,6 +814,7 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
     secret = secrets.token_hex(32)
     out: dict[str, Any] = {"ranks": ranks, "nodes": nodes - 1, "spare_nodes": 1, "load_generators": gens,
                            "connection": connection, "paused_poll": paused_poll, "running_poll": running_poll,
+                           "reply_timeout": reply_timeout,
                            "loadavg_start": [round(x, 2) for x in load_start]}
     procs: list = []
     conns: list = []
@@ -839,7 +846,8 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 p = spawn.Process(target=loadgen_main, daemon=True,
                                   args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
                                         connection == "persistent", child, wait_at, wait_gen,
-                                        paused_poll == "long", running_poll == "long"))
+                                        paused_poll == "long", running_poll == "long",
+                                        reply_timeout == "hinted"))
                 p.start()
                 procs.append(p)
                 conns.append(a)
@@ -1025,6 +1033,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any
     persistent = [r for r in rows if r.get("connection") == "persistent"]
     persistent = [r for r in persistent if r.get("paused_poll") == "long"] or persistent
     persistent = [r for r in persistent if r.get("running_poll") == "long"] or persistent
+    persistent = [r for r in persistent if r.get("reply_timeout") == "hinted"] or persistent
     per_request = [r for r in rows if r.get("connection", "per-request") == "per-request"]
     plot(persistent or per_request, path, before, per_request if persistent else [])
 
@@ -1123,6 +1132,10 @@ def arg_parser() -> argparse.ArgumentParser:
                          "coordinator, which answers it at once with a pause (the rank runtime since issue 13's "
                          "running long polls); short: a plain report every 0.5 s (or report_every_s), as before; "
                          "both: each size with short, then long")
+    ap.add_argument("--reply-timeout", choices=("hinted", "fixed", "both"), default="hinted",
+                    help="hinted: a request waits for its answer the larger of 2 s and the coordinator's "
+                         "reply_within_s (the rank runtime since issue 13's fan-in hint); fixed: 2 s, as before; "
+                         "both: each size with fixed, then hinted")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy each size's coordinator.log here")
@@ -1156,6 +1169,7 @@ def main() -> int:
     conns = ("per-request", "persistent") if args.connection == "both" else (args.connection,)
     polls = ("short", "long") if args.paused_poll == "both" else (args.paused_poll,)
     running = ("short", "long") if args.running_poll == "both" else (args.running_poll,)
+    replies = ("fixed", "hinted") if args.reply_timeout == "both" else (args.reply_timeout,)
 
     rows = []
     with private_munged() as munge:
@@ -1163,16 +1177,17 @@ def main() -> int:
             for connection in conns:
                 for poll in polls:
                     for run_poll in running:
-                        print(f"=== {n} ranks, {connection}, {poll} paused polls, {run_poll} running polls "
-                              f"(load average {os.getloadavg()[0]:.2f})", flush=True)
-                        rows.append(run_size(n, args, munge.socket, connection, poll, run_poll))
-                        print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, (list, dict))}),
-                              flush=True)
+                        for reply in replies:
+                            print(f"=== {n} ranks, {connection}, {poll} paused polls, {run_poll} running polls, "
+                                  f"{reply} reply time-out (load average {os.getloadavg()[0]:.2f})", flush=True)
+                            rows.append(run_size(n, args, munge.socket, connection, poll, run_poll, reply))
+                            print(json.dumps({k: v for k, v in rows[-1].items()
+                                              if not isinstance(v, (list, dict))}), flush=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else {}
 
     def key(r: dict) -> tuple:  # rows measured before a field existed: what the harness did then
         return (r["ranks"], r.get("connection", "per-request"), r.get("paused_poll", "short"),
-                r.get("running_poll", "short"))
+                r.get("running_poll", "short"), r.get("reply_timeout", "fixed"))
 
     done = {key(r) for r in rows}
     merged = sorted([r for r in old.get("sizes", []) if key(r) not in done] + rows, key=key)

@@ -471,3 +471,34 @@ def test_a_pause_fan_in_is_added_in_place_in_a_batch_and_decided_when_complete(t
     m = d.state.migration
     assert m.phase.value != "pause" or m.ready_at is not None
     assert type(m.quiesced) is frozenset and m.quiesced == {0, 1, 2}
+
+
+def test_a_health_change_is_read_and_decided_on_at_the_next_pump(tmp_path, monkeypatch):
+    """Issue 13: the health subscriber's on_change (Driver.health_changed) makes the next pump read
+    the health view and decide, without waiting for the health poll's interval."""
+    from torchpass.coordinator import executor as exmod
+
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=True))
+
+    class Health:
+        def __init__(self):
+            self.view = {n: ("healthy", (), 0.5) for n in ("n1", "n2", "n3", "n4")}
+            self.reads = 0
+
+        def brief(self):
+            self.reads += 1
+            return dict(self.view)
+
+    d.health = Health()
+    now = [time.monotonic()]
+    d.clock = lambda: now[0]
+    d.pump(force=True)
+    reads = d.health.reads
+    now[0] += exmod.HEALTH_POLL_S / 4  # before the next poll is due, and no other news
+    d.health.view["n3"] = ("degraded", ("xid 79",), 0.5)
+    d.pump()
+    assert d.health.reads == reads and d.state.migration is None  # not read: nothing said it changed
+    d.health_changed()
+    d.pump()
+    assert d.health.reads == reads + 1
+    assert d.state.migration is not None and d.state.migration.node == "n3"  # decided at once

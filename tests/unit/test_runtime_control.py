@@ -364,3 +364,52 @@ def test_a_checkpoint_report_the_coordinator_refuses_is_dropped_and_holds_up_not
         assert sum(t == "rank.checkpoint" for _, t in list(peer.seen)) == 1
     finally:
         link.stop()
+
+
+# Answers rank.register at once with reply_within_s (argv[1]; "" for none) and every later request
+# only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks (issue 13).
+SLOW = r"""
+import json, sys, time, zmq
+from torchpass import wire, zmqio
+ctx = zmq.Context()
+sock, port = zmqio.bind_router(ctx, "127.0.0.1")
+print(port, flush=True)
+hint = {"reply_within_s": float(sys.argv[1])} if sys.argv[1] else {}
+while True:
+    parts = sock.recv_multipart()
+    msg = wire.decode(parts[-1])
+    print(json.dumps([parts[0].hex(), msg.type]), flush=True)
+    if msg.type != "rank.register":
+        time.sleep(1.2)
+    sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, hint)])
+"""
+
+
+@pytest.mark.parametrize("hint", ["3.0", ""])
+def test_a_rank_waits_as_long_as_the_coordinator_says_its_answers_may_take(hint):
+    """reply_within_s: the rank waits for an answer the larger of its own time-out (0.5 s here) and
+    the coordinator's hint, so a slow answer is taken on the same connection instead of given up and
+    sent again on a new one; without the hint the same answer is given up on."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW, hint], stdout=subprocess.PIPE, text=True)
+    seen: list[tuple[str, str]] = []
+    try:
+        ep = f"tcp://127.0.0.1:{int(proc.stdout.readline())}"
+        threading.Thread(target=lambda: [seen.append(tuple(json.loads(line))) for line in proc.stdout],
+                         daemon=True).start()
+        link = control.ControlLink(FakePG(size=2, rank=1), endpoint=ep, job_id=7, rank=1, node="n1",
+                                   interval_s=0.05, paused_interval_s=0.02, request_timeout_s=0.5)
+        link.start()
+        try:
+            wait_for(lambda: link.registered, "registered")
+            wait_for(lambda: sum(t == "rank.progress" for _, t in seen) >= 2, "two reports", 10.0)
+        finally:
+            link.stop()
+        if hint:
+            assert link.reply_hint_s == 3.0
+            assert link.errors == 0 and link._client.connects == 1  # answered, on the one connection
+        else:
+            assert link.reply_hint_s == 0.0
+            assert len({ident for ident, _ in seen}) >= 2  # given up after 0.5 s: a new connection
+    finally:
+        proc.kill()
+        proc.wait()

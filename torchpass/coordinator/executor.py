@@ -1171,6 +1171,7 @@ class Driver:
         self._progress_fed = False  # progress reports applied since the last decision
         self._last_decide = float("-inf")
         self._next_health = 0.0
+        self._health_news = False  # health_changed(): a node's state changed since the last poll
         self._snapshots = 0  # snapshots asked of this coordinator (accept_snapshot)
         for s in spares:
             self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
@@ -1249,6 +1250,12 @@ class Driver:
         self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: periodic, every {every:g}s of training",
                         snapshot=sid, trigger="periodic", every_s=every)
 
+    def health_changed(self) -> None:
+        """Any thread (the health subscriber's on_change): a node's state changed. The next pump
+        reads the health view and decides at once, instead of at its next health poll
+        (HEALTH_POLL_S, or the idle tick): a fault reaches decide in one pass of the serve loop."""
+        self._health_news = True
+
     def _poll_health(self) -> None:
         if self.health is None:
             return
@@ -1300,12 +1307,13 @@ class Driver:
             fed = self._drain()
         fed = fed or force
         now = self.clock()
+        news, self._health_news = self._health_news, False
         # Progress reports are many (every rank every 0.5 s) and urgent to nobody: they are decided
         # on at most every PROGRESS_TICK_S, everything else at once, and nothing new every 0.2 s.
         if self._progress_fed and now >= self._last_decide + PROGRESS_TICK_S:
             fed = True
-        if fed or now >= self._next_decide:
-            if now >= self._next_health:  # the health view costs a pass over every node
+        if fed or news or now >= self._next_decide:
+            if news or now >= self._next_health:  # the health view costs a pass over every node
                 self._poll_health()
                 self._next_health = now + HEALTH_POLL_S
             self._next_decide = now + IDLE_TICK_S

@@ -121,15 +121,21 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
         return tp.request(node, "tpassd.health", {}, 2.0)
 
     health = None
+    driver_box: list[Driver] = []  # the driver, for the subscriber's on_change (made after it)
     try:
         pubs = {n: (f"tcp://{address_of(n)}:{ports.pub_port}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
         # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
         # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
         zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
-        health = HealthSubscriber(pubs, snapshot=snapshot).start()
+        def on_change(_view, _before) -> None:
+            if driver_box:
+                driver_box[0].health_changed()
+
+        health = HealthSubscriber(pubs, snapshot=snapshot, on_change=on_change).start()
     except (OSError, TorchpassError, zmq.ZMQError) as exc:
         log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
     driver = Driver(job, pol, health=health, spares=hot)
+    driver_box.append(driver)
     def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too
         if health is not None:
             health.follow(node, f"tcp://{address_of(node)}:{ports.pub_port}", f"tcp://{address_of(node)}:{tp.port}")

@@ -101,8 +101,20 @@ class Pace:
             return {}
         return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
                 "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3),
-                "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3)}
+                "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3),
+                "reply_within_s": round(min(REPLY_WITHIN_MAX_S,
+                                            REPLY_WITHIN_MIN_S + world / FAN_IN_PER_S * self.factor), 3)}
 
+
+# A fan-in (issue 13): a pause or a resume makes every rank acknowledge at once (rank.armed,
+# rank.quiesced, rank.resumed: 8,192 requests at 8,192 ranks), which the coordinator answers at
+# about FAN_IN_PER_S; the last waits world / FAN_IN_PER_S. A rank that gave up on its request after
+# a fixed 2 s sent it again on a fresh connection, and those copies made the queue longer still.
+# So every rank.* reply also says ``reply_within_s``: how long a request may wait for its answer
+# (REPLY_WITHIN_MIN_S plus that wait, times the pace factor, at most REPLY_WITHIN_MAX_S); the rank
+# waits the larger of it and its own time-out.
+FAN_IN_PER_S = 2000.0
+REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = 2.0, 20.0
 
 # At most this many messages are read before the batch is decided on and answered: a reply
 # waits for at most this many handlers (~30 us each) and one decision.

@@ -76,6 +76,10 @@ from torchpass.runtime.store import AGENT_DIR_ENV, HELD_MARKER
 
 # The longest report interval a coordinator's backpressure hint can ask for (report_every_s).
 MAX_HINT_S = 10.0
+# The longest a coordinator's reply_within_s can make a request wait for its answer (a large job's
+# fan-in: every rank acknowledging a pause at once); a coordinator that is gone is still noticed
+# (coordinator.lost after COORDINATOR_LOST_S without an answer).
+MAX_REPLY_HINT_S = 20.0
 # A restored copy claims its rank this much later than the source copy would: the source wins
 # whenever it is alive (docs/coordinator.md, "Never left paused").
 RESTORED_CLAIM_DELAY_S = 60.0
@@ -207,6 +211,7 @@ class ControlLink(PauseListener):
         self.hint_s = 0.0
         self.paused_hint_s = 0.0
         self.wait_max_s = 0.0  # the coordinator's wait_max_s: > 0 once it said it parks long polls
+        self.reply_hint_s = 0.0  # the coordinator's reply_within_s: a request's answer may take this long
         self.request_timeout_s = request_timeout_s
         self.auth = auth
         self._start_host = socket.gethostname()
@@ -320,7 +325,8 @@ class ControlLink(PauseListener):
             self._client = zmqio.Client(self.endpoint, retries=0, auth=self.auth, context=self._open)
         wait_s = body.get("wait_s") or 0.0  # a long poll: given up for a report to send, or stop()
         try:
-            result = self._client.request(type_, body, timeout_s=self.request_timeout_s + wait_s,
+            timeout_s = max(self.request_timeout_s, self.reply_hint_s) + wait_s
+            result = self._client.request(type_, body, timeout_s=timeout_s,
                                           abandon=self._wants_link if wait_s else None,
                                           wake_fd=self._wake_r if wait_s else None)
             if result is None:
@@ -471,11 +477,13 @@ class ControlLink(PauseListener):
 
     def _pace(self, result: dict) -> None:
         """Take the reply's backpressure hints (bounded: a confused coordinator cannot silence us)."""
-        for key, attr in (("report_every_s", "hint_s"), ("paused_every_s", "paused_hint_s"),
-                          ("wait_max_s", "wait_max_s")):
+        for key, attr, cap in (("report_every_s", "hint_s", MAX_HINT_S),
+                               ("paused_every_s", "paused_hint_s", MAX_HINT_S),
+                               ("wait_max_s", "wait_max_s", MAX_HINT_S),
+                               ("reply_within_s", "reply_hint_s", MAX_REPLY_HINT_S)):
             v = result.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-                setattr(self, attr, min(float(v), MAX_HINT_S))
+                setattr(self, attr, min(float(v), cap))
 
     def _sleep(self, seconds: float) -> None:
         with self._cv:
