@@ -1129,6 +1129,8 @@ class Executor:
 # reports only, at most this often (a report changes a rank's pace and stall clock, which are
 # read in seconds, not milliseconds).
 IDLE_TICK_S = 0.2
+PROGRESS_TICK_S = 0.05
+HEALTH_POLL_S = 0.1  # the health view is read at most this often (each read copies every node's)
 
 
 def _ready_marks(st: CoordState) -> tuple[float | None, float | None]:
@@ -1145,8 +1147,6 @@ def _routine_ack(before: CoordState, after: CoordState, outcome: Any) -> bool:
             isinstance(outcome, mc.Armed) and outcome.accepted and not outcome.unprotected):
         return _ready_marks(before) == _ready_marks(after)
     return False
-PROGRESS_TICK_S = 0.05
-HEALTH_POLL_S = 0.1  # the health view is read at most this often (each read copies every node's)
 
 
 class Driver:

@@ -127,6 +127,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
         # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
         # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
         zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
+
         def on_change(_view, _before) -> None:
             if driver_box:
                 driver_box[0].health_changed()
