@@ -17,7 +17,9 @@ ranks at 64 to 8,192 ranks, ~15 minutes on this VM) is opt-in: it runs only
 when named in ``--only``; ``--full`` runs all four sizes, otherwise 64 and 512.
 ``hard_failure`` (bench_hard_failure.py: a node crashed under a checkpointed
 job, relaunched by torchpass against requeued by Slurm, ~4 minutes a pair) is
-opt-in too: one pair, or two with ``--full``.
+opt-in too: one pair, or two with ``--full``. ``fanout`` (bench_fanout.py: the
+coordinator's serve thread sending a pause to every parked poll, against each
+reply encoded by itself, ~20 s) always runs.
 
 bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
 from the newest results file that has it, and bench_migration's end-to-end
@@ -40,6 +42,7 @@ BENCHES = {
     "migration": ("bench_migration.py", ["--sizes", "10M"], []),
     "coordinator": ("bench_coordinator.py", ["--sizes", "64,512"], []),
     "hard_failure": ("bench_hard_failure.py", ["--pairs", "1"], []),
+    "fanout": ("bench_fanout.py", [], []),
 }
 OPT_IN = {"coordinator", "hard_failure"}  # run only when named in --only
 

@@ -479,6 +479,22 @@ def encode_ok(id: str, result: dict[str, Any] | None = None) -> bytes:
     return _dump({"v": SCHEMA_VERSION, "type": "reply", "id": id, "ok": True, "result": result or {}})
 
 
+def encode_result(result: dict[str, Any]) -> bytes:
+    """A reply's result on its own, for encode_ok_raw: a fan-out encodes one result once for many
+    replies (the coordinator's pause and resume to every rank; issue 13)."""
+    return _dump(result)
+
+
+def encode_ok_raw(id: str, result: bytes) -> bytes:
+    """encode_ok with the result already encoded by encode_result: the same reply, without encoding
+    the result again for each request it answers."""
+    data = b'{"v":%d,"type":"reply","id":%s,"ok":true,"result":%s}' % (
+        SCHEMA_VERSION, json.encoder.encode_basestring_ascii(id).encode(), result)
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    return data
+
+
 def encode_error(id: str, code: str, message: str) -> bytes:
     if code not in ERROR_CODES:
         raise ValueError(f"unknown error code {code!r}")

@@ -553,3 +553,29 @@ def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_o
     assert "No space left" in events[1]["message"]
     assert "loaded the application checkpoint of step 100" in events[2]["message"]
     _until(lambda: served[0].state.step_offset == 97)  # its step 3 is the job's 100  # the runtime had counted 3 steps: its step 3 is the job's 100
+
+
+def test_a_fan_out_encodes_a_shared_command_once_and_every_reply_is_the_same_bytes():
+    """server._Replies (issue 13): a result and command that many ranks get alike are encoded once,
+    and each reply is exactly what wire.encode_ok makes of it; a command object of its own, a
+    result with a value that cannot be a key, and no command at all are encoded right too."""
+    from torchpass import wire
+    from torchpass.coordinator import server as srv
+
+    replies = srv._Replies()
+    result = {"wait_max_s": 2.0, "report_every_s": 5.461, "reply_within_s": 6.096}
+    shared = {"command": "pause", "at": 7, "generation": 2, "fallback": {"command": "resume"}}
+    held = {**shared, "hold_file": "/x/rank0"}
+    calls = []
+    real = wire.encode_result
+    try:
+        wire.encode_result = lambda r: (calls.append(r), real(r))[1]
+        for i, cmd in enumerate([shared, held, shared, shared, None, shared]):
+            msg_id = f"id-{i}\u00e9\""
+            want = wire.encode_ok(msg_id, dict(result) if cmd is None else {**result, "command": cmd})
+            assert replies.encode(msg_id, dict(result), cmd) == want
+        assert len(calls) == 3  # shared, held and no command: each encoded once
+        odd = {"wait_max_s": 2.0, "list": [1, 2]}  # a value that cannot be a key: encoded by itself
+        assert replies.encode("z", odd, shared) == wire.encode_ok("z", {**odd, "command": shared})
+    finally:
+        wire.encode_result = real

@@ -352,7 +352,7 @@ class Executor:
     def _resume_cmd(self, ranks, generation: int, master: str) -> None:
         cmd = self._resume_command(generation, master)
         for r in ranks:
-            self.commands[r] = dict(cmd)
+            self.commands[r] = cmd  # one object for all (never modified: see _do_PauseAt)
 
     # --- outcomes, seen in the serve thread ----------------------------------------------------
     def observe(self, outcome: Any) -> bool:
@@ -518,19 +518,23 @@ class Executor:
         # What a rank does if no resume comes within deadline_s (the coordinator died): the
         # rollback's own resume in place (docs/coordinator.md, "Never left paused").
         fallback = self._resume_command(a.generation, dc.in_place_master(st))
+        # One command object for every rank that is not held (never modified; the server encodes
+        # it once for all of them: a pause to 8,192 ranks is one batch of replies).
+        cmd = {"command": "pause", "at": a.at, "generation": a.generation,
+               "deadline_s": hold_deadline_s(self.policy), "fallback": fallback,
+               "join_s": self.policy.rebuild_timeout_s}  # the fallback's ranks wait this long for each other
+        held = set(a.hold_ranks)
         for r in st.ranks:
-            cmd = {"command": "pause", "at": a.at, "generation": a.generation,
-                   "deadline_s": hold_deadline_s(self.policy), "fallback": dict(fallback),
-                   "join_s": self.policy.rebuild_timeout_s}  # the fallback's ranks wait this long for each other
-            if r in a.hold_ranks:
+            if r in held:
                 p = self._hold(a.migration, r)
                 p.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     p.unlink()
                 except FileNotFoundError:
                     pass
-                cmd["hold_file"] = str(p)
-            self.commands[r] = cmd
+                self.commands[r] = {**cmd, "hold_file": str(p)}
+            else:
+                self.commands[r] = cmd
         m = st.migration
         if self.prelaunch_restore and m is not None and m.id == a.migration and m.target:
             for task in self._tasks(st, a.hold_ranks):
