@@ -252,22 +252,22 @@ def thaw_acks(st: CoordState) -> CoordState:
     plain sets that apply(owned=...) adds to in place, for a batch of outcomes (Driver.begin_batch).
     A frozenset copied on every rank's report grows the fan-in quadratically: at 8,192 ranks each
     quiesced report cost ~0.4 ms to copy the set (issue 13). freeze_acks() ends it."""
-    m, s = st.migration, st.snapshot
-    if m is not None:
-        m = replace(m, quiesced=set(m.quiesced), resumed=set(m.resumed))
-    if s is not None:
-        s = replace(s, quiesced=set(s.quiesced), resumed=set(s.resumed))
-    return st if m is st.migration and s is st.snapshot else st.carry_views(replace(st, migration=m, snapshot=s))
+    return _recast_acks(st, set)
 
 
 def freeze_acks(st: CoordState) -> CoordState:
     """``st`` with the sets thaw_acks() made frozen again: what decide and every later state see."""
-    m, s = st.migration, st.snapshot
-    if m is not None and (type(m.quiesced) is set or type(m.resumed) is set):
-        m = replace(m, quiesced=frozenset(m.quiesced), resumed=frozenset(m.resumed))
-    if s is not None and (type(s.quiesced) is set or type(s.resumed) is set):
-        s = replace(s, quiesced=frozenset(s.quiesced), resumed=frozenset(s.resumed))
-    return st if m is st.migration and s is st.snapshot else st.carry_views(replace(st, migration=m, snapshot=s))
+    return _recast_acks(st, frozenset)
+
+
+def _recast_acks(st: CoordState, kind: type) -> CoordState:
+    """``st`` with the migration's and the snapshot's acknowledgment sets as ``kind`` (copies).
+    Every state outside a batch holds frozen sets, so thawing always makes the batch its own sets."""
+    runs = {"migration": st.migration, "snapshot": st.snapshot}
+    changed = {name: replace(run, quiesced=kind(run.quiesced), resumed=kind(run.resumed))
+               for name, run in runs.items()
+               if run is not None and not (type(run.quiesced) is kind and type(run.resumed) is kind)}
+    return st.carry_views(replace(st, **changed)) if changed else st
 
 
 def _with_ack(acks: frozenset[int], rank: int, owned: dict[int, RankView] | None) -> frozenset[int]:
