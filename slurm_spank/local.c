@@ -19,6 +19,11 @@
  * the batch script's srun goes on as the relaunched step and its exit status
  * is that step's.  srun calls the exit hook from an atexit handler, so the
  * exec replaces srun's exit with the new step.
+ *
+ * Spares (placement.h): an srun whose own options choose its nodes (-N, -w,
+ * -x, -m, ...) gets the allocation's environment back at init, before srun
+ * reads it, so that it runs as it would in a job without torchpass.  This
+ * holds for every srun of a spares=N job, with or without --torchpass.
  */
 #include <limits.h>
 #include <stdint.h>
@@ -30,6 +35,8 @@
 
 #include "context.h"
 #include "coordinator.h"
+#include "layout.h"
+#include "placement.h"
 #include "proc.h"
 #include "relaunch.h"
 #include "tpass.h"
@@ -136,6 +143,51 @@ static void arm_relaunch(void)
 	again.armed = true;
 }
 
+/*
+ * An srun that places its step itself does not get the job's host file
+ * (placement.h).  Only the host file the batch step wrote is taken away,
+ * never one the user set.  Runs before srun reads its options.
+ */
+static void let_srun_place_itself(void)
+{
+	const char *hostfile = getenv("SLURM_HOSTFILE");
+	const char *job = getenv("SLURM_JOB_ID");
+	char ours[TPASS_PATH_MAXLEN + 64], cmdline[65536], which[32], name[64];
+	char **argv;
+	ssize_t n;
+	bool places;
+
+	if (!tpass.conf_ok || !hostfile || !job)
+		return;
+	snprintf(ours, sizeof(ours),
+		 "%s/" TPASS_LAYOUT_JOBS "/%s/" TPASS_LAYOUT_HOSTFILE,
+		 tpass.conf.state_dir, job);
+	if (strcmp(hostfile, ours))
+		return;
+	n = tpass_proc_read(getpid(), "cmdline", cmdline, sizeof(cmdline));
+	if (n <= 0 || (size_t)n >= sizeof(cmdline) - 1)
+		return;
+	argv = tpass_argv_split(cmdline, (size_t)n);
+	places = argv && tpass_srun_places_step(argv, which, sizeof(which));
+	tpass_argv_free(argv);
+	if (!places)
+		return;
+	unsetenv("SLURM_HOSTFILE");
+	for (int i = 0; tpass_hidden_alloc_vars[i]; i++) {
+		const char *var = tpass_hidden_alloc_vars[i];
+		const char *alloc;
+
+		snprintf(name, sizeof(name), TPASS_ALLOC_PREFIX "%s", var);
+		alloc = getenv(name);
+		if (alloc)
+			setenv(var, alloc, 1);
+		else
+			unsetenv(var);
+	}
+	tpass_verbose("srun %s places this step itself: the job's spares are not hidden from it",
+		      which);
+}
+
 int tpass_local_init(spank_t sp, int ac, char **av)
 {
 	int rc;
@@ -143,6 +195,7 @@ int tpass_local_init(spank_t sp, int ac, char **av)
 	(void)ac;
 	(void)av;
 	rc = tpass_option_register(sp, local_check);
+	let_srun_place_itself();
 	arm_relaunch();
 	return rc;
 }

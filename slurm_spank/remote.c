@@ -33,6 +33,7 @@
 #include "coordinator.h"
 #include "hostlist.h"
 #include "layout.h"
+#include "placement.h"
 #include "pythonpath.h"
 #include "tpass.h"
 
@@ -57,6 +58,8 @@ static const char *const exported_vars[] = {
 	"TORCHPASS_JOB_ID", "TORCHPASS_COORDINATOR", "TORCHPASS_STATE_DIR",
 	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_SNAPSHOT_EVERY", "TORCHPASS_NODE",
 	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", "TORCHPASS_JOB_SECRET",
+	TPASS_ALLOC_PREFIX "SLURM_JOB_NUM_NODES", TPASS_ALLOC_PREFIX "SLURM_NNODES",
+	TPASS_ALLOC_PREFIX "SLURM_NTASKS", TPASS_ALLOC_PREFIX "SLURM_NPROCS",
 	NULL,
 };
 
@@ -290,7 +293,9 @@ static int set_env(spank_t sp, const char *name, const char *value)
  * a host file (STATE_DIR/jobs/J/hostfile: each active node once per task, in
  * order, i.e. the block layout the job asked for) and exports
  * SLURM_HOSTFILE, with SLURM_JOB_NUM_NODES/SLURM_NNODES and
- * SLURM_NTASKS/SLURM_NPROCS reduced to match.  Runs as the job user.
+ * SLURM_NTASKS/SLURM_NPROCS reduced to match (their values before are kept
+ * as TORCHPASS_ALLOC_<name>, for an srun that places itself: placement.h).
+ * Runs as the job user.
  */
 static int write_hostfile(char **hosts, const unsigned long *counts,
 			  size_t active, char *path, size_t pathlen)
@@ -323,6 +328,25 @@ static int write_hostfile(char **hosts, const unsigned long *counts,
 		launch_fail("spares=%u: cannot write %s", tpass.opts.spares,
 			    path);
 		return -1;
+	}
+	return 0;
+}
+
+/* The allocation's values of what hide_spares lowers (placement.h). */
+static int keep_alloc_env(spank_t sp)
+{
+	char name[64], value[1024];
+
+	for (int i = 0; tpass_hidden_alloc_vars[i]; i++) {
+		snprintf(name, sizeof(name), TPASS_ALLOC_PREFIX "%s",
+			 tpass_hidden_alloc_vars[i]);
+		if (get_env(sp, tpass_hidden_alloc_vars[i], value,
+			    sizeof(value)) == 0) {
+			if (set_env(sp, name, value) < 0)
+				return -1;
+		} else {
+			spank_unsetenv(sp, name);
+		}
 	}
 	return 0;
 }
@@ -363,7 +387,7 @@ static int hide_spares(spank_t sp)
 	if (tpass_hostlist_join(hosts, 0, active, buf, sizeof(buf)) < 0 ||
 	    set_env(sp, "TORCHPASS_ACTIVE_NODES", buf) < 0)
 		goto out;
-	if (set_env(sp, "SLURM_HOSTFILE", path) < 0)
+	if (keep_alloc_env(sp) < 0 || set_env(sp, "SLURM_HOSTFILE", path) < 0)
 		goto out;
 	snprintf(buf, sizeof(buf), "%zu", active);
 	if (set_env(sp, "SLURM_JOB_NUM_NODES", buf) < 0 ||

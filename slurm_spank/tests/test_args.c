@@ -1,7 +1,7 @@
 /*
  * test_args.c - unit tests for the pure parsers (no Slurm needed): conf.c,
- * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c and the ready line
- * of coordinator.c.
+ * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c, placement.c and the
+ * ready line of coordinator.c.
  * Build and run: make -C slurm_spank test
  * Prints one line per failed check and a summary "N checks, F failed".
  */
@@ -9,10 +9,13 @@
 #include "../coordinator.h"
 #include "../hostlist.h"
 #include "../opts.h"
+#include "../placement.h"
 #include "../pythonpath.h"
 #include "../relaunch.h"
 #include "../util.h"
 
+#include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -516,6 +519,73 @@ static void test_relaunch(void)
 	CHECK(tpass_argv_split("", 0) == NULL);
 }
 
+static bool places(const char *which_expected, ...)
+{
+	char *argv[32], which[32];
+	va_list ap;
+	size_t n = 0;
+	bool r;
+
+	va_start(ap, which_expected);
+	while (n < 31 && (argv[n] = va_arg(ap, char *)))
+		n++;
+	va_end(ap);
+	argv[n] = NULL;
+	r = tpass_srun_places_step(argv, which, sizeof(which));
+	if (r != (which_expected != NULL) ||
+	    (which_expected && strcmp(which, which_expected))) {
+		printf("  srun_places_step: got %d '%s', expected '%s'\n", r,
+		       which, which_expected ? which_expected : "(none)");
+		return false;
+	}
+	return true;
+}
+
+static void test_placement(void)
+{
+	/* what the host file would break */
+	CHECK(places("-N", "srun", "-N1", "-n1", "hostname", NULL));
+	CHECK(places("-N", "srun", "-N", "2", "hostname", NULL));
+	CHECK(places("-N", "srun", "-lN2", "hostname", NULL));
+	CHECK(places("--nodes", "srun", "--nodes=2", "hostname", NULL));
+	CHECK(places("--nodes", "srun", "--nodes", "2", "hostname", NULL));
+	CHECK(places("-m", "srun", "-m", "cyclic", "hostname", NULL));
+	CHECK(places("--distribution", "srun", "--distribution=cyclic", "a", NULL));
+	CHECK(places("-x", "srun", "--overlap", "-x", "node1", "a", NULL));
+	CHECK(places("--exclude", "srun", "--exclude=node1", "a", NULL));
+	CHECK(places("-w", "srun", "-wnode2", "a", NULL));
+	CHECK(places("--nodelist", "srun", "--nodelist", "node2", "a", NULL));
+	CHECK(places("-F", "srun", "-F", "hosts.txt", "a", NULL));
+	CHECK(places("--nodefile", "srun", "--nodefile=h", "a", NULL));
+	CHECK(places("-r", "srun", "-r1", "a", NULL));
+	CHECK(places("--relative", "srun", "--relative", "1", "a", NULL));
+	/* options before it, with their values as separate words */
+	CHECK(places("-N", "srun", "-J", "-x1", "-o", "out", "-N1", "a", NULL)); /* "-x1" is -J's value */
+	CHECK(places("-N", "srun", "-o", "out", "--job-name", "x", "-K", "-N1", "a", NULL));
+	CHECK(places("-N", "srun", "--kill-on-bad-exit=1", "--overlap", "-N1", "a", NULL));
+	CHECK(places("-N", "srun", "--torchpass=off", "-N1", "a", NULL));
+	/* plain sruns keep the host file */
+	CHECK(places(NULL, "srun", "hostname", NULL));
+	CHECK(places(NULL, "srun", "-n1", "--overlap", "hostname", NULL));
+	CHECK(places(NULL, "srun", "-l", "-o", "-N", "hostname", NULL)); /* -o's value */
+	CHECK(places(NULL, "srun", "-J", "-N", "hostname", NULL));
+	CHECK(places(NULL, "srun", "--job-name", "-N", "hostname", NULL));
+	CHECK(places(NULL, "srun", "--ntasks=2", "-c", "1", "hostname", NULL));
+	/* the command's own arguments are the command's */
+	CHECK(places(NULL, "srun", "python", "train.py", "-N", "4", NULL));
+	CHECK(places(NULL, "srun", "-n2", "--", "-N", "x", NULL));
+	CHECK(places(NULL, "srun", "-n2", "-", "-N", NULL));
+	/* an unknown short option ends the scan; an unknown long one's value too */
+	CHECK(places(NULL, "srun", "-y", "-N1", "a", NULL));
+	CHECK(places(NULL, "srun", "--container-image", "img", "-N1", "a", NULL));
+	CHECK(places(NULL, "srun", "-o", NULL));
+	CHECK(places(NULL, "srun", "--job-name", NULL));
+	CHECK(places(NULL, "srun", NULL));
+	CHECK(!tpass_srun_places_step(NULL, NULL, 0));
+	for (size_t i = 0; tpass_hidden_alloc_vars[i]; i++)
+		CHECK(!strncmp(tpass_hidden_alloc_vars[i], "SLURM_", 6));
+}
+
 int main(void)
 {
 	tpass_conf_defaults(&conf);
@@ -530,6 +600,7 @@ int main(void)
 	test_pythonpath();
 	test_ready();
 	test_relaunch();
+	test_placement();
 	printf("%d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;
 }

@@ -303,6 +303,48 @@ for i in 1 2 3; do srun hostname | sort | tr '\\n' ' ' >> {job_dir}/hosts; echo 
     _assert_no_coordinator(cluster, job_id)
 
 
+def test_an_srun_that_places_itself_runs_as_in_a_job_without_torchpass(cluster, job_dir):
+    """Do no harm: srun's own -N, -x, -m and -w are refused or overridden by a
+    host file (-N: "--nodes is incompatible with --distribution=arbitrary"),
+    so such an srun gets the allocation's environment back. The same script
+    under plain sbatch is the reference: every srun's exit code and task
+    count match, and the hosts where the options fix them."""
+    script = f"""#!/bin/sh
+report="$1"
+run() {{
+  name=$1; shift
+  out=$("$@" 2>&1); rc=$?
+  echo "$name rc=$rc tasks=$(echo "$out" | grep -c '^node') hosts=$(echo "$out" | grep '^node' | sort -u | tr '\\n' ' ')" >> "$report"
+  echo "$out" | grep -v '^node' >> "$report.err"
+}}
+run N1 srun -N1 -n1 hostname
+run N2 srun -N2 hostname
+run nodes2 srun --overlap --nodes 2 hostname
+run x1 srun -x node1 -n2 hostname
+run m srun -m cyclic -n2 hostname
+run w srun -w node2 hostname
+run plain srun hostname
+exit 0
+"""
+    reports = {}
+    for tag, torchpass in (("plain", []), ("tp", ["--torchpass=spares=1"])):
+        job_id = _submit(["-N4", "--ntasks-per-node=1", *torchpass], script.replace('"$1"', f'"{job_dir}/{tag}"'),
+                         job_dir)
+        assert wait_job(job_id, timeout_s=120).state == "COMPLETED", _out(job_dir, job_id)
+        reports[tag] = {line.split()[0]: line for line in (job_dir / tag).read_text().splitlines()}
+    plain, tp = reports["plain"], reports["tp"]
+    errors = (job_dir / "tp.err").read_text() if (job_dir / "tp.err").exists() else ""
+    assert "incompatible" not in errors, errors
+    for name in ("N1", "N2", "nodes2", "x1", "m", "w"):
+        assert "rc=0" in plain[name], (plain[name], (job_dir / "plain.err").read_text())
+        # -N and -m leave the nodes to slurmctld (the first free ones): compare counts
+        fields = lambda line: line.split(" hosts=")[0] if name in ("N1", "N2", "nodes2", "m") else line
+        assert fields(tp[name]) == fields(plain[name]), (name, tp[name], plain[name], errors)
+    # a plain srun still keeps off the spare
+    assert tp["plain"] == "plain rc=0 tasks=3 hosts=node1 node2 node3 ", tp["plain"]
+    assert plain["plain"] == "plain rc=0 tasks=4 hosts=node1 node2 node3 node4 ", plain["plain"]
+
+
 def test_spares_not_below_the_node_count_fail_the_job_not_the_node(cluster, job_dir):
     job_id = _submit(["-N2", "--torchpass=spares=2"], f"#!/bin/sh\ntouch {job_dir}/ran\n", job_dir)
     job = wait_job(job_id, timeout_s=60)
