@@ -94,7 +94,7 @@ def wait_step(cluster, job_id: int, out_path: Path, step: int, what: str, timeou
 
 def diagnosis(cluster, job_id: int, out_path: Path, what: str) -> str:
     log = layout.coordinator_log(cluster.state_dir, job_id)
-    return "\n".join([what, out_path.read_text()[-3000:] if out_path.exists() else "no job output",
+    return "\n".join([what, tj.excerpt(out_path.read_text()) if out_path.exists() else "no job output",
                       "--- events ---", *(f"{e['kind']}: {e['message']}" for e in events(cluster, job_id)),
                       "--- coordinator.log ---", log.read_text()[-6000:] if log.exists() else ""])
 
@@ -114,9 +114,9 @@ def reference(d: Drill, job_dir: Path, user: str | None, jobs: list[int]) -> dic
     jobs.append(job_id)
     final = tj.wait_end(job_id, 300, context=f"{d.name} reference: ")
     text = (job_dir / f"ref.{job_id}.out").read_text()
-    assert final["job_state"][0] == "COMPLETED", text[-3000:]
+    assert final["job_state"][0] == "COMPLETED", tj.excerpt(text)
     lines = tj.steps(text)
-    assert len(lines) == d.ranks * d.steps and "torchpass" not in text, text[-3000:]
+    assert len(lines) == d.ranks * d.steps and "torchpass" not in text, tj.excerpt(text)
     ref = tj.per_step(lines)
     assert all(len(c) == 1 for c in ref.values()), "the ranks disagree on a step's loss"
     return ref

@@ -270,8 +270,17 @@ def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir)
         assert _run(["scancel", str(job_id)]).returncode == 0
         _assert_no_coordinator(cluster, job_id, timeout_s=30)
         # the epilog logs once the process is gone
-        _wait_for(lambda: f"tpass: epilog job {job_id}: stopped a coordinator" in log_path.read_text(),
-                  10, "the epilog's log line")
+        try:
+            _wait_for(lambda: f"tpass: epilog job {job_id}: stopped a coordinator" in log_path.read_text(),
+                      10, "the epilog's log line")
+        except AssertionError as e:
+            # seen once in CI (2026-12-05) and never again by hand: keep what says who ended it
+            lines = [line for line in log_path.read_text().splitlines()
+                     if str(job_id) in line or "spank-epilog" in line or "tpass:" in line]
+            coord_log = layout.coordinator_log(cluster.state_dir, job_id)
+            tail = coord_log.read_text()[-3000:] if coord_log.exists() else "(no coordinator log)"
+            raise AssertionError(f"{e}\nslurmd.node1.log, job {job_id}:\n" + "\n".join(lines[-40:])
+                                 + f"\n{coord_log}:\n{tail}") from None
     finally:
         # under proctrack/linuxproc the orphaned script survives its slurmstepd
         leftover = [coord] if coord in _coordinator_pids(cluster, job_id) else []  # only if still ours

@@ -86,6 +86,15 @@ def wait_end(job_id: int, timeout_s: float = 240, context: str = "") -> dict:
     raise AssertionError(f"{context}job {job_id} still {j['job_state']} after {timeout_s}s")
 
 
+def excerpt(text: str, limit: int = 3000) -> str:
+    """A failed job's output for an assertion: from its first traceback (the rank that failed
+    first, which the others' "Connection closed by peer" follow), then its end."""
+    first = text.find("Traceback")
+    if first < 0 or len(text) - first <= 2 * limit:
+        return text[max(first, len(text) - 2 * limit):] if first >= 0 else text[-limit:]
+    return text[first:first + limit] + "\n[...]\n" + text[-limit:]
+
+
 def steps(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if re.fullmatch(r"step=\d+ loss=\S+", ln)]
 
