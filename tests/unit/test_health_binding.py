@@ -156,3 +156,53 @@ def test_check_publication_ranges():
                       ({"reasons": [1]}, 1), ({"components": {"g": {"metrics": {"x": float("inf")}}}}, 1)):
         with pytest.raises(OutOfRange):
             check_publication("tpassd.event", body, seq)
+
+
+def test_many_publishers_are_read_by_readiness_and_a_flood_starves_no_other():
+    """The subscriber waits on its sockets' ZMQ_FDs with epoll (issue 13: a zmq.Poller walked all
+    1,025 sockets per publication). Every publication of every publisher is read, a burst queued
+    on one socket beyond DRAIN_MAX included, and another publisher's is read meanwhile."""
+    from torchpass import health
+
+    ctx = zmq.Context()
+
+    class InprocPub(Pub):  # inproc: a sent message is queued on the SUB at once (no timing)
+        def __init__(self, ctx, name):
+            self.sock = ctx.socket(zmq.PUB)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.endpoint = f"inproc://health-{name}"
+            self.sock.bind(self.endpoint)
+
+    pubs = {f"n{i}": InprocPub(ctx, f"n{i}") for i in range(40)}
+    sub = HealthSubscriber({n: (p.endpoint, "tcp://127.0.0.1:1") for n, p in pubs.items()},
+                           snapshot=None, context=ctx)
+    seq = dict.fromkeys(pubs, 0)
+    try:
+        def all_joined():
+            for n, p in pubs.items():
+                if sub.view(n).received_seq < 0:
+                    p.send(hb(n, seq[n]))
+                    seq[n] += 1
+            sub.poll_once(20)
+            return all(sub.view(n).received_seq >= 0 for n in pubs)
+
+        pump(sub, all_joined)
+        burst = 5 * health.DRAIN_MAX
+        first = seq["n0"]
+        for i in range(burst):  # queued on n0's socket before the subscriber reads again
+            pubs["n0"].send(hb("n0", first + i))
+        for n in pubs:
+            if n != "n0":
+                pubs[n].send(hb(n, seq[n] + 1))
+        sub.poll_once(0)  # one pass: n0 yields after DRAIN_MAX, the others are read
+        assert first <= sub.view("n0").received_seq < first + burst - 1
+        assert all(sub.view(n).received_seq == seq[n] + 1 for n in pubs if n != "n0")
+        pump(sub, lambda: sub.view("n0").received_seq == first + burst - 1)  # the rest, later
+        for n in pubs:  # a later publication wakes the wait again (the edge was re-armed)
+            pubs[n].send(hb(n, 10_000))
+        pump(sub, lambda: all(sub.view(n).received_seq == 10_000 for n in pubs))
+    finally:
+        sub.close()
+        for p in pubs.values():
+            p.sock.close()
+        ctx.term()
