@@ -1361,3 +1361,32 @@ def test_the_rank_views_carry_over_and_are_rebuilt_when_a_rank_changes_node():
     kept = mc.apply(after, mc.RankProgress(1, 5, 1), 2.0, owned=owned)  # a report alone
     assert kept.rank_nodes() is after.rank_nodes()
     assert st.rank_nodes() == {"n0": (0, 1), "n1": (2, 3)}  # the state before the batch: its own views
+
+
+def test_the_stall_pass_is_skipped_until_a_rank_could_be_quiet_and_then_finds_it():
+    """decide.stalled_ranks keeps the lowest last_advance of its last pass (carried from state to
+    state, a batch's in-place ranks included): no pass over the ranks before a rank could have been
+    quiet for stall_s, and the stalled rank is found once it has (issue 13)."""
+    from torchpass.coordinator.decide import stalled_ranks
+    from torchpass.coordinator.model import STALL_FLOOR_CACHE
+
+    pol = replace(P, stall_s=30.0)
+    st = CoordState(job_id=1, world_size=8)
+    for r in range(8):
+        st = mc.apply(st, mc.RankRegistered(r, f"node{r // 2 + 1}", 8), 0.0)
+    assert stalled_ranks(0.0, st, pol) == [] and st.__dict__[STALL_FLOOR_CACHE] == 0.0
+    for t in range(5, 60, 5):  # every rank but 3 advances every 5 s, as one batch each
+        owned = dict(st.ranks)
+        batch = st.carry_views(replace(st, ranks=owned), copied_ranks=True)
+        for r in range(8):
+            if r != 3:
+                batch = mc.apply(batch, mc.RankProgress(r, 10 * t, t // 5), float(t), owned=owned)
+        st = batch
+        found = stalled_ranks(float(t), st, pol)
+        if t < 30:
+            assert found == [] and st.__dict__[STALL_FLOOR_CACHE] == 0.0  # carried: no pass yet
+        else:
+            assert [r.rank for r in found] == [3], t  # quiet 30 s, behind the others
+    # a rank that advances again is no longer stalled, and the floor moves up with it
+    st = mc.apply(st, mc.RankProgress(3, 600, 55), 60.0)
+    assert stalled_ranks(60.0, st, pol) == [] and st.__dict__[STALL_FLOOR_CACHE] >= 55.0

@@ -255,6 +255,10 @@ class RelaunchRun:
 
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
 PINNED_CACHE = "_pinned_nodes"  # CoordState.pinned_nodes(), found in the same pass
+# The lowest RankView.last_advance seen over the ranks (decide.stalled_ranks). A rank's
+# last_advance never goes back (machine sets it to the clock's now), and a rank that joins starts
+# at now, so the floor of an earlier pass stays a lower bound for every later state.
+STALL_FLOOR_CACHE = "_stall_floor"
 
 
 @dataclass(frozen=True)
@@ -334,9 +338,10 @@ class CoordState:
         """``new``, made from this state with the same ranks (dataclasses.replace of other fields;
         ``copied_ranks``: its ranks are a copy of this state's dict), with this state's
         rank_nodes() and pinned_nodes() instead of building them again over every rank (issue 13:
-        at 8,192 ranks each build took ~2 ms, on every batch and every health poll)."""
+        at 8,192 ranks each build took ~2 ms, on every batch and every health poll), and the
+        stall floor (STALL_FLOOR_CACHE)."""
         if new is not self and (copied_ranks or new.ranks is self.ranks):
-            for key in (RANK_NODES_CACHE, PINNED_CACHE):
+            for key in (RANK_NODES_CACHE, PINNED_CACHE, STALL_FLOOR_CACHE):
                 if key in self.__dict__ and key not in new.__dict__:
                     new.__dict__[key] = self.__dict__[key]
         return new
