@@ -4,7 +4,10 @@
 #include "placement.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "util.h"
 
 const char *const tpass_hidden_alloc_vars[] = {
 	"SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NPROCS",
@@ -110,4 +113,45 @@ bool tpass_srun_places_step(char *const *argv, char *which, size_t len)
 			return false;
 	}
 	return false;
+}
+
+long tpass_hostfile_order(const char *distribution, unsigned long plane_size,
+			  const unsigned long *counts, size_t nodes,
+			  size_t *order, size_t norder, char *err,
+			  size_t errlen)
+{
+	size_t len = distribution ? strcspn(distribution, ":,") : 0;
+	unsigned long chunk, total = 0, *left;
+	size_t n = 0;
+
+	for (size_t i = 0; i < nodes; i++)
+		total += counts[i];
+	if (total > norder)
+		return tpass_fail(err, errlen, "%lu tasks: more than %zu", total,
+				  norder);
+	if (!len || (len == 5 && !strncmp(distribution, "block", 5)) ||
+	    (len == 1 && distribution[0] == '*'))
+		chunk = 0; /* every task of a node before the next node's */
+	else if (len == 6 && !strncmp(distribution, "cyclic", 6))
+		chunk = 1;
+	else if (len == 5 && !strncmp(distribution, "plane", 5) && plane_size)
+		chunk = plane_size;
+	else
+		return tpass_fail(err, errlen,
+				  "distribution '%.*s' is not block, cyclic or plane with a size",
+				  (int)len, distribution);
+	left = calloc(nodes ? nodes : 1, sizeof(*left));
+	if (!left)
+		return tpass_fail(err, errlen, "out of memory");
+	memcpy(left, counts, nodes * sizeof(*left));
+	while (n < total) {
+		for (size_t i = 0; i < nodes && n < total; i++) {
+			unsigned long take = chunk ? chunk : left[i];
+
+			for (; take && left[i]; take--, left[i]--)
+				order[n++] = i;
+		}
+	}
+	free(left);
+	return (long)n;
 }

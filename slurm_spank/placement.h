@@ -41,4 +41,19 @@ extern const char *const tpass_hidden_alloc_vars[];
  */
 bool tpass_srun_places_step(char *const *argv, char *which, size_t len);
 
+/*
+ * The host file's order: order[t] is the index of the node (among `nodes`,
+ * with counts[i] tasks on node i) where task t runs, as the job's
+ * distribution (SLURM_DISTRIBUTION in the batch step: sbatch -m) lays a
+ * plain srun's tasks out: "block" or none (each node's tasks together),
+ * "cyclic" (one task per node in turn, skipping full nodes) or "plane" with
+ * plane_size (that many at a time).  Only the node level (before ':' or
+ * ',') counts.  Returns the number of tasks, or -1 with err set (an
+ * unknown distribution, or more tasks than norder).
+ */
+long tpass_hostfile_order(const char *distribution, unsigned long plane_size,
+			  const unsigned long *counts, size_t nodes,
+			  size_t *order, size_t norder, char *err,
+			  size_t errlen);
+
 #endif /* TPASS_PLACEMENT_H */

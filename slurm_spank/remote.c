@@ -291,14 +291,15 @@ static int set_env(spank_t sp, const char *name, const char *value)
  * smaller SLURM_JOB_NUM_NODES alone lets the step land on a spare whenever
  * an active node is still releasing the previous step, so the plugin writes
  * a host file (STATE_DIR/jobs/J/hostfile: each active node once per task, in
- * order, i.e. the block layout the job asked for) and exports
+ * the order of the job's distribution, SLURM_DISTRIBUTION: block unless
+ * sbatch -m said cyclic or plane; placement.h) and exports
  * SLURM_HOSTFILE, with SLURM_JOB_NUM_NODES/SLURM_NNODES and
  * SLURM_NTASKS/SLURM_NPROCS reduced to match (their values before are kept
  * as TORCHPASS_ALLOC_<name>, for an srun that places itself: placement.h).
  * Runs as the job user.
  */
-static int write_hostfile(char **hosts, const unsigned long *counts,
-			  size_t active, char *path, size_t pathlen)
+static int write_hostfile(char **hosts, const size_t *order, size_t ntasks,
+			  char *path, size_t pathlen)
 {
 	FILE *f;
 	int fd;
@@ -321,9 +322,8 @@ static int write_hostfile(char **hosts, const unsigned long *counts,
 			    path);
 		return -1;
 	}
-	for (size_t i = 0; i < active; i++)
-		for (unsigned long t = 0; t < counts[i]; t++)
-			fprintf(f, "%s\n", hosts[i]);
+	for (size_t t = 0; t < ntasks; t++)
+		fprintf(f, "%s\n", hosts[order[t]]);
 	if (fclose(f) != 0) {
 		launch_fail("spares=%u: cannot write %s", tpass.opts.spares,
 			    path);
@@ -351,10 +351,44 @@ static int keep_alloc_env(spank_t sp)
 	return 0;
 }
 
+/*
+ * The host file's task order (placement.h): the job's distribution, as a
+ * plain srun would lay its tasks out without the host file.  One srun does
+ * not know (arbitrary, a distribution of its own): block, said once.
+ */
+static int host_order(spank_t sp, const unsigned long *counts, size_t active,
+		      unsigned long tasks, size_t **order)
+{
+	char dist[64] = "", plane[32] = "", err[TPASS_ERR_MAXLEN];
+	unsigned long plane_size = 0;
+
+	*order = calloc(tasks ? tasks : 1, sizeof(**order));
+	if (!*order) {
+		launch_fail("out of memory");
+		return -1;
+	}
+	if (get_env(sp, "SLURM_DISTRIBUTION", dist, sizeof(dist)) < 0)
+		dist[0] = '\0';
+	if (get_env(sp, "SLURM_DIST_PLANESIZE", plane, sizeof(plane)) == 0)
+		plane_size = strtoul(plane, NULL, 10);
+	if (tpass_hostfile_order(dist, plane_size, counts, active, *order,
+				 tasks, err, sizeof(err)) >= 0)
+		return 0;
+	tpass_error("job %u: spares=%u: %s; a plain srun in the batch script lays its tasks out in blocks on the active nodes",
+		    R.job_id, tpass.opts.spares, err);
+	if (tpass_hostfile_order(NULL, 0, counts, active, *order, tasks, err,
+				 sizeof(err)) < 0) {
+		launch_fail("spares=%u: %s", tpass.opts.spares, err);
+		return -1;
+	}
+	return 0;
+}
+
 static int hide_spares(spank_t sp)
 {
 	char buf[8192], tpn[1024], err[TPASS_ERR_MAXLEN];
 	char path[TPASS_PATH_MAXLEN + 64];
+	size_t *order = NULL;
 	unsigned long *counts = NULL, tasks = 0;
 	char **hosts = NULL;
 	size_t n = 0, active, i;
@@ -379,7 +413,8 @@ static int hide_spares(spank_t sp)
 			counts[i] = 1;
 		tasks = active;
 	}
-	if (write_hostfile(hosts, counts, active, path, sizeof(path)) < 0)
+	if (host_order(sp, counts, active, tasks, &order) < 0 ||
+	    write_hostfile(hosts, order, tasks, path, sizeof(path)) < 0)
 		goto out;
 	if (tpass_hostlist_join(hosts, active, n, buf, sizeof(buf)) < 0 ||
 	    set_env(sp, "TORCHPASS_SPARE_NODES", buf) < 0)
@@ -401,6 +436,7 @@ static int hide_spares(spank_t sp)
 out:
 	if (rc < 0 && !R.launch_failed)
 		launch_fail("spares=%u: node list too long", tpass.opts.spares);
+	free(order);
 	free(counts);
 	tpass_hostlist_free(hosts, n);
 	return rc;

@@ -582,6 +582,49 @@ static void test_placement(void)
 	CHECK(places(NULL, "srun", "--job-name", NULL));
 	CHECK(places(NULL, "srun", NULL));
 	CHECK(!tpass_srun_places_step(NULL, NULL, 0));
+	{
+		/* three active nodes with 2, 2 and 1 tasks */
+		const unsigned long counts[] = { 2, 2, 1 };
+		size_t order[8];
+		char e[256];
+		const struct {
+			const char *dist;
+			unsigned long plane;
+			const char *want;
+		} cases[] = {
+			{ NULL, 0, "00112" },
+			{ "block", 0, "00112" },
+			{ "block:cyclic", 0, "00112" },
+			{ "*", 0, "00112" },
+			{ "cyclic", 0, "01201" },
+			{ "cyclic:block,Pack", 0, "01201" },
+			{ "plane", 2, "00112" },
+			{ "plane", 1, "01201" },
+		};
+
+		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+			char got[8] = "";
+			long n = tpass_hostfile_order(cases[c].dist, cases[c].plane,
+						      counts, 3, order, 8, e,
+						      sizeof(e));
+
+			for (long t = 0; t < n && t < 7; t++)
+				got[t] = (char)('0' + order[t]);
+			if (n != 5 || strcmp(got, cases[c].want))
+				printf("  hostfile_order(%s, %lu): %ld '%s', expected '%s'\n",
+				       cases[c].dist ? cases[c].dist : "NULL",
+				       cases[c].plane, n, got, cases[c].want);
+			CHECK(n == 5 && !strcmp(got, cases[c].want));
+		}
+		CHECK(tpass_hostfile_order("arbitrary", 0, counts, 3, order, 8, e,
+					   sizeof(e)) < 0);
+		CHECK_CONTAINS(e, "distribution 'arbitrary' is not block, cyclic or plane");
+		CHECK(tpass_hostfile_order("plane", 0, counts, 3, order, 8, e,
+					   sizeof(e)) < 0);
+		CHECK(tpass_hostfile_order("cyclic", 0, counts, 3, order, 4, e,
+					   sizeof(e)) < 0);
+		CHECK_CONTAINS(e, "5 tasks: more than 4");
+	}
 	for (size_t i = 0; tpass_hidden_alloc_vars[i]; i++)
 		CHECK(!strncmp(tpass_hidden_alloc_vars[i], "SLURM_", 6));
 }

@@ -354,6 +354,24 @@ exit 0
     assert plain["plain"] == "plain rc=0 tasks=4 hosts=node1 node2 node3 node4 ", plain["plain"]
 
 
+def test_spares_keep_the_jobs_distribution(cluster, job_dir):
+    """``sbatch -m cyclic``: a plain srun of a spares=1 job on 4 nodes places its tasks as a plain
+    job on the 3 active nodes does, not in blocks (the host file follows SLURM_DISTRIBUTION; plane
+    is unit-tested: sbatch refuses plane=2 with 2 tasks per node here)."""
+    distribution = "cyclic"
+    script = "#!/bin/sh\nsrun -l hostname | sort -n > \"$1\"\n"
+    layouts = {}
+    for tag, args in (("plain", ["-N3"]), ("tp", ["-N4", "--torchpass=spares=1"])):
+        out = job_dir / f"{tag}.hosts"
+        job_id = _submit([*args, "--ntasks-per-node=2", "-m", distribution],
+                         script.replace('"$1"', f'"{out}"'), job_dir)
+        assert wait_job(job_id, timeout_s=60).state == "COMPLETED", _out(job_dir, job_id)
+        layouts[tag] = out.read_text().split()
+    assert layouts["tp"] == layouts["plain"], layouts
+    hosts = layouts["plain"][1::2]
+    assert hosts[:3] == ["node1", "node2", "node3"], layouts
+
+
 def test_spares_not_below_the_node_count_fail_the_job_not_the_node(cluster, job_dir):
     job_id = _submit(["-N2", "--torchpass=spares=2"], f"#!/bin/sh\ntouch {job_dir}/ran\n", job_dir)
     job = wait_job(job_id, timeout_s=60)
