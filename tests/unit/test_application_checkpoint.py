@@ -223,3 +223,46 @@ def test_fsdp2_shards_and_their_optimizer_state_come_back_bit_identical(tmp_path
     assert clean[0] == "start=0" and died[0] == "start=0" and relaunched[0] == "start=20"
     assert died[1:] == clean[1:26]
     assert relaunched[1:] == clean[21:]  # only steps 20..24 were computed twice
+
+
+def test_rank_0_clears_a_steps_directory_without_removing_it_under_the_other_ranks(tmp_path):
+    """Rank 0 clears what an earlier run left in a step's directory while the other ranks' DCP
+    writers create that directory (mkdir(parents=True, exist_ok=True), before the plan's
+    collectives). Removing the directory itself failed another rank's mkdir with FileExistsError
+    when it vanished between that rank's mkdir and its check (a CI run lost a rank so, 2026-12-05).
+    Here a thread does what the other ranks' writers do, while rank 0 (world 1) saves the same
+    step again and again."""
+    import threading
+
+    import torch
+
+    from torchpass.checkpoint import application as app
+
+    ckpt = app.Checkpointer(tmp_path / "ckpt", keep=1)
+    path = app.step_dir(ckpt.root, 10)
+    state = {"w": {"t": torch.arange(1000, dtype=torch.float32)}}
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def other_ranks_writer():
+        while not stop.is_set():
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=other_ranks_writer)
+    t.start()
+    try:
+        for _ in range(40):
+            (path / app.RESULTS_DIR).mkdir(parents=True, exist_ok=True)
+            (path / app.RESULTS_DIR / "stale").write_text("an earlier run's")
+            ckpt.save(10, state)
+            assert not (path / app.RESULTS_DIR / "stale").exists()  # cleared before this save's plan
+            assert ckpt.wait(60)
+            assert json.loads((path / app.COMPLETE).read_text())["step"] == 10
+    finally:
+        stop.set()
+        t.join()
+        ckpt.close()
+    assert errors == []

@@ -265,10 +265,14 @@ class Checkpointer:
         path = step_dir(self.root, step)
         staged = self._stage(_plain_state(state))
         if self.rank == 0:
-            # A directory of this step left by an earlier run of the job (it died while writing
+            # What an earlier run of the job left in this step's directory (it died while writing
             # it) goes first: its ranks' results files would pass for this save's. Every other
             # rank writes there only after the plan's collectives, which rank 0 joins after this.
-            shutil.rmtree(path, ignore_errors=True)
+            # The directory itself stays: the other ranks' DCP writers create it before those
+            # collectives, and one removed between another rank's mkdir and its check that the
+            # directory exists failed that rank's save with FileExistsError, and its training
+            # (seen in CI, 2026-12-05: a rank of a plain job without torchpass died there).
+            _empty_dir(path)
             (path / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         planner = DefaultSavePlanner()
@@ -386,6 +390,22 @@ class Checkpointer:
         body = {"outcome": outcome, "step": step, "path": str(path),
                 **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}}
         link.report_checkpoint(body)
+
+
+def _empty_dir(path: Path) -> None:
+    """Remove what ``path`` holds (if it exists), not ``path`` itself."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass
 
 
 def _control_link():
