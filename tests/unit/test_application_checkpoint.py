@@ -229,7 +229,7 @@ def test_rank_0_clears_a_steps_directory_without_removing_it_under_the_other_ran
     """Rank 0 clears what an earlier run left in a step's directory while the other ranks' DCP
     writers create that directory (mkdir(parents=True, exist_ok=True), before the plan's
     collectives). Removing the directory itself failed another rank's mkdir with FileExistsError
-    when it vanished between that rank's mkdir and its check (a CI run lost a rank so, 2026-12-05).
+    when it vanished between that rank's mkdir and its check (likely how a CI run lost a rank, 2026-12-05).
     Here a thread does what the other ranks' writers do, while rank 0 (world 1) saves the same
     step again and again."""
     import threading

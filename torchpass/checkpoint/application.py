@@ -271,7 +271,8 @@ class Checkpointer:
             # The directory itself stays: the other ranks' DCP writers create it before those
             # collectives, and one removed between another rank's mkdir and its check that the
             # directory exists failed that rank's save with FileExistsError, and its training
-            # (seen in CI, 2026-12-05: a rank of a plain job without torchpass died there).
+            # (reproduced with threads; the likely cause of a rank of a plain job, without
+            # torchpass, dying in a save in CI on 2026-12-05).
             _empty_dir(path)
             (path / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
