@@ -67,6 +67,7 @@ import os
 import random
 import resource
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -272,8 +273,14 @@ class LoadGen:
         self.timers: list[tuple[float, int, int, str]] = []  # (t, seq, rank index, kind)
         self.deadlines: list[tuple[float, int, int]] = []  # (t, token, rank index)
         self.by_sock: dict[Any, int] = {}
-        self.poller = zmq.Poller()
-        self.poller.register(conn.fileno(), zmq.POLLIN)
+        # The ranks' sockets are waited on with epoll over their ZMQ_FDs, as the coordinator's health
+        # subscriber does: a zmq.Poller walks all ~1,024 sockets of a generator on every call, and
+        # the generators then took the cores the coordinator was measured on. ZMQ_FD is
+        # edge-triggered: a socket is read while ZMQ_EVENTS says POLLIN (_unread until then).
+        self.epoll = select.epoll()
+        self.epoll.register(conn.fileno(), select.EPOLLIN)
+        self.by_fd: dict[int, Any] = {}
+        self.unread: set[Any] = set()
         self._seq = 0
         self.events: list[tuple[int, str, int, float]] = []  # (rank, kind, generation, t)
         self.totals = self._zero()
@@ -339,7 +346,13 @@ class LoadGen:
         self._seq += 1
         rk.inflight = (sock, type_, body, now, self._seq, id_)
         self.by_sock[sock] = i
-        self.poller.register(sock, zmq.POLLIN)
+        fd = sock.getsockopt(zmq.FD)
+        if self.by_fd.get(fd) is not sock:
+            if fd in self.by_fd:  # a closed socket's number, reused
+                self.epoll.unregister(fd)
+            self.epoll.register(fd, select.EPOLLIN)
+            self.by_fd[fd] = sock
+        self.unread.add(sock)  # the edge may have come before the registration
         timeout_s = max(REQUEST_TIMEOUT_S, rk.reply_hint_s) if self.reply_hints else REQUEST_TIMEOUT_S
         heapq.heappush(self.deadlines, (now + timeout_s + body.get("wait_s", 0.0), self._seq, i))
         self._count("sent")
@@ -347,10 +360,14 @@ class LoadGen:
     def _finish(self, i: int, keep: bool) -> None:
         rk = self.ranks[i]
         sock = rk.inflight[0]
-        self.poller.unregister(sock)
         del self.by_sock[sock]
         rk.inflight = None
         if not (keep and self.persistent):
+            fd = sock.getsockopt(self.zmq.FD)
+            if self.by_fd.get(fd) is sock:
+                self.epoll.unregister(fd)
+                del self.by_fd[fd]
+            self.unread.discard(sock)
             sock.close(linger=0)
             rk.sock = None
 
@@ -610,14 +627,29 @@ class LoadGen:
                 next_sync = now + SYNC_S
             nxt = min(self.timers[0][0] if self.timers else now + 0.05,
                       self.deadlines[0][0] if self.deadlines else now + 0.05)
-            wait_ms = max(0, min(int(SYNC_S * 1000), int((nxt - time.monotonic()) * 1000)))
-            for s, _ in self.poller.poll(wait_ms):
-                if s == conn_fd:
+            wait_s = 0.0 if self.unread else max(0.0, min(SYNC_S, nxt - time.monotonic()))
+            for fd, _ in self.epoll.poll(wait_s):
+                if fd == conn_fd:
                     if not self.command(self.conn.recv()):
                         self.ctx.destroy(linger=0)
                         return
-                else:
-                    self._reply(self.by_sock[s], time.monotonic())
+                elif (sock := self.by_fd.get(fd)) is not None:
+                    self.unread.add(sock)
+            for sock in list(self.unread):
+                self._read(sock)
+
+    def _read(self, sock) -> None:
+        """The replies waiting on ``sock`` (a few per pass); it leaves ``unread`` when it has none."""
+        zmq = self.zmq
+        for _ in range(8):
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.unread.discard(sock)
+                return
+            i = self.by_sock.get(sock)
+            if i is None:  # nothing in flight on it: a late reply, dropped as the client drops it
+                sock.recv_multipart(zmq.NOBLOCK)
+                continue
+            self._reply(i, time.monotonic())
 
 
 def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
