@@ -184,8 +184,8 @@ static void let_srun_place_itself(void)
 		else
 			unsetenv(var);
 	}
-	tpass_verbose("srun %s places this step itself: the job's spares are not hidden from it",
-		      which);
+	tpass_info("srun %s places this step itself: the job's spares are not hidden from it",
+		   which);
 }
 
 int tpass_local_init(spank_t sp, int ac, char **av)
