@@ -282,14 +282,13 @@ class HealthSubscriber:
         deadline = self._clock() + timeout_ms / 1000.0
         while True:
             left = 0.0 if self._unread else max(0.0, deadline - self._clock())
-            for fd, _ in self._epoll.poll(left):
+            ready = self._epoll.poll(left)
+            for fd, _ in ready:
                 sock = self._by_fd.get(fd)
                 if sock is not None:
                     self._unread.add(sock)
-            if not self._unread:
-                if self._clock() >= deadline:
-                    break
-                continue
+            if not ready and not self._unread:
+                break  # the wait timed out
             for sock in list(self._unread):
                 self._read(sock)
             if self._clock() >= deadline:

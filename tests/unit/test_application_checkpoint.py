@@ -266,3 +266,18 @@ def test_rank_0_clears_a_steps_directory_without_removing_it_under_the_other_ran
         t.join()
         ckpt.close()
     assert errors == []
+
+
+def test_clearing_a_steps_directory_never_follows_a_symlink(tmp_path):
+    """A symlink where a step's directory belongs is removed, and what it points at is left."""
+    from torchpass.checkpoint import application as app
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not the checkpoint's")
+    link = tmp_path / "step-000000010"
+    link.symlink_to(elsewhere)
+    app._empty_dir(link)
+    assert not link.exists() and not link.is_symlink()
+    assert (elsewhere / "keep").read_text() == "not the checkpoint's"
+    app._empty_dir(tmp_path / "missing")  # nothing there: nothing to do

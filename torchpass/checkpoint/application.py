@@ -394,7 +394,11 @@ class Checkpointer:
 
 
 def _empty_dir(path: Path) -> None:
-    """Remove what ``path`` holds (if it exists), not ``path`` itself."""
+    """Remove what ``path`` holds (if it exists), not ``path`` itself (a symlink there is removed,
+    never followed)."""
+    if path.is_symlink():
+        path.unlink()
+        return
     try:
         entries = list(os.scandir(path))
     except FileNotFoundError:
