@@ -502,3 +502,40 @@ def test_a_health_change_is_read_and_decided_on_at_the_next_pump(tmp_path, monke
     d.pump()
     assert d.health.reads == reads + 1
     assert d.state.migration is not None and d.state.migration.node == "n3"  # decided at once
+
+
+def test_a_pauses_restore_steps_start_after_its_replies_when_the_server_says_so(tmp_path):
+    """With defer_prelaunch (the coordinator's server sets it), the pause's commands are ready at
+    once but its restore steps (an srun fork each) start only at run_deferred(), which the server
+    calls once the pause's replies are sent; any later action runs them first (issue 13)."""
+    tp = FakeTpassd(fail_dump=True)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    ex.defer_prelaunch = True
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
+    assert {ex.command_for(r)["command"] for r in range(3)} == {"pause"}
+    assert ex.moves["m1"].gates == {} and not (tmp_path / "srun.calls").exists()
+    ex.run_deferred()
+    assert list(ex.moves["m1"].gates) == [1]
+    ex.run_deferred()  # nothing twice
+    assert list(ex.moves["m1"].gates) == [1]
+    end = time.monotonic() + 10
+    while not (tmp_path / "srun.calls").exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert (tmp_path / "srun.calls").read_text().count("\n") == 1
+
+
+def test_a_deferred_restore_step_starts_before_the_next_action(tmp_path):
+    """A rollback right after the pause (the next action) finds the restore step started, and
+    calls it off, as without the deferral: nothing is left waiting at a gate."""
+    tp = FakeTpassd(fail_dump=True)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    ex.defer_prelaunch = True
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+    _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
+    assert ex._deferred == [] and ex.moves["m1"].gates == {}
+    assert ex.gate_file("m1", 1).read_text().strip() == "cancel"  # started, then called off

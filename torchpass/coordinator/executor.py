@@ -276,6 +276,12 @@ class Executor:
         self.srun = srun
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
         self.prelaunch_restore = prelaunch_restore
+        # A pause's restore steps (prelaunch_restore) start after the pause's replies are sent, when
+        # the caller says it will call run_deferred() then (the coordinator's server does). Each is
+        # an srun forked from this process: at 8,192 ranks, started before the replies, the 8 of a
+        # node held the pause back ~100 ms (issue 13). They have seconds until the dump is done.
+        self.defer_prelaunch = False
+        self._deferred: list[Callable[[], None]] = []
         self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
         self.moves: dict[str, Move] = {}
         self._restores_lock = threading.Lock()  # Move.restores: a relaunch must not revive a called-off step
@@ -414,8 +420,19 @@ class Executor:
         return False
 
     # --- dispatch ----------------------------------------------------------------------------
+    def run_deferred(self) -> None:
+        """Start what waited for the replies (see defer_prelaunch)."""
+        todo, self._deferred = self._deferred, []
+        for fn in todo:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - as perform(): logged, the move goes on without it
+                log.exception("deferred action failed")
+
     def perform(self, action: Any, state: CoordState) -> None:
         name = type(action).__name__
+        if self._deferred and not isinstance(action, ct.PauseAt):
+            self.run_deferred()  # any later action sees the restore steps started, as before
         try:
             getattr(self, f"_do_{name}")(action, state)
         except Exception as exc:  # noqa: BLE001 - an action that crashed is a failed action
@@ -537,8 +554,16 @@ class Executor:
                 self.commands[r] = cmd
         m = st.migration
         if self.prelaunch_restore and m is not None and m.id == a.migration and m.target:
-            for task in self._tasks(st, a.hold_ranks):
-                self._prelaunch(a.migration, task, m.target, st)
+            tasks, target = tuple(self._tasks(st, a.hold_ranks)), m.target
+
+            def prelaunch() -> None:
+                for task in tasks:
+                    self._prelaunch(a.migration, task, target, st)
+
+            if self.defer_prelaunch:
+                self._deferred.append(prelaunch)
+            else:
+                prelaunch()
 
     def _do_Snapshot(self, a: ct.Snapshot, st: CoordState) -> None:
         gen = st.migration.generation if st.migration else st.generation + 1
@@ -1108,6 +1133,7 @@ class Executor:
                                                           *mv.restores.values()]]
 
     def close(self) -> None:
+        self._deferred = []  # nothing new starts at the end
         for mv in self.moves.values():
             for rank, gate in list(mv.gates.items()):
                 try:

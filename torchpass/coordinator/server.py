@@ -204,6 +204,8 @@ class CoordinatorServer:
     ):
         self.job = job
         self.driver = driver  # executor.Driver: migration decisions and actions (None: report only)
+        if driver is not None and hasattr(driver.executor, "run_deferred"):
+            driver.executor.defer_prelaunch = True  # started in _after_replies
         # Where rank reports go: the driver's decision state, or (report only) the same state, kept
         # by machine.apply alone.
         self._facts = driver if driver is not None else Facts(job.job_id, clock)
@@ -500,6 +502,7 @@ class CoordinatorServer:
                     self._run_later()
                     self._pump()
                     self._answer_parked()
+                    self._after_replies()
         finally:
             self._run_later()  # news that came with the end (the job's last events)
             if self.driver is not None:
@@ -550,6 +553,16 @@ class CoordinatorServer:
         self._reply_batch(batch)
         self._answer_parked()
         self.pace.busy(time.perf_counter() - started)
+        self._after_replies()
+
+    def _after_replies(self) -> None:
+        """What a decision started that may wait until its replies are sent (executor.defer_prelaunch)."""
+        run = getattr(self.driver.executor, "run_deferred", None) if self.driver is not None else None
+        if run is not None:
+            try:
+                run()
+            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                log.exception("driver error")
 
     def _reply_batch(self, batch: _Batch) -> None:
         ex = self.driver.executor if self.driver is not None else None
