@@ -579,35 +579,3 @@ def test_a_fan_out_encodes_a_shared_command_once_and_every_reply_is_the_same_byt
         assert replies.encode("z", odd, shared) == wire.encode_ok("z", {**odd, "command": shared})
     finally:
         wire.encode_result = real
-
-
-def test_a_pauses_held_ranks_are_answered_before_the_others(parking):
-    """A batch of commands goes to the executor's urgent_ranks first (a pause's held ranks, whose
-    node is moved), then to the other parked polls (issue 13: at 8,192 ranks the batch takes the
-    serve thread up to a second)."""
-    server, _, _, dealer = parking
-    socks = {r: dealer() for r in range(4)}
-    ids = {r: poll(socks[r], r) for r in range(4)}
-    end = time.monotonic() + 5
-    while len(server._parked) < 4 and time.monotonic() < end:
-        time.sleep(0.01)
-    assert set(server._parked) == {0, 1, 2, 3}
-    sent: list[bytes] = []
-    real_send = server._send
-
-    def recording_send(envelope, reply):
-        sent.append(reply)
-        real_send(envelope, reply)
-
-    def pause_all():
-        ex = server.driver.executor
-        ex.urgent_ranks = (2, 3)
-        for r in range(4):
-            ex.commands[r] = {"command": "pause", "at": 99, "generation": 4, "rank_tag": r}
-
-    server._send = recording_send
-    in_serve_thread(server, pause_all)
-    for r in range(4):
-        assert answer(socks[r], ids[r], 2.0)["command"]["rank_tag"] == r
-    tags = [wire.decode_reply(b).unwrap()["command"]["rank_tag"] for b in sent]
-    assert tags[:2] == [2, 3] and sorted(tags) == [0, 1, 2, 3], tags

@@ -282,10 +282,6 @@ class Executor:
         # node held the pause back ~100 ms (issue 13). They have seconds until the dump is done.
         self.defer_prelaunch = False
         self._deferred: list[Callable[[], None]] = []
-        # The ranks the server answers first when it sends a batch of commands: a pause's held ranks
-        # (the faulty node's, the ones to be dumped). At 8,192 ranks the replies take the serve
-        # thread 0.1-1 s; in parked order those ranks heard of the pause anywhere in it (issue 13).
-        self.urgent_ranks: tuple[int, ...] = ()
         self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged
         self.moves: dict[str, Move] = {}
         self._restores_lock = threading.Lock()  # Move.restores: a relaunch must not revive a called-off step
@@ -545,7 +541,6 @@ class Executor:
                "deadline_s": hold_deadline_s(self.policy), "fallback": fallback,
                "join_s": self.policy.rebuild_timeout_s}  # the fallback's ranks wait this long for each other
         held = set(a.hold_ranks)
-        self.urgent_ranks = tuple(r for r in a.hold_ranks if r in st.ranks)
         for r in st.ranks:
             if r in held:
                 p = self._hold(a.migration, r)

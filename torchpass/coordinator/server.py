@@ -610,10 +610,6 @@ class CoordinatorServer:
             commands = getattr(ex, "commands", None)  # rank -> command: fewer than the parked, mostly
             ranks = ([r for r in commands if r in self._parked]
                      if isinstance(commands, dict) and len(commands) < len(self._parked) else list(self._parked))
-            urgent = [r for r in getattr(ex, "urgent_ranks", ()) if r in self._parked]
-            if urgent:  # a pause's held ranks first (executor.urgent_ranks)
-                first = set(urgent)
-                ranks = urgent + [r for r in ranks if r not in first]
             for rank in ranks:
                 cmd = ex.command_for(rank)
                 if cmd is not None:
