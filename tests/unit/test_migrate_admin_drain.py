@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import zmq
@@ -79,7 +80,12 @@ def run(state, *args):
 
 def test_root_migrating_another_users_job_drains_the_healthy_node(world):
     state, node, slurm, ep = world
-    assert node.last_sample is None or node.last_sample["state"] == "healthy"
+    # The node is healthy before the move (its first sample is in: under load a collector of the
+    # first sample can miss its 0.15 s and leave the node unknown; seen once in a full unit run).
+    end = time.monotonic() + 10
+    while (node.last_sample is None or node.last_sample["state"] != "healthy") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert node.last_sample is not None and node.last_sample["state"] == "healthy", node.last_sample
     res = run(state, "--endpoint", ep, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.output[res.output.index("{"):])
