@@ -279,7 +279,7 @@ class Executor:
         # A pause's restore steps (prelaunch_restore) start after the pause's replies are sent, when
         # the caller says it will call run_deferred() then (the coordinator's server does). Each is
         # an srun forked from this process: at 8,192 ranks, started before the replies, the 8 of a
-        # node held the pause back ~100 ms (issue 13). They have seconds until the dump is done.
+        # node held the pause back 0.1-0.26 s (issue 13). They have seconds until the dump is done.
         self.defer_prelaunch = False
         self._deferred: list[Callable[[], None]] = []
         self.commands: dict[int, dict[str, Any]] = {}  # rank -> command repeated until acknowledged

@@ -559,10 +559,7 @@ class CoordinatorServer:
         """What a decision started that may wait until its replies are sent (executor.defer_prelaunch)."""
         run = getattr(self.driver.executor, "run_deferred", None) if self.driver is not None else None
         if run is not None:
-            try:
-                run()
-            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
-                log.exception("driver error")
+            run()  # logs what fails, and goes on
 
     def _reply_batch(self, batch: _Batch) -> None:
         ex = self.driver.executor if self.driver is not None else None
