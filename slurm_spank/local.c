@@ -18,7 +18,11 @@
  * itself again with them:
  * the batch script's srun goes on as the relaunched step and its exit status
  * is that step's.  srun calls the exit hook from an atexit handler, so the
- * exec replaces srun's exit with the new step.
+ * exec replaces srun's exit with the new step.  A relaunch from a whole-job
+ * snapshot (the verdict's snapshot=ID) sets TORCHPASS_RESTORE_SNAPSHOT=ID in
+ * that environment, and slurmstepd then restores every rank from the
+ * snapshot instead of starting the program (remote.c); any other relaunch
+ * takes the variable out.
  *
  * Spares (placement.h): an srun whose own options choose its nodes (-N, -w,
  * -x, -m, ...) gets the allocation's environment back at init, before srun
@@ -225,6 +229,7 @@ int tpass_local_exit(spank_t sp, int ac, char **av)
 {
 	char err[TPASS_ERR_MAXLEN], node[256];
 	struct tpass_relaunch v;
+	char **envp;
 	double deadline = mono_s() + TPASS_RELAUNCH_WAIT_S;
 	bool said = false;
 
@@ -260,8 +265,27 @@ int tpass_local_exit(spank_t sp, int ac, char **av)
 		}
 		usleep(250000);
 	}
-	tpass_notice("job %u lost %s; srun starts its step again with a spare in its place (relaunch %u; 'tpassctl events %u' says more)",
-		     again.job_id, v.node, v.count, again.job_id);
+	/*
+	 * The saved environment may hold the variable from an earlier
+	 * relaunch from a snapshot: a relaunch from a checkpoint must not
+	 * carry it on.
+	 */
+	envp = tpass_env_set(again.envp, TPASS_RESTORE_SNAPSHOT_ENV,
+			     v.snapshot[0] ? v.snapshot : NULL);
+	if (!envp) {
+		tpass_error("job %u: out of memory; srun exits as it would without torchpass",
+			    again.job_id);
+		return 0;
+	}
+	tpass_argv_free(again.envp);
+	again.envp = envp;
+	if (v.snapshot[0])
+		tpass_notice("job %u lost %s; srun starts its step again with a spare in its place, every rank restored from snapshot %s (relaunch %u; 'tpassctl events %u' says more)",
+			     again.job_id, v.node, v.snapshot, v.count,
+			     again.job_id);
+	else
+		tpass_notice("job %u lost %s; srun starts its step again with a spare in its place (relaunch %u; 'tpassctl events %u' says more)",
+			     again.job_id, v.node, v.count, again.job_id);
 	fflush(NULL);
 	execve(again.exe, again.argv, again.envp);
 	tpass_error("job %u: cannot start srun again (%s: %m); srun exits as it would without torchpass",

@@ -41,6 +41,15 @@ static int parse_steps(const char *val, struct tpass_relaunch *out, char *err,
 	return 0;
 }
 
+bool tpass_snapshot_id_valid(const char *id)
+{
+	size_t len = strlen(id);
+
+	return len >= 1 && len <= TPASS_SNAPSHOT_ID_MAX &&
+	       strspn(id, "abcdefghijklmnopqrstuvwxyz"
+			  "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_") == len;
+}
+
 int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
 			 char *err, size_t errlen)
 {
@@ -85,6 +94,14 @@ int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
 			} else if (klen == 5 && !strncmp(line, "steps", 5)) {
 				if (parse_steps(val, out, err, errlen) < 0)
 					return -1;
+			} else if (klen == 8 && !strncmp(line, "snapshot", 8)) {
+				/* it ends up in an argv and a path: checked here */
+				if (!tpass_snapshot_id_valid(val))
+					return tpass_fail(err, errlen,
+						    "relaunch verdict snapshot '%.80s' is not a snapshot id (1..%d of [A-Za-z0-9_-])",
+						    val, TPASS_SNAPSHOT_ID_MAX);
+				snprintf(out->snapshot, sizeof(out->snapshot),
+					 "%s", val);
 			}
 		}
 		if (!end)
@@ -187,4 +204,31 @@ void tpass_argv_free(char **argv)
 	for (char **a = argv; *a; a++)
 		free(*a);
 	free(argv);
+}
+
+char **tpass_env_set(char *const *envp, const char *name, const char *value)
+{
+	size_t n = 0, out = 0, nlen = strlen(name);
+	char **env;
+
+	while (envp[n])
+		n++;
+	env = calloc(n + 2, sizeof(*env));
+	if (!env)
+		return NULL;
+	for (size_t i = 0; i < n; i++) {
+		if (!strncmp(envp[i], name, nlen) && envp[i][nlen] == '=')
+			continue;
+		env[out] = strdup(envp[i]);
+		if (!env[out++])
+			goto oom;
+	}
+	if (value && asprintf(&env[out], "%s=%s", name, value) < 0) {
+		env[out] = NULL;
+		goto oom;
+	}
+	return env;
+oom:
+	tpass_argv_free(env);
+	return NULL;
 }

@@ -3,7 +3,8 @@
  * it (no Slurm calls).
  *
  * When a node of a --torchpass job is lost outright and the job has a restore
- * point (an application checkpoint) and a hot spare, the coordinator rewrites
+ * point (an application checkpoint or a whole-job snapshot) and a hot spare,
+ * the coordinator rewrites
  * the job's host file (the spare in the lost node's place) and counts one
  * more relaunch in STATE_DIR/jobs/J/relaunch:
  *
@@ -13,13 +14,20 @@
  *   steps=S,S,...  the job's steps the relaunch ended (those with a task on
  *                  the lost node); absent when the coordinator could not
  *                  list them, then any ending srun is relaunched
+ *   snapshot=ID    the relaunch restores whole-job snapshot ID (every rank
+ *                  from its CRIU images) instead of the application's
+ *                  checkpoint; absent for a relaunch from a checkpoint
  *
  * srun remembers count when it starts, and its step id once the step exists
  * (local_user_init).  At its exit it waits while pending=1 and the
  * coordinator runs, and execs itself again, with its own arguments and
  * environment, if count grew and its step is one the relaunch ended: an
  * srun of the batch script that ran elsewhere and ends later is not run
- * again.
+ * again.  With snapshot=ID, the relaunched srun carries
+ * TORCHPASS_RESTORE_SNAPSHOT=ID (tpass_env_set), and slurmstepd restores
+ * every rank of its step from snapshot ID instead of starting the program
+ * (remote.c); without, that variable is taken out of the environment, so a
+ * later relaunch from a checkpoint starts the program again.
  * The file is the job user's (written by the coordinator, which runs as the
  * job user), read by the job user's srun: no privilege is involved.
  */
@@ -32,6 +40,10 @@
 /* How long srun's exit hook waits for a pending verdict at most. */
 #define TPASS_RELAUNCH_WAIT_S 300
 #define TPASS_RELAUNCH_MAX_STEPS 64
+/* A snapshot id: 1..64 of [A-Za-z0-9_-] (torchpass.layout.valid_snapshot_id). */
+#define TPASS_SNAPSHOT_ID_MAX 64
+/* What carries snapshot=ID from srun's exit hook to slurmstepd. */
+#define TPASS_RESTORE_SNAPSHOT_ENV "TORCHPASS_RESTORE_SNAPSHOT"
 
 struct tpass_relaunch {
 	unsigned count;
@@ -40,7 +52,14 @@ struct tpass_relaunch {
 	bool steps_known;   /* steps= given */
 	unsigned nsteps;
 	unsigned steps[TPASS_RELAUNCH_MAX_STEPS];
+	char snapshot[TPASS_SNAPSHOT_ID_MAX + 1]; /* "": no snapshot= */
 };
+
+/*
+ * Can id name a snapshot (its directory and manifest)?  The same test as
+ * torchpass.layout.valid_snapshot_id: no separator, dot or oddity.
+ */
+bool tpass_snapshot_id_valid(const char *id);
 
 /*
  * Parse the verdict text: "key=value" lines, count required, unknown keys
@@ -84,5 +103,12 @@ enum tpass_relaunch_step tpass_relaunch_next(const struct tpass_relaunch *v,
  */
 char **tpass_argv_split(const char *buf, size_t len);
 void tpass_argv_free(char **argv);
+
+/*
+ * A malloc'd, NULL-terminated copy of envp (its strings copied too) without
+ * any NAME=... entry, and with NAME=VALUE at the end when value is not NULL.
+ * envp is left as it is.  NULL if memory runs out; tpass_argv_free() frees it.
+ */
+char **tpass_env_set(char *const *envp, const char *name, const char *value);
 
 #endif /* TPASS_RELAUNCH_H */

@@ -9,8 +9,13 @@
  * tasks) and hide the hot spares from a plain srun.  Every task of the
  * other steps: a new PID namespace for its children with a root-made init
  * (task_init_privileged, as root), then the rank wrapper (task_init); in a
- * restore step, the root restore agent (task_init_privileged).  Batch step
- * exit: stop the coordinator (the epilog repeats that as a backstop).
+ * restore step, the root restore agent (task_init_privileged).  A step that
+ * srun's exit hook started again from a whole-job snapshot (relaunch.h: its
+ * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID) starts no program: each
+ * task gets the root restore agent instead of a PID namespace, and runs
+ * 'rank_wrapper --restore-snapshot ID --', which restores its rank from
+ * snapshot ID.  Batch step exit: stop the coordinator (the epilog repeats
+ * that as a backstop).
  *
  * Steps of jobs without --torchpass return at the first line of each hook.
  */
@@ -35,6 +40,7 @@
 #include "layout.h"
 #include "placement.h"
 #include "pythonpath.h"
+#include "relaunch.h"
 #include "tpass.h"
 
 /* the PID namespace init, installed beside torchpass.so (tpass_init.c) */
@@ -49,6 +55,8 @@ static struct {
 	char node[256];
 	bool launch_failed;
 	char launch_err[TPASS_ERR_MAXLEN + 256];
+	/* TORCHPASS_RESTORE_SNAPSHOT (user_init): "" starts the program */
+	char snapshot[TPASS_SNAPSHOT_ID_MAX + 1];
 	bool coord_started;
 	struct tpass_coord coord;
 	char secret[TPASS_SECRET_HEX_LEN + 1];
@@ -506,6 +514,47 @@ static int export_env(spank_t sp)
 	return 0;
 }
 
+/*
+ * Does this task run under the rank wrapper?  Every task of a --torchpass
+ * job step (not the batch script) that launched without error, when
+ * plugstack.conf names a rank_wrapper.
+ */
+static bool wraps_rank(void)
+{
+	return tpass.opts.given && !tpass.opts.off && !R.launch_failed &&
+	       !R.is_batch && tpass.conf_ok && tpass.conf.rank_wrapper[0];
+}
+
+/*
+ * A step of wrapped ranks that srun's exit hook started again from a
+ * whole-job snapshot (local.c) carries TORCHPASS_RESTORE_SNAPSHOT=ID: keep
+ * ID in R.snapshot, which task_init_privileged and task_init read (they run
+ * in each task, forked after this hook).  A value that is not a snapshot id
+ * fails the launch: starting the program afresh instead would quietly drop
+ * what the job had done since its last checkpoint.
+ */
+static void restore_snapshot_of(spank_t sp)
+{
+	char val[256] = "";
+	spank_err_t rc;
+
+	rc = spank_getenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, val, sizeof(val));
+	if (rc == ESPANK_ENV_NOEXIST)
+		return;
+	if (rc != ESPANK_SUCCESS && rc != ESPANK_NOSPACE) {
+		launch_fail("cannot read " TPASS_RESTORE_SNAPSHOT_ENV ": %s; the step cannot be restored",
+			    spank_strerror(rc));
+		return;
+	}
+	val[sizeof(val) - 1] = '\0'; /* ESPANK_NOSPACE: cut short */
+	if (rc != ESPANK_SUCCESS || !tpass_snapshot_id_valid(val)) {
+		launch_fail(TPASS_RESTORE_SNAPSHOT_ENV "='%.70s' is not a snapshot id; the step cannot be restored",
+			    val);
+		return;
+	}
+	snprintf(R.snapshot, sizeof(R.snapshot), "%s", val);
+}
+
 int tpass_remote_user_init(spank_t sp, int ac, char **av)
 {
 	(void)ac;
@@ -520,23 +569,14 @@ int tpass_remote_user_init(spank_t sp, int ac, char **av)
 	}
 	if (!R.launch_failed && export_env(sp) < 0)
 		strip_env(sp);
+	if (wraps_rank())
+		restore_snapshot_of(sp);
 	if (R.launch_failed) {
 		/* to the job's stderr and the slurmd log; task_init fails the task */
 		tpass_error("%s", R.launch_err);
 		return -1;
 	}
 	return 0;
-}
-
-/*
- * Does this task run under the rank wrapper?  Every task of a --torchpass
- * job step (not the batch script) that launched without error, when
- * plugstack.conf names a rank_wrapper.
- */
-static bool wraps_rank(void)
-{
-	return tpass.opts.given && !tpass.opts.off && !R.launch_failed &&
-	       !R.is_batch && tpass.conf_ok && tpass.conf.rank_wrapper[0];
 }
 
 /*
@@ -641,6 +681,15 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * (torchpass.checkpoint.restore_agent); the restored tree is reparented to
  * the task, in the restore step, and its exit status is the step's.
  *
+ * Steps relaunched from a whole-job snapshot (a --torchpass step whose
+ * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID, user_init): no PID
+ * namespace and no tpass-init (the snapshot's images hold the rank's own);
+ * the task forks the same root restore agent, for rank S_TASK_GLOBAL_ID of
+ * this job, and task_init runs 'rank_wrapper --restore-snapshot ID --',
+ * which asks the agent to restore that rank from snapshot ID.  Unlike a
+ * launch step's, a failure here fails the task (with the reason, as a
+ * launch error): a rank that cannot be restored must not start afresh.
+ *
  * The first process the task forks becomes the namespace's PID 1: that is
  * tpass-init, so a TaskProlog no longer takes that place.
  */
@@ -664,21 +713,42 @@ static bool is_number(const char *s)
 }
 
 /*
- * The rank's job is this step's, or (a restore step in a companion
- * allocation) TORCHPASS_RESTORE_JOB: the agent then restores only a snapshot
- * whose manifest names this step's uid as the job's owner.
+ * Make this task a child subreaper and fork the root restore agent for rank
+ * RANK of job JOB (decimal strings); -1 (and why, in err) if it cannot.
+ */
+static int fork_restore_agent(const char *job, const char *rank, char *err,
+			      size_t errlen)
+{
+	char why[TPASS_ERR_MAXLEN + 64];
+	pid_t task = getpid(), pid;
+
+	if (root_program(tpass.conf.rank_wrapper, why, sizeof(why)) < 0)
+		return tpass_fail(err, errlen, "job %u: no restore agent: rank_wrapper %s",
+				  R.job_id, why);
+	if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+		return tpass_fail(err, errlen, "job %u: restore: cannot become a child subreaper: %s",
+				  R.job_id, strerror(errno));
+	pid = fork();
+	if (pid == 0)
+		exec_agent(job, rank, task);
+	if (pid < 0)
+		return tpass_fail(err, errlen, "job %u: restore: cannot fork the restore agent: %s",
+				  R.job_id, strerror(errno));
+	return 0;
+}
+
+/*
+ * A restore step: the rank is TORCHPASS_RESTORE_RANK; its job is this
+ * step's, or (a restore step in a companion allocation)
+ * TORCHPASS_RESTORE_JOB: the agent then restores only a snapshot whose
+ * manifest names this step's uid as the job's owner.
  */
 static void start_restore_agent(spank_t sp)
 {
 	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 64];
-	pid_t task = getpid(), pid;
 
 	if (get_env(sp, "TORCHPASS_RESTORE_RANK", rank, sizeof(rank)) < 0)
 		return;
-	if (root_program(tpass.conf.rank_wrapper, err, sizeof(err)) < 0) {
-		tpass_error("job %u: no restore agent: rank_wrapper %s", R.job_id, err);
-		return;
-	}
 	if (get_env(sp, "TORCHPASS_RESTORE_JOB", job, sizeof(job)) < 0)
 		snprintf(job, sizeof(job), "%u", R.job_id);
 	if (!is_number(rank) || !is_number(job)) {
@@ -686,17 +756,35 @@ static void start_restore_agent(spank_t sp)
 			    R.job_id, rank, job);
 		return;
 	}
-	if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
-		tpass_error("job %u: restore: cannot become a child subreaper: %s",
-			    R.job_id, strerror(errno));
-		return;
+	if (fork_restore_agent(job, rank, err, sizeof(err)) < 0)
+		tpass_error("%s", err);
+}
+
+/*
+ * A step relaunched from snapshot R.snapshot: the rank is this task's
+ * global id (its SLURM_PROCID), the job this step's.  Without the agent the
+ * rank cannot be restored, so the task fails (task_init prints why) rather
+ * than have the wrapper wait for an agent that never comes.
+ */
+static void start_snapshot_agent(spank_t sp)
+{
+	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 64];
+	uint32_t gtid;
+	spank_err_t rc;
+
+	rc = spank_get_item(sp, S_TASK_GLOBAL_ID, &gtid);
+	if (rc != ESPANK_SUCCESS) {
+		launch_fail("job %u: no restore agent: cannot tell the task's rank (%s); it cannot be restored from snapshot %s",
+			    R.job_id, spank_strerror(rc), R.snapshot);
+	} else {
+		snprintf(rank, sizeof(rank), "%u", (unsigned)gtid);
+		snprintf(job, sizeof(job), "%u", R.job_id);
+		if (fork_restore_agent(job, rank, err, sizeof(err)) < 0)
+			launch_fail("%s; rank %s cannot be restored from snapshot %s",
+				    err, rank, R.snapshot);
 	}
-	pid = fork();
-	if (pid == 0)
-		exec_agent(job, rank, task);
-	if (pid < 0)
-		tpass_error("job %u: restore: cannot fork the restore agent: %s",
-			    R.job_id, strerror(errno));
+	if (R.launch_failed)
+		tpass_error("%s", R.launch_err);
 }
 
 int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
@@ -714,6 +802,10 @@ int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
 	}
 	if (!wraps_rank())
 		return 0;
+	if (R.snapshot[0]) {
+		start_snapshot_agent(sp);
+		return 0;
+	}
 	if (init_program(prog, sizeof(prog), err, sizeof(err)) < 0) {
 		tpass_error("job %u: no init for the rank's PID namespace (%s); ordinary users' ranks run but cannot be migrated",
 			    R.job_id, err);
@@ -769,14 +861,28 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 		 * CRIU (PID 1 of its own PID namespace, hand-off markers).
 		 */
 		const char *wrap[] = { tpass.conf.rank_wrapper, "--" };
+		/* a relaunch from a snapshot: the wrapper ignores the program */
+		const char *restore[] = { tpass.conf.rank_wrapper,
+					  "--restore-snapshot", R.snapshot,
+					  "--" };
 
 		if (!wraps_rank())
 			return 0;
-		rc = spank_prepend_task_argv(sp, 2, wrap);
-		if (rc != ESPANK_SUCCESS)
-			tpass_error("cannot start the task under rank_wrapper %s: %s; it runs but cannot be migrated",
-				    tpass.conf.rank_wrapper, spank_strerror(rc));
-		return 0;
+		if (!R.snapshot[0]) {
+			rc = spank_prepend_task_argv(sp, 2, wrap);
+			if (rc != ESPANK_SUCCESS)
+				tpass_error("cannot start the task under rank_wrapper %s: %s; it runs but cannot be migrated",
+					    tpass.conf.rank_wrapper, spank_strerror(rc));
+			return 0;
+		}
+		rc = spank_prepend_task_argv(sp, 4, restore);
+		if (rc == ESPANK_SUCCESS)
+			return 0;
+		/* the program must not start afresh in place of the rank */
+		launch_fail("cannot start the task under rank_wrapper %s: %s; it cannot be restored from snapshot %s",
+			    tpass.conf.rank_wrapper, spank_strerror(rc),
+			    R.snapshot);
+		tpass_error("%s", R.launch_err);
 	}
 	snprintf(msg, sizeof(msg), "tpass: %s", R.launch_err);
 	rc = spank_prepend_task_argv(sp, 4, argv);

@@ -27,7 +27,9 @@ window: anything it sent before is refused by the timestamp check then.
 A process restored by CRIU continues its source's sender and counter; the
 source copy sends nothing after its dump (it waits for its hold file and is
 killed, or resumed instead of the restored copy), so exactly one copy ever
-continues the counter.
+continues the counter. A copy restored from a whole-job snapshot is the
+exception: its source went on after the snapshot, past the counter in the
+image, so the copy takes a new sender (``JobSigner.renew``) when it wakes.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ class JobSigner:
         self.sender = sender or secrets.token_hex(8)
         self._seq = 0
         self._lock = threading.Lock()
+
+    def renew(self) -> None:
+        """A new sender with its own counter: for a copy restored from a whole-job snapshot, whose
+        image's counter its source copy has used beyond since (the coordinator would refuse it as
+        a replay until it caught up)."""
+        with self._lock:
+            self.sender = secrets.token_hex(8)
+            self._seq = 0
 
     def envelope(self, type_: str, id_: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """The envelope fields (auth, seq, sender) of one signed try of a request."""

@@ -113,6 +113,11 @@ def restore_go_file(state_dir: PathLike, job: int | str, migration: int | str, r
     return job_dir(state_dir, job) / f"restore-{migration}-{_rank_name(rank)}.go"
 
 
+# A hold file that says "restored ID" woke a copy of the rank restored from whole-job snapshot ID
+# (a relaunch from a snapshot): the copy registers again (torchpass.runtime.control).
+RESTORED_WAKE = "restored"
+
+
 def hold_file(state_dir: PathLike, job: int | str, migration: int | str, rank: int | str) -> Path:
     """STATE_DIR/jobs/J/hold/M.rankR."""
     return job_dir(state_dir, job) / HOLD / f"{migration}.{_rank_name(rank)}"
@@ -234,7 +239,7 @@ def snapshot_manifest(state_dir: PathLike, job: int | str, snap: str) -> Path:
 
 __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
-    "RANKS", "HOLD", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
+    "RANKS", "HOLD", "RESTORED_WAKE", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
     "DEFAULT_RANK_DIR",
     "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",

@@ -96,6 +96,10 @@ BODIES: dict[str, dict[str, F]] = {
         # (issue 11, torchrun) why the rank's node cannot move (e.g. torchrun's agent there
         # serves a TCP store that every node connects to); the rest of the job stays protected.
         "pinned": _f(str, required=False),
+        # (issue 12) a copy of the rank restored from whole-job snapshot ID after a lost node
+        # (the relaunch from a snapshot): it registers again, paused at the snapshot's pause
+        # point, and waits for the coordinator's resume.
+        "restored": _f(str, required=False),
     },
     # Progress: step = optimizer steps seen, collectives = collectives issued.
     "rank.progress": {

@@ -519,6 +519,133 @@ static void test_relaunch(void)
 	CHECK(tpass_argv_split("", 0) == NULL);
 }
 
+/* snapshot=ID of the verdict, checked as torchpass.layout.valid_snapshot_id */
+static void test_relaunch_snapshot(void)
+{
+	struct tpass_relaunch v;
+	char id64[65], id65[66], text[128];
+
+	memset(id64, 'a', 64);
+	id64[64] = '\0';
+	memset(id65, 'b', 65);
+	id65[65] = '\0';
+	CHECK(tpass_snapshot_id_valid("s1"));
+	CHECK(tpass_snapshot_id_valid("job-12_AZaz09"));
+	CHECK(tpass_snapshot_id_valid("-"));   /* as Python: '-' may lead */
+	CHECK(tpass_snapshot_id_valid(id64));
+	CHECK(!tpass_snapshot_id_valid(""));
+	CHECK(!tpass_snapshot_id_valid(id65));
+	CHECK(!tpass_snapshot_id_valid("a.b"));
+	CHECK(!tpass_snapshot_id_valid(".."));
+	CHECK(!tpass_snapshot_id_valid("a/b"));
+	CHECK(!tpass_snapshot_id_valid("a b"));
+	CHECK(!tpass_snapshot_id_valid("a\tb"));
+	CHECK(!tpass_snapshot_id_valid("\xc3\xa9"));
+
+	CHECK(tpass_relaunch_parse("count=1\n", &v, err, sizeof(err)) == 0 &&
+	      v.snapshot[0] == '\0');
+	CHECK(tpass_relaunch_parse("count=2\nnode=n3\nsnapshot=snap-7_x\nsteps=0\n",
+				   &v, err, sizeof(err)) == 0 &&
+	      v.count == 2 && !strcmp(v.snapshot, "snap-7_x") &&
+	      !strcmp(v.node, "n3") && v.nsteps == 1);
+	snprintf(text, sizeof(text), "count=1\nsnapshot=%s\n", id64);
+	CHECK(tpass_relaunch_parse(text, &v, err, sizeof(err)) == 0 &&
+	      !strcmp(v.snapshot, id64));
+	snprintf(text, sizeof(text), "count=1\nsnapshot=%s\n", id65);
+	CHECK(tpass_relaunch_parse(text, &v, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "is not a snapshot id");
+	CHECK_CONTAINS(err, "1..64");
+	CHECK(tpass_relaunch_parse("count=1\nsnapshot=\n", &v, err,
+				   sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "snapshot '' is not a snapshot id");
+	CHECK(tpass_relaunch_parse("count=1\nsnapshot=../x\n", &v, err,
+				   sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "snapshot '../x' is not a snapshot id");
+	CHECK(tpass_relaunch_parse("count=1\nsnapshot=a b\n", &v, err,
+				   sizeof(err)) < 0);
+	CHECK(tpass_relaunch_parse("count=1\nsnapshot=a;rm\n", &v, err,
+				   sizeof(err)) < 0);
+	CHECK(strchr(err, '\n') == NULL);
+	/* a later line does not leave an earlier verdict's snapshot behind */
+	CHECK(tpass_relaunch_parse("count=1\nsnapshot=s1\n", &v, err, sizeof(err)) == 0);
+	CHECK(tpass_relaunch_parse("count=2\n", &v, err, sizeof(err)) == 0 &&
+	      v.snapshot[0] == '\0');
+}
+
+static size_t env_count(char **env, const char *entry)
+{
+	size_t n = 0;
+
+	for (; env && *env; env++)
+		n += !strcmp(*env, entry);
+	return n;
+}
+
+static size_t env_len(char **env)
+{
+	size_t n = 0;
+
+	while (env && env[n])
+		n++;
+	return n;
+}
+
+static void test_env_set(void)
+{
+	char *envp[] = {
+		"PATH=/bin", "TORCHPASS_RESTORE_SNAPSHOT=old", "HOME=/h",
+		"TORCHPASS_RESTORE_SNAPSHOT_X=keep", "TORCHPASS_RESTORE_SNAPSHOT",
+		"TORCHPASS_RESTORE_SNAPSHOT=again", "XTORCHPASS_RESTORE_SNAPSHOT=keep",
+		NULL,
+	};
+	char *plain[] = { "PATH=/bin", "HOME=/h", NULL };
+	char *empty[] = { NULL };
+	char **env;
+
+	/* replace: every old entry goes, the new one comes last, once */
+	env = tpass_env_set(envp, "TORCHPASS_RESTORE_SNAPSHOT", "s2");
+	CHECK(env && env_len(env) == 6);
+	CHECK(env_count(env, "TORCHPASS_RESTORE_SNAPSHOT=s2") == 1 &&
+	      !strcmp(env[5], "TORCHPASS_RESTORE_SNAPSHOT=s2"));
+	CHECK(env_count(env, "TORCHPASS_RESTORE_SNAPSHOT=old") == 0 &&
+	      env_count(env, "TORCHPASS_RESTORE_SNAPSHOT=again") == 0);
+	/* only NAME=...: a longer name, another prefix, no '=' stay */
+	CHECK(env_count(env, "TORCHPASS_RESTORE_SNAPSHOT_X=keep") == 1 &&
+	      env_count(env, "XTORCHPASS_RESTORE_SNAPSHOT=keep") == 1 &&
+	      env_count(env, "TORCHPASS_RESTORE_SNAPSHOT") == 1);
+	CHECK(env && !strcmp(env[0], "PATH=/bin") && !strcmp(env[1], "HOME=/h"));
+	/* copies, and the original untouched */
+	CHECK(env && env[0] != envp[0]);
+	CHECK(!strcmp(envp[1], "TORCHPASS_RESTORE_SNAPSHOT=old") &&
+	      !strcmp(envp[5], "TORCHPASS_RESTORE_SNAPSHOT=again") &&
+	      envp[7] == NULL);
+	tpass_argv_free(env);
+
+	/* remove (a relaunch from a checkpoint after one from a snapshot) */
+	env = tpass_env_set(envp, "TORCHPASS_RESTORE_SNAPSHOT", NULL);
+	CHECK(env && env_len(env) == 5);
+	CHECK(env && !strcmp(env[1], "HOME=/h") &&
+	      !strcmp(env[4], "XTORCHPASS_RESTORE_SNAPSHOT=keep"));
+	for (size_t i = 0; env && env[i]; i++)
+		CHECK(strncmp(env[i], "TORCHPASS_RESTORE_SNAPSHOT=", 27));
+	tpass_argv_free(env);
+
+	/* append when absent; remove when absent is a plain copy */
+	env = tpass_env_set(plain, "TORCHPASS_RESTORE_SNAPSHOT", "s1");
+	CHECK(env && env_len(env) == 3 && !strcmp(env[0], "PATH=/bin") &&
+	      !strcmp(env[2], "TORCHPASS_RESTORE_SNAPSHOT=s1"));
+	tpass_argv_free(env);
+	env = tpass_env_set(plain, "TORCHPASS_RESTORE_SNAPSHOT", NULL);
+	CHECK(env && env_len(env) == 2 && !strcmp(env[1], "HOME=/h"));
+	tpass_argv_free(env);
+	env = tpass_env_set(empty, "A", "");
+	CHECK(env && env_len(env) == 1 && !strcmp(env[0], "A="));
+	tpass_argv_free(env);
+	env = tpass_env_set(empty, "A", NULL);
+	CHECK(env && env[0] == NULL);
+	tpass_argv_free(env);
+}
+
 static bool places(const char *which_expected, ...)
 {
 	char *argv[32], which[32];
@@ -643,6 +770,8 @@ int main(void)
 	test_pythonpath();
 	test_ready();
 	test_relaunch();
+	test_relaunch_snapshot();
+	test_env_set();
 	test_placement();
 	printf("%d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;

@@ -138,7 +138,7 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         (lost,) = lost_events()
         print(f"node.lost after {time.monotonic() - t0:.1f} s: {lost['message']}")
         assert lost["data"]["node"] == node and lost["data"]["snapshot"] is None, diag()
-        assert "no snapshot of the job to restore from" in lost["message"], diag()
+        assert "no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint) of the job to relaunch it from" in lost["message"], diag()
         assert SLURM_ON_LOST_NODE in lost["message"] and ENDED_LIKE_SLURM in lost["message"], diag()
         assert "tpassd silent; slurmctld reports" in lost["message"], diag()
 
@@ -271,4 +271,99 @@ def test_a_node_lost_outright_relaunches_a_checkpointed_job_on_the_spare(cluster
         back = _revive(cluster, node) if crashed else None
         drill.leave_clean(d, jobs)
     assert back is not None and "DRAIN" in back["state"], back  # it stayed out until resumed
+    assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]
+
+
+# The 3-rank DDP example with periodic snapshots 2 s apart (at 0.1 s a step: one every ~20 steps).
+SNAPSHOTTED = Drill("snapshotted", "", ("--steps", "110", "--params", "1M", "--sleep", "0.1"), 110, nodes=3,
+                    fault_steps=(30, 70), sbatch_extra=("--no-kill",))
+
+
+def test_a_node_lost_outright_relaunches_the_job_from_its_newest_snapshot(cluster, plugin_built, job_dir, job_user):
+    """``sbatch --no-kill --torchpass=spares=1,snapshot_every=2`` of examples/train_ddp.py as the job
+    user; node2 or node3 crashed at a random step once a snapshot completed (seed printed). The
+    coordinator relaunches the step with the hot spare in the lost node's place, and every task of
+    the relaunched srun restores its rank from the newest complete snapshot instead of starting the
+    script: the job goes on from the snapshot's step, with nothing reloaded by the script.
+
+    Checked: the same job id, Restarts=0, COMPLETED 0:0; every loss line, the recomputed ones
+    included, equals the plain run's bit for bit (so the last one of every step does); the snapshot
+    used is the newest one completed before the loss; after the relaunch exactly the steps from the
+    snapshot's on are computed, once per rank; the dead node is drained with a ``torchpass:`` reason."""
+    d = SNAPSHOTTED
+    rng = random.Random(f"{SEED}:snapshot-relaunch")
+    node, at = rng.choice(("node2", "node3")), rng.randint(*d.fault_steps)
+    what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): crash of {node} at step {at}, from a snapshot"
+    print(f"\n{what}")
+    jobs: list[int] = []
+    crashed = False
+    try:
+        ref = drill.reference(d, job_dir, job_user.name, jobs)
+        job_id = drill.submit(d, job_dir, "snaprelaunch", "spares=1,snapshot_every=2", job_user.name)
+        jobs.append(job_id)
+        out = job_dir / f"snaprelaunch.{job_id}.out"
+        drill.wait_step(cluster, job_id, out, at, what)
+        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "snapshot.completed"], 60,
+               "a complete snapshot", every=0.1)
+        t0 = time.monotonic()
+        cluster.crash(node)
+        crashed = True
+        final = tj.wait_end(job_id, 240, context=f"{what}: ")
+        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the crash")
+        diag = drill.diagnosis(cluster, job_id, out, what)
+        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
+        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
+
+        evs = drill.events(cluster, job_id)
+        kinds = [e["kind"] for e in evs]
+        (lost,) = [e for e in evs if e["kind"] == "node.lost"]
+        (going,) = [e for e in evs if e["kind"] == "job.relaunching"]
+        (restored,) = [e for e in evs if e["kind"] == "job.restored"]
+        (back,) = [e for e in evs if e["kind"] == "job.relaunched"]
+        print(going["message"])
+        print(restored["message"])
+        print(back["message"])
+        # the newest snapshot completed before the loss is the one every rank is restored from
+        told = [e["data"]["snapshot"] for e in evs[:kinds.index("node.lost")] if e["kind"] == "snapshot.completed"]
+        used = going["data"]["snapshot"]
+        assert told and used == told[-1] and lost["data"]["snapshot"] == used, (told, used, diag)
+        assert going["data"]["replaced"] == {node: d.spare} and lost["data"]["spare"] == d.spare, diag
+        step = going["data"]["snapshot_step"]
+        assert step == [e["data"]["step"] for e in evs if e["kind"] == "snapshot.completed"
+                        and e["data"]["snapshot"] == used][0], diag
+        registered = [e for e in evs[kinds.index("job.relaunching"):] if e["kind"] == "rank.registered"]
+        assert sorted(e["data"]["rank"] for e in registered) == list(range(d.ranks)), diag
+        assert all(e["data"].get("restored") == used for e in registered), diag
+        assert {e["data"]["node"] for e in registered} == {*d.training_nodes, d.spare} - {node}, diag
+
+        text = out.read_text()
+        marker = f"srun: tpass: job {job_id} lost {node}; srun starts its step again"
+        assert text.count(marker) == 1 and f"every rank restored from snapshot {used}" in text, diag
+        before, after = text.split(marker)
+        # every loss line, the recomputed ones included, is the reference's, bit for bit
+        lines = tj.steps(text)
+        assert lines and all(ln in ref[int(ln.split()[0][5:])] for ln in lines), diag
+        # after the relaunch: the steps from the snapshot's on, exactly once per rank (the line of the
+        # step the pause point closed may come after it: the ranks paused before printing it)
+        redo = tj.per_step(tj.steps(after))
+        first_after = min(redo)
+        assert first_after in (step - 1, step), (first_after, step, diag)
+        assert sorted(redo) == list(range(first_after, d.steps)) and all(sum(c.values()) == d.ranks
+                                                                         for c in redo.values()), diag
+        first = tj.per_step(tj.steps(before))
+        assert sorted(first) == list(range(max(first) + 1)) and first_after <= max(first) + 1, diag
+        recomputed = max(first) + 1 - first_after
+        assert abs(going["data"]["recompute_steps"] - recomputed) <= 1, (going["data"], recomputed, diag)
+        assert "ckpt loaded" not in text and "Traceback" not in text, diag
+        print(f"snapshot {used} of step {step}; steps {first_after}..{max(first)} ({recomputed}) computed again; "
+              f"{back['data']['decision_to_resumed_s']} s from the loss found to every rank resumed")
+
+        dn = tj.node(node)
+        assert "DRAIN" in dn["state"] and dn.get("reason", "").startswith(f"torchpass: {node} failed outright"), dn
+    finally:
+        for j in jobs:
+            tj.run(["scancel", str(j)])
+        back_node = _revive(cluster, node) if crashed else None
+        drill.leave_clean(d, jobs)
+    assert back_node is not None and "DRAIN" in back_node["state"], back_node
     assert all(tj.node(n)["state"] == ["IDLE"] for n in NODES), [(n, tj.node(n)["state"]) for n in NODES]

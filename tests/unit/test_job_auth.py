@@ -58,6 +58,24 @@ def test_signed_request_is_accepted_once_and_anything_else_refused():
             "lacks a valid sender")
 
 
+def test_a_copy_restored_from_a_snapshot_signs_anew_where_its_images_counter_is_refused():
+    """The snapshot's image holds the signer at sequence 1; its source went on to 3 before it was
+    lost. The restored copy's next request (sequence 2) is a replay to the coordinator; renewed,
+    it is a new sender and accepted."""
+    wall = Wall()
+    signer, verifier = jobauth.JobSigner(SECRET_A, wall=wall), jobauth.JobVerifier(SECRET_A, wall=wall)
+    verifier.verify(signed(signer, id_="i-1"))
+    image = jobauth.JobSigner(SECRET_A, wall=wall, sender=signer.sender)  # as CRIU restores it
+    image._seq = signer._seq
+    verifier.verify(signed(signer, id_="i-2"))
+    verifier.verify(signed(signer, id_="i-3"))
+    refused(verifier, signed(image, id_="i-4"), r"replayed \(sequence 2, last 3\)")
+    old = image.sender
+    image.renew()
+    assert image.sender != old
+    verifier.verify(signed(image, id_="i-5"))
+
+
 def test_old_or_far_future_signatures_are_refused_and_old_senders_forgotten():
     wall = Wall()
     verifier = jobauth.JobVerifier(SECRET_A, wall=wall, window_s=300, max_senders=2)

@@ -96,7 +96,7 @@ def test_silent_tpassd_and_slurmctld_not_hearing_the_node_is_a_lost_node(tmp_pat
     (ev,) = _lost_events(d)
     assert "n2 failed and is unreachable (tpassd silent; slurmctld reports MIXED+NOT_RESPONDING (Not responding))" \
         in ev.message, ev.message
-    assert "no snapshot of the job to restore from" in ev.message and SLURM_ON_LOST_NODE in ev.message
+    assert "no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint) of the job to relaunch it from" in ev.message and SLURM_ON_LOST_NODE in ev.message
     assert ev.data["node"] == "n2" and ev.data["snapshot"] is None and ev.data["ranks"] == [1]
     assert d.state.handed == frozenset({"n2"}) and d.state.migration is None
     assert all(d.executor.command_for(r) is None for r in range(3))  # nobody paused
@@ -331,3 +331,123 @@ def test_a_job_slurmctld_already_ended_is_left_as_it_is(tmp_path):
     assert [c for c in slurm.calls if not c.startswith("drain")] == []
     (ev,) = [e for e in d.job.events if e.kind == "job.not_ended"]
     assert "slurmctld reports the job COMPLETING already" in ev.message, ev.message
+
+
+# -- relaunch from a whole-job snapshot ----------------------------------------------------------
+def _with_snapshot(d: Driver, step: int) -> None:
+    """A whole-job snapshot of step ``step`` completed (generation 2) before the loss."""
+    from dataclasses import replace
+
+    from torchpass.coordinator.model import SnapshotPoint
+
+    d.state = replace(d.state, last_snapshot=SnapshotPoint("snap-7", step, 2, 0, 3), generation=2)
+
+
+def _lose_n2(tmp_path, d: Driver, health: FakeHealth, slurm: FakeSlurm):
+    health.silent["n2"] = 12.0
+    slurm.states["n2"] = ("MIXED", "NOT_RESPONDING")
+    _pump_for(d, 5.0, until=lambda: bool(_lost_events(d)))
+    _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))
+    (ev,) = _lost_events(d)
+    return ev
+
+
+def test_a_lost_node_with_a_newer_snapshot_relaunches_every_rank_from_it_and_resumes_them_once_all_are_back(
+        tmp_path):
+    """The snapshot (step 21) is newer than the checkpoint (step 20): the verdict names it, the
+    restored copies register again naming it, and only when all three are back do they get the
+    resume, as the snapshot's generation; the relaunch ends when all resumed."""
+    health, slurm = FakeHealth(), FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    _with_hostfile(tmp_path, d)
+    _with_snapshot(d, 21)
+    ev = _lose_n2(tmp_path, d, health, slurm)
+    assert "every rank restored from snapshot snap-7 of step 21" in ev.message, ev.message
+    assert ev.data["snapshot"] == "snap-7" and ev.data["checkpoint"] is None
+    (go,) = [e for e in d.job.events if e.kind == "job.relaunching"]
+    assert go.data["recompute_steps"] == 2 and go.data["snapshot_step"] == 21  # steps 21 and 22 again
+    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0", "snapshot": "snap-7"}
+    assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
+    assert d.state.generation == 2 and d.state.ranks == {}
+    assert check_snapshot_request(d.state) is not None  # nothing else starts while the copies come back
+
+    d.feed(mc.RankRegistered(0, "n1", 3, pid=1, generation=1, restored="snap-7"))
+    d.feed(mc.RankRegistered(2, "n3", 3, pid=1, generation=1, restored="snap-7"))
+    d.feed(mc.RankRegistered(1, "n4", 3, pid=1, generation=1, restored="an-older-one"))  # not this snapshot's
+    _pump_for(d, 0.3)
+    assert d.executor.command_for(0) is None, "no resume before every restored copy is back"
+    d.feed(mc.RankRegistered(1, "n4", 3, pid=1, generation=1, restored="snap-7"))
+    _pump_for(d, 0.3)
+    cmds = [d.executor.command_for(r) for r in range(3)]
+    assert all(c is not None and c["command"] == "resume" and c["generation"] == 2 for c in cmds), cmds
+    assert cmds[0]["master_addr"] == "10.0.0.1"  # rank 0's node
+    (restored,) = [e for e in d.job.events if e.kind == "job.restored"]
+    assert restored.data["snapshot"] == "snap-7"
+    assert not [e for e in d.job.events if e.kind == "job.relaunched"]
+
+    for r, n in enumerate(("n1", "n4", "n3")):
+        d.feed(mc.Resumed(r, 2, n))
+    _pump_for(d, 0.3)
+    (done,) = [e for e in d.job.events if e.kind == "job.relaunched"]
+    assert done.data["snapshot"] == "snap-7" and done.data["recompute_steps"] == 2
+    assert d.state.relaunch is None and d.state.rank_nodes() == {"n1": (0,), "n4": (1,), "n3": (2,)}
+    assert check_snapshot_request(d.state) is None
+
+
+def test_a_checkpoint_newer_than_the_snapshot_is_what_the_job_is_relaunched_from(tmp_path):
+    health, slurm = FakeHealth(), FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    _with_hostfile(tmp_path, d)
+    _with_snapshot(d, 19)
+    ev = _lose_n2(tmp_path, d, health, slurm)
+    assert "from the application checkpoint of step 20" in ev.message, ev.message
+    assert "snapshot" not in _verdict(tmp_path)
+    assert d.state.generation == 0 and d.state.relaunch.snapshot == ""
+
+
+def test_a_snapshot_alone_is_enough_to_relaunch(tmp_path):
+    """No application checkpoint at all: the newest snapshot is the restore point."""
+    health, slurm = FakeHealth(), FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    layout.job_dir(tmp_path, 42).mkdir(parents=True, exist_ok=True)
+    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
+    _with_snapshot(d, 4)
+    health.silent["n2"] = 12.0
+    _pump_for(d, 1.0)
+    assert _verdict(tmp_path)["pending"] == "1", "a silent node with a snapshot: srun must wait for the verdict"
+    ev = _lose_n2(tmp_path, d, health, slurm)
+    assert ev.data["snapshot"] == "snap-7" and _verdict(tmp_path)["snapshot"] == "snap-7"
+
+
+def test_a_node_lost_while_a_snapshot_runs_ends_that_snapshot_and_relaunches_from_the_one_before(tmp_path):
+    """The periodic snapshot in flight (ranks paused) cannot complete without the lost node: it
+    fails, what was written on the surviving nodes is removed, and the job is relaunched from the
+    newest complete snapshot."""
+    from dataclasses import replace
+
+    from torchpass.coordinator.model import SNAP_DUMP, SnapshotRun
+
+    health, slurm = FakeHealth(), FakeSlurm({})
+    d = _driver(tmp_path, slurm, health)
+    _with_hostfile(tmp_path, d)
+    _with_snapshot(d, 21)
+    running = SnapshotRun("snap-8", 0.0, trigger="periodic", phase=SNAP_DUMP, phase_started=time.monotonic(),
+                          deadline=time.monotonic() + 600, generation=3, pause_at=130, step=22,
+                          ranks=((0, "n1"), (1, "n2"), (2, "n3")))
+    d.state = replace(d.state, snapshot=running)
+    asked: list[tuple[str, str]] = []
+
+    class Tpassds:
+        def request(self, node, type_, body, timeout_s):
+            asked.append((node, body.get("op")))
+            return {}
+
+    d.executor.tpassd = Tpassds()
+    ev = _lose_n2(tmp_path, d, health, slurm)
+    assert ev.data["snapshot"] == "snap-7", ev.message
+    failed = [e for e in d.job.events if e.kind == "snapshot.failed"]
+    assert [e.data["snapshot"] for e in failed] == ["snap-8"], failed
+    assert d.state.snapshot is None and d.state.relaunch.snapshot == "snap-7"
+    assert _verdict(tmp_path)["snapshot"] == "snap-7"
+    _pump_for(d, 2.0, until=lambda: len([a for a in asked if a[1] == "discard"]) >= 2)
+    assert sorted(a for a in asked if a[1] == "discard") == [("n1", "discard"), ("n3", "discard")], asked

@@ -270,3 +270,34 @@ def test_coordinator_lost_never_follows_a_planted_link(tmp_path):
     assert coordinator_lost.create(tmp_path, 7, {"rank": 0}) is False
     assert target.read_text() == "keep"
     assert coordinator_lost.read(tmp_path, 7) is None  # and a link is not read either
+
+
+def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline_from_its_wake(tmp_path):
+    """The snapshot's own resume released the hold long ago. The relaunched step's rank wrapper
+    removed the hold file, restored this copy and wrote it again saying "restored ID": the copy
+    registers again naming the snapshot, and its deadline runs from the wake, not from the
+    quiesce that happened before the snapshot was taken (else it would fall back at once)."""
+    hold = tmp_path / "snap-7.rank1"
+    link, now, _ = make(tmp_path)
+    link.registered = True
+    pause(link, hold)
+    now[0] += 3600.0  # the copy runs again an hour later
+    hold.write_text(f"{layout.RESTORED_WAKE} snap-7\n")
+    link._hold()
+    assert link.registered is False and link.restored == "snap-7"
+    assert link.deadline() == now[0] + D and not link._expired()
+    sent = []
+    link._request = lambda type_, body: sent.append((type_, body)) or {}
+    link._register()
+    (type_, body), = sent
+    assert type_ == "rank.register" and body["restored"] == "snap-7" and body["rank"] == 1 and link.registered
+
+
+def test_a_plainly_released_hold_changes_nothing_about_registration(tmp_path):
+    hold = tmp_path / "m1.rank1"
+    link, now, _ = make(tmp_path)
+    link.registered = True
+    pause(link, hold)
+    hold.touch()
+    link._hold()
+    assert link.registered is True and link.restored is None and link.deadline() == 1000.0 + D

@@ -46,6 +46,24 @@ def test_the_jobs_snapshot_under_a_root_owned_tree_is_accepted(tmp_path):
 
 
 @root_only
+def test_a_rank_of_a_whole_job_snapshot_is_accepted_and_another_ranks_refused(tmp_path):
+    """A step relaunched from whole-job snapshot ID asks for SNAPSHOT_DIR/snapshots/jobJ/ID/rankR."""
+    root = tmp_path / "snap"
+    d = layout.snapshot_images_dir(root, JOB, "snap-7", RANK)
+    d.mkdir(parents=True, mode=0o700)
+    (d / "pages-1.img").write_bytes(b"x" * 100)
+    mf.write_manifest(d, {"job": JOB, "rank": RANK, "uid": OWNER, "snapshot": "snap-7"})
+    path, manifest = ra.check_images(str(d), JOB, RANK, OWNER)
+    assert path == d and manifest["meta"]["snapshot"] == "snap-7"
+    for other in (layout.snapshot_images_dir(root, JOB, "snap-7", 2), layout.snapshot_images_dir(root, 8, "snap-7", RANK),
+                  d.parent / ".." / "snap-7" / d.name):
+        with pytest.raises(ra.Refused, match="refused"):
+            ra.check_images(str(other), JOB, RANK, OWNER)
+    with pytest.raises(ra.Refused, match="uid 1001, not of uid 1002"):
+        ra.check_images(str(d), JOB, RANK, 1002)
+
+
+@root_only
 @pytest.mark.parametrize("how", ["relative", "other rank", "other job", "not a snapshot dir"])
 def test_an_image_path_that_is_not_this_ranks_snapshot_is_refused(tmp_path, how):
     d = _snapshot(tmp_path / "snap")

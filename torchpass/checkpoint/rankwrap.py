@@ -2,6 +2,8 @@
 
 Launch:   python -m torchpass.checkpoint.rankwrap [--state-dir D] -- python train.py ...
 Restore:  python -m torchpass.checkpoint.rankwrap --restore IMAGES [--wake-file F] [--state-dir D]
+Relaunch from a whole-job snapshot (the plugin's, see ``restore_snapshot``):
+          python -m torchpass.checkpoint.rankwrap --restore-snapshot ID -- python train.py ...
           (``tpass-rankwrap``, the SPANK plugin's ``rank_wrapper``, is ``main``)
 
 Launch mode (what Slurm tracks as the task): ``unshare(CLONE_NEWPID)``, fork;
@@ -649,11 +651,19 @@ def resume_cuda_of(root: int, rank_pid: int, meta: dict, proc: str = "/proc", cu
         cuda.resume(q)
 
 
-def wake(wake_file: str | None) -> None:
-    """The restored rank's runtime reopens its control link when this file exists."""
-    if wake_file:
-        Path(wake_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(wake_file).touch()
+def wake(wake_file: str | None, text: str = "") -> None:
+    """The restored rank's runtime reopens its control link when this file exists; ``text`` (written
+    whole before the file appears) tells it more (a copy restored from a whole-job snapshot)."""
+    if not wake_file:
+        return
+    path = Path(wake_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not text:
+        path.touch()
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 RESTORE_RANK_ENV = "TORCHPASS_RESTORE_RANK"  # set on the restore srun: the plugin starts its restore agent
@@ -661,7 +671,8 @@ RESTORE_RANK_ENV = "TORCHPASS_RESTORE_RANK"  # set on the restore srun: the plug
 RESTORE_JOB_ENV = "TORCHPASS_RESTORE_JOB"
 
 
-def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents: list[int]) -> int:
+def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents: list[int],
+                      wake_text: str = "", env=os.environ) -> int:
     """User side of a root restore (torchpass.checkpoint.restore_agent). The plugin made this task
     a child subreaper and forked the root agent as its child. We hand it two pipes (by fd
     number: it opens them through /proc/OURPID/fd) and the image path, in a request file
@@ -670,8 +681,8 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     from torchpass.checkpoint import criu as criu_mod
     from torchpass.checkpoint import restore_agent
 
-    job = os.environ.get(RESTORE_JOB_ENV) or os.environ.get("SLURM_JOB_ID") or identity()[0]
-    rank = os.environ[RESTORE_RANK_ENV]
+    job = env.get(RESTORE_JOB_ENV) or env.get("SLURM_JOB_ID") or identity(env)[0]
+    rank = env[RESTORE_RANK_ENV]
     paths = Paths(state_dir, job, rank)
     if len(agents) != 1:
         say(f"restore: expected the plugin's root restore agent as this task's only child, found {agents}; "
@@ -715,9 +726,63 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     relay.child = rank_pid
     meta = out.get("meta") or {}
     take_over(paths, job, rank, pid, str(images), meta, float(out.get("restore_s", 0.0)), rank_pid=rank_pid)
-    wake(wake_file)
+    wake(wake_file, wake_text)
     code = relay.wait(pid, init=pid != rank_pid)
     return finish_restored(paths, str(images), code)
+
+
+RESTORE_SNAPSHOT_ENV = "TORCHPASS_RESTORE_SNAPSHOT"  # the relaunched srun's: restore from this snapshot
+
+
+def snapshot_images(jobs_state_dir: str, job: str, snap: str, rank: str) -> str:
+    """Rank ``rank``'s images in whole-job snapshot ``snap``, from the job manifest tpassd wrote
+    (root's, readable by the job owner's group). The root agent checks the path itself."""
+    from torchpass.checkpoint import safeio
+
+    path = layout.snapshot_manifest(jobs_state_dir, job, snap)
+    try:
+        manifest = json.loads(safeio.read_regular(str(path), 64 << 20))
+    except FileNotFoundError:
+        raise LookupError(f"snapshot {snap} of job {job} has no manifest ({path}): it was never completed or was "
+                          "removed") from None
+    except (OSError, ValueError) as exc:
+        raise LookupError(f"cannot read the manifest of snapshot {snap} of job {job} ({path}: {exc})") from None
+    for part in manifest.get("ranks") or [] if isinstance(manifest, dict) else []:
+        if isinstance(part, dict) and str(part.get("rank")) == rank and isinstance(part.get("images"), str):
+            return part["images"]
+    raise LookupError(f"snapshot {snap} of job {job} has no rank {rank} ({path})")
+
+
+def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:
+    """A task of a step relaunched from whole-job snapshot ``snap`` (the SPANK plugin runs
+    ``rank_wrapper --restore-snapshot ID -- PROGRAM...`` for every task of an srun that its exit
+    hook started again with TORCHPASS_RESTORE_SNAPSHOT): instead of starting PROGRAM, restore
+    rank $SLURM_PROCID from the snapshot through the plugin's root restore agent, wake it with
+    a hold file that says ``restored ID`` (its runtime then registers again and waits for the
+    coordinator's resume), relay its output, and end with its exit code: this task is the rank."""
+    job = env.get("TORCHPASS_JOB_ID") or env.get("SLURM_JOB_ID") or ""
+    rank = env.get("SLURM_PROCID") or ""
+    jobs_state = env.get("TORCHPASS_STATE_DIR") or ""
+    if not layout.valid_snapshot_id(snap) or not job.isdigit() or not rank.isdigit() or not jobs_state:
+        say(f"cannot restore from snapshot {snap!r}: needs a snapshot id, TORCHPASS_JOB_ID, SLURM_PROCID and "
+            "TORCHPASS_STATE_DIR (a --torchpass step relaunched by the SPANK plugin)")
+        return 1
+    try:
+        images = snapshot_images(jobs_state, job, snap, rank)
+    except LookupError as exc:
+        say(f"rank {rank}: {exc}; the relaunched step cannot restore it")
+        return 1
+    env[RESTORE_RANK_ENV] = rank
+    hold = layout.hold_file(jobs_state, job, snap, rank)
+    try:  # the snapshot's own resume released it: the restored copy must wait until it runs
+        hold.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        say(f"rank {rank}: cannot reset its hold file {hold} ({exc}); not restoring")
+        return 1
+    return restore_via_agent(images, state_dir, str(hold), children(os.getpid()),
+                             wake_text=f"{layout.RESTORED_WAKE} {snap}\n", env=env)
 
 
 def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float,
@@ -781,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timens", action="store_true",
                     help="also give the rank its own time namespace (clocks continue across hosts)")
     ap.add_argument("--restore", metavar="IMAGES")
+    ap.add_argument("--restore-snapshot", metavar="ID",
+                    help="restore rank $SLURM_PROCID from whole-job snapshot ID (a relaunched step)")
     ap.add_argument("--wake-file")
     ap.add_argument("--criu")
     ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
@@ -797,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         from torchpass.checkpoint import restore_agent
 
         return restore_agent.main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir)
+    if args.restore_snapshot is not None:
+        return restore_snapshot(args.restore_snapshot, args.state_dir)
     if args.restore:
         global _error_file
         _error_file = args.error_file

@@ -21,7 +21,9 @@ trusts nothing in it that it does not check itself:
 
 * the request is a regular file owned by the job's uid, read capped, the
   rank directory walked from STATE_DIR without following a symlink;
-* PATH is ``layout.images_dir(ROOT, J, R, G)`` for this job and rank, and
+* PATH is ``layout.images_dir(ROOT, J, R, G)`` (a migration's dump) or
+  ``layout.snapshot_images_dir(ROOT, J, ID, R)`` (rank R of whole-job snapshot
+  ID, in a step relaunched from it) for this job and rank, and
   every directory on it, ``/`` included, is root-owned and writable by
   root alone (``safeio.open_root_owned_dir``): only tpassd can have
   written it;
@@ -144,10 +146,14 @@ def check_images(images: Any, job: int, rank: int, uid: int) -> tuple[Path, dict
     if not isinstance(images, str) or not os.path.isabs(images):
         raise Refused(f"restore request: images {images!r} is not an absolute path; refused")
     parsed = layout.parse_images_dir(images, job, rank)
-    if parsed is None:
+    whole = layout.parse_snapshot_images_dir(images, job, rank) if parsed is None else None
+    if parsed is not None:
+        path = layout.images_dir(parsed[0], job, rank, parsed[1])
+    elif whole is not None:  # rank R of whole-job snapshot ID (a step relaunched from it)
+        path = layout.snapshot_images_dir(whole[0], job, whole[1], rank)
+    else:
         raise Refused(f"{images} is not a snapshot directory of rank {rank} of job {job} "
-                      "(SNAPSHOT_DIR/jobJ/rankR.genG); refused")
-    path = layout.images_dir(parsed[0], job, rank, parsed[1])
+                      "(SNAPSHOT_DIR/jobJ/rankR.genG or SNAPSHOT_DIR/snapshots/jobJ/ID/rankR); refused")
     try:
         os.close(safeio.open_root_owned_dir(path))
     except OSError as exc:

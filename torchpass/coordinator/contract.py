@@ -161,7 +161,7 @@ class HandToSlurm:
 @dataclass(frozen=True)
 class Relaunch:
     """A node of the job is lost outright and the job has a restore point (an application
-    checkpoint that torchpass.checkpoint reported complete): start the job's training step again
+    checkpoint that torchpass.checkpoint reported complete, or a whole-job snapshot): start the job's training step again
     on the surviving nodes with the spare in the lost node's place. The executor rewrites the
     job's host file (the lost node's lines name the spare) and writes the relaunch verdict that
     srun's exit hook (the SPANK plugin) reads: the user's srun, ended by Slurm for the node
@@ -171,6 +171,10 @@ class Relaunch:
     count: int  # relaunches decided in this job so far, this one included
     replaced: tuple[tuple[str, str], ...]  # (lost node, the spare in its place)
     checkpoint_step: int
+    # Relaunch from this whole-job snapshot ("": from the application checkpoint): the verdict
+    # says snapshot=ID, and the relaunched srun's tasks restore their ranks from it instead of
+    # starting the program (the SPANK plugin's rank_wrapper --restore-snapshot).
+    snapshot: str = ""
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,7 @@ class RankRegistered:
     generation: int = 0
     task: int = -1  # the Slurm task whose tree holds the rank (-1: the rank itself)
     pinned: str = ""  # why the rank's node cannot move ("": it can)
+    restored: str = ""  # a copy restored from this whole-job snapshot (a relaunch from it)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ from torchpass.coordinator.model import (
     OperatorRequest,
     RankView,
     RelaunchRun,
+    SnapshotPoint,
     SpareHow,
     SpareStatus,
     SnapshotRun,
@@ -832,8 +833,8 @@ def _start_transfer(out: _Out, st: CoordState, m: Migration, now: float, policy:
 # ============================================================================
 # Starting migrations, lost nodes
 # ============================================================================
-# What Slurm does with a job whose node stopped answering (torchpass has no snapshot to restore
-# from yet): measured on the devcluster (tests/integration/test_hard_failure.py).
+# What Slurm does with a job whose node stopped answering (when torchpass has no checkpoint or
+# snapshot to relaunch it from): measured on the devcluster (tests/integration/test_hard_failure.py).
 SLURM_ON_LOST_NODE = ("slurmctld marks the node DOWN once it stops answering (SlurmdTimeout) and ends the job "
                       "as a node failure: a requeueable batch job is requeued, any other ends NODE_FAIL")
 # What the coordinator itself does then (HandToSlurm end_job): the same, at once, also for a job
@@ -867,8 +868,8 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible "
                   f"and {_no_relaunch_why(st, lost, policy)}; handed to Slurm's normal handling: "
                   f"{SLURM_ON_LOST_NODE}; {ENDED_LIKE_SLURM}",
-                  node=node, snapshot=None, checkpoint=st.restore_point[0] if st.restore_point else None,
-                  ranks=list(st.rank_nodes()[node]))
+                  node=node, snapshot=st.last_snapshot.id if st.last_snapshot else None,
+                  checkpoint=st.restore_point[0] if st.restore_point else None, ranks=list(st.rank_nodes()[node]))
         st = replace(st, handed=st.handed | {node},
                      operator_requests=tuple(r for r in st.operator_requests if r.node != node))
         if st.migration is not None and st.migration.paused and st.migration.phase != Phase.ROLLBACK \
@@ -880,14 +881,20 @@ def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolic
 # ============================================================================
 # Relaunch after a lost node (issue 12): the job's training step starts again
 # ============================================================================
-# A node lost outright leaves nothing to dump. When the job has a restore point (the newest
-# application checkpoint torchpass.checkpoint reported complete) and a free spare for every lost
-# node, the job's training step is started again inside the allocation: the executor rewrites the
-# job's host file (each lost node's lines name its spare) and writes the verdict that the SPANK
-# plugin's srun exit hook reads. The user's srun, ended by Slurm for the node failure, execs itself
-# again with its own arguments and environment; the script goes on from its newest checkpoint. The
-# job is not requeued. Slurm ends the job anyway unless it runs with --no-kill (docs/coordinator.md,
-# "A node lost outright"). Every rank registers again, as generation 0 (fresh processes).
+# A node lost outright leaves nothing to dump. When the job has a restore point and a free spare
+# for every lost node, the job's training step is started again inside the allocation: the
+# executor rewrites the job's host file (each lost node's lines name its spare) and writes the
+# verdict that the SPANK plugin's srun exit hook reads. The user's srun, ended by Slurm for the
+# node failure, execs itself again with its own arguments and environment. The job is not
+# requeued. Slurm ends the job anyway unless it runs with --no-kill (docs/coordinator.md, "A node
+# lost outright"). The restore point is the newer of:
+# - the newest application checkpoint torchpass.checkpoint reported complete: the script goes on
+#   from it; every rank registers again, as generation 0 (fresh processes);
+# - the newest whole-job snapshot that completed (a tie goes to the snapshot: nothing reloads):
+#   the verdict names it, and every task of the relaunched srun restores its rank from it instead
+#   of starting the program. Each restored copy registers again naming the snapshot, paused where
+#   the snapshot paused it; once all are back, they resume as the snapshot's generation around a
+#   new rendezvous (ResumeInPlace), and the relaunch ends when all resumed.
 
 
 def _relaunch_spares(st: CoordState, policy: CoordinatorPolicy) -> list[SpareView]:
@@ -897,9 +904,56 @@ def _relaunch_spares(st: CoordState, policy: CoordinatorPolicy) -> list[SpareVie
     return [sp for sp in st.spares if sp.how == SpareHow.HOT and spare_usable(st, sp, policy)]
 
 
+def _snapshot_point(st: CoordState, s: SnapshotRun) -> SnapshotPoint:
+    return SnapshotPoint(s.id, s.step, s.generation, st.step_offset, len(s.ranks))
+
+
+def _committed(st: CoordState) -> CoordState:
+    """``st`` with the snapshot in flight as its newest complete one if its manifest is written
+    (the ranks were still resuming): retention may already have removed the one before it."""
+    s = st.snapshot
+    if s is None or s.committed is None or s.failure is not None or s.commit_failed is not None:
+        return st
+    return replace(st, last_snapshot=_snapshot_point(st, s))
+
+
+def _end_snapshot_for_relaunch(out: _Out, st: CoordState, lost: set[str]) -> CoordState:
+    """A node was lost while a whole-job snapshot ran and the job is relaunched: the snapshot ends
+    here (its ranks are ended with their step; a complete one is kept, else what was written on
+    the surviving nodes is removed)."""
+    s = st.snapshot
+    if s is None:
+        return st
+    st = _committed(st)
+    if st.last_snapshot is not None and st.last_snapshot.id == s.id:
+        out.event("snapshot.completed", f"snapshot {s.id} of job {st.job_id} at step {s.step}: complete (its manifest "
+                  f"is written) when {', '.join(sorted(lost))} was lost; the job is relaunched from it",
+                  snapshot=s.id, trigger=s.trigger, step=s.step, generation=s.generation, ranks=len(s.ranks),
+                  bytes=s.committed.bytes if s.committed else 0, manifest=s.committed.manifest if s.committed else "",
+                  removed=list(s.committed.removed) if s.committed else [], pause_s=s.paused_s)
+    else:
+        nodes = tuple(sorted({n for _, n in s.ranks} - lost))
+        if nodes and s.failure is None:  # a failed one's images are being removed already (_snap_fail)
+            out.add(DiscardSnapshot(s.id, nodes))
+        out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} failed: node(s) {', '.join(sorted(lost))} "
+                  "lost while it ran; the job is relaunched from its newest complete restore point",
+                  snapshot=s.id, trigger=s.trigger, why=f"node(s) {', '.join(sorted(lost))} lost", step=s.step)
+    return replace(st, snapshot=None)
+
+
+def _from_snapshot(st: CoordState) -> SnapshotPoint | None:
+    """The whole-job snapshot a relaunch restores from, when it is the job's newest restore point."""
+    snap = _committed(st).last_snapshot
+    if snap is None or snap.world_size != st.world_size:
+        return None
+    return snap if st.restore_point is None or snap.step >= st.restore_point[0] else None
+
+
 def _relaunch_plan(st: CoordState, lost: list[str], policy: CoordinatorPolicy) -> tuple[tuple[str, str], ...] | None:
     """(lost node, spare) for every lost node, or None when the job cannot be relaunched."""
-    if st.restore_point is None or st.migration is not None or st.snapshot is not None:
+    # A snapshot in flight does not stop it: it ends with the step (_end_snapshot_for_relaunch).
+    if (st.restore_point is None and _from_snapshot(st) is None) or st.migration is not None \
+            or (st.relaunch is not None and st.relaunch.snapshot):
         return None
     spares = _relaunch_spares(st, policy)
     if len(spares) < len(lost):
@@ -908,18 +962,25 @@ def _relaunch_plan(st: CoordState, lost: list[str], policy: CoordinatorPolicy) -
 
 
 def _no_relaunch_why(st: CoordState, lost: list[str], policy: CoordinatorPolicy) -> str:
-    if st.restore_point is None:
-        return "no snapshot of the job to restore from"
+    if st.restore_point is None and _from_snapshot(st) is None:
+        return ("no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint) of the "
+                "job to relaunch it from")
+    if st.relaunch is not None and st.relaunch.snapshot:
+        return f"relaunch {st.relaunch.count} from snapshot {st.relaunch.snapshot} has not resumed yet"
     if st.migration is not None:
         return f"migration {st.migration.id} is in flight, so the job is not relaunched"
-    if st.snapshot is not None:
-        return f"snapshot {st.snapshot.id} is in flight, so the job is not relaunched"
     free = len(_relaunch_spares(st, policy))
-    return (f"no free hot spare for every lost node ({free} for {len(lost)}) to relaunch the job "
-            f"on from its checkpoint of step {st.restore_point[0]}")
+    snap = _from_snapshot(st)
+    point = (f"snapshot {snap.id} of step {snap.step}" if snap is not None
+             else f"checkpoint of step {st.restore_point[0]}" if st.restore_point is not None else "restore point")
+    return f"no free hot spare for every lost node ({free} for {len(lost)}) to relaunch the job on from its {point}"
 
 
 def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...]) -> CoordState:
+    st = _end_snapshot_for_relaunch(out, st, {n for n, _ in plan})
+    snap = _from_snapshot(st)
+    if snap is not None:
+        return _relaunch_from_snapshot(out, st, now, plan, snap)
     assert st.restore_point is not None
     ck_step, ck_path = st.restore_point
     count = st.relaunches + 1
@@ -952,18 +1013,92 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
                    operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
 
 
+def _relaunch_from_snapshot(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...],
+                            snap: SnapshotPoint) -> CoordState:
+    count = st.relaunches + 1
+    done = max((rv.step for rv in st.ranks.values()), default=0)
+    last = done + st.step_offset - 1
+    recompute = max(0, last - snap.step + 1)
+    nodes = st.rank_nodes()
+    moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
+    for node, spare in plan:
+        h = st.node_health(node)
+        out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
+                                  f"relaunched from its snapshot {snap.id} of step {snap.step}"))
+        out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
+                  f"relaunching the job's training step with spare {spare} in its place, every rank restored "
+                  f"from snapshot {snap.id} of step {snap.step}", node=node, snapshot=snap.id, checkpoint=None,
+                  spare=spare, ranks=list(nodes[node]), relaunch=count)
+    out.add(Relaunch(count, plan, snap.step, snapshot=snap.id))
+    out.event("job.relaunching", f"relaunch {count}: the training step starts again on the surviving nodes with "
+              f"{moved}; every rank is restored from snapshot {snap.id} of step {snap.step}: steps {snap.step}.."
+              f"{last} ({recompute}) are computed again", relaunch=count, snapshot=snap.id, checkpoint=None,
+              snapshot_step=snap.step, last_step=last, recompute_steps=recompute, replaced=dict(plan))
+    for _node, spare in plan:
+        st = _set_spare(st, spare, SpareStatus.USED)
+    return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, generation=snap.generation,
+                   relaunches=count, step_offset=snap.step_offset,
+                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, snap.step, last, snapshot=snap.id,
+                                        generation=snap.generation),
+                   relaunch_pending="", snapshot_clock=None,
+                   operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
+
+
+def _relaunch_id(r: RelaunchRun) -> str:
+    """The name the restored ranks' resume goes under (the executor's commands for it)."""
+    return f"relaunch{r.count}"
+
+
+def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """A relaunch from a whole-job snapshot: resume the restored ranks once all are back, say
+    when all resumed, ask again when some did not."""
+    r = st.relaunch
+    assert r is not None and r.snapshot
+    world = st.world_size or 0
+    if r.resume_sent is None:
+        if world and len(r.back) >= world and st.all_registered():
+            master = in_place_master(st)
+            out.add(ResumeInPlace(_relaunch_id(r), r.generation, master,
+                                  f"relaunch {r.count}: every rank restored from snapshot {r.snapshot}"))
+            out.event("job.restored", f"relaunch {r.count}: all {world} ranks were restored from snapshot "
+                      f"{r.snapshot} and registered {now - r.decided:.1f} s after {r.lost} was found lost; "
+                      f"resuming them as generation {r.generation} (rendezvous on {master})",
+                      relaunch=r.count, snapshot=r.snapshot, decision_to_restored_s=_r(now - r.decided),
+                      generation=r.generation)
+            return replace(st, relaunch=replace(r, resume_sent=now, resume_attempts=1))
+        return st
+    if world and len(r.resumed) >= world:
+        out.event("job.relaunched", f"relaunch {r.count}: every rank restored from snapshot {r.snapshot} resumed "
+                  f"{now - r.decided:.1f} s after {r.lost} was found lost; training goes on from step "
+                  f"{r.checkpoint_step} (steps {r.checkpoint_step}..{r.last_step} are computed again)",
+                  relaunch=r.count, snapshot=r.snapshot, decision_to_resumed_s=_r(now - r.decided),
+                  snapshot_step=r.checkpoint_step, last_step=r.last_step,
+                  recompute_steps=max(0, r.last_step - r.checkpoint_step + 1))
+        return replace(st, relaunch=None, snapshot_clock=now)
+    if now - r.resume_sent >= policy.rebuild_timeout_s and r.resume_attempts < policy.max_resume_attempts:
+        missing = sorted(set(range(world)) - r.resumed)
+        out.add(ResumeInPlace(_relaunch_id(r), r.generation, in_place_master(st),
+                              f"relaunch {r.count}: resume again"))
+        out.event("resume.retried", f"relaunch {r.count}: ranks {missing} did not resume; asking again",
+                  relaunch=r.count, missing=missing)
+        return replace(st, relaunch=replace(r, resume_sent=now, resume_attempts=r.resume_attempts + 1))
+    return st
+
+
 def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     """Say when a relaunch's ranks are all back, and keep srun's exit hook told whether a silent
     node of the job could lead to a relaunch (it then waits for the verdict)."""
     r = st.relaunch
-    if r is not None and st.all_registered():
+    if r is not None and r.snapshot:
+        st = _snapshot_relaunch_step(out, st, now, policy)
+    elif r is not None and st.all_registered():
         out.event("job.relaunched", f"relaunch {r.count}: every rank of the relaunched training step registered "
                   f"{now - r.decided:.1f} s after {r.lost} was found lost; it goes on from its checkpoint of step "
                   f"{r.checkpoint_step}", relaunch=r.count, decision_to_registered_s=_r(now - r.decided),
                   checkpoint=r.checkpoint_step)
         st = replace(st, relaunch=None)
     pending = ""
-    if st.restore_point is not None:  # no restore point, no relaunch: nothing to tell srun
+    if st.restore_point is not None or st.last_snapshot is not None:  # none: no relaunch, nothing to tell srun
         nodes = st.rank_nodes()  # a pass over the health reports (few silent), no sort of every node
         silent = min((n for n, h in st.health.items() if not h.reachable and n in nodes and n not in st.handed),
                      default="")
@@ -1094,6 +1229,9 @@ def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
     if not st.all_registered():
         return "conflict", (f"job {st.job_id} has {len(st.ranks)}/{st.world_size or '?'} ranks registered; "
                             "a snapshot needs every rank")
+    if st.relaunch is not None and st.relaunch.snapshot:
+        return "conflict", (f"job {st.job_id} is being restored from snapshot {st.relaunch.snapshot} (relaunch "
+                            f"{st.relaunch.count}); snapshot after it resumed")
     if st.slurm_down:
         return "unavailable", f"slurmctld is unreachable ({st.slurm_down}); tpassd needs it to check the ranks"
     pinned = st.pinned_nodes()
@@ -1168,8 +1306,10 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
     if s.dump_durations:
         data["tool_durations"] = dict(s.dump_durations)
     why = s.failure or s.commit_failed
+    last = st.last_snapshot
     if why is None and s.committed is not None:
         c = s.committed
+        last = _snapshot_point(st, s)
         out.event("snapshot.completed", f"snapshot {s.id} of job {st.job_id} at step {s.step}: {len(s.images)} "
                   f"ranks, {c.bytes / 1e6:.1f} MB; training stood still {paused:.2f}s"
                   + (f"; removed older snapshot(s) {', '.join(c.removed)}" if c.removed else ""),
@@ -1179,7 +1319,8 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
             why = "no manifest was written"
         out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} failed: {why}; every rank resumed "
                   f"after {paused:.2f}s", why=why, **data)
-    return replace(st, snapshot=None, generation=max(st.generation, s.generation), snapshot_clock=now)
+    return replace(st, snapshot=None, generation=max(st.generation, s.generation), snapshot_clock=now,
+                   last_snapshot=last)
 
 
 def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -1354,6 +1495,8 @@ def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -
         lost = _handle_lost(out, st, now, policy)
         if lost.snapshot is not None:  # a whole-job snapshot runs: no migration starts meanwhile
             nxt = _snapshot_step(out, lost, now, policy)
+        elif lost.relaunch is not None and lost.relaunch.snapshot and lost.migration is None:
+            nxt = lost  # restored ranks wait paused for their resume: no migration starts meanwhile
         elif st.migration is None:
             nxt = _start_next(out, lost, now, policy)
         else:

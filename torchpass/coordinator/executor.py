@@ -291,7 +291,8 @@ class Executor:
         # The relaunch verdict: written by the serve thread (RelaunchPossible) and by a Relaunch's
         # worker, under this lock; the steps the newest relaunch ended stay in every later write.
         self._verdict_lock = threading.Lock()
-        self._verdict_steps: tuple[int, list[str] | None] = (0, None)  # (count, steps) published
+        # (count, steps, snapshot) of the newest relaunch published
+        self._verdict_steps: tuple[int, list[str] | None, str] = (0, None, "")
         # A verdict left by an earlier run of the job (requeued) would hide this run's relaunches
         # from its sruns (they compare counts): this run's sruns start after its coordinator.
         layout.relaunch_file(self.state_dir, self.job_id).unlink(missing_ok=True)
@@ -1050,17 +1051,21 @@ class Executor:
             return LostNodeEnded(node, "", f"slurmctld refused or did not answer ({exc}); slurmctld's own DOWN "
                                            "handling is what remains")
 
-    def _write_relaunch(self, pending: bool, node: str, relaunch: tuple[int, list[str] | None] | None = None) -> None:
-        """The verdict: with ``relaunch`` (count, the steps it ended; None: not known) a relaunch
-        whose host file is written; without, the newest relaunch's again, pending or not (a
-        pending flag never publishes a relaunch before its worker wrote the host file)."""
+    def _write_relaunch(self, pending: bool, node: str,
+                        relaunch: tuple[int, list[str] | None, str] | None = None) -> None:
+        """The verdict: with ``relaunch`` (count, the steps it ended (None: not known), the
+        snapshot its tasks restore from ("": none, the script starts again)) a relaunch whose
+        host file is written; without, the newest relaunch's again, pending or not (a pending
+        flag never publishes a relaunch before its worker wrote the host file)."""
         with self._verdict_lock:
             if relaunch is not None:
                 self._verdict_steps = relaunch
-            count, steps = self._verdict_steps
+            count, steps, snapshot = self._verdict_steps
             text = f"count={count}\npending={int(pending)}\nnode={node}\n"
             if steps is not None:  # without it srun's exit hook relaunches any srun that ends
                 text += f"steps={','.join(s.split('.', 1)[1] for s in steps)}\n"
+            if snapshot:  # srun's exit hook sets TORCHPASS_RESTORE_SNAPSHOT for the relaunched step
+                text += f"snapshot={snapshot}\n"
             write_atomically(layout.relaunch_file(self.state_dir, self.job_id), text)
 
     def _do_Relaunch(self, a: ct.Relaunch, st: CoordState) -> None:
@@ -1068,7 +1073,7 @@ class Executor:
         swap = dict(a.replaced)
         lines = path.read_text().splitlines()
         log.warning("relaunching the job's training step", job_id=self.job_id, relaunch=a.count,
-                    replaced=swap, checkpoint_step=a.checkpoint_step)
+                    replaced=swap, checkpoint_step=a.checkpoint_step, snapshot=a.snapshot or None)
 
         def run() -> None:
             # The steps with a task on a lost node are the ones to start again. Slurm ends such a
@@ -1083,7 +1088,7 @@ class Executor:
                 log.warning("cannot list the job's steps; any srun that ends is started again",
                             job_id=self.job_id, error=str(exc))
             write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
-            self._write_relaunch(False, ",".join(swap), (a.count, ended))
+            self._write_relaunch(False, ",".join(swap), (a.count, ended, a.snapshot))
             for step in ended or ():
                 try:
                     self.slurm.cancel_step(step)

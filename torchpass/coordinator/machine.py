@@ -320,6 +320,9 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
                       task=ev.task if ev.task >= 0 else ev.rank, pinned=ev.pinned,
                       pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
         st = _put_rank(st, ev.rank, rv, owned)
+        r = st.relaunch
+        if r is not None and r.snapshot and ev.restored == r.snapshot:
+            st = replace(st, relaunch=replace(r, back=r.back | {ev.rank}))
         return st if st.world_size == ev.world_size else replace(st, world_size=ev.world_size)
     if isinstance(ev, RankProgress):
         prev = st.ranks.get(ev.rank)
@@ -373,6 +376,9 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
             st = _put_rank(st, ev.rank, replace(rv, last_advance=now, node=ev.node or rv.node,
                                                 generation=ev.generation, last_report=now, rate_base=None,
                                                 listening_until=None, **said), owned)
+        r = st.relaunch
+        if r is not None and r.resume_sent is not None and ev.generation == r.generation:
+            return replace(st, relaunch=replace(r, resumed=r.resumed | {ev.rank}))
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
         ):

@@ -241,16 +241,35 @@ class SnapshotRun:
 
 
 @dataclass(frozen=True)
+class SnapshotPoint:
+    """The newest whole-job snapshot that completed (its manifest written): a relaunch after a
+    lost node restores every rank from it (``CoordState.last_snapshot``)."""
+
+    id: str
+    step: int  # optimizer steps done when every rank paused for it (the job's numbering)
+    generation: int  # the generation its ranks resume as: a restored copy waits for that resume
+    step_offset: int  # CoordState.step_offset then (the ranks' own step counts are in the images)
+    world_size: int
+
+
+@dataclass(frozen=True)
 class RelaunchRun:
     """A relaunch of the job's training step after a node was lost outright (decide.Relaunch),
-    until every rank registered again."""
+    until every rank registered again; from a whole-job snapshot, until every restored rank
+    registered again and resumed."""
 
     count: int
     lost: str
     spare: str
     decided: float  # coordinator clock of the decision (the node was found lost then)
-    checkpoint_step: int  # the restore point the relaunched script goes on from
+    checkpoint_step: int  # the restore point the relaunched script (or the snapshot) goes on from
     last_step: int  # the newest step any rank reported before the loss (-1: none)
+    snapshot: str = ""  # the whole-job snapshot every rank is restored from ("": a checkpoint)
+    generation: int = 0  # from a snapshot: the generation its restored ranks resume as
+    back: frozenset[int] = frozenset()  # ranks registered again as copies restored from it
+    resume_sent: float | None = None  # when the resume went to them (decide resends it)
+    resume_attempts: int = 0
+    resumed: frozenset[int] = frozenset()
 
 
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
@@ -292,6 +311,9 @@ class CoordState:
     snapshot_clock: float | None = None
     # The newest application checkpoint reported complete (torchpass.checkpoint): (step, path).
     restore_point: tuple[int, str] | None = None
+    # The newest whole-job snapshot that completed (decide relaunches the job from it when a node
+    # is lost, when it is at least as new as restore_point).
+    last_snapshot: SnapshotPoint | None = None
     relaunches: int = 0  # training-step relaunches decided so far (decide.Relaunch)
     relaunch: RelaunchRun | None = None  # the one whose ranks have not all registered yet
     relaunch_pending: str = ""  # the silent node srun's exit hook was told to wait for ("": none)
@@ -358,6 +380,6 @@ class CoordState:
 
 __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
-    "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState",
+    "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState", "SnapshotPoint",
     "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SnapshotRun", "RelaunchRun",
 ]

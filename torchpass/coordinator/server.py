@@ -293,13 +293,15 @@ class CoordinatorServer:
         if world is not None and b["world_size"] != world:
             raise Conflict(f"world size {b['world_size']} differs from the job's {world}")
         prev = self.state.ranks.get(b["rank"])
-        if prev is None or prev.node != b["node"] or prev.pid != b["pid"]:
-            self.job.record(self.wall(), "rank.registered", f"rank {b['rank']} on {b['node']} (pid {b['pid']})",
-                            rank=b["rank"], node=b["node"], pid=b["pid"])
+        restored = b.get("restored") or ""
+        if prev is None or prev.node != b["node"] or prev.pid != b["pid"] or restored:
+            how = f", restored from snapshot {restored}" if restored else ""
+            self.job.record(self.wall(), "rank.registered", f"rank {b['rank']} on {b['node']} (pid {b['pid']}{how})",
+                            rank=b["rank"], node=b["node"], pid=b["pid"], **({"restored": restored} if restored else {}))
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
         generation = b.get("generation") or 0
         self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation,
-                                     b.get("task", -1), b.get("pinned") or ""))
+                                     b.get("task", -1), b.get("pinned") or "", b.get("restored") or ""))
         self._note_unprotected(b)
         return self._with_command(b["rank"], {"generation": generation})
 

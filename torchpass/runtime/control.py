@@ -25,7 +25,10 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
   (no socket, no I/O thread left: CRIU can dump the process) and waits,
   polling ``stat(hold_file)`` with short sleeps, until the file exists: after
   a restore on another node, or when the coordinator aborts the move. Then it
-  opens a fresh context and goes on polling, which fetches the resume.
+  opens a fresh context and goes on polling, which fetches the resume. A hold
+  file that says ``restored ID`` woke a copy restored from whole-job snapshot
+  ID after a lost node: it takes a new signing sender, registers again with
+  ``restored: ID`` and waits, paused, for the resume of the relaunch.
 
 * once the rank is unprotected (the job made a group the runtime cannot
   move, see ReconfigurablePG.note_native_groups) every ``rank.register`` /
@@ -69,6 +72,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from torchpass import layout
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
 from torchpass.runtime.release import release_allocator_caches
 from torchpass.runtime.say import say
@@ -231,6 +235,7 @@ class ControlLink(PauseListener):
         self._hold_file: str | None = None
         self._holding = False
         self.registered = False
+        self.restored: str | None = None  # the whole-job snapshot this copy was restored from
         self.errors = 0
         self.refused: Exception | None = None  # the last request's error reply, if it got one
         # Never left paused: the accepted pause (its deadline_s, fallback, join_s), when this rank
@@ -374,18 +379,10 @@ class ControlLink(PauseListener):
 
     def _run(self) -> None:
         try:
-            while not self._stop and not self.registered:
-                res = self._request(
-                    "rank.register",
-                    {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
-                     "generation": self.pg.generation, **self._unprotected(), **task_fields()},
-                )
-                if res is not None:
-                    self.registered = True
-                    self._handle(res)
-                else:
-                    self._sleep(self.interval_s)
             while not self._stop:
+                if not self.registered:  # at the start, and again as a copy restored from a snapshot
+                    self._register()
+                    continue
                 if self._expired():
                     self._expire()
                     continue
@@ -444,6 +441,19 @@ class ControlLink(PauseListener):
             say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
         finally:
             self._close()
+
+    def _register(self) -> None:
+        restored = {"restored": self.restored} if self.restored else {}
+        res = self._request(
+            "rank.register",
+            {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
+             "generation": self.pg.generation, **self._unprotected(), **task_fields(), **restored},
+        )
+        if res is not None:
+            self.registered = True
+            self._handle(res)
+        else:
+            self._sleep(self.interval_s)
 
     def every_s(self) -> float:
         """Seconds between progress reports: ours, or longer if the coordinator asks."""
@@ -508,6 +518,8 @@ class ControlLink(PauseListener):
                     return
                 time.sleep(0.02)  # short sleeps restart cleanly after a restore
             self._hold_file = None  # released: the coordinator's decision stands, no claim
+            if path:
+                self._woken_from_snapshot(path)
         finally:
             self._holding = False
             if marker is not None:
@@ -515,6 +527,28 @@ class ControlLink(PauseListener):
                     os.unlink(marker[0])
                 except OSError:
                     pass  # a spare has no such directory: nothing to take back
+
+    def _woken_from_snapshot(self, hold: str) -> None:
+        """A copy restored from a whole-job snapshot after a lost node (its relaunch) is woken
+        by a hold file that says so (``restored ID``, rankwrap's --restore-snapshot). The
+        coordinator that took the snapshot had this rank registered in the step that is gone, so
+        the copy registers again, naming the snapshot, and waits paused for the resume. Its pause
+        deadline counts from now: the pause it quiesced for ended long ago (the snapshot's own
+        resume), and the copy must not fall back to that rendezvous at once."""
+        try:
+            with open(hold, "rb") as f:
+                said = f.read(256).decode(errors="replace").split()
+        except OSError:
+            return
+        if len(said) == 2 and said[0] == layout.RESTORED_WAKE:
+            renew = getattr(self.auth, "renew", None)
+            if renew is not None:  # the source copy went on signing past the image's counter
+                renew()
+            self.restored = said[1]
+            self.registered = False
+            self._armed_reported = None
+            if self._quiesced_wall is not None:
+                self._quiesced_wall = self.wall()
 
     # -- never left paused ------------------------------------------------------------
     def deadline(self) -> float | None:
@@ -554,7 +588,6 @@ class ControlLink(PauseListener):
         rank_dir = self.rank_dir
         if not rank_dir:
             return
-        from torchpass import layout
         from torchpass.checkpoint import safeio
 
         record = layout.rank_record(rank_dir, self.job_id, self.rank)
