@@ -14,8 +14,14 @@
  * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID) starts no program: each
  * task gets the root restore agent instead of a PID namespace, and runs
  * 'rank_wrapper --restore-snapshot ID --', which restores its rank from
- * snapshot ID.  Batch step exit: stop the coordinator (the epilog repeats
- * that as a backstop).
+ * snapshot ID.  A job that 'tpassctl snapshot --stop' requeue-held and
+ * 'tpassctl resume' released runs its batch script again (stop.h): the
+ * batch step's task first writes the output the job printed before it was
+ * stopped (STATE_DIR/jobs/J/stopped.out, .err) to its stdout and stderr
+ * (task_init), and the step named by the coordinator's marker
+ * (STATE_DIR/jobs/J/stopped) restores from its snapshot as a relaunched one
+ * does (user_init).  Batch step exit: stop the coordinator (the epilog
+ * repeats that as a backstop).
  *
  * Steps of jobs without --torchpass return at the first line of each hook.
  */
@@ -41,6 +47,7 @@
 #include "placement.h"
 #include "pythonpath.h"
 #include "relaunch.h"
+#include "stop.h"
 #include "tpass.h"
 
 /* the PID namespace init, installed beside torchpass.so (tpass_init.c) */
@@ -55,7 +62,8 @@ static struct {
 	char node[256];
 	bool launch_failed;
 	char launch_err[TPASS_ERR_MAXLEN + 256];
-	/* TORCHPASS_RESTORE_SNAPSHOT (user_init): "" starts the program */
+	/* TORCHPASS_RESTORE_SNAPSHOT or the stop marker (user_init): ""
+	 * starts the program */
 	char snapshot[TPASS_SNAPSHOT_ID_MAX + 1];
 	bool coord_started;
 	struct tpass_coord coord;
@@ -526,12 +534,57 @@ static bool wraps_rank(void)
 }
 
 /*
+ * A job stopped by 'tpassctl snapshot --stop' and released by 'tpassctl
+ * resume' runs its batch script again, and its steps are numbered from 0
+ * again (Slurm resets them on requeue), so the step the snapshot was taken
+ * of comes again with the id the coordinator's marker names (stop.h).  That
+ * step restores from the marker's snapshot, as a relaunched one does, and
+ * its tasks see the id in TORCHPASS_RESTORE_SNAPSHOT (the wrapper takes it
+ * from its argv; the variable tells the runtime).  Any other step, or any
+ * step when there is no marker, starts its program.
+ *
+ * The marker is the job user's file, and this hook runs with the user's
+ * effective uid but root's real one: stop.c reads only a regular file the
+ * job's uid owns.  A marker that fails that, or does not parse, is said in
+ * one line (on every node of every wrapped step: each reads it) and the
+ * step starts its program.  Unlike a bad TORCHPASS_RESTORE_SNAPSHOT, it
+ * does not fail the launch: a marker that cannot be read names no step, so
+ * that would fail every wrapped step of the job until its owner removed it.
+ */
+static void restore_stopped(spank_t sp)
+{
+	char snap[TPASS_SNAPSHOT_ID_MAX + 1], err[TPASS_ERR_MAXLEN];
+	unsigned step;
+	bool found;
+	spank_err_t rc;
+
+	if (tpass_stopped_read(tpass.conf.state_dir, R.job_id, R.uid, snap,
+			       sizeof(snap), &step, &found, err,
+			       sizeof(err)) < 0) {
+		tpass_error("job %u: %s; step %u starts its program, nothing is restored",
+			    R.job_id, err, (unsigned)R.step_id);
+		return;
+	}
+	if (!found || step != R.step_id)
+		return;
+	snprintf(R.snapshot, sizeof(R.snapshot), "%s", snap);
+	tpass_info("job %u: step %u was stopped by tpassctl snapshot --stop: every rank restores from snapshot %s",
+		   R.job_id, (unsigned)R.step_id, R.snapshot);
+	rc = spank_setenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, R.snapshot, 1);
+	if (rc != ESPANK_SUCCESS)
+		tpass_error("job %u: cannot set " TPASS_RESTORE_SNAPSHOT_ENV " for step %u: %s; its ranks restore from snapshot %s all the same",
+			    R.job_id, (unsigned)R.step_id, spank_strerror(rc),
+			    R.snapshot);
+}
+
+/*
  * A step of wrapped ranks that srun's exit hook started again from a
  * whole-job snapshot (local.c) carries TORCHPASS_RESTORE_SNAPSHOT=ID: keep
  * ID in R.snapshot, which task_init_privileged and task_init read (they run
  * in each task, forked after this hook).  A value that is not a snapshot id
  * fails the launch: starting the program afresh instead would quietly drop
- * what the job had done since its last checkpoint.
+ * what the job had done since its last checkpoint.  Without the variable,
+ * the step may be one a stopped job restores (restore_stopped).
  */
 static void restore_snapshot_of(spank_t sp)
 {
@@ -539,8 +592,10 @@ static void restore_snapshot_of(spank_t sp)
 	spank_err_t rc;
 
 	rc = spank_getenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, val, sizeof(val));
-	if (rc == ESPANK_ENV_NOEXIST)
+	if (rc == ESPANK_ENV_NOEXIST) {
+		restore_stopped(sp);
 		return;
+	}
 	if (rc != ESPANK_SUCCESS && rc != ESPANK_NOSPACE) {
 		launch_fail("cannot read " TPASS_RESTORE_SNAPSHOT_ENV ": %s; the step cannot be restored",
 			    spank_strerror(rc));
@@ -555,6 +610,13 @@ static void restore_snapshot_of(spank_t sp)
 	snprintf(R.snapshot, sizeof(R.snapshot), "%s", val);
 }
 
+/*
+ * Every step of a --torchpass job, once per node, with the job user's
+ * effective uid, before its tasks are forked: the environment (export_env),
+ * and for a step of wrapped ranks whether it restores from a whole-job
+ * snapshot instead of starting its program (restore_snapshot_of: a
+ * relaunch, or the step a stopped job restores).
+ */
 int tpass_remote_user_init(spank_t sp, int ac, char **av)
 {
 	(void)ac;
@@ -682,7 +744,8 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * the task, in the restore step, and its exit status is the step's.
  *
  * Steps relaunched from a whole-job snapshot (a --torchpass step whose
- * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID, user_init): no PID
+ * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID, or the step of a stopped
+ * job that the marker STATE_DIR/jobs/J/stopped names; user_init): no PID
  * namespace and no tpass-init (the snapshot's images hold the rank's own);
  * the task forks the same root restore agent, for rank S_TASK_GLOBAL_ID of
  * this job, and task_init runs 'rank_wrapper --restore-snapshot ID --',
@@ -834,7 +897,47 @@ int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
 }
 
 /*
- * In the task, before exec.  plugstack.conf loads torchpass as "optional",
+ * The batch step of a job that 'tpassctl snapshot --stop' stopped and
+ * 'tpassctl resume' released: Slurm truncated the output and error files
+ * when this run of the script started, and the task's fds 1 and 2 are those
+ * files (slurmstepd opens them, O_APPEND, and dup2()s them onto the task
+ * before task_init).  tpassctl resume copied them to
+ * STATE_DIR/jobs/J/stopped.out and .err just before it released the job:
+ * writing those copies to fds 1 and 2 before the script runs keeps what the
+ * job printed before it was stopped, with the script's output after it.
+ * Each copy is removed once it is written whole, so it is written once.
+ * (A job whose files Slurm keeps, --open-mode=append or JobFileAppend=1,
+ * still has that output in them: a copy made for it is written twice.)  A
+ * failure is said in one line and the script runs all the same: the job is
+ * not failed over its old output (the copy is left in place to be found).
+ */
+static void put_stopped_output(void)
+{
+	static const struct {
+		const char *name;
+		int fd;
+	} out[] = {
+		{ TPASS_LAYOUT_STOPPED_OUT, 1 },
+		{ TPASS_LAYOUT_STOPPED_ERR, 2 },
+	};
+	char err[TPASS_ERR_MAXLEN];
+	bool found;
+
+	if (!tpass.conf_ok || !R.job_id)
+		return;
+	for (size_t i = 0; i < sizeof(out) / sizeof(out[0]); i++)
+		if (tpass_stopped_output_copy(tpass.conf.state_dir, R.job_id,
+					      out[i].name, R.uid, out[i].fd,
+					      &found, err, sizeof(err)) < 0)
+			tpass_error("job %u: the output kept when the job was stopped: %s; the batch script runs without it",
+				    R.job_id, err);
+}
+
+/*
+ * In the task, before exec, as the job user.  The batch step's task writes
+ * the output a stopped job printed before its stop (put_stopped_output);
+ * every task of a step of wrapped ranks gets the rank wrapper in front of
+ * its program.  plugstack.conf loads torchpass as "optional",
  * and SPANK ignores the return code of an optional plugin's hooks, so a
  * launch error cannot fail the step by returning -1 (which is also what
  * keeps a torchpass problem from ever draining a node).  Instead the task
@@ -854,6 +957,9 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 	(void)av;
 	if (!tpass.opts.given || tpass.opts.off)
 		return 0;
+	/* first: a launch error below is said after the job's earlier output */
+	if (R.is_batch)
+		put_stopped_output();
 	if (!R.launch_failed) {
 		/*
 		 * Every rank of a --torchpass job step (not the batch script)

@@ -52,6 +52,9 @@ COORDINATOR_PID = "coordinator.pid"
 COORDINATOR_LOG = "coordinator.log"
 HOSTFILE = "hostfile"
 RELAUNCH = "relaunch"
+STOPPED = "stopped"
+STOPPED_OUT = "stopped.out"
+STOPPED_ERR = "stopped.err"
 EVENTS_JSON = "events.json"
 RANKS = "ranks"
 HOLD = "hold"
@@ -99,6 +102,15 @@ coordinator_pid = _job_file(COORDINATOR_PID)
 coordinator_log = _job_file(COORDINATOR_LOG)
 hostfile = _job_file(HOSTFILE)
 relaunch_file = _job_file(RELAUNCH)
+# A job stopped by `tpassctl snapshot --stop` (issue 12): its coordinator writes STOPPED (key=value
+# lines: the snapshot, the Slurm step it stopped, ...) before it requeue-holds the job; `tpassctl
+# resume` copies the job's output (and error) file there as STOPPED.out (.err), which the SPANK
+# plugin writes back at the start of the resumed batch step (Slurm truncates the files on a
+# requeue); the plugin restores the step of that id from the snapshot; the resumed coordinator
+# removes STOPPED once every rank resumed.
+stopped_file = _job_file(STOPPED)
+stopped_out = _job_file(STOPPED_OUT)
+stopped_err = _job_file(STOPPED_ERR)
 events_json = _job_file(EVENTS_JSON)
 restored_ranks_out = _job_file(RESTORED_RANKS_OUT)
 
@@ -241,7 +253,7 @@ __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_WAKE", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
     "DEFAULT_RANK_DIR",
-    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file",
+    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file", "stopped_file", "stopped_out", "stopped_err", "STOPPED", "STOPPED_OUT", "STOPPED_ERR",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
     "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",

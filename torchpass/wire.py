@@ -258,7 +258,7 @@ BODIES: dict[str, dict[str, F]] = {
     # munge (as job.migrate). Reply result: {"snapshot": ID}; follow it with job.events
     # (snapshot.completed / snapshot.failed). Errors: conflict (a migration or another
     # snapshot in flight, ranks missing, job unprotected), unavailable, forbidden.
-    "job.snapshot": {},
+    "job.snapshot": {"stop": _f(bool, required=False)},  # --stop: hold the job once it is saved
     # --- coordinator -> tpassd (checkpoint; torchpass/checkpoint/service.py) ------
     # munge-authenticated for the node; allowed for root or the job's owner
     # (the uid Slurm records for job_id). rank_dir: optional; tpassd derives the

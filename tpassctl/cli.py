@@ -20,7 +20,7 @@ from tpassctl.events_cmd import events
 from tpassctl.goodput_cmd import goodput
 from tpassctl.migrate_cmd import migrate
 from tpassctl.nodes_cmd import inject, nodes
-from tpassctl.snapshot_cmd import snapshot, snapshots
+from tpassctl.snapshot_cmd import resume, snapshot, snapshots
 from tpassctl.status_cmd import status
 
 
@@ -58,7 +58,7 @@ def cli(ctx: click.Context, state_dir: Path, verbose: bool) -> None:
     ctx.obj = CliContext(state_dir=state_dir, verbose=verbose)
 
 
-for command in (devcluster, events, goodput, inject, migrate, nodes, snapshot, snapshots, status):
+for command in (devcluster, events, goodput, inject, migrate, nodes, resume, snapshot, snapshots, status):
     cli.add_command(command)
 
 

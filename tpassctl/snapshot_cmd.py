@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from tpassctl.migrate_cmd import auth_target
 from tpassctl.nodes_cmd import discover
 
 SNAPSHOT_EVENTS = ("snapshot.completed", "snapshot.failed")
+# --stop: the snapshot is complete and the job being held (job.stopping), or it went on (the others)
+STOP_EVENTS = ("job.stopping", "job.stop_failed", "snapshot.failed")
 
 
 def _ask(job_id: int, endpoint: str, type_: str, body: dict[str, Any], target: str, timeout_s: float,
@@ -49,40 +52,49 @@ def _ask(job_id: int, endpoint: str, type_: str, body: dict[str, Any], target: s
 
 @click.command()
 @click.argument("job_id", type=click.IntRange(min=1))
+@click.option("--stop", is_flag=True,
+              help="Then stop the job: it is requeued and held under its job id, its nodes free for other "
+                   "jobs, until `tpassctl resume JOB_ID` restores every rank from this snapshot.")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Wait up to SECONDS for the snapshot to complete (exit 1 if it failed or is not done).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
               help="Seconds to wait for the coordinator's answer.")
 @click.pass_obj
-def snapshot(obj, job_id, wait_s, as_json, timeout_s):
+def snapshot(obj, job_id, stop, wait_s, as_json, timeout_s):
     """Save every rank of JOB_ID (CRIU, all ranks paused at one collective), leaving it running.
 
     Only the job's owner or an admin may ask (munge). Training stands still only
     while the ranks are dumped; follow it with `tpassctl events JOB_ID` or --wait,
-    list the snapshots with `tpassctl snapshots JOB_ID`. Not yet: --stop, resume,
-    restore after a crash, snapshot_every (docs/coordinator.md, "Snapshots").
+    list the snapshots with `tpassctl snapshots JOB_ID`. With --stop the ranks do not
+    resume: the job is held (Slurm: requeued, held) and its nodes freed, until
+    `tpassctl resume JOB_ID` (docs/coordinator.md, "Snapshots").
     """
     info = registration(obj.state_dir, job_id)
-    res = _ask(job_id, info["endpoint"], "job.snapshot", {}, auth_target(job_id), timeout_s, "the coordinator")
+    body = {"stop": True} if stop else {}
+    res = _ask(job_id, info["endpoint"], "job.snapshot", body, auth_target(job_id), timeout_s, "the coordinator")
     sid = res.get("snapshot")
-    out: dict[str, Any] = {"job_id": job_id, "snapshot": sid}
+    out: dict[str, Any] = {"job_id": job_id, "snapshot": sid, "stop": stop}
+    done = "job.stopping" if stop else "snapshot.completed"
     if wait_s is not None:
-        ev = _wait_for(obj.state_dir, job_id, sid, wait_s)
+        ev = _wait_for(obj.state_dir, job_id, sid, wait_s, STOP_EVENTS if stop else SNAPSHOT_EVENTS)
         out["event"] = ev
     if as_json:
         click.echo(json.dumps(out, indent=1))
     elif wait_s is None:
-        click.echo(f"snapshot {sid} of job {job_id} started; follow it: tpassctl events {job_id}")
+        click.echo(f"snapshot {sid} of job {job_id} started{', then the job stops' if stop else ''}; "
+                   f"follow it: tpassctl events {job_id}")
     elif out["event"] is not None:
         click.echo(out["event"]["message"])
-    if wait_s is not None and (out["event"] is None or out["event"]["kind"] != "snapshot.completed"):
+    if wait_s is not None and (out["event"] is None or out["event"]["kind"] != done):
         raise click.ClickException(f"job {job_id}: snapshot {sid} "
                                    + ("did not complete within {:g}s".format(wait_s) if out["event"] is None
-                                      else "failed"))
+                                      else "failed" if out["event"]["kind"] == "snapshot.failed"
+                                      else "completed but the job could not be stopped; it runs on"))
 
 
-def _wait_for(state_dir: Path, job_id: int, sid: str, wait_s: float) -> dict[str, Any] | None:
+def _wait_for(state_dir: Path, job_id: int, sid: str, wait_s: float,
+              kinds: tuple[str, ...] = SNAPSHOT_EVENTS) -> dict[str, Any] | None:
     """The snapshot's final event from the job's event log (events.json), or None after ``wait_s``."""
     deadline = time.monotonic() + wait_s
     path = layout.events_json(state_dir, job_id)
@@ -92,7 +104,7 @@ def _wait_for(state_dir: Path, job_id: int, sid: str, wait_s: float) -> dict[str
         except (OSError, ValueError):
             events = []
         for ev in events:
-            if ev.get("kind") in SNAPSHOT_EVENTS and (ev.get("data") or {}).get("snapshot") == sid:
+            if ev.get("kind") in kinds and (ev.get("data") or {}).get("snapshot") == sid:
                 return ev
         if time.monotonic() >= deadline:
             return None
@@ -185,4 +197,93 @@ def snapshots(obj, job_id, delete_id, endpoints, as_json, timeout_s):
                    f"{r['ranks']}")
 
 
-__all__ = ["list_snapshots", "snapshot", "snapshots"]
+def _keep_output(src: str, dest: Path, uid: int) -> str | None:
+    """Copy the job's output file ``src`` to ``dest`` (the plugin writes it back when the resumed
+    batch step starts: Slurm truncates the file then). Only a regular file of the job's owner,
+    never through a link (an admin runs this as root). Why not, or None when copied."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"cannot read {src}: {exc.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            return f"{src} is not a regular file of the job's owner (uid {uid})"
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view):]
+            if os.geteuid() == 0:
+                os.fchown(out, uid, -1)
+        finally:
+            os.close(out)
+        os.replace(tmp, dest)
+        return None
+    except OSError as exc:
+        return f"cannot copy {src} to {dest}: {exc}"
+    finally:
+        os.close(fd)
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.pass_obj
+def resume(obj, job_id, as_json):
+    """Bring back JOB_ID, stopped with `tpassctl snapshot --stop`, on any free nodes of its partition.
+
+    Slurm starts it again under the same job id; its batch script runs from the top
+    and the srun that was stopped restores every rank from the snapshot, which goes
+    on at the step it stopped at. What the job printed before the stop stays in its
+    output file. Only the job's owner or an admin (Slurm checks the release).
+    """
+    from torchpass.coordinator.main import read_stopped
+    from torchpass.slurm import client
+
+    try:
+        stopped = read_stopped(obj.state_dir, job_id)
+    except TorchpassError as exc:
+        raise click.ClickException(f"job {job_id}: {exc}") from None
+    if stopped is None:
+        raise click.ClickException(f"job {job_id} was not stopped by torchpass (no "
+                                   f"{layout.stopped_file(obj.state_dir, job_id)}); nothing to resume")
+    slurm = client()
+    try:
+        job = slurm.job(job_id)
+    except TorchpassError as exc:
+        raise click.ClickException(f"job {job_id}: cannot ask slurmctld ({exc})") from None
+    if job is None:  # PrivateData=jobs hides another user's job
+        raise click.ClickException(f"slurmctld shows you no job {job_id} (it ended, or it is not yours to see): only "
+                                   "its owner or an admin may resume it")
+    if job.state != "PENDING":
+        raise click.ClickException(f"job {job_id} is {job.state}, not stopped and held; nothing to resume")
+    if os.getuid() not in (0, job.user_id) and os.getuid() not in job_privacy()[1]:
+        raise click.ClickException(f"job {job_id} is {job.user}'s: only its owner or an admin may resume it")
+    if not layout.snapshot_manifest(obj.state_dir, job_id, stopped["snapshot"]).exists():
+        raise click.ClickException(f"job {job_id}: snapshot {stopped['snapshot']} it was stopped with is gone "
+                                   "(deleted, or past the age limit); it cannot be restored")
+    notes = []
+    for src, dest in ((job.output, layout.stopped_out(obj.state_dir, job_id)),
+                      (job.error if job.error and job.error != job.output else "",
+                       layout.stopped_err(obj.state_dir, job_id))):
+        why = _keep_output(src, dest, job.user_id) if src else None
+        if why:
+            notes.append(f"its output before the stop is not kept: {why}")
+    try:
+        slurm.release(job_id)
+    except TorchpassError as exc:
+        raise click.ClickException(f"job {job_id}: slurmctld would not release it ({exc})") from None
+    out = {"job_id": job_id, "snapshot": stopped["snapshot"], "step": stopped["snapshot_step"], "notes": notes}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    for n in notes:
+        click.echo(f"tpassctl: job {job_id}: {n}", err=True)
+    click.echo(f"job {job_id} released: once Slurm starts it, every rank is restored from snapshot "
+               f"{stopped['snapshot']} (step {stopped['snapshot_step']}); follow it: tpassctl events {job_id}")
+
+
+__all__ = ["list_snapshots", "resume", "snapshot", "snapshots"]

@@ -1,7 +1,8 @@
 /*
  * test_args.c - unit tests for the pure parsers (no Slurm needed): conf.c,
- * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c, placement.c and the
- * ready line of coordinator.c.
+ * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c, placement.c, stop.c
+ * (its files in a temporary state directory) and the ready line of
+ * coordinator.c.
  * Build and run: make -C slurm_spank test
  * Prints one line per failed check and a summary "N checks, F failed".
  */
@@ -12,13 +13,17 @@
 #include "../placement.h"
 #include "../pythonpath.h"
 #include "../relaunch.h"
+#include "../stop.h"
 #include "../util.h"
 
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <sys/stat.h>
 
 static int checks, failed;
 
@@ -668,6 +673,288 @@ static bool places(const char *which_expected, ...)
 	return true;
 }
 
+static int stopped(const char *text, char *snap, unsigned *step)
+{
+	err[0] = '\0';
+	return tpass_stopped_parse(text, snap, TPASS_SNAPSHOT_ID_MAX + 1, step,
+				   err, sizeof(err));
+}
+
+/* the stop marker's text (stop.h) */
+static void test_stopped_parse(void)
+{
+	char snap[TPASS_SNAPSHOT_ID_MAX + 1], id64[65], text[160], small[4];
+	unsigned step;
+
+	CHECK(stopped("snapshot=20261205T204847Z-2\nstep=0\ngeneration=3\nworld_size=3\n",
+		      snap, &step) == 0);
+	CHECK(!strcmp(snap, "20261205T204847Z-2") && step == 0);
+	/* the coordinator's whole marker (executor.py): snapshot_step= is not step= */
+	CHECK(stopped("snapshot=s9\nstep=2\nsnapshot_step=1200\ngeneration=3\nworld_size=3\nstep_offset=0\n",
+		      snap, &step) == 0 && !strcmp(snap, "s9") && step == 2);
+	CHECK(stopped("snapshot_step=5\nsnapshot=s9\nstep=2\n", snap, &step) == 0 &&
+	      step == 2);
+	/* any order, no final newline, empty lines, unknown keys */
+	CHECK(stopped("\nfuture=x=y\nstep=7\n\nsnapshot=s_1", snap, &step) == 0 &&
+	      !strcmp(snap, "s_1") && step == 7);
+	CHECK(stopped("snapshot=a\nstep=4294967294\n", snap, &step) == 0 &&
+	      step == 4294967294u);
+	memset(id64, 'a', 64);
+	id64[64] = '\0';
+	snprintf(text, sizeof(text), "step=1\nsnapshot=%s\n", id64);
+	CHECK(stopped(text, snap, &step) == 0 && !strcmp(snap, id64));
+	/* an unknown key's long value is not read */
+	memset(text, 'v', sizeof(text) - 1);
+	text[sizeof(text) - 1] = '\0';
+	memcpy(text, "snapshot=a\nstep=2\nnote=", 23);
+	CHECK(stopped(text, snap, &step) == 0 && step == 2);
+
+	/* missing keys; a failure leaves the outputs as they were */
+	strcpy(snap, "keep");
+	step = 99;
+	CHECK(stopped("step=0\ngeneration=3\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "no snapshot= line");
+	CHECK(!strcmp(snap, "keep") && step == 99);
+	CHECK(stopped("snapshot=s1\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "no step= line");
+	CHECK(!strcmp(snap, "keep") && step == 99);
+	CHECK(stopped("", snap, &step) < 0);
+	CHECK_CONTAINS(err, "no snapshot= line");
+	/* bad step */
+	CHECK(stopped("snapshot=s1\nstep=\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "step '' is not a step id");
+	CHECK(stopped("snapshot=s1\nstep=-1\n", snap, &step) < 0);
+	CHECK(stopped("snapshot=s1\nstep=x\n", snap, &step) < 0);
+	CHECK(stopped("snapshot=s1\nstep=4294967295\n", snap, &step) < 0);
+	CHECK(stopped("snapshot=s1\nstep=0x1\n", snap, &step) < 0);
+	/* bad snapshot id: it ends up in an argv and a path */
+	CHECK(stopped("snapshot=../x\nstep=0\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "snapshot '../x' is not a snapshot id (1..64");
+	CHECK(stopped("snapshot=\nstep=0\n", snap, &step) < 0);
+	CHECK(stopped("snapshot=a;rm\nstep=0\n", snap, &step) < 0);
+	snprintf(text, sizeof(text), "step=1\nsnapshot=%sb\n", id64);
+	CHECK(stopped(text, snap, &step) < 0);
+	/* each once */
+	CHECK(stopped("snapshot=a\nstep=0\nstep=1\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "step= given twice");
+	CHECK(stopped("snapshot=a\nsnapshot=b\nstep=0\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "snapshot= given twice");
+	/* not key=value */
+	CHECK(stopped("snapshot=a\nstep=0\ngarbage\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "line 'garbage' is not key=value");
+	/* CRLF and spaces are errors, not trimmed */
+	CHECK(stopped("snapshot=a\r\nstep=0\r\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "carriage return");
+	CHECK(stopped("snapshot=a\nstep=0\nnote=x\r\n", snap, &step) < 0);
+	CHECK(stopped("snapshot=a \nstep=0\n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "snapshot 'a ' is not a snapshot id");
+	CHECK(stopped("snapshot=a\nstep=0 \n", snap, &step) < 0);
+	CHECK_CONTAINS(err, "step '0 ' is not a step id");
+	CHECK(stopped("snapshot = a\nstep=0\n", snap, &step) < 0); /* key "snapshot " */
+	CHECK(stopped(" step=0\nsnapshot=a\n", snap, &step) < 0);
+	CHECK(strchr(err, '\n') == NULL && strchr(err, '\r') == NULL);
+	/* the caller's buffer is checked too */
+	CHECK(tpass_stopped_parse("snapshot=abcd\nstep=0\n", small, sizeof(small),
+				  &step, err, sizeof(err)) < 0);
+	CHECK(tpass_stopped_parse("snapshot=abc\nstep=0\n", small, sizeof(small),
+				  &step, err, sizeof(err)) == 0 &&
+	      !strcmp(small, "abc"));
+}
+
+static char state_dir[64], job_dir[128];
+
+/* STATE_DIR/jobs/5/NAME with len bytes of data (mode 0644) */
+static int put_file(const char *name, const char *data, size_t len)
+{
+	char path[256];
+	int fd, rc = 0;
+
+	snprintf(path, sizeof(path), "%s/%s", job_dir, name);
+	unlink(path);
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+	if (fd < 0)
+		return -1;
+	if (write(fd, data, len) != (ssize_t)len)
+		rc = -1;
+	close(fd);
+	return rc;
+}
+
+static bool job_file_exists(const char *name)
+{
+	char path[256];
+	struct stat st;
+
+	snprintf(path, sizeof(path), "%s/%s", job_dir, name);
+	return lstat(path, &st) == 0;
+}
+
+static int read_marker(uid_t uid, char *snap, unsigned *step, bool *found)
+{
+	err[0] = '\0';
+	return tpass_stopped_read(state_dir, 5, uid, snap,
+				  TPASS_SNAPSHOT_ID_MAX + 1, step, found, err,
+				  sizeof(err));
+}
+
+static int copy_out(const char *name, uid_t uid, int out, bool *found)
+{
+	err[0] = '\0';
+	return tpass_stopped_output_copy(state_dir, 5, name, uid, out, found,
+					 err, sizeof(err));
+}
+
+/* The whole content of fd (from its start) into a malloc'd string. */
+static char *slurp(int fd, size_t *len)
+{
+	struct stat st;
+	char *buf;
+
+	if (fstat(fd, &st) < 0 || !(buf = malloc((size_t)st.st_size + 1)))
+		return NULL;
+	*len = (size_t)pread(fd, buf, (size_t)st.st_size, 0);
+	buf[*len] = '\0';
+	return buf;
+}
+
+/* The marker and the kept output files, in a temporary state directory. */
+static void test_stopped_files(void)
+{
+	const char marker[] = "snapshot=20261205T204847Z-2\nstep=0\ngeneration=3\nworld_size=3\n";
+	char snap[TPASS_SNAPSHOT_ID_MAX + 1], path[256], out_path[256], *big, *got;
+	uid_t me = getuid();
+	unsigned step = 0;
+	bool found = true;
+	size_t len, big_len = 300000;
+	int out;
+
+	snprintf(state_dir, sizeof(state_dir), "/tmp/tpass-test-XXXXXX");
+	if (!mkdtemp(state_dir)) {
+		CHECK(!"mkdtemp");
+		return;
+	}
+	snprintf(job_dir, sizeof(job_dir), "%s/jobs", state_dir);
+	mkdir(job_dir, 0755);
+	snprintf(job_dir, sizeof(job_dir), "%s/jobs/5", state_dir);
+	CHECK(mkdir(job_dir, 0755) == 0);
+
+	/* the marker: no file is nothing at all */
+	CHECK(read_marker(me, snap, &step, &found) == 0 && !found);
+	CHECK(put_file("stopped", marker, strlen(marker)) == 0);
+	CHECK(read_marker(me, snap, &step, &found) == 0 && found &&
+	      !strcmp(snap, "20261205T204847Z-2") && step == 0);
+	/* someone else's file, even a well-formed one */
+	CHECK(read_marker(me + 1, snap, &step, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "/jobs/5/stopped is owned by uid");
+	CHECK_CONTAINS(err, "not by the job's user");
+	/* malformed: named with its path */
+	CHECK(put_file("stopped", "step=0\n", 7) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "/jobs/5/stopped: no snapshot= line");
+	CHECK(put_file("stopped", "snapshot=a\0\nstep=0\n", 19) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0);
+	CHECK_CONTAINS(err, "NUL byte");
+	/* at most TPASS_STOPPED_MAX bytes */
+	big = malloc(big_len);
+	if (!big) {
+		CHECK(!"malloc");
+		return;
+	}
+	memset(big, '#', big_len);
+	memcpy(big, "snapshot=a\nstep=0\nx=", 20);
+	CHECK(put_file("stopped", big, TPASS_STOPPED_MAX) == 0);
+	CHECK(read_marker(me, snap, &step, &found) == 0 && found);
+	CHECK(put_file("stopped", big, TPASS_STOPPED_MAX + 1) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "has 4097 bytes, more than 4096");
+	/* a symbolic link, even to a good marker of the user's, is not followed */
+	CHECK(put_file("good", marker, strlen(marker)) == 0);
+	snprintf(path, sizeof(path), "%s/stopped", job_dir);
+	unlink(path);
+	CHECK(symlink("good", path) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "/jobs/5/stopped is a symbolic link");
+	unlink(path);
+	/* a directory or a FIFO (not opened blocking) */
+	CHECK(mkdir(path, 0755) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0);
+	CHECK_CONTAINS(err, "/jobs/5/stopped is not a regular file");
+	rmdir(path);
+	CHECK(mkfifo(path, 0644) == 0);
+	CHECK(read_marker(me, snap, &step, &found) < 0);
+	CHECK_CONTAINS(err, "/jobs/5/stopped is not a regular file");
+	unlink(path);
+
+	/* the kept output: written whole after what out holds, then removed */
+	snprintf(out_path, sizeof(out_path), "%s/job.out", state_dir);
+	out = open(out_path, O_RDWR | O_CREAT | O_TRUNC | O_APPEND, 0644);
+	CHECK(out >= 0);
+	CHECK(copy_out("stopped.out", me, out, &found) == 0 && !found);
+	for (size_t i = 0; i < big_len; i++)
+		big[i] = (char)('a' + i % 26); /* several read()s' worth */
+	CHECK(put_file("stopped.out", big, big_len) == 0);
+	CHECK(copy_out("stopped.out", me, out, &found) == 0 && found);
+	CHECK(!job_file_exists("stopped.out"));
+	CHECK(write(out, "after\n", 6) == 6);
+	got = slurp(out, &len);
+	CHECK(got && len == big_len + 6 && !memcmp(got, big, big_len) &&
+	      !memcmp(got + big_len, "after\n", 6));
+	free(got);
+	/* an empty copy is removed too */
+	CHECK(put_file("stopped.err", "", 0) == 0);
+	CHECK(copy_out("stopped.err", me, out, &found) == 0 && found);
+	CHECK(!job_file_exists("stopped.err"));
+	/* someone else's, or a link: not read, left in place */
+	CHECK(put_file("stopped.out", "old\n", 4) == 0);
+	CHECK(copy_out("stopped.out", me + 1, out, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "/jobs/5/stopped.out is owned by uid");
+	CHECK(job_file_exists("stopped.out"));
+	snprintf(path, sizeof(path), "%s/stopped.err", job_dir);
+	CHECK(symlink("stopped.out", path) == 0);
+	CHECK(copy_out("stopped.err", me, out, &found) < 0 && !found);
+	CHECK_CONTAINS(err, "/jobs/5/stopped.err is a symbolic link");
+	unlink(path);
+	/* a failed write keeps the copy */
+	CHECK(copy_out("stopped.out", me, -1, &found) < 0 && found);
+	CHECK_CONTAINS(err, "cannot write");
+	CHECK_CONTAINS(err, "it is left in place");
+	CHECK(job_file_exists("stopped.out"));
+	{
+		int full = open("/dev/full", O_WRONLY | O_CLOEXEC);
+
+		if (full >= 0) { /* ENOSPC */
+			CHECK(copy_out("stopped.out", me, full, &found) < 0 && found);
+			CHECK_CONTAINS(err, "No space left on device");
+			CHECK(job_file_exists("stopped.out"));
+			close(full);
+		}
+	}
+	{
+		int ro = open(out_path, O_RDONLY);
+
+		CHECK(copy_out("stopped.out", me, ro, &found) < 0 && found);
+		CHECK(job_file_exists("stopped.out"));
+		close(ro);
+	}
+	got = slurp(out, &len);
+	CHECK(got && len == big_len + 6); /* nothing more was written */
+	free(got);
+	close(out);
+	free(big);
+
+	/* leave nothing behind */
+	unlink(out_path);
+	for (const char *const *n = (const char *const[]){ "stopped", "stopped.out",
+			"stopped.err", "good", NULL }; *n; n++) {
+		snprintf(path, sizeof(path), "%s/%s", job_dir, *n);
+		unlink(path);
+	}
+	CHECK(rmdir(job_dir) == 0);
+	snprintf(path, sizeof(path), "%s/jobs", state_dir);
+	CHECK(rmdir(path) == 0);
+	CHECK(rmdir(state_dir) == 0);
+}
+
 static void test_placement(void)
 {
 	/* what the host file would break */
@@ -772,6 +1059,8 @@ int main(void)
 	test_relaunch();
 	test_relaunch_snapshot();
 	test_env_set();
+	test_stopped_parse();
+	test_stopped_files();
 	test_placement();
 	printf("%d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;

@@ -25,7 +25,12 @@ import training_jobs as tj
 from conftest import make_job_dir
 from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
 
-from slurm_helpers import tpassctl
+from slurm_helpers import job_id_of, sbatch, tpassctl
+from slurm_helpers import until as _until
+
+from torchpass import layout
+
+NODES = ("node1", "node2", "node3", "node4")
 
 pytestmark = pytest.mark.integration
 
@@ -139,3 +144,67 @@ def test_periodic_snapshots_every_few_seconds_keep_the_newest(cluster, ref, job_
             assert gone.returncode == 0, gone.stderr
     finally:
         leave_clean(PERIODIC, jobs)
+
+
+def test_stop_frees_the_nodes_and_resume_goes_on_at_the_same_step(cluster, ref, jobs_base, job_dir, job_user,
+                                                                  other_user):
+    """`tpassctl snapshot --stop` at a random step (seed printed): the job is held under its id and its
+    nodes are free: another user's job runs on all four of them meanwhile. Neither that user nor
+    anyone but the owner may resume it. `tpassctl resume`: the batch script runs again from the top,
+    its srun restores every rank from the snapshot, and the job ends COMPLETED 0:0 under the same
+    id, every step printed exactly once per rank with the plain run's losses bit for bit: the steps
+    before the stop kept in the output file, the ones after it printed by the restored ranks."""
+    jobs: list[int] = []
+    at = random.Random(f"{SEED}:stop").randint(*JOB.fault_steps)
+    what = f"seed={SEED} (replay with TORCHPASS_TEST_SEED={SEED}): snapshot --stop at step {at}"
+    print(f"\n{what}")
+    try:
+        job_id = submit(JOB, job_dir, "stop", "spares=1", job_user.name)
+        jobs.append(job_id)
+        out_path = job_dir / f"stop.{job_id}.out"
+        wait_step(cluster, job_id, out_path, at, what)
+        r = tpassctl("snapshot", str(job_id), "--stop", "--wait", "90", "--json", user=job_user.name, timeout=120)
+        assert r.returncode == 0, diagnosis(cluster, job_id, out_path, f"{what}: {r.stdout} {r.stderr}")
+        stopping = json.loads(r.stdout)["event"]
+        sid, step = stopping["data"]["snapshot"], stopping["data"]["step"]
+        t_stop = time.monotonic()
+
+        def held():
+            j = tj.job(job_id)
+            return j if "PENDING" in j["job_state"] and j.get("hold") else None
+
+        j = _until(held, 60, "the job requeued and held", every=0.5)
+        print(f"job {job_id} stopped with snapshot {sid} at step {step}: {j['job_state']} ({j['state_reason']}), "
+              f"{time.monotonic() - t_stop:.1f} s after the stop was complete")
+        assert at < step <= STEPS, stopping
+
+        # its nodes are free: another user's job runs on all four of them
+        theirs_dir = make_job_dir(jobs_base, "stop-other", other_user)
+        other = job_id_of(sbatch(["-N4", "-o", str(theirs_dir / "other.%j.out")], "#!/bin/bash\nsrun hostname\n",
+                                 cwd=theirs_dir, user=other_user.name))
+        jobs.append(other)
+        done = tj.wait_end(other, 120, context="the other user's job on the freed nodes: ")
+        assert done["job_state"][0] == "COMPLETED" and tj.job(job_id)["job_state"] == ["PENDING"], done
+        assert sorted(set((theirs_dir / f"other.{other}.out").read_text().split())) == list(NODES)
+
+        theirs = tpassctl("resume", str(job_id), user=other_user.name)
+        assert theirs.returncode == 1 and "only its owner or an admin" in theirs.stderr, theirs.stderr
+        mine = tpassctl("resume", str(job_id), user=job_user.name, timeout=60)
+        assert mine.returncode == 0 and sid in mine.stdout, (mine.stdout, mine.stderr)
+        final = tj.wait_end(job_id, 300, context=f"{what}: resumed: ")
+        diag = diagnosis(cluster, job_id, out_path, what)
+        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
+        assert final["exit_code"]["return_code"]["number"] == 0, diag
+        # every step exactly once per rank, bit for bit the plain run's: the ones before the stop are
+        # still in the output file, the rest the restored ranks printed
+        assert tj.per_step(tj.steps(out_path.read_text())) == ref, diag
+        kinds = [e["kind"] for e in events(cluster, job_id)]
+        for kind in ("job.stopping", "job.resuming", "job.restored", "job.resumed"):
+            assert kind in kinds, (kind, diag)
+        (resumed,) = [e for e in events(cluster, job_id) if e["kind"] == "job.resumed"]
+        assert resumed["data"]["snapshot"] == sid and resumed["data"]["snapshot_step"] == step, diag
+        print(f"resumed: every rank back {resumed['data']['decision_to_resumed_s']} s after the coordinator started; "
+              f"Restarts={final.get('restart_cnt')}")
+        assert not layout.stopped_file(cluster.state_dir, job_id).exists()  # a later requeue starts afresh
+    finally:
+        leave_clean(JOB, jobs)

@@ -246,3 +246,100 @@ def test_a_periodic_snapshot_waits_while_one_cannot_be_taken():
     assert not periodic_snapshot_due(sim.now + 10.0, sim.state, every)
     unprotected = mc.apply(sim.state, ct.RankUnprotected(1, "a store passed by the script"), sim.now)
     assert not periodic_snapshot_due(sim.now + 10.0, unprotected, every)
+
+
+# -- tpassctl snapshot --stop ------------------------------------------------------------------------
+def _stopped_dump(sim) -> list:
+    sim.state = mc.accept_snapshot(sim.state, "s1", sim.now, stop=True)
+    (pause,) = sim.of(ct.PauseAt, sim.tick())
+    sim.quiesce(pause)
+    return sim.tick(1.0, *[ct.RankDumped("s1", sim.image(r)) for r in range(3)])
+
+
+def test_stop_keeps_every_rank_paused_until_the_manifest_is_written_then_holds_the_job():
+    sim = Sim()
+    acts = _stopped_dump(sim)
+    assert sim.of(ct.CommitSnapshot, acts) and not sim.of(ct.ResumeInPlace, acts), "no resume with --stop"
+    assert "holding the job (--stop)" in sim.reason
+    acts = sim.tick(0.2, ct.SnapshotCommitted("s1", "/state/jobs/7/snapshots/s1.json", 6_000_000))
+    (stop,) = sim.of(ct.StopJob, acts)
+    assert (stop.snapshot, stop.snapshot_step, stop.generation, stop.world_size, stop.nodes) == \
+        ("s1", 10, 1, 3, NODES)
+    (going,) = sim.events("job.stopping")
+    assert going.data["snapshot"] == "s1" and going.data["bytes"] == 6_000_000 and going.data["stop"] is True
+    assert "tpassctl resume 7" in going.message
+    assert sim.state.last_snapshot.id == "s1" and not sim.of(ct.ResumeInPlace)
+    assert sim.tick(30.0) == [], "the job is being held: nothing more (the coordinator ends with it)"
+    assert not sim.events("snapshot.completed") and not sim.events("snapshot.failed")
+
+
+def test_a_stop_that_cannot_hold_the_job_resumes_every_rank_and_keeps_the_snapshot():
+    sim = Sim()
+    _stopped_dump(sim)
+    sim.tick(0.2, ct.SnapshotCommitted("s1", "/state/jobs/7/snapshots/s1.json", 6_000_000))
+    acts = sim.tick(0.5, ct.JobStopFailed("s1", "scontrol requeuehold failed: Access denied"))
+    (resume,) = sim.of(ct.ResumeInPlace, acts)
+    assert resume.generation == 1 and "the stop failed" in resume.why
+    (failed,) = sim.events("job.stop_failed")
+    assert "Access denied" in failed.message
+    sim.tick(0.5, *[mc.Resumed(r, 1) for r in range(3)])
+    (done,) = sim.events("snapshot.completed")  # the snapshot itself is complete and kept
+    assert done.data["snapshot"] == "s1" and sim.state.snapshot is None and not sim.of(ct.DiscardSnapshot)
+
+
+def test_a_stop_whose_manifest_fails_resumes_every_rank_and_removes_the_images():
+    sim = Sim()
+    _stopped_dump(sim)
+    acts = sim.tick(0.2, ct.SnapshotCommitFailed("s1", "checksum mismatch"))
+    assert sim.of(ct.ResumeInPlace, acts) and sim.of(ct.DiscardSnapshot, acts) and not sim.of(ct.StopJob)
+    sim.tick(0.5, *[mc.Resumed(r, 1) for r in range(3)])
+    (failed,) = sim.events("snapshot.failed")
+    assert "checksum mismatch" in failed.data["why"]
+
+
+def test_the_resumed_run_resumes_the_restored_ranks_once_all_are_back_and_forgets_the_stop():
+    from torchpass.coordinator.decide import resumed_from_stop
+
+    sim = Sim(nodes=())
+    sim.state = resumed_from_stop(7, sim.now, "s1", 10, 1, 3, 0)
+    sim.feed(*[mc.NodeHealthChanged(n, State.HEALTHY) for n in ("node5", "node6", "node7")])
+    sim.tick(0.1, mc.RankRegistered(0, "node5", 3, generation=0, restored="s1"),
+             mc.RankRegistered(1, "node6", 3, generation=0, restored="s1"))
+    assert not sim.of(ct.ResumeInPlace) and check_snapshot_refused(sim.state)
+    acts = sim.tick(0.1, mc.RankRegistered(2, "node7", 3, generation=0, restored="s1"))
+    (resume,) = sim.of(ct.ResumeInPlace, acts)
+    assert resume.generation == 1 and resume.master == "node5"
+    (back,) = sim.events("job.restored")
+    assert "resume of job 7" in back.message
+    acts = sim.tick(0.5, *[mc.Resumed(r, 1) for r in range(3)])
+    (forget,) = sim.of(ct.ForgetStopped, acts)
+    (done,) = sim.events("job.resumed")
+    assert forget.snapshot == "s1" and done.data["snapshot_step"] == 10
+    assert sim.state.relaunch is None and not check_snapshot_refused(sim.state)
+
+
+def check_snapshot_refused(st) -> bool:
+    from torchpass.coordinator.decide import check_snapshot_request
+
+    return check_snapshot_request(st) is not None
+
+
+def test_a_resumed_run_whose_step_started_afresh_says_so_and_forgets_the_stop():
+    from torchpass.coordinator.decide import resumed_from_stop
+
+    sim = Sim(nodes=())
+    sim.state = resumed_from_stop(7, sim.now, "s1", 10, 1, 3, 0)
+    acts = sim.tick(0.1, *[mc.RankRegistered(r, f"node{r + 1}", 3) for r in range(3)])
+    (missed,) = sim.events("job.restore_missed")
+    assert missed.data["fresh"] == [0, 1, 2] and sim.of(ct.ForgetStopped, acts) and not sim.of(ct.ResumeInPlace)
+    assert sim.state.relaunch is None
+
+
+def test_stop_is_refused_after_a_relaunch():
+    from dataclasses import replace
+
+    sim = Sim()
+    sim.state = replace(sim.state, relaunches=1)
+    with pytest.raises(mc.OperatorRejected, match="relaunched after a lost node"):
+        mc.accept_snapshot(sim.state, "s1", sim.now, stop=True)
+    mc.accept_snapshot(sim.state, "s1", sim.now)  # leave-running is fine

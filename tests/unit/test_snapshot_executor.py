@@ -124,3 +124,59 @@ def test_the_driver_asks_for_a_periodic_snapshot_and_records_it(tmp_path):
     assert asked.data["trigger"] == "periodic" and asked.data["every_s"] == 30.0
     assert d.state.snapshot is not None and d.state.snapshot.id == sid and d.state.snapshot.trigger == "periodic"
     assert {d.executor.command_for(r)["command"] for r in range(3)} == {"pause"}
+
+
+class FakeSlurm:
+    """What StopJob asks of slurmctld: the job's steps, then requeuehold."""
+
+    def __init__(self, refuse: str | None = None):
+        self.refuse = refuse
+        self.held: list[int] = []
+
+    def steps(self, job_id):
+        from torchpass.slurm.base import StepInfo
+
+        return [StepInfo(f"{job_id}.batch", "batch", ("n1",), "RUNNING"),
+                StepInfo(f"{job_id}.0", "hostname", ("n1",), "RUNNING"),
+                StepInfo(f"{job_id}.1", "python", NODES, "RUNNING")]
+
+    def requeue_hold(self, job_id):
+        from torchpass.errors import SlurmError
+
+        if self.refuse:
+            raise SlurmError(self.refuse)
+        self.held.append(job_id)
+
+
+def _stop(tmp_path, slurm):
+    from torchpass.coordinator.main import read_stopped
+
+    tp = FakeTpassd()
+    d = _driver(tmp_path, tp)
+    d.executor.slurm = slurm
+    sid = d.accept_snapshot(1.7e9, stop=True)
+    d.decide()
+    _pause_all(d, sid)
+    return d, sid, read_stopped
+
+
+def test_stop_writes_the_marker_of_the_ranks_step_and_holds_the_job_with_no_resume(tmp_path):
+    slurm = FakeSlurm()
+    d, sid, read_stopped = _stop(tmp_path, slurm)
+    _pump_until(d, lambda: slurm.held == [42])
+    stopped = read_stopped(tmp_path, 42)
+    assert stopped == {"snapshot": sid, "step": 1, "snapshot_step": d.state.snapshot.step, "generation": 1,
+                       "world_size": 3, "step_offset": 0}  # step 1: the one on every rank's node
+    assert all((d.executor.command_for(r) or {}).get("command") != "resume" for r in range(3))
+    assert not any(layout.hold_file(tmp_path, 42, sid, r).exists() for r in range(3)), "the ranks stay held"
+    saved = layout.events_json(tmp_path, 42).read_text()  # on disk before the hold ends the coordinator
+    assert "job.stopping" in saved
+
+
+def test_a_refused_hold_removes_the_marker_and_resumes_every_rank(tmp_path):
+    slurm = FakeSlurm(refuse="'scontrol requeuehold 42' failed: Access/permission denied")
+    d, sid, read_stopped = _stop(tmp_path, slurm)
+    _pump_until(d, lambda: d.executor.command_for(0) is not None and d.executor.command_for(0)["command"] == "resume")
+    assert read_stopped(tmp_path, 42) is None
+    (failed,) = [e for e in d.job.events if e.kind == "job.stop_failed"]
+    assert "Access/permission denied" in failed.message

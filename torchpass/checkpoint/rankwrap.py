@@ -662,7 +662,9 @@ def wake(wake_file: str | None, text: str = "") -> None:
         path.touch()
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # a secret
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     os.replace(tmp, path)
 
 
@@ -781,8 +783,12 @@ def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:
     except OSError as exc:
         say(f"rank {rank}: cannot reset its hold file {hold} ({exc}); not restoring")
         return 1
+    # This run's coordinator and job secret: a job stopped and resumed has a new coordinator
+    # (elsewhere) and a new secret; the copy's image knows the old ones (runtime.control).
+    said = "".join(f"{key}={env[var]}\n" for key, var in (("coordinator", "TORCHPASS_COORDINATOR"),
+                                                          ("secret", "TORCHPASS_JOB_SECRET")) if env.get(var))
     return restore_via_agent(images, state_dir, str(hold), children(os.getpid()),
-                             wake_text=f"{layout.RESTORED_WAKE} {snap}\n", env=env)
+                             wake_text=f"{layout.RESTORED_WAKE} {snap}\n{said}", env=env)
 
 
 def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float,

@@ -178,6 +178,30 @@ class Relaunch:
 
 
 @dataclass(frozen=True)
+class StopJob:
+    """`tpassctl snapshot --stop`: snapshot ``snapshot`` is complete (its manifest written) and every
+    rank waits paused. The executor writes the job's stop marker (layout.stopped_file: the
+    snapshot, the Slurm step of the ranks, and what the resumed run's coordinator needs) and
+    requeue-holds the job: every process of it ends and its nodes are free. Outcome on failure:
+    JobStopFailed (the ranks then resume); on success none (the coordinator ends with the job)."""
+
+    snapshot: str
+    snapshot_step: int  # optimizer steps done when the ranks paused (the job's numbering)
+    generation: int  # the generation the restored ranks resume as
+    world_size: int
+    step_offset: int
+    nodes: tuple[str, ...]  # the nodes of the ranks (the Slurm step to restore is the one on them)
+
+
+@dataclass(frozen=True)
+class ForgetStopped:
+    """The resumed job's ranks all resumed from the stopped snapshot: remove the stop marker, so
+    that a later requeue of the job starts it afresh, as Slurm would."""
+
+    snapshot: str
+
+
+@dataclass(frozen=True)
 class RelaunchPossible:
     """Tell srun's exit hook whether to wait for a verdict on a lost node: ``pending`` while a
     node of the job is silent and a relaunch could follow (a srun ending meanwhile waits for the
@@ -250,7 +274,7 @@ class DiscardSnapshot:
 Action = Union[
     RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
     Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Relaunch, RelaunchPossible, Event, DumpRank, CommitSnapshot,
-    DiscardSnapshot,
+    DiscardSnapshot, StopJob, ForgetStopped,
 ]
 
 
@@ -495,6 +519,14 @@ class OperatorSnapshot:
 
 
 @dataclass(frozen=True)
+class JobStopFailed:
+    """StopJob could not hold the job (the marker or ``scontrol requeuehold`` failed)."""
+
+    snapshot: str
+    why: str
+
+
+@dataclass(frozen=True)
 class RankDumped:
     snapshot: str
     image: SnapImage
@@ -527,7 +559,7 @@ Outcome = Union[
     SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
-    CheckpointCompleted, CheckpointLoaded,
+    CheckpointCompleted, CheckpointLoaded, JobStopFailed,
 ]
 
 
@@ -540,5 +572,5 @@ __all__ = [
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
     "DumpRank", "SnapImage", "CommitSnapshot", "DiscardSnapshot", "OperatorSnapshot", "RankDumped",
-    "RankDumpFailed", "SnapshotCommitted", "SnapshotCommitFailed",
+    "RankDumpFailed", "SnapshotCommitted", "SnapshotCommitFailed", "StopJob", "ForgetStopped", "JobStopFailed",
 ]

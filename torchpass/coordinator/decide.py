@@ -64,6 +64,8 @@ from torchpass.coordinator.contract import (
     ResumeInPlace,
     Shrink,
     Snapshot,
+    StopJob,
+    ForgetStopped,
     Transfer,
 )
 from torchpass.coordinator.model import (
@@ -71,6 +73,7 @@ from torchpass.coordinator.model import (
     SNAP_PAUSE,
     SNAP_QUEUED,
     SNAP_RESUME,
+    SNAP_STOP,
     STALL_FLOOR_CACHE,
     CoordState,
     Failure,
@@ -1046,7 +1049,19 @@ def _relaunch_from_snapshot(out: _Out, st: CoordState, now: float, plan: tuple[t
 
 def _relaunch_id(r: RelaunchRun) -> str:
     """The name the restored ranks' resume goes under (the executor's commands for it)."""
-    return f"relaunch{r.count}"
+    return f"relaunch{r.count}" if r.count else f"resume-{r.snapshot}"
+
+
+def resumed_from_stop(job_id: int, now: float, snapshot: str, snapshot_step: int, generation: int,
+                      world_size: int, step_offset: int) -> CoordState:
+    """The first state of the coordinator of a job stopped with `tpassctl snapshot --stop` and
+    resumed: every rank comes back restored from ``snapshot`` (the plugin restores the step the
+    stop marker names) and is resumed once all are back, as after a relaunch from a snapshot."""
+    point = SnapshotPoint(snapshot, snapshot_step, generation, step_offset, world_size)
+    return CoordState(job_id=job_id, world_size=world_size, generation=generation, step_offset=step_offset,
+                      last_snapshot=point,
+                      relaunch=RelaunchRun(0, "", "", now, snapshot_step, snapshot_step - 1, snapshot=snapshot,
+                                           generation=generation))
 
 
 def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -1055,31 +1070,51 @@ def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: Coord
     r = st.relaunch
     assert r is not None and r.snapshot
     world = st.world_size or 0
+    # count 0: the resumed run of a job stopped with `tpassctl snapshot --stop` (no node was lost)
+    what = f"relaunch {r.count}" if r.count else f"resume of job {st.job_id}"
+    since = f"after {r.lost} was found lost" if r.count else "after this coordinator started"
     if r.resume_sent is None:
+        if st.all_registered() and len(r.back) < world and set(st.ranks) - r.back:
+            # Ranks registered that are not copies of the snapshot: the step was started afresh
+            # (its id was not the one the stop marker named). They train on: nothing to resume.
+            fresh = sorted(set(st.ranks) - r.back)
+            out.event("job.restore_missed", f"{what}: ranks {fresh} registered as fresh processes, not restored "
+                      f"from snapshot {r.snapshot}: the job's step started again from its beginning",
+                      relaunch=r.count, snapshot=r.snapshot, fresh=fresh)
+            if not r.count:
+                out.add(ForgetStopped(r.snapshot))
+            return replace(st, relaunch=None, snapshot_clock=now)
         if world and len(r.back) >= world and st.all_registered():
             master = in_place_master(st)
             out.add(ResumeInPlace(_relaunch_id(r), r.generation, master,
-                                  f"relaunch {r.count}: every rank restored from snapshot {r.snapshot}"))
-            out.event("job.restored", f"relaunch {r.count}: all {world} ranks were restored from snapshot "
-                      f"{r.snapshot} and registered {now - r.decided:.1f} s after {r.lost} was found lost; "
+                                  f"{what}: every rank restored from snapshot {r.snapshot}"))
+            out.event("job.restored", f"{what}: all {world} ranks were restored from snapshot "
+                      f"{r.snapshot} and registered {now - r.decided:.1f} s {since}; "
                       f"resuming them as generation {r.generation} (rendezvous on {master})",
                       relaunch=r.count, snapshot=r.snapshot, decision_to_restored_s=_r(now - r.decided),
                       generation=r.generation)
             return replace(st, relaunch=replace(r, resume_sent=now, resume_attempts=1))
         return st
     if world and len(r.resumed) >= world:
-        out.event("job.relaunched", f"relaunch {r.count}: every rank restored from snapshot {r.snapshot} resumed "
-                  f"{now - r.decided:.1f} s after {r.lost} was found lost; training goes on from step "
-                  f"{r.checkpoint_step} (steps {r.checkpoint_step}..{r.last_step} are computed again)",
-                  relaunch=r.count, snapshot=r.snapshot, decision_to_resumed_s=_r(now - r.decided),
-                  snapshot_step=r.checkpoint_step, last_step=r.last_step,
-                  recompute_steps=max(0, r.last_step - r.checkpoint_step + 1))
+        if r.count:
+            out.event("job.relaunched", f"{what}: every rank restored from snapshot {r.snapshot} resumed "
+                      f"{now - r.decided:.1f} s {since}; training goes on from step "
+                      f"{r.checkpoint_step} (steps {r.checkpoint_step}..{r.last_step} are computed again)",
+                      relaunch=r.count, snapshot=r.snapshot, decision_to_resumed_s=_r(now - r.decided),
+                      snapshot_step=r.checkpoint_step, last_step=r.last_step,
+                      recompute_steps=max(0, r.last_step - r.checkpoint_step + 1))
+        else:
+            out.add(ForgetStopped(r.snapshot))
+            out.event("job.resumed", f"{what}: every rank restored from snapshot {r.snapshot} resumed "
+                      f"{now - r.decided:.1f} s {since}; training goes on from step {r.checkpoint_step}, "
+                      "where it stopped", snapshot=r.snapshot, decision_to_resumed_s=_r(now - r.decided),
+                      snapshot_step=r.checkpoint_step)
         return replace(st, relaunch=None, snapshot_clock=now)
     if now - r.resume_sent >= policy.rebuild_timeout_s and r.resume_attempts < policy.max_resume_attempts:
         missing = sorted(set(range(world)) - r.resumed)
         out.add(ResumeInPlace(_relaunch_id(r), r.generation, in_place_master(st),
-                              f"relaunch {r.count}: resume again"))
-        out.event("resume.retried", f"relaunch {r.count}: ranks {missing} did not resume; asking again",
+                              f"{what}: resume again"))
+        out.event("resume.retried", f"{what}: ranks {missing} did not resume; asking again",
                   relaunch=r.count, missing=missing)
         return replace(st, relaunch=replace(r, resume_sent=now, resume_attempts=r.resume_attempts + 1))
     return st
@@ -1230,8 +1265,8 @@ def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
         return "conflict", (f"job {st.job_id} has {len(st.ranks)}/{st.world_size or '?'} ranks registered; "
                             "a snapshot needs every rank")
     if st.relaunch is not None and st.relaunch.snapshot:
-        return "conflict", (f"job {st.job_id} is being restored from snapshot {st.relaunch.snapshot} (relaunch "
-                            f"{st.relaunch.count}); snapshot after it resumed")
+        return "conflict", (f"job {st.job_id} is being restored from snapshot {st.relaunch.snapshot}; snapshot "
+                            "after it resumed")
     if st.slurm_down:
         return "unavailable", f"slurmctld is unreachable ({st.slurm_down}); tpassd needs it to check the ranks"
     pinned = st.pinned_nodes()
@@ -1259,6 +1294,8 @@ def snapshot_phase_complete(st: CoordState, s: SnapshotRun) -> bool:
         return {r for r, _ in s.ranks} <= set(s.images)
     if s.phase == SNAP_RESUME:
         return _everyone_in(st, s.resumed)
+    if s.phase == SNAP_STOP:
+        return s.committed is not None
     return False
 
 
@@ -1343,7 +1380,7 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
         s = _snap_enter(s, SNAP_PAUSE, now, now + policy.pause_timeout_s, generation=st.generation + 1,
                         pause_at=at, pause_estimate=how, ranks=ranks)
         return replace(st, snapshot=s)
-    if s.phase in (SNAP_PAUSE, SNAP_DUMP):
+    if s.phase in (SNAP_PAUSE, SNAP_DUMP) or (s.phase == SNAP_STOP and s.stop_sent is None):
         if lost:
             return _snap_fail(out, st, s, now, policy, f"node(s) {', '.join(lost)} lost")
         if st.job_unprotected is not None:
@@ -1365,6 +1402,12 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
     if s.phase == SNAP_DUMP:
         if s.failure is not None:
             return _snap_fail(out, st, s, now, policy, s.failure)
+        if done and s.stop:  # the ranks stay paused until the manifest is written and the job held
+            master = in_place_master(st)
+            images = tuple(s.images[r] for r, _ in s.ranks)
+            out.add(CommitSnapshot(s.id, master, s.step, s.generation, s.pause_at or 0, images, policy.snapshot_keep))
+            s = _snap_enter(s, SNAP_STOP, now, now + policy.dump_timeout_s, commit_deadline=now + policy.dump_timeout_s)
+            return replace(st, snapshot=s)
         if done:
             out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id} taken"))
             master = in_place_master(st)
@@ -1379,6 +1422,8 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
             return _snap_fail(out, st, s, now, policy,
                               f"dump timed out after {policy.dump_timeout_s:g}s (ranks {missing})")
         return st
+    if s.phase == SNAP_STOP:
+        return _snapshot_stop(out, st, s, now, policy)
     # SNAP_RESUME: the ranks resume in place; the manifest is written meanwhile.
     if done and s.paused_s is None:
         since = s.stood_still_since if s.stood_still_since is not None else s.first_quiesced
@@ -1415,6 +1460,40 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
     return _snap_end(out, st, s, now, policy)
 
 
+def _snapshot_stop(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """`tpassctl snapshot --stop` after the dump: once the manifest is written, hold the job
+    (StopJob); if the manifest or the hold fails, every rank resumes and the job goes on."""
+    if s.stop_failed is not None:  # the job could not be held: the snapshot stays, training goes on
+        out.event("job.stop_failed", f"job {st.job_id} could not be stopped after snapshot {s.id} ({s.stop_failed}); "
+                  "every rank resumes and the job goes on", snapshot=s.id, why=s.stop_failed)
+        out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id}: the stop failed"))
+        s = _snap_enter(s, SNAP_RESUME, now, now + policy.rebuild_timeout_s, resumed=frozenset(), resume_attempts=1,
+                        commit_deadline=None)
+        return replace(st, snapshot=s)
+    if s.commit_failed is not None:
+        return _snap_fail(out, st, s, now, policy, f"the job manifest was not written ({s.commit_failed})")
+    if s.committed is None:
+        if now >= (s.commit_deadline or s.deadline):
+            return _snap_fail(out, st, s, now, policy, f"the job manifest was not written within "
+                              f"{policy.dump_timeout_s:g}s")
+        return st
+    if s.stop_sent is not None:
+        return st  # the job is being requeue-held: every process of it, this coordinator too, ends
+    since = s.stood_still_since if s.stood_still_since is not None else s.first_quiesced
+    c = s.committed
+    d = dict(s.phase_durations)
+    d["total"] = _r(now - s.asked)
+    out.event("job.stopping", f"snapshot {s.id} of job {st.job_id} at step {s.step} is complete ({len(s.images)} "
+              f"ranks, {c.bytes / 1e6:.1f} MB): the job is held now and its nodes freed; "
+              f"'tpassctl resume {st.job_id}' brings it back, every rank restored from it",
+              snapshot=s.id, trigger=s.trigger, step=s.step, generation=s.generation, bytes=c.bytes,
+              manifest=c.manifest, removed=list(c.removed), ranks=len(s.images), stop=True,
+              paused_s=_r(now - since) if since is not None else None, phase_durations=d)
+    nodes = tuple(sorted({n for _, n in s.ranks}))
+    out.add(StopJob(s.id, s.step, s.generation, len(s.ranks), st.step_offset, nodes))
+    return replace(st, snapshot=replace(s, stop_sent=now), last_snapshot=_snapshot_point(st, s))
+
+
 def snapshot_reason(st: CoordState) -> str | None:
     """The reason line's part for the snapshot in flight."""
     s = st.snapshot
@@ -1422,7 +1501,9 @@ def snapshot_reason(st: CoordState) -> str | None:
         return None
     text = {SNAP_QUEUED: "starting", SNAP_PAUSE: f"pausing every rank at collective {s.pause_at}",
             SNAP_DUMP: f"dumping ranks {sorted(r for r, _ in s.ranks)}",
-            SNAP_RESUME: "resuming every rank" + (f" ({s.failure})" if s.failure else ", writing the manifest")}
+            SNAP_RESUME: "resuming every rank" + (f" ({s.failure})" if s.failure else ", writing the manifest"),
+            SNAP_STOP: "writing the manifest, then holding the job (--stop)" if s.stop_sent is None
+            else "the job is being held (--stop)"}
     return f"snapshot {s.id}: {text.get(s.phase, s.phase)}"
 
 

@@ -942,6 +942,44 @@ class Executor:
 
         self._thread(run, "snap-discard")
 
+    def _do_StopJob(self, a: ct.StopJob, st: CoordState) -> None:
+        self.save_events()  # the hold ends this coordinator soon after: its events are on disk first
+
+        def run() -> None:
+            marker = layout.stopped_file(self.state_dir, self.job_id)
+            try:
+                step = self.stopped_step(a.nodes)
+                text = "".join(f"{k}={v}\n" for k, v in (
+                    ("snapshot", a.snapshot), ("step", step), ("snapshot_step", a.snapshot_step),
+                    ("generation", a.generation), ("world_size", a.world_size), ("step_offset", a.step_offset)))
+                write_atomically(marker, text)
+                self.slurm.requeue_hold(self.job_id)
+            except (TorchpassError, OSError) as exc:
+                marker.unlink(missing_ok=True)
+                self.post(ct.JobStopFailed(a.snapshot, str(exc)))
+                return
+            log.warning("job stopped: requeue-held after its snapshot", job_id=self.job_id, snapshot=a.snapshot,
+                        step=step)
+
+        self._thread(run, "stop-job")
+
+    def stopped_step(self, nodes: Collection[str]) -> int:
+        """The Slurm step of the ranks (the resumed run restores the step of the same id): the
+        job's step on most of their nodes, the first one of those; TorchpassError if none."""
+        if self.slurm is None:
+            raise TorchpassError("no Slurm client: the job cannot be held")
+        want = set(nodes)
+        steps = [s for s in self.slurm.steps(self.job_id) if s.user_step and want & set(s.nodes)]
+        if not steps:
+            raise TorchpassError(f"no step of job {self.job_id} runs on the ranks' nodes {sorted(want)}")
+        best = max(steps, key=lambda s: (len(want & set(s.nodes)), -int(s.step_id.split(".", 1)[1])))
+        return int(best.step_id.split(".", 1)[1])
+
+    def _do_ForgetStopped(self, a: ct.ForgetStopped, st: CoordState) -> None:
+        for path in (layout.stopped_file(self.state_dir, self.job_id),):
+            path.unlink(missing_ok=True)
+        log.info("the stopped job resumed; its stop marker is removed", job_id=self.job_id, snapshot=a.snapshot)
+
     def _do_Shrink(self, a: ct.Shrink, st: CoordState) -> None:
         spares = {n: st.spare(n) for n in a.nodes}
 
@@ -1189,12 +1227,13 @@ class Driver:
 
     def __init__(self, job: JobState, policy: CoordinatorPolicy, executor: Executor | None = None, *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 health: Any = None, spares: tuple[str, ...] = ()):
+                 health: Any = None, spares: tuple[str, ...] = (), initial: CoordState | None = None):
         self.job = job
         self.policy = policy
         self.clock = clock
         self.wall = wall
-        self.state = CoordState(job_id=job.job_id)
+        # initial: a job resumed after `tpassctl snapshot --stop` (decide.resumed_from_stop)
+        self.state = initial if initial is not None else CoordState(job_id=job.job_id)
         self.reasons = mc.ReasonLog()
         self.queue: queue.Queue = queue.Queue()
         self.executor = executor
@@ -1266,12 +1305,12 @@ class Driver:
         self.state, mid = mc.accept_operator(self.state, node, to, self.clock())
         return mid
 
-    def accept_snapshot(self, wall: float, trigger: str = "operator") -> str:
-        """Queue a whole-job snapshot (OperatorRejected if refused); its id: the UTC time asked, and a
-        count that keeps two ids of one second apart."""
+    def accept_snapshot(self, wall: float, trigger: str = "operator", stop: bool = False) -> str:
+        """Queue a whole-job snapshot (OperatorRejected if refused; ``stop``: then hold the job); its
+        id: the UTC time asked, and a count that keeps two ids of one second apart."""
         self._snapshots += 1
         sid = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(wall))}-{self._snapshots}"
-        self.state = mc.accept_snapshot(self.state, sid, self.clock(), trigger)
+        self.state = mc.accept_snapshot(self.state, sid, self.clock(), trigger, stop=stop)
         return sid
 
     def _periodic_snapshot(self) -> None:

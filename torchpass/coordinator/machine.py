@@ -55,6 +55,7 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     TransferFailed,
 )
 from torchpass.coordinator.contract import (
+    JobStopFailed,
     OperatorSnapshot,
     RankDumped,
     RankDumpFailed,
@@ -73,6 +74,7 @@ from torchpass.coordinator.model import (
     SNAP_DUMP,
     SNAP_PAUSE,
     SNAP_RESUME,
+    SNAP_STOP,
     CoordState,
     FailedStep,
     Failure,
@@ -110,16 +112,23 @@ def accept_operator(state: CoordState, node: str, to: str | None, now: float) ->
                    next_migration=state.next_migration + 1), mid
 
 
-def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str = "operator") -> CoordState:
+def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str = "operator",
+                    stop: bool = False) -> CoordState:
     """Queue a whole-job snapshot with id ``snapshot`` (tpassctl snapshot, or ``trigger`` "periodic":
-    decide.periodic_snapshot_due); OperatorRejected if refused."""
+    decide.periodic_snapshot_due; ``stop``: tpassctl snapshot --stop); OperatorRejected if refused."""
     err = check_snapshot_request(state)
     if err is not None:
         raise OperatorRejected(*err)
-    return replace(state, snapshot=SnapshotRun(snapshot, now, trigger=trigger))
+    if stop and state.relaunches:
+        # The resumed run restores the Slurm step of the stopped one's id; a relaunched step has
+        # another id than the same srun gets when the script runs again.
+        raise OperatorRejected("conflict", f"job {state.job_id} was relaunched after a lost node: its training step "
+                               "would not be found again when it resumes; snapshot it without --stop")
+    return replace(state, snapshot=SnapshotRun(snapshot, now, trigger=trigger, stop=stop))
 
 
-_SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed)
+_SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
+                      JobStopFailed)
 
 
 def _snapshot_report(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None = None
@@ -161,12 +170,18 @@ def _apply_snapshot(st: CoordState, ev: Outcome, now: float) -> CoordState:
             return replace(st, snapshot=replace(s, failure=f"dump of rank {ev.rank} failed: {ev.why}"))
         return st
     if isinstance(ev, SnapshotCommitted):
-        if ev.snapshot == s.id and s.phase == SNAP_RESUME and s.committed is None and s.commit_failed is None:
+        if ev.snapshot == s.id and s.phase in (SNAP_RESUME, SNAP_STOP) and s.committed is None \
+                and s.commit_failed is None:
             return replace(st, snapshot=replace(s, committed=ev))
         return st
     if isinstance(ev, SnapshotCommitFailed):
-        if ev.snapshot == s.id and s.phase == SNAP_RESUME and s.committed is None and s.commit_failed is None:
+        if ev.snapshot == s.id and s.phase in (SNAP_RESUME, SNAP_STOP) and s.committed is None \
+                and s.commit_failed is None:
             return replace(st, snapshot=replace(s, commit_failed=ev.why))
+        return st
+    if isinstance(ev, JobStopFailed):
+        if ev.snapshot == s.id and s.phase == SNAP_STOP and s.stop_failed is None:
+            return replace(st, snapshot=replace(s, stop_failed=ev.why))
     return st
 
 
@@ -494,5 +509,5 @@ __all__ = [
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",
-    "freeze_acks",
+    "freeze_acks", "JobStopFailed",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -15,6 +16,7 @@ import click
 import zmq
 
 from torchpass import auth, jobauth, layout, logs
+from torchpass.coordinator.decide import resumed_from_stop
 from torchpass.coordinator.executor import Driver, Executor, TpassdClient
 from torchpass.coordinator.policy import load_policy
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
@@ -84,6 +86,52 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
+STOPPED_KEYS = ("snapshot", "step", "snapshot_step", "generation", "world_size", "step_offset")
+
+
+def read_stopped(state_dir, job_id: int) -> dict | None:
+    """The stop marker of a job stopped with `tpassctl snapshot --stop` (layout.stopped_file, written
+    by its previous coordinator, the job user's like this one): its fields, or None without one.
+    TorchpassError when it is malformed (the job then starts as Slurm reran it, with a line why)."""
+    path = layout.stopped_file(state_dir, job_id)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TorchpassError(f"cannot read the stop marker {path}: {exc}") from None
+    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    try:
+        got = {k: (fields[k] if k == "snapshot" else int(fields[k])) for k in STOPPED_KEYS}
+    except (KeyError, ValueError):
+        raise TorchpassError(f"the stop marker {path} is malformed (needs {', '.join(STOPPED_KEYS)}): "
+                             f"{text[:200]!r}") from None
+    if not layout.valid_snapshot_id(got["snapshot"]) or got["world_size"] < 1:
+        raise TorchpassError(f"the stop marker {path} names no valid snapshot: {text[:200]!r}")
+    return got
+
+
+def _resumed(job: JobState, state_dir, log):
+    """A job stopped with `tpassctl snapshot --stop` and now resumed: the decision state its
+    coordinator starts from (decide.resumed_from_stop), the earlier run's events kept; else None."""
+    try:
+        stopped = read_stopped(state_dir, job.job_id)
+    except TorchpassError as exc:
+        log.error("not resuming from a snapshot", job_id=job.job_id, error=str(exc))
+        return None
+    if stopped is None:
+        return None
+    try:
+        job.carry_on(json.loads(layout.events_json(state_dir, job.job_id).read_text()))
+    except (OSError, ValueError):
+        pass
+    job.record(time.time(), "job.resuming", f"job {job.job_id} was stopped with snapshot {stopped['snapshot']} at "
+               f"step {stopped['snapshot_step']}: the ranks of its step {stopped['step']} are restored from it",
+               snapshot=stopped["snapshot"], snapshot_step=stopped["snapshot_step"], step=stopped["step"])
+    return resumed_from_stop(job.job_id, time.monotonic(), stopped["snapshot"], stopped["snapshot_step"],
+                             stopped["generation"], stopped["world_size"], stopped["step_offset"])
+
+
 def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: float = 0.0):
     """The migration driver: policy, the job's nodes and hot spares, health of their tpassds.
 
@@ -135,7 +183,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
         health = HealthSubscriber(pubs, snapshot=snapshot, on_change=on_change).start()
     except (OSError, TorchpassError, zmq.ZMQError) as exc:
         log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
-    driver = Driver(job, pol, health=health, spares=hot)
+    driver = Driver(job, pol, health=health, spares=hot, initial=_resumed(job, state_dir, log))
     driver_box.append(driver)
     def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too
         if health is not None:

@@ -205,6 +205,9 @@ class MigrationRecord:
 
 # --- whole-job snapshots (tpassctl snapshot; issue 12): decide.py draws the phases --------------
 SNAP_QUEUED, SNAP_PAUSE, SNAP_DUMP, SNAP_RESUME = "queued", "pause", "dump", "resume"
+# `tpassctl snapshot --stop`: after the dump the ranks stay paused while the manifest is written,
+# then the job is requeue-held (decide.StopJob); a failure resumes them (SNAP_RESUME) instead.
+SNAP_STOP = "stop"
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,7 @@ class SnapshotRun:
     id: str
     asked: float
     trigger: str = "operator"  # or "periodic" (policy.snapshot_every_s)
+    stop: bool = False  # tpassctl snapshot --stop: the job is held once it is saved, its nodes freed
     phase: str = SNAP_QUEUED
     phase_started: float = 0.0
     deadline: float = 0.0
@@ -238,6 +242,8 @@ class SnapshotRun:
     committed: SnapshotCommitted | None = None
     commit_failed: str | None = None
     phase_durations: dict[str, float] = field(default_factory=dict)
+    stop_sent: float | None = None  # --stop: when StopJob went out (the job is being requeue-held)
+    stop_failed: str | None = None  # --stop: why the job could not be held (it resumed instead)
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,8 @@ class RelaunchRun:
     checkpoint_step: int  # the restore point the relaunched script (or the snapshot) goes on from
     last_step: int  # the newest step any rank reported before the loss (-1: none)
     snapshot: str = ""  # the whole-job snapshot every rank is restored from ("": a checkpoint)
+    # count 0: not a relaunch after a lost node but the start of a job stopped with
+    # `tpassctl snapshot --stop` and resumed (the coordinator of its resumed run)
     generation: int = 0  # from a snapshot: the generation its restored ranks resume as
     back: frozenset[int] = frozenset()  # ranks registered again as copies restored from it
     resume_sent: float | None = None  # when the resume went to them (decide resends it)

@@ -448,9 +448,11 @@ class CoordinatorServer:
         ident = self._owner_or_admin(msg, "snapshot")
         if self.driver is None:
             raise RemoteError("unavailable", f"the coordinator of job {self.job.job_id} runs without snapshots")
-        sid = self.driver.accept_snapshot(self.wall())  # OperatorRejected carries the wire code
+        stop = bool(msg.body.get("stop"))
+        sid = self.driver.accept_snapshot(self.wall(), stop=stop)  # OperatorRejected carries the wire code
+        then = ", then to stop the job (its nodes freed; tpassctl resume brings it back)" if stop else ""
         self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: operator (uid {ident.uid}) asked for "
-                        "a snapshot of every rank", snapshot=sid, trigger="operator", uid=ident.uid)
+                        f"a snapshot of every rank{then}", snapshot=sid, trigger="operator", uid=ident.uid, stop=stop)
         self.driver.decide()
         return {"snapshot": sid}
 

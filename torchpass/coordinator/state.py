@@ -64,6 +64,16 @@ class JobState:
     events: list[Event] = field(default_factory=list)
     _next_seq: int = 1
 
+    def carry_on(self, earlier: list[dict[str, Any]]) -> None:
+        """Start from the event log of an earlier run of the job (a job stopped with `tpassctl
+        snapshot --stop` and resumed): its events stay first, and the numbering goes on after them."""
+        for e in earlier[-10_000:]:
+            if isinstance(e, dict) and isinstance(e.get("seq"), int) and isinstance(e.get("kind"), str):
+                self.events.append(Event(e["seq"], float(e.get("time") or 0.0), e["kind"], str(e.get("message", "")),
+                                         e.get("data") if isinstance(e.get("data"), dict) else {}))
+        if self.events:
+            self._next_seq = self.events[-1].seq + 1
+
     def record(self, wall_time: float, kind: str, message: str, **data: Any) -> Event:
         ev = Event(self._next_seq, wall_time, kind, message, data)
         self._next_seq += 1

@@ -537,18 +537,38 @@ class ControlLink(PauseListener):
         resume), and the copy must not fall back to that rendezvous at once."""
         try:
             with open(hold, "rb") as f:
-                said = f.read(256).decode(errors="replace").split()
+                lines = f.read(1024).decode(errors="replace").splitlines()
         except OSError:
             return
+        said = lines[0].split() if lines else []
         if len(said) == 2 and said[0] == layout.RESTORED_WAKE:
-            renew = getattr(self.auth, "renew", None)
-            if renew is not None:  # the source copy went on signing past the image's counter
-                renew()
+            told = dict(line.split("=", 1) for line in lines[1:] if "=" in line)
+            self._take_run(told.get("coordinator"), told.get("secret"))
             self.restored = said[1]
             self.registered = False
             self._armed_reported = None
             if self._quiesced_wall is not None:
                 self._quiesced_wall = self.wall()
+
+    def _take_run(self, endpoint: str | None, secret: str | None) -> None:
+        """The coordinator and job secret of the run that restored this copy (a job stopped and
+        resumed has new ones; after a lost node they are the same), and a new signing sender
+        either way: the source copy went on signing past the image's counter."""
+        if endpoint:
+            self.endpoint = endpoint if "://" in endpoint else f"tcp://{endpoint}"
+            self._client = None  # the hold destroyed its context: the next request makes a new one
+        if secret:
+            from torchpass.jobauth import JobSigner, parse_secret
+
+            try:
+                self.auth = JobSigner(parse_secret(secret))
+                self._client = None  # the next request's client signs with it
+                return
+            except Exception as exc:  # noqa: BLE001 - a bad secret: say so, keep the old signer
+                say(f"rank {self.rank}: the restoring step's job secret is unusable ({exc}); keeping the image's")
+        renew = getattr(self.auth, "renew", None)
+        if renew is not None:
+            renew()
 
     # -- never left paused ------------------------------------------------------------
     def deadline(self) -> float | None:

@@ -44,6 +44,8 @@ class JobInfo:
     qos: str = ""
     end_time: int | None = None  # epoch seconds the job's time limit ends (None: unlimited/unknown)
     output: str = ""  # the batch script's stdout file ("": not known)
+    error: str = ""  # its stderr file (the same as output unless -e gave another; "": not known)
+    reason: str = ""  # why it pends (Slurm's state_reason, e.g. job_requeued_in_held_state)
     # Slurm may requeue it (a batch job submitted with --requeue or under JobRequeue=1); None: not known
     requeue: bool | None = None
     batch: bool = True  # a batch job (sbatch), not an salloc allocation
@@ -150,3 +152,13 @@ class SlurmClient(ABC):
     def requeue(self, job_id: int) -> None:
         """Requeue a running batch job (``scontrol requeue``; its owner may): its processes end
         and it pends again under the same job id, its restart count one higher."""
+
+    @abstractmethod
+    def requeue_hold(self, job_id: int) -> None:
+        """Requeue a running batch job and hold it (``scontrol requeuehold``; its owner may): its
+        processes end, its nodes are free, and it pends held until released."""
+
+    @abstractmethod
+    def release(self, job_id: int) -> None:
+        """Let a held job start as soon as nodes are free (``scontrol release``; its owner may a
+        hold of its own), without the begin time a requeue sets."""

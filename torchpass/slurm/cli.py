@@ -90,6 +90,8 @@ class CliSlurmClient(SlurmClient):
             qos=j.get("qos", "") or "",
             end_time=_number(j.get("end_time")),
             output=j.get("standard_output", "") or "",
+            error=j.get("standard_error", "") or "",
+            reason=j.get("state_reason", "") or "",
             requeue=bool(j["requeue"]) if isinstance(j.get("requeue"), bool) else None,
             batch=bool(j.get("batch_flag", True)),
             extra={"raw_nodes": nodes},
@@ -215,3 +217,12 @@ class CliSlurmClient(SlurmClient):
 
     def requeue(self, job_id: int) -> None:
         self._run(["scontrol", "requeue", str(int(job_id))])
+
+    def requeue_hold(self, job_id: int) -> None:
+        self._run(["scontrol", "requeuehold", str(int(job_id))])
+
+    def release(self, job_id: int) -> None:
+        # A requeued job also waits for a begin time (about 2 min on 24.11): the owner may move it
+        # to now (tried), so that a resumed job starts as soon as nodes are free.
+        self._run(["scontrol", "update", f"JobId={int(job_id)}", "StartTime=now"])
+        self._run(["scontrol", "release", str(int(job_id))])
