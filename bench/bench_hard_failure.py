@@ -1,8 +1,10 @@
-"""What a node lost outright costs a checkpointed job (issue 12): torchpass's relaunch inside the
-allocation against checkpoint-restart through Slurm's requeue, side by side in the same run.
+"""What a node lost outright costs a job (issue 12): torchpass's relaunch inside the allocation, from
+an application checkpoint or from a whole-job snapshot, against checkpoint-restart through Slurm's
+requeue, side by side in the same run.
 
     .venv/bin/python bench/bench_hard_failure.py [--pairs 2] [--crash-at 35] [--every 10]
-                                                 [--steps 80] [--out bench/results/hard_failure.json]
+                                                 [--snapshot-every 2] [--steps 80]
+                                                 [--out bench/results/hard_failure.json]
 
 Both sides run examples/train_checkpointed.py (train_ddp.py's 3 gloo ranks, one per node, 1M
 parameters, a ``torchpass.checkpoint`` save every ``--every`` steps) as the devcluster's job user,
@@ -12,6 +14,9 @@ job printed step ``--crash-at``:
 * relaunch: ``sbatch --no-kill --torchpass=spares=1`` (4 nodes, node4 the hot spare). The
   coordinator finds the node lost, ends the step and the job's srun starts it again on node1,
   node3 and node4; the script loads its newest complete checkpoint. Never requeued.
+* snapshot: ``sbatch --no-kill --torchpass=spares=1,snapshot_every=S`` with no checkpoint saved
+  (``--ckpt-every`` past the last step): the coordinator takes a whole-job snapshot every S seconds
+  of training, and the relaunched srun restores every rank from the newest one (nothing reloads).
 * requeue: plain ``sbatch -N3 --open-mode=append``, what the job does without torchpass. Slurm
   requeues it (node failure), the batch script starts again once the requeue hold and the queue let
   it, on the nodes still up, and loads the same kind of checkpoint.
@@ -19,8 +24,8 @@ job printed step ``--crash-at``:
 Per run, from the job's output lines as they arrived: ``resumed_s``, from the crash to the first
 step line after it (detection, the new step or job, imports, the checkpoint's load); ``lost_s``,
 from the crash until the job first prints the step after the last one it printed before the crash,
-less one step time (the time the job lost, recomputing included); the checkpoint used and the steps
-computed again. Every run must print the same loss lines, step for step, as every other (the
+less one step time (the time the job lost, recomputing included); the checkpoint used (or the
+first step the restored ranks printed) and the steps computed again. Every run must print the same loss lines, step for step, as every other (the
 relaunch is bit-identical): a difference is a bug, not a cost. node2 is revived and resumed after
 each run. The order inside a pair alternates.
 
@@ -53,6 +58,7 @@ from torchpass.devcluster import Devcluster  # noqa: E402
 CRASHED = "node2"
 SIDES = {
     "relaunch": ["-N4", "-n4", "--no-kill", "--torchpass=spares=1"],
+    "snapshot": ["-N4", "-n4", "--no-kill", "--torchpass=spares=1,snapshot_every={snapshot_every}"],
     "requeue": ["-N3", "-n3", "--open-mode=append"],
 }
 LOADED_RE = re.compile(r"ckpt loaded step=(\d+)")
@@ -87,13 +93,15 @@ def revive(c: Devcluster) -> None:
 
 
 def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, args: argparse.Namespace) -> dict:
+    every = args.steps + 1 if side == "snapshot" else args.every  # the snapshot side saves no checkpoint
     cmd = (f"{c.job_python} {REPO / 'examples' / 'train_checkpointed.py'} --steps {args.steps} --params 1M "
-           f"--sleep 0.05 --ckpt-every {args.every} --ckpt-dir {work}/ckpt.$SLURM_JOB_ID")
+           f"--sleep 0.05 --ckpt-every {every} --ckpt-dir {work}/ckpt.$SLURM_JOB_ID")
+    sbatch_args = [a.format(snapshot_every=args.snapshot_every) for a in SIDES[side]]
     script = work / f"{tag}.sbatch"
     script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
     script.chmod(0o755)
     out = work / f"{tag}.out"
-    p = as_user(user, ["sbatch", "--parsable", *SIDES[side], "-o", str(out), str(script)], work)
+    p = as_user(user, ["sbatch", "--parsable", *sbatch_args, "-o", str(out), str(script)], work)
     if p.returncode != 0:
         raise RuntimeError(f"sbatch ({side}): {p.stderr.strip()}")
     job_id = int(p.stdout.strip().split(";")[0])
@@ -127,9 +135,12 @@ def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, args: arg
     step_s = statistics.median(gaps)
     back = min(t for t, n in after if n == last + 1)
     loaded = [int(m.group(1)) for m in LOADED_RE.finditer(out.read_text())]
+    # from a snapshot: the first step the restored ranks printed (the snapshot's, or the one before
+    # it when the ranks paused before printing it)
+    went_on = loaded[-1] if loaded else min(n for _, n in after)
     return {"side": side, "job_id": job_id, "restarts": int(final.get("restart_cnt", 0)),
             "last_step_before": last, "checkpoint_loaded": loaded[-1] if loaded else None,
-            "recomputed_steps": last + 1 - loaded[-1] if loaded else None,
+            "went_on_from": went_on, "recomputed_steps": last + 1 - went_on,
             "resumed_s": round(min(t for t, _ in after) - crashed_at, 2),
             "lost_s": round(back - crashed_at - step_s, 2), "step_s": round(step_s, 4),
             "lines": [ln for _, _, ln in steps]}
@@ -144,6 +155,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    ap.add_argument("--snapshot-every", type=int, default=2, help="the snapshot side: a snapshot every S s")
     ap.add_argument("--crash-at", type=int, default=35, help="crash node2 once this step was printed")
     ap.add_argument("--user", default="tpuser1", help="the job user (made by the devcluster's bring-up)")
     ap.add_argument("--out", type=Path, default=BENCH / "results" / "hard_failure.json")
@@ -160,13 +172,13 @@ def main() -> int:
     with devcluster(args.cluster, args.subnet, nodes=4) as c:
         with user_workdir("bench-hard-failure-", args.user) as work:
             for i in range(args.pairs):
-                order = ("relaunch", "requeue") if i % 2 == 0 else ("requeue", "relaunch")
+                order = tuple(SIDES) if i % 2 == 0 else tuple(reversed(SIDES))
                 for side in order:
                     r = one_run(c, work, args.user, side, f"{i}-{side}", args)
                     r["pair"] = i + 1
                     runs.append(r)
-                    log(f"{side}: resumed {r['resumed_s']} s after the crash, lost {r['lost_s']} s; checkpoint "
-                        f"{r['checkpoint_loaded']}, {r['recomputed_steps']} steps again, restarts {r['restarts']}")
+                    log(f"{side}: resumed {r['resumed_s']} s after the crash, lost {r['lost_s']} s; went on from "
+                        f"step {r['went_on_from']}, {r['recomputed_steps']} steps again, restarts {r['restarts']}")
     reference = last_per_step(runs[0]["lines"])
     for r in runs:
         if last_per_step(r.pop("lines")) != reference:
@@ -177,8 +189,10 @@ def main() -> int:
         mine = [r for r in runs if r["side"] == side]
         summary[side] = {k: round(statistics.median(r[k] for r in mine), 2) for k in ("resumed_s", "lost_s")}
     summary["lost_ratio"] = round(summary["requeue"]["lost_s"] / summary["relaunch"]["lost_s"], 2)
+    summary["snapshot_lost_ratio"] = round(summary["requeue"]["lost_s"] / summary["snapshot"]["lost_s"], 2)
     resumed = [r["resumed_s"] for r in runs if r["side"] == "relaunch"]
-    data = {"crashed": CRASHED, "crash_at_step": args.crash_at, "checkpoint_every": args.every, "ranks": 3,
+    data = {"crashed": CRASHED, "crash_at_step": args.crash_at, "checkpoint_every": args.every,
+            "snapshot_every_s": args.snapshot_every, "ranks": 3,
             "params": "1M", "runs": runs, "summary": summary,
             # tpassctl goodput --measured: lm_relaunch_s (this devcluster's SlurmdTimeout is 20 s)
             "hard_failure_relaunch_s": {"mean": round(statistics.mean(resumed), 2),
@@ -189,14 +203,15 @@ def main() -> int:
     tmp_out = args.out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp_out, args.out)
-    cols = ("pair", "side", "job_id", "restarts", "last_step_before", "checkpoint_loaded", "recomputed_steps",
+    cols = ("pair", "side", "job_id", "restarts", "last_step_before", "went_on_from", "recomputed_steps",
             "resumed_s", "lost_s")
     print(f"| {' | '.join(cols)} |")
     print(f"|{'---|' * len(cols)}")
     for r in runs:
         print(f"| {' | '.join(str(r[k]) for k in cols)} |")
-    print(f"median lost: relaunch {summary['relaunch']['lost_s']} s, requeue {summary['requeue']['lost_s']} s "
-          f"({summary['lost_ratio']}x); every run printed the same losses; wrote {args.out} in "
+    print(f"median lost: relaunch {summary['relaunch']['lost_s']} s, snapshot {summary['snapshot']['lost_s']} s, "
+          f"requeue {summary['requeue']['lost_s']} s ({summary['lost_ratio']}x, {summary['snapshot_lost_ratio']}x); "
+          f"every run printed the same losses; wrote {args.out} in "
           f"{data['bench_seconds']} s")
     return 0
 

@@ -452,7 +452,8 @@ class CoordinatorServer:
         sid = self.driver.accept_snapshot(self.wall(), stop=stop)  # OperatorRejected carries the wire code
         then = ", then to stop the job (its nodes freed; tpassctl resume brings it back)" if stop else ""
         self.job.record(self.wall(), "snapshot.requested", f"snapshot {sid}: operator (uid {ident.uid}) asked for "
-                        f"a snapshot of every rank{then}", snapshot=sid, trigger="operator", uid=ident.uid, stop=stop)
+                        f"a snapshot of every rank{then}", snapshot=sid, trigger="operator", uid=ident.uid,
+                        **({"stop": True} if stop else {}))
         self.driver.decide()
         return {"snapshot": sid}
 
