@@ -203,6 +203,16 @@ def _revive(cluster, node: str) -> dict:
     return back
 
 
+def _completes_never_requeued(cluster, job_id: int, out, what: str, crashed_at: float) -> tuple[str, list[dict]]:
+    """After the crash: the job ends COMPLETED 0:0 under its id, Restarts=0. (diagnosis, events)."""
+    final = tj.wait_end(job_id, 240, context=f"{what}: ")
+    print(f"job {job_id} ended {time.monotonic() - crashed_at:.1f} s after the crash")
+    diag = drill.diagnosis(cluster, job_id, out, what)
+    assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
+    assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
+    return diag, drill.events(cluster, job_id)
+
+
 def test_a_node_lost_outright_relaunches_a_checkpointed_job_on_the_spare(cluster, plugin_built, job_dir, job_user):
     d = CHECKPOINTED
     rng = random.Random(f"{SEED}:relaunch")
@@ -220,13 +230,7 @@ def test_a_node_lost_outright_relaunches_a_checkpointed_job_on_the_spare(cluster
         t0 = time.monotonic()
         cluster.crash(node)
         crashed = True
-        final = tj.wait_end(job_id, 240, context=f"{what}: ")
-        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the crash")
-        diag = drill.diagnosis(cluster, job_id, out, what)
-        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
-        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
-
-        evs = drill.events(cluster, job_id)
+        diag, evs = _completes_never_requeued(cluster, job_id, out, what, t0)
         kinds = [e["kind"] for e in evs]
         (lost,) = [e for e in evs if e["kind"] == "node.lost"]
         (going,) = [e for e in evs if e["kind"] == "job.relaunching"]
@@ -308,13 +312,7 @@ def test_a_node_lost_outright_relaunches_the_job_from_its_newest_snapshot(cluste
         t0 = time.monotonic()
         cluster.crash(node)
         crashed = True
-        final = tj.wait_end(job_id, 240, context=f"{what}: ")
-        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the crash")
-        diag = drill.diagnosis(cluster, job_id, out, what)
-        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
-        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
-
-        evs = drill.events(cluster, job_id)
+        diag, evs = _completes_never_requeued(cluster, job_id, out, what, t0)
         kinds = [e["kind"] for e in evs]
         (lost,) = [e for e in evs if e["kind"] == "node.lost"]
         (going,) = [e for e in evs if e["kind"] == "job.relaunching"]

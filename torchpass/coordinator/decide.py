@@ -982,69 +982,54 @@ def _no_relaunch_why(st: CoordState, lost: list[str], policy: CoordinatorPolicy)
 def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...]) -> CoordState:
     st = _end_snapshot_for_relaunch(out, st, {n for n, _ in plan})
     snap = _from_snapshot(st)
-    if snap is not None:
-        return _relaunch_from_snapshot(out, st, now, plan, snap)
-    assert st.restore_point is not None
-    ck_step, ck_path = st.restore_point
     count = st.relaunches + 1
     # The newest step a rank completed, in the job's numbering: the runtime reports how many
     # optimizer steps it completed (its own count, from 0 in a fresh process; step_offset shifts it).
     done = max((rv.step for rv in st.ranks.values()), default=0)
     last = done + st.step_offset - 1
-    recompute = max(0, last - ck_step + 1)
+    if snap is not None:
+        step = snap.step
+        drained = f"its snapshot {snap.id} of step {step}"
+        lost_how = f"every rank restored from snapshot {snap.id} of step {step}"
+        going = f"every rank is restored from snapshot {snap.id} of step {step}"
+        point: dict[str, Any] = {"snapshot": snap.id, "checkpoint": None}
+        going_data: dict[str, Any] = {**point, "snapshot_step": step}
+    else:
+        assert st.restore_point is not None
+        step, path = st.restore_point
+        drained = f"its checkpoint of step {step}"
+        lost_how = f"from the application checkpoint of step {step}"
+        going = f"the script goes on from its checkpoint of step {step} ({path})"
+        point = {"snapshot": None, "checkpoint": step}
+        going_data = {"checkpoint": step, "path": path}
+    recompute = max(0, last - step + 1)
     nodes = st.rank_nodes()
     moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
     for node, spare in plan:
         h = st.node_health(node)
         out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
-                                  f"relaunched from its checkpoint of step {ck_step}"))
+                                  f"relaunched from {drained}"))
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
-                  f"relaunching the job's training step with spare {spare} in its place, from the application "
-                  f"checkpoint of step {ck_step}", node=node, snapshot=None, checkpoint=ck_step, spare=spare,
-                  ranks=list(nodes[node]), relaunch=count)
-    out.add(Relaunch(count, plan, ck_step))
+                  f"relaunching the job's training step with spare {spare} in its place, {lost_how}", node=node,
+                  spare=spare, ranks=list(nodes[node]), relaunch=count, **point)
+    out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else ""))
     out.event("job.relaunching", f"relaunch {count}: the training step starts again on the surviving nodes with "
-              f"{moved}; the script goes on from its checkpoint of step {ck_step} ({ck_path}): steps {ck_step}.."
-              f"{last} ({recompute}) are computed again", relaunch=count, checkpoint=ck_step, path=ck_path,
-              last_step=last, recompute_steps=recompute, replaced=dict(plan))
+              f"{moved}; {going}: steps {step}..{last} ({recompute}) are computed again", relaunch=count,
+              last_step=last, recompute_steps=recompute, replaced=dict(plan), **going_data)
     for _node, spare in plan:
         st = _set_spare(st, spare, SpareStatus.USED)
-    return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, generation=0, relaunches=count,
-                   step_offset=ck_step,  # until the relaunched rank 0 says what it loaded
-                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, ck_step, last),
+    if snap is not None:
+        # The restored ranks keep their own step counts (in their images) and resume as the
+        # snapshot's generation.
+        resumes = {"generation": snap.generation, "step_offset": snap.step_offset,
+                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last, snapshot=snap.id,
+                                           generation=snap.generation)}
+    else:  # fresh processes, generation 0; steps numbered from the checkpoint until rank 0 says what it loaded
+        resumes = {"generation": 0, "step_offset": step,
+                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last)}
+    return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, relaunches=count,
                    relaunch_pending="", snapshot_clock=None,
-                   operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
-
-
-def _relaunch_from_snapshot(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...],
-                            snap: SnapshotPoint) -> CoordState:
-    count = st.relaunches + 1
-    done = max((rv.step for rv in st.ranks.values()), default=0)
-    last = done + st.step_offset - 1
-    recompute = max(0, last - snap.step + 1)
-    nodes = st.rank_nodes()
-    moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
-    for node, spare in plan:
-        h = st.node_health(node)
-        out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
-                                  f"relaunched from its snapshot {snap.id} of step {snap.step}"))
-        out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
-                  f"relaunching the job's training step with spare {spare} in its place, every rank restored "
-                  f"from snapshot {snap.id} of step {snap.step}", node=node, snapshot=snap.id, checkpoint=None,
-                  spare=spare, ranks=list(nodes[node]), relaunch=count)
-    out.add(Relaunch(count, plan, snap.step, snapshot=snap.id))
-    out.event("job.relaunching", f"relaunch {count}: the training step starts again on the surviving nodes with "
-              f"{moved}; every rank is restored from snapshot {snap.id} of step {snap.step}: steps {snap.step}.."
-              f"{last} ({recompute}) are computed again", relaunch=count, snapshot=snap.id, checkpoint=None,
-              snapshot_step=snap.step, last_step=last, recompute_steps=recompute, replaced=dict(plan))
-    for _node, spare in plan:
-        st = _set_spare(st, spare, SpareStatus.USED)
-    return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, generation=snap.generation,
-                   relaunches=count, step_offset=snap.step_offset,
-                   relaunch=RelaunchRun(count, plan[0][0], plan[0][1], now, snap.step, last, snapshot=snap.id,
-                                        generation=snap.generation),
-                   relaunch_pending="", snapshot_clock=None,
-                   operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)))
+                   operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)), **resumes)
 
 
 def _relaunch_id(r: RelaunchRun) -> str:
