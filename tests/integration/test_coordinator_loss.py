@@ -150,7 +150,7 @@ def test_kill_9_of_the_coordinator_mid_move_the_ranks_go_on(cluster, reference, 
     assert r.returncode == 0, (r.stdout, r.stderr)
 
     jdir = layout.job_dir(cluster.state_dir, job_id)
-    snapshots = layout.snapshot_job_dir(cluster.run_dir / MOVED / "tpassd" / "snapshots", job_id)
+    snapshots = layout.snapshot_job_dir(cluster.snapshot_dir, job_id)
     if stage == "dump":  # tpassd began the dump: the coordinator waits for its answer
         _until(snapshots.exists, 60, "the dump")
         os.kill(pid, signal.SIGSTOP)

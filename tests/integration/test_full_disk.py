@@ -1,7 +1,7 @@
 """A full image disk on the devcluster rolls the move back with a clear event (issue 9, deliver 5).
 
-The bad node's snapshot_dir is a small tmpfs, mounted over the devcluster's
-``RUN/NODE/tpassd/snapshots`` for this test in that node's mount namespace
+The bad node's snapshot_dir is a small tmpfs, mounted over
+the devcluster's shared snapshot_dir for this test in that node's mount namespace only
 (its slurmd's, which its tpassd and ranks share); its tpassd may flag the
 nearly full disk as a host fault and start the move itself, before the drill.
 A training rank's image (a few hundred MB) does not fit: the dump is refused
@@ -45,7 +45,7 @@ def test_a_full_image_disk_rolls_the_move_back_with_the_reason_in_its_event(clus
     node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
     what = f"{DISK_MB} MB snapshot_dir on {node}, ecc-sbe-storm there at step {at}"
     print(f"\n{what}")
-    snap = cluster.run_dir / node / "tpassd" / "snapshots"
+    snap = cluster.snapshot_dir  # mounted over in the node's own mount namespace: the other nodes keep theirs
     in_node = cluster.ns_argv(node)
     subprocess.run([*in_node, "mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m,mode=0700", "tmpfs", str(snap)],
                    check=True, timeout=30)

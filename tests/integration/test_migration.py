@@ -87,9 +87,8 @@ def _events(cluster, job_id: int) -> list[dict]:
 
 
 def _images_left(cluster, job_id: int) -> list[str]:
-    """Snapshot directories of the job still in any tpassd's snapshot_dir (each move discards its own)."""
-    return [str(p) for n in (*TRAINING_NODES, SPARE)
-            for p in layout.snapshot_job_dir(cluster.run_dir / n / "tpassd" / "snapshots", job_id).glob("rank*")]
+    """Snapshot directories of the job still in the tpassds' (shared) snapshot_dir (each move discards its own)."""
+    return [str(p) for p in layout.snapshot_job_dir(cluster.snapshot_dir, job_id).glob("rank*")]
 
 
 def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:

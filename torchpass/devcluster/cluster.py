@@ -262,6 +262,12 @@ class Devcluster:
         return self.run_dir / "state"
 
     @property
+    def snapshot_dir(self) -> Path:
+        """Every node's tpassd snapshot_dir: one directory, as docs/admin.md asks of a real cluster
+        (a rank of a node lost outright is restored elsewhere from its images)."""
+        return self.run_dir / "snapshots"
+
+    @property
     def job_python(self) -> Path:
         """The interpreter jobs run (every job user can run it); use it in job scripts."""
         return Path(self._require_state().job_python)
@@ -657,7 +663,8 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         node = spec.node_name(i)
         node_dir = rd / node / "tpassd"
         node_dir.mkdir(parents=True, exist_ok=True)
-        argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports)
+        argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
+                          snapshot_dir=self.snapshot_dir)
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(

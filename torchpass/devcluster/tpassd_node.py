@@ -39,12 +39,15 @@ def ports_toml(ports: tuple[int, int, int]) -> list[str]:
 
 def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
                interval_s: float = 1.0,
-               ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT)) -> list[str]:
-    """Write the node's config and policy under ``node_dir``; return tpassd's argv."""
+               ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT),
+               snapshot_dir: Path | None = None) -> list[str]:
+    """Write the node's config and policy under ``node_dir``; return tpassd's argv. ``snapshot_dir``:
+    the one every node shares (the devcluster's); default: the node's own, under ``node_dir``."""
     node_dir = Path(node_dir)
     node_dir.mkdir(parents=True, exist_ok=True)
-    for d in ("state", "snapshots"):
-        (node_dir / d).mkdir(exist_ok=True)
+    (node_dir / "state").mkdir(exist_ok=True)
+    snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else node_dir / "snapshots"
+    snapshot_dir.mkdir(mode=0o755, exist_ok=True)
     policy = node_dir / "policy.toml"
     # The devcluster shares one disk among many nodes: a small free-space floor.
     policy.write_text("[host]\ndisk_free_gb_degraded = 1.0\n")
@@ -60,7 +63,7 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
         f"sysfs_root = {_toml_str(node_dir / 'sys')}",
         "ib_expected_ports = 4",
         f"state_dir = {_toml_str(node_dir / 'state')}",
-        f"snapshot_dir = {_toml_str(node_dir / 'snapshots')}",
+        f"snapshot_dir = {_toml_str(snapshot_dir)}",
         f"policy = {_toml_str(policy)}",
         f"munge_socket = {_toml_str(munge_socket)}",
         "drills = true",
