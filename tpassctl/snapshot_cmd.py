@@ -240,7 +240,7 @@ def resume(obj, job_id, as_json):
     on at the step it stopped at. What the job printed before the stop stays in its
     output file. Only the job's owner or an admin (Slurm checks the release).
     """
-    from torchpass.coordinator.main import read_stopped
+    from torchpass.coordinator.stopped import read_stopped
     from torchpass.slurm import client
 
     try:

@@ -149,7 +149,7 @@ class FakeSlurm:
 
 
 def _stop(tmp_path, slurm):
-    from torchpass.coordinator.main import read_stopped
+    from torchpass.coordinator.stopped import read_stopped
 
     tp = FakeTpassd()
     d = _driver(tmp_path, tp)

@@ -733,9 +733,6 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     return finish_restored(paths, str(images), code)
 
 
-RESTORE_SNAPSHOT_ENV = "TORCHPASS_RESTORE_SNAPSHOT"  # the relaunched srun's: restore from this snapshot
-
-
 def snapshot_images(jobs_state_dir: str, job: str, snap: str, rank: str) -> str:
     """Rank ``rank``'s images in whole-job snapshot ``snap``, from the job manifest tpassd wrote
     (root's, readable by the job owner's group). The root agent checks the path itself."""
@@ -749,7 +746,8 @@ def snapshot_images(jobs_state_dir: str, job: str, snap: str, rank: str) -> str:
                           "removed") from None
     except (OSError, ValueError) as exc:
         raise LookupError(f"cannot read the manifest of snapshot {snap} of job {job} ({path}: {exc})") from None
-    for part in manifest.get("ranks") or [] if isinstance(manifest, dict) else []:
+    parts = manifest.get("ranks") if isinstance(manifest, dict) else None
+    for part in parts or []:
         if isinstance(part, dict) and str(part.get("rank")) == rank and isinstance(part.get("images"), str):
             return part["images"]
     raise LookupError(f"snapshot {snap} of job {job} has no rank {rank} ({path})")

@@ -102,6 +102,7 @@ from torchpass.coordinator import machine as mc
 from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
+from torchpass.coordinator.stopped import stopped_text
 from torchpass.errors import RemoteError, SlurmError, TorchpassError
 from torchpass.health_state import State
 from torchpass.ports import TPASSD_CONTROL_PORT
@@ -949,10 +950,9 @@ class Executor:
             marker = layout.stopped_file(self.state_dir, self.job_id)
             try:
                 step = self.stopped_step(a.nodes)
-                text = "".join(f"{k}={v}\n" for k, v in (
-                    ("snapshot", a.snapshot), ("step", step), ("snapshot_step", a.snapshot_step),
-                    ("generation", a.generation), ("world_size", a.world_size), ("step_offset", a.step_offset)))
-                write_atomically(marker, text)
+                write_atomically(marker, stopped_text({
+                    "snapshot": a.snapshot, "step": step, "snapshot_step": a.snapshot_step,
+                    "generation": a.generation, "world_size": a.world_size, "step_offset": a.step_offset}))
                 self.slurm.requeue_hold(self.job_id)
             except (TorchpassError, OSError) as exc:
                 marker.unlink(missing_ok=True)
@@ -969,15 +969,14 @@ class Executor:
         if self.slurm is None:
             raise TorchpassError("no Slurm client: the job cannot be held")
         want = set(nodes)
-        steps = [s for s in self.slurm.steps(self.job_id) if s.user_step and want & set(s.nodes)]
+        steps = {int(s.step_id.split(".", 1)[1]): len(want & set(s.nodes))
+                 for s in self.slurm.steps(self.job_id) if s.user_step and want & set(s.nodes)}
         if not steps:
             raise TorchpassError(f"no step of job {self.job_id} runs on the ranks' nodes {sorted(want)}")
-        best = max(steps, key=lambda s: (len(want & set(s.nodes)), -int(s.step_id.split(".", 1)[1])))
-        return int(best.step_id.split(".", 1)[1])
+        return max(steps, key=lambda step: (steps[step], -step))
 
     def _do_ForgetStopped(self, a: ct.ForgetStopped, st: CoordState) -> None:
-        for path in (layout.stopped_file(self.state_dir, self.job_id),):
-            path.unlink(missing_ok=True)
+        layout.stopped_file(self.state_dir, self.job_id).unlink(missing_ok=True)
         log.info("the stopped job resumed; its stop marker is removed", job_id=self.job_id, snapshot=a.snapshot)
 
     def _do_Shrink(self, a: ct.Shrink, st: CoordState) -> None:

@@ -21,6 +21,7 @@ from torchpass.coordinator.executor import Driver, Executor, TpassdClient
 from torchpass.coordinator.policy import load_policy
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
 from torchpass.coordinator.state import JobState
+from torchpass.coordinator.stopped import read_stopped
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
 from torchpass.tpassd_ports import tpassd_ports
@@ -84,31 +85,6 @@ def _own_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-STOPPED_KEYS = ("snapshot", "step", "snapshot_step", "generation", "world_size", "step_offset")
-
-
-def read_stopped(state_dir, job_id: int) -> dict | None:
-    """The stop marker of a job stopped with `tpassctl snapshot --stop` (layout.stopped_file, written
-    by its previous coordinator, the job user's like this one): its fields, or None without one.
-    TorchpassError when it is malformed (the job then starts as Slurm reran it, with a line why)."""
-    path = layout.stopped_file(state_dir, job_id)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise TorchpassError(f"cannot read the stop marker {path}: {exc}") from None
-    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    try:
-        got = {k: (fields[k] if k == "snapshot" else int(fields[k])) for k in STOPPED_KEYS}
-    except (KeyError, ValueError):
-        raise TorchpassError(f"the stop marker {path} is malformed (needs {', '.join(STOPPED_KEYS)}): "
-                             f"{text[:200]!r}") from None
-    if not layout.valid_snapshot_id(got["snapshot"]) or got["world_size"] < 1:
-        raise TorchpassError(f"the stop marker {path} names no valid snapshot: {text[:200]!r}")
-    return got
 
 
 def _resumed(job: JobState, state_dir, log):

@@ -265,12 +265,9 @@ class ControlLink(PauseListener):
     def from_env(cls, pg: ReconfigurablePG, env=os.environ) -> "ControlLink":
         from torchpass.jobauth import signer_from_env  # None without TORCHPASS_JOB_SECRET (unsigned)
 
-        endpoint = env["TORCHPASS_COORDINATOR"]
-        if "://" not in endpoint:
-            endpoint = f"tcp://{endpoint}"
         link = cls(
             pg,
-            endpoint=endpoint,
+            endpoint=_tcp(env["TORCHPASS_COORDINATOR"]),
             job_id=int(env["TORCHPASS_JOB_ID"]),
             rank=pg.rank(),
             node=env.get("TORCHPASS_NODE") or env.get("SLURMD_NODENAME"),
@@ -555,7 +552,7 @@ class ControlLink(PauseListener):
         resumed has new ones; after a lost node they are the same), and a new signing sender
         either way: the source copy went on signing past the image's counter."""
         if endpoint:
-            self.endpoint = endpoint if "://" in endpoint else f"tcp://{endpoint}"
+            self.endpoint = _tcp(endpoint)
             self._client = None  # the hold destroyed its context: the next request makes a new one
         if secret:
             from torchpass.jobauth import JobSigner, parse_secret
@@ -818,6 +815,11 @@ class ControlLink(PauseListener):
         # now: the coordinator cancels it (every report also says why).
         if dropped is not None:
             self._report_armed(dropped[0], dropped[1], False)
+
+
+def _tcp(endpoint: str) -> str:
+    """TORCHPASS_COORDINATOR (ADDR:PORT, or a full ZeroMQ endpoint) as a ZeroMQ endpoint."""
+    return endpoint if "://" in endpoint else f"tcp://{endpoint}"
 
 
 def _pause_terms(cmd: dict) -> dict | None:
