@@ -43,6 +43,8 @@ class FakeSlurm:
         self.requeueable = requeueable
         self.state = state
         self.calls: list[str] = []  # requeue, cancel_step, in order
+        self.state_dir = None  # where the coordinator saves its events (set by the test)
+        self.saved_at_requeue: list[str] | None = None  # the kinds on disk when requeue was called
 
     def steps(self, job_id):
         return [StepInfo(f"{job_id}.batch", "batch", ("n1",), "RUNNING"),
@@ -55,6 +57,7 @@ class FakeSlurm:
 
     def requeue(self, job_id):
         self.calls.append(f"requeue {job_id}")
+        self.saved_at_requeue = _saved_kinds(self.state_dir) if self.state_dir else None
 
     def job(self, job_id):
         return JobInfo(job_id, "train", "u", 1001, self.state, NODES, batch_host="n1", requeue=self.requeueable)
@@ -284,13 +287,19 @@ class OrderedWitness(WitnessTpassd):
         return super().request(node, type_, body, timeout_s)
 
 
+def _saved_kinds(state_dir) -> list[str]:
+    path = layout.events_json(state_dir, 42)
+    return [e["kind"] for e in json.loads(path.read_text())] if path.exists() else []
+
+
 def _lost_no_relaunch(tmp_path, slurm: FakeSlurm) -> Driver:
     health = FakeHealth()
+    slurm.state_dir = tmp_path
     d = _driver(tmp_path, slurm, health)
     d.executor.tpassd = OrderedWitness(slurm.calls)
     layout.events_json(tmp_path, 42).parent.mkdir(parents=True)
     health.silent["n2"] = 12.0
-    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("job.")])
+    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("job.") and e.kind != "job.requeuing"])
     return d
 
 
@@ -301,11 +310,14 @@ def test_a_lost_node_without_a_relaunch_requeues_a_requeueable_job_after_the_dra
     d = _lost_no_relaunch(tmp_path, slurm)
     assert slurm.calls == ["drain n2 via n1", "requeue 42"], slurm.calls
     kinds = [e.kind for e in d.job.events if e.kind.startswith(("node.", "job."))]
-    assert kinds == ["node.lost", "node.drained", "job.requeued"], kinds
-    (ev,) = [e for e in d.job.events if e.kind == "job.requeued"]
-    assert "n2 lost, no relaunch possible" in ev.message and ev.data == {"node": "n2"}
-    saved = [e["kind"] for e in json.loads(layout.events_json(tmp_path, 42).read_text())]
-    assert "job.requeued" in saved
+    assert kinds == ["node.lost", "node.drained", "job.requeuing", "job.requeued"], kinds
+    for kind in ("job.requeuing", "job.requeued"):
+        (ev,) = [e for e in d.job.events if e.kind == kind]
+        assert "n2 lost, no relaunch possible" in ev.message and ev.data == {"node": "n2"}
+    # The requeue ends the batch step and this coordinator with it: what it says is on disk before.
+    assert slurm.saved_at_requeue is not None and slurm.saved_at_requeue[-1] == "job.requeuing", \
+        slurm.saved_at_requeue
+    assert "job.requeued" in _saved_kinds(tmp_path)
     _pump_for(d, 1.0)
     assert slurm.calls.count("requeue 42") == 1  # once
 

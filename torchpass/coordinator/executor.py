@@ -56,7 +56,8 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   (docs/coordinator.md, "A node lost outright"). Such a node is also drained, through
   another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``). With
   ``end_job`` (no relaunch possible), after the drain the job is requeued if slurmctld
-  may requeue it (``scontrol requeue``, event ``job.requeued``), else its steps with a
+  may requeue it (``scontrol requeue``, events ``job.requeuing`` saved before the call, which
+  may end this coordinator, and ``job.requeued``), else its steps with a
   task on the node are ended (``job.steps_ended``): what slurmctld does at DOWN to a job
   without ``--no-kill``, done at once and also for a ``--no-kill`` job.
 * Relaunch: the job's host file (layout.hostfile, which places every srun of
@@ -129,6 +130,9 @@ RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
 HOLD_MARGIN_S = 60.0
 # tpassd.drain: tpassd's own scontrol call has a 15 s timeout.
 DRAIN_TIMEOUT_S = 20.0
+# A lost node's requeue waits at most this long for the serve thread to save job.requeuing (it
+# serves within a batch; a serve thread that busy is not worth leaving the other ranks waiting).
+REQUEUE_RECORD_WAIT_S = 5.0
 # srun's line when slurmctld refused the step itself (no task ran). Right after slurmctld restarts it
 # refuses steps ("Memory required by task is not available") until the job's nodes have registered
 # again, a few seconds: the restore step is launched again for up to this long, with backoff.
@@ -230,6 +234,16 @@ class LostNodeEnded:
     how: str
     why: str
     steps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LostNodeRequeuing:
+    """Executor-internal outcome: the job that lost ``node`` is about to be requeued. Recorded
+    (``job.requeuing``) and saved, then ``recorded`` is set: the requeue ends the batch step and
+    this coordinator with it, often before an event recorded after it would reach the disk."""
+
+    node: str
+    recorded: threading.Event = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -392,6 +406,15 @@ class Executor:
             log.warning("lost node drained" if outcome.error is None else "lost node not drained", node=outcome.node,
                         witness=outcome.witness, error=outcome.error)
             self.save_events()
+            return True
+        elif isinstance(outcome, LostNodeRequeuing):
+            self.job.record(self.wall(), "job.requeuing",
+                            f"torchpass requeues the job, as slurmctld requeues a batch job that loses a node "
+                            f"({outcome.node} lost, no relaunch possible): it starts again from its batch "
+                            "script under the same job id", node=outcome.node)
+            log.warning("requeuing the job after a lost node", node=outcome.node)
+            self.save_events()
+            outcome.recorded.set()
             return True
         elif isinstance(outcome, LostNodeEnded):
             if outcome.how == "requeued":
@@ -1073,6 +1096,9 @@ class Executor:
             if job is None or job.state != "RUNNING":
                 return LostNodeEnded(node, "", f"slurmctld reports the job {job.state if job else 'gone'} already")
             if job.requeue and job.batch:
+                recorded = threading.Event()
+                self.post(LostNodeRequeuing(node, recorded))
+                recorded.wait(REQUEUE_RECORD_WAIT_S)  # on disk first: what the requeue ends may not save it
                 self.slurm.requeue(self.job_id)
                 return LostNodeEnded(node, "requeued", "")
             why = ("the job is an allocation, not a batch job" if not job.batch
@@ -1402,5 +1428,5 @@ class Driver:
             self.executor.close()
 
 
-__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "Move", "TpassdClient",
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "LostNodeRequeuing", "Move", "TpassdClient",
            "resume_port"]
