@@ -319,7 +319,8 @@ class LoadGen:
 
     @staticmethod
     def _zero() -> dict[str, int]:
-        return {"sent": 0, "answered": 0, "timeouts": 0, "error_replies": 0, "refused_pauses": 0}
+        return {"sent": 0, "answered": 0, "timeouts": 0, "timeouts_reply_waiting": 0, "error_replies": 0,
+                "refused_pauses": 0}
 
     def _count(self, key: str) -> None:
         self.totals[key] += 1
@@ -612,7 +613,12 @@ class LoadGen:
                 _, token, i = heapq.heappop(self.deadlines)
                 rk = self.ranks[i]
                 if rk.inflight is not None and rk.inflight[4] == token:
-                    _, type_, body, t_sent = rk.inflight[:4]
+                    sock, type_, body, t_sent = rk.inflight[:4]
+                    if not sock.closed and sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN:
+                        # Its reply is in the rank's socket, unread: this generator, sharing the
+                        # cores with the coordinator, came to it late (a rank process of its own
+                        # would likely have read it in time). Still a time-out; counted apart too.
+                        self._count("timeouts_reply_waiting")
                     self._finish(i, keep=False)  # Lazy Pirate: a fresh socket next time
                     self._count("timeouts")
                     self._failed(i, type_, now, body, t_sent)
@@ -1013,6 +1019,7 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                                   for t in trials],
                 "refused_pauses": tot["refused_pauses"],
                 "requests_total": tot["sent"], "replies_total": tot["answered"], "timeouts_total": tot["timeouts"],
+                "timeouts_reply_waiting": tot["timeouts_reply_waiting"],
                 "error_replies_total": tot["error_replies"],
                 "replies_fraction_all": round(tot["answered"] / done, 4) if done else 0.0,
                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
