@@ -299,7 +299,8 @@ def _lost_no_relaunch(tmp_path, slurm: FakeSlurm) -> Driver:
     d.executor.tpassd = OrderedWitness(slurm.calls)
     layout.events_json(tmp_path, 42).parent.mkdir(parents=True)
     health.silent["n2"] = 12.0
-    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events if e.kind.startswith("job.") and e.kind != "job.requeuing"])
+    _pump_for(d, 6.0, until=lambda: [e for e in d.job.events
+                                      if e.kind.startswith("job.") and e.kind != "job.requeuing"])
     return d
 
 

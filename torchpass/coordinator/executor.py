@@ -1437,5 +1437,5 @@ class Driver:
             self.executor.close()
 
 
-__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "LostNodeRequeuing", "Move", "TpassdClient",
-           "resume_port"]
+__all__ = ["AbortsFinished", "Driver", "Executor", "Gate", "LostNodeDrain", "LostNodeEnded", "LostNodeRequeuing",
+           "Move", "TpassdClient", "resume_port"]
