@@ -236,6 +236,12 @@ class LostNodeEnded:
     steps: tuple[str, ...] = ()
 
 
+def _as_slurm_requeues(node: str) -> str:
+    """Why a job that lost ``node`` is requeued (events job.requeuing and job.requeued)."""
+    return (f"as slurmctld requeues a batch job that loses a node ({node} lost, no relaunch possible): it "
+            "starts again from its batch script under the same job id")
+
+
 @dataclass(frozen=True)
 class LostNodeRequeuing:
     """Executor-internal outcome: the job that lost ``node`` is about to be requeued. Recorded
@@ -413,9 +419,7 @@ class Executor:
             return True
         elif isinstance(outcome, LostNodeRequeuing):
             self.job.record(self.wall(), "job.requeuing",
-                            f"torchpass requeues the job, as slurmctld requeues a batch job that loses a node "
-                            f"({outcome.node} lost, no relaunch possible): it starts again from its batch "
-                            "script under the same job id", node=outcome.node)
+                            f"torchpass requeues the job, {_as_slurm_requeues(outcome.node)}", node=outcome.node)
             log.warning("requeuing the job after a lost node", node=outcome.node)
             self.save_events()
             outcome.recorded.set()
@@ -423,9 +427,7 @@ class Executor:
         elif isinstance(outcome, LostNodeEnded):
             if outcome.how == "requeued":
                 self.job.record(self.wall(), "job.requeued",
-                                f"job requeued by torchpass, as slurmctld requeues a batch job that loses a node "
-                                f"({outcome.node} lost, no relaunch possible): it starts again from its batch "
-                                "script under the same job id", node=outcome.node)
+                                f"job requeued by torchpass, {_as_slurm_requeues(outcome.node)}", node=outcome.node)
             elif outcome.how == "steps_ended":
                 self.job.record(self.wall(), "job.steps_ended",
                                 f"{outcome.why}: step(s) {', '.join(outcome.steps)} with a task on {outcome.node} "
