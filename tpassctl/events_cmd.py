@@ -14,7 +14,7 @@ from torchpass.errors import RemoteError, TorchpassError, UnreachableError
 from tpassctl.status_cmd import discover_coordinators, exit_if_refused
 
 # The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
-# The saved log holds at most 10,000 events (JobState.record).
+# The saved log holds at most 10,000 events (state.EVENTS_KEPT; per-rank ones go first).
 SAVED_EVENTS_MAX_BYTES = 64 * 1024 * 1024
 PHASE_ORDER = ("detect", "spare", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "rollback",
                "drain", "shrink", "paused", "total")

@@ -12,6 +12,14 @@ from typing import Any
 
 from torchpass.coordinator.model import CoordState, RankView
 
+# A job that runs for weeks keeps its last EVENTS_KEPT events (memory, and events.json is rewritten
+# after every event).
+EVENTS_KEPT = 10_000
+# The kinds a job writes once per rank: a registration of 1,024 nodes x 8 ranks alone writes 8,192,
+# and a relaunch from a snapshot as many again. Over the limit these go first, oldest first, so
+# that the job's own history (migrations, a lost node, snapshots) is not pushed out by them.
+PER_RANK_KINDS = frozenset({"rank.registered"})
+
 
 def activity_status(state: CoordState, now: float) -> dict[str, Any]:
     """What the coordinator is doing to the job now (job.status; ``now``: coordinator clock): the
@@ -83,7 +91,7 @@ class JobState:
     def carry_on(self, earlier: list[dict[str, Any]]) -> None:
         """Start from the event log of an earlier run of the job (a job stopped with `tpassctl
         snapshot --stop` and resumed): its events stay first, and the numbering goes on after them."""
-        for e in earlier[-10_000:]:
+        for e in earlier[-EVENTS_KEPT:]:
             if isinstance(e, dict) and isinstance(e.get("seq"), int) and isinstance(e.get("kind"), str):
                 self.events.append(Event(e["seq"], float(e.get("time") or 0.0), e["kind"], str(e.get("message", "")),
                                          e.get("data") if isinstance(e.get("data"), dict) else {}))
@@ -94,10 +102,18 @@ class JobState:
         ev = Event(self._next_seq, wall_time, kind, message, data)
         self._next_seq += 1
         self.events.append(ev)
-        # Bound memory: a job that runs for weeks keeps its last 10k events.
-        if len(self.events) > 10_000:
-            del self.events[: len(self.events) - 10_000]
+        if len(self.events) > EVENTS_KEPT:
+            self._drop_oldest()
         return ev
+
+    def _drop_oldest(self) -> None:
+        """One event out: the oldest per-rank one, else the oldest. The scan stops at the first
+        per-rank event, which follows the few job events kept before it."""
+        for i, e in enumerate(self.events):
+            if e.kind in PER_RANK_KINDS:
+                del self.events[i]
+                return
+        del self.events[0]
 
     def status(self, now: float, state: CoordState) -> dict[str, Any]:
         ranks = state.ranks
