@@ -221,5 +221,5 @@ def test_corrupt_snapshot_restores_nothing(net, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        f"torchpass: snapshot {d} is corrupt: core-1.img fails its SHA-256 check; take a new snapshot"]
+        f"torchpass: snapshot {d} is corrupt: core-1.img fails its BLAKE3 check; take a new snapshot"]
     assert not (d / "restored.pid").exists()

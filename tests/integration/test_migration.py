@@ -13,7 +13,7 @@ once per rank.
   with a torchpass reason, by its own tpassd (its audit line), and the
   events carry the phase durations;
 * the restore made to fail on the spare (the ``restore-fail`` drill corrupts
-  the verified image, the restore step's SHA-256 check refuses it): the
+  the verified image, the restore step's BLAKE3 check refuses it): the
   coordinator rolls back, training resumes on the source, the job finishes
   unchanged, the events say why, the node is neither drained nor retried;
 * ``tpassctl migrate`` moves a healthy rank on request, and refuses bad
@@ -207,7 +207,7 @@ def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_d
     assert len(rolled) == 1 and "migration.completed" not in kinds, diag
     # The event says why: the restore on the spare failed, because the image is corrupt.
     msg = rolled[0]["message"]
-    assert f"restore on {SPARE} failed" in msg and "fails its SHA-256 check" in msg, diag
+    assert f"restore on {SPARE} failed" in msg and "fails its BLAKE3 check" in msg, diag
     assert rolled[0]["data"]["node"] == node and "paused" in rolled[0]["data"]["phase_durations"], diag
     # No retry storm: the node is backed off (retry_backoff_s), so one attempt in this job.
     assert kinds.count("migration.started") == 1, diag

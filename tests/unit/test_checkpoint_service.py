@@ -66,7 +66,7 @@ def test_verify_checks_the_manifest_checksum(tmp_path):
 
 
 def test_restore_fail_drill_corrupts_a_verified_snapshot_once(tmp_path):
-    """The restore-fail drill: verify still passes, the restore's own SHA-256 check then refuses."""
+    """The restore-fail drill: verify still passes, the restore's own BLAKE3 check then refuses."""
     from torchpass.errors import CheckpointError
     d = layout.images_dir(tmp_path / "snap", 5, 1, 1)
     d.mkdir(parents=True)
@@ -83,7 +83,7 @@ def test_restore_fail_drill_corrupts_a_verified_snapshot_once(tmp_path):
     msg = wire.Message("tpassd.restore", {"job_id": 5, "rank": 1, "op": "verify", "images": str(d),
                                           "checksum": mf.checksum(d)})
     assert svc.restore(msg, auth.Identity(uid=0, gid=0))["files"] == 2
-    with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check"):
+    with pytest.raises(CheckpointError, match="pages-1.img fails its BLAKE3 check"):
         mf.verify_manifest(d)
     # One-shot: a second snapshot verified here is left alone.
     d2 = layout.images_dir(tmp_path / "snap", 5, 1, 2)

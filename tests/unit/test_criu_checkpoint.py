@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from torchpass.errors import CheckpointError, DependencyError, RemoteError
@@ -87,7 +88,7 @@ def test_manifest_round_trip_and_permissions(tmp_path):
         (lambda d: (d / "manifest.json").unlink(), "no manifest.json: it is incomplete"),
         (lambda d: (d / "pages-1.img").unlink(), "pages-1.img is missing"),
         (lambda d: (d / "pages-1.img").write_bytes(b"x"), "pages-1.img has 1 bytes"),
-        (lambda d: _flip_byte(d / "pages-1.img", 12345), "pages-1.img fails its SHA-256 check"),
+        (lambda d: _flip_byte(d / "pages-1.img", 12345), "pages-1.img fails its BLAKE3 check"),
         (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
     ],
 )
@@ -107,6 +108,42 @@ def _flip_byte(p: Path, off: int) -> None:
     b = bytearray(p.read_bytes())
     b[off] ^= 0x01
     p.write_bytes(bytes(b))
+
+
+def _format_1_manifest(d: Path) -> None:
+    """manifest.json as tpassd wrote it before BLAKE3 (format 1: each file's SHA-256)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(d.iterdir()) if p.name.endswith(".img")}
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "files": files, "meta": {}}))
+
+
+def test_a_format_1_snapshot_still_verifies_by_its_sha256(tmp_path):
+    d = tmp_path / "snap"
+    make_images(d)
+    _format_1_manifest(d)
+    assert manifest.verify_manifest(d)["format"] == 1
+    _flip_byte(d / "pages-1.img", 12345)
+    with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check"):
+        manifest.verify_manifest(d)
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    (lambda m: {**m, "format": 3}, r"not a torchpass manifest \(format 3; this tpassd reads formats 1, 2\)"),
+    (lambda m: {**m, "format": [2]}, r"not a torchpass manifest \(format \[2\];"),
+    (lambda m: {**m, "format": True}, r"not a torchpass manifest \(format True;"),
+    (lambda m: [m], r"not a torchpass manifest \(format None;"),
+    (lambda m: {**m, "files": {**m["files"], "pages-1.img": {"size": m["files"]["pages-1.img"]["size"]}}},
+     "gives no BLAKE3 digest for pages-1.img"),
+    (lambda m: {**m, "files": {**m["files"], "pages-1.img": "x"}}, "gives no BLAKE3 digest for pages-1.img"),
+])
+def test_a_malformed_manifest_is_one_clear_line(tmp_path, edit, pattern):
+    d = tmp_path / "snap"
+    make_images(d)
+    m = manifest.write_manifest(d)
+    (d / "manifest.json").write_text(json.dumps(edit(m)))
+    with pytest.raises(CheckpointError, match=pattern) as ei:
+        manifest.read_manifest(d)
+    assert "\n" not in str(ei.value) and "take a new snapshot" in str(ei.value)
 
 
 def test_private_dir_is_0700(tmp_path):
@@ -290,15 +327,15 @@ def test_tail_hasher_follows_a_file_being_written(tmp_path):
                 time.sleep(0.002)
         (d / "core-1.img").write_bytes(b"small")
         hashed = hasher.finish()
-    assert hashed == {"pages-1.img": (len(data), hashlib.sha256(data).hexdigest())}  # small files: at the end
+    assert hashed == {"pages-1.img": (len(data), blake3.blake3(data).hexdigest())}  # small files: at the end
     m = manifest.write_manifest(d, {"job": 1}, hashed)
-    assert m["files"]["core-1.img"]["sha256"] == hashlib.sha256(b"small").hexdigest()
+    assert m["format"] == 2 and m["files"]["core-1.img"]["blake3"] == blake3.blake3(b"small").hexdigest()
     manifest.verify_manifest(d)
     # A digest that no longer covers the file (size changed) is not trusted: hashed afresh.
     with open(d / "pages-1.img", "ab") as f:
         f.write(b"more")
     m = manifest.write_manifest(d, None, hashed)
-    assert m["files"]["pages-1.img"]["sha256"] == hashlib.sha256(data + b"more").hexdigest()
+    assert m["files"]["pages-1.img"]["blake3"] == blake3.blake3(data + b"more").hexdigest()
 
 
 def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
@@ -359,7 +396,7 @@ def test_corrupt_snapshot_found_during_the_restore_kills_the_restored_tree(tmp_p
     manifest.write_manifest(d, {"job": 1, "rank": 0})
     m = manifest.read_manifest(d)
     _flip_byte(d / "pages-1.img", 12345)
-    with pytest.raises(CheckpointError, match="pages-1.img fails its SHA-256 check") as ei:
+    with pytest.raises(CheckpointError, match="pages-1.img fails its BLAKE3 check") as ei:
         criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
     assert "\n" not in str(ei.value)
     pid = int((tmp_path / "pid").read_text())

@@ -29,4 +29,4 @@ def test_restore_of_a_corrupt_snapshot_writes_the_reason_to_the_error_file(tmp_p
         criu.find_criu(None)
     except Exception:  # noqa: BLE001 - no usable criu here: the reason is that, still one line
         return
-    assert "pages-1.img fails its SHA-256 check" in said[0]
+    assert "pages-1.img fails its BLAKE3 check" in said[0]

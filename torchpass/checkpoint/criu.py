@@ -8,7 +8,7 @@ pipes to its wrapper, no private mount namespace, a working directory of its
 own at the tree's root (``CRIU_PROC_DIR`` says why).
 
 Images live in a root-only directory (0700, files 0600) with a
-``manifest.json`` holding the SHA-256 and size of every image file
+``manifest.json`` holding the BLAKE3 digest and size of every image file
 (torchpass.checkpoint.manifest); restore verifies it first, so a corrupt or incomplete snapshot gives one clear
 CheckpointError and never a half-restored process.
 """
@@ -615,7 +615,7 @@ def restore(
         hasher.join()
     corrupt = hashing[0] if hashing and hashing[0] is not None else None
     if hasher is not None and not hashing:
-        corrupt = CheckpointError(f"snapshot {d}: the SHA-256 check did not finish; take a new snapshot")
+        corrupt = CheckpointError(f"snapshot {d}: the image check did not finish; take a new snapshot")
     if proc.returncode != 0:
         if corrupt is not None:
             raise corrupt
