@@ -109,9 +109,16 @@ def test_kill_and_abort_discard_the_ranks_images(tmp_path):
     body = {"job_id": 5, "rank": 1}
     res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "op": "kill", "pid": gone}), root)
     assert res["discarded_mb"] == 2.0 and res["killed"] is False  # it was already gone
-    assert sorted(p.name for p in (tmp_path / "snap" / "job5").iterdir()) == ["rank2.gen1"]
+    # gone from the rank's names when the reply goes; the bytes are removed after it
+    assert layout.images_dirs(tmp_path / "snap", 5, 1) == []
+    later = tmp_path / "snap" / "job5" / "rank1.gen3"  # a later dump of the rank, made meanwhile
+    later.mkdir()
+    assert svc.wait_discarded(10.0)
+    assert sorted(p.name for p in (tmp_path / "snap" / "job5").iterdir()) == ["rank1.gen3", "rank2.gen1"]
+    later.rmdir()
     res = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "rank": 2, "op": "abort"}), root)
-    assert res["discarded_mb"] == 1.0 and not (tmp_path / "snap" / "job5").exists()
+    assert res["discarded_mb"] == 1.0 and svc.wait_discarded(10.0)
+    assert not (tmp_path / "snap" / "job5").exists()
 
 
 class _CudaRecorder:

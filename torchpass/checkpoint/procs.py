@@ -74,6 +74,44 @@ def read_stat(pid: int, proc: str = "/proc") -> Stat:
     return Stat(ppid=int(fields[1]), state=fields[0], start=int(fields[19]))
 
 
+PF_EXITING = 0x4  # a task's flag (stat field 9) from the moment it is in do_exit (include/linux/sched.h)
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _thread_dying(task: str) -> bool:
+    """The thread at ``task`` (/proc/P/task/T) runs no more user code: gone, exiting, or SIGKILL pending."""
+    try:
+        with open(f"{task}/stat", "rb") as f:
+            fields = f.read(4096).decode(errors="replace").rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X", "x") or int(fields[6]) & PF_EXITING:
+            return True
+        with open(f"{task}/status", "rb") as f:
+            for line in f.read(1 << 16).decode(errors="replace").splitlines():
+                if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+                    return True
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return False
+
+
+def dying(pid: int, start: int | None = None, proc: str = "/proc") -> bool:
+    """True once process ``pid`` (the one that started at ``start``, when given) can run no more of its
+    own code: gone, replaced by a later process of the same pid, or every thread of it exiting or with
+    SIGKILL pending. A SIGKILL reaches every thread of a process at once, and a thread that has it
+    never returns to user space; the freeing of its memory that follows can take a while (0.1 s for a
+    2.2 GB rank here, seconds for a GPU node's), and nothing waits for it. An unreadable /proc entry
+    (other than a vanished one) is not taken for dying."""
+    try:
+        if start is not None and read_stat(pid, proc).start != start:
+            return True
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return all(_thread_dying(f"{proc}/{pid}/task/{tid}") for tid in tids)
+
+
 def read_uids(pid: int, proc: str = "/proc") -> tuple[int, ...]:
     """Real, effective, saved and filesystem uid of ``pid``."""
     with open(f"{proc}/{pid}/status", "rb") as f:
