@@ -66,10 +66,13 @@ def test_real_processes_alive_then_a_zombie():
         assert not procs.dying(child.pid, start)
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not procs.dying(child.pid, start):  # a zombie until reaped
+        while not procs.dying(child.pid, start):  # SIGKILL pending, exiting, then a zombie until reaped
             assert time.monotonic() < deadline, "a killed child never counted as dying"
-            time.sleep(0.01)
-        assert procs.read_stat(child.pid).state == "Z"
+            time.sleep(0.001)
+        while procs.read_stat(child.pid).state != "Z":
+            assert procs.dying(child.pid, start) and time.monotonic() < deadline
+            time.sleep(0.001)
+        assert procs.dying(child.pid, start)
     finally:
         child.kill()
         child.wait()

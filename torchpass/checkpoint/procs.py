@@ -91,6 +91,8 @@ def _thread_dying(task: str) -> bool:
                     return True
     except (FileNotFoundError, ProcessLookupError):
         return True
+    except (OSError, ValueError, IndexError):  # unreadable or malformed: not taken for dying
+        return False
     return False
 
 

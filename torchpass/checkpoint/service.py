@@ -342,7 +342,7 @@ class CheckpointService:
         return round(freed / 1e6, 1)
 
     def wait_discarded(self, timeout_s: float = 30.0) -> bool:
-        """True once every image removal started by _discard has finished (tests, shutdown)."""
+        """True once every image removal started by _discard has finished (for tests)."""
         deadline = time.monotonic() + timeout_s
         for t in list(self._discarding):
             t.join(max(0.0, deadline - time.monotonic()))
