@@ -19,7 +19,8 @@ when named in ``--only``; ``--full`` runs all four sizes, otherwise 64 and 512.
 job, relaunched by torchpass against requeued by Slurm, ~4 minutes a pair) is
 opt-in too: one pair, or two with ``--full``. ``fanout`` (bench_fanout.py: the
 coordinator's serve thread sending a pause to every parked poll, against each
-reply encoded by itself, ~20 s) always runs.
+reply encoded by itself, ~20 s) always runs. ``zmq_memory`` (bench_zmq_memory.py:
+libzmq's memory per connection, 8,192 connections against 1,024, ~1 minute) is opt-in.
 
 bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
 from the newest results file that has it, and bench_migration's end-to-end
@@ -43,8 +44,9 @@ BENCHES = {
     "coordinator": ("bench_coordinator.py", ["--sizes", "64,512"], []),
     "hard_failure": ("bench_hard_failure.py", ["--pairs", "1"], []),
     "fanout": ("bench_fanout.py", [], []),
+    "zmq_memory": ("bench_zmq_memory.py", [], []),
 }
-OPT_IN = {"coordinator", "hard_failure"}  # run only when named in --only
+OPT_IN = {"coordinator", "hard_failure", "zmq_memory"}  # run only when named in --only
 
 
 def main() -> int:
