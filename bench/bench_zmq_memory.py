@@ -175,8 +175,9 @@ def main() -> int:
               f"      | +{grew_b:5.0f} MB ({b['kb_per_connection']:5.1f} KB each)    | "
               f"{grew_a / max(grew_b, 0.1):.1f}x")
     again = rank_row["after_replacing_every_connection"]
-    print(f"every per-rank connection replaced once, one message each: +{again['rss_mb'] - rank_row['rss_mb_before']:.0f}"
-          f" MB ({again['kb_per_connection']:.1f} KB a rank)")
+    grew = again["rss_mb"] - rank_row["rss_mb_before"]
+    print(f"every per-rank connection replaced once, one message each: +{grew:.0f} MB "
+          f"({again['kb_per_connection']:.1f} KB a rank)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "zmq_memory",
                                     "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
