@@ -672,3 +672,47 @@ def test_a_health_change_ends_a_batch_after_the_message_in_hand():
     finally:
         sock.close(linger=0)
         server.sock.close(linger=0)
+
+
+def test_news_from_another_thread_is_taken_at_once_not_at_the_polls_time_out(served):
+    """later() wakes the serve loop. With no driver the loop polls every 100 ms, and news from
+    another thread used to wait for that time-out (20 ms with a driver: five such waits in every
+    migration's standstill, one per step)."""
+    server, _, _ = served
+    lags = []
+    for _ in range(9):
+        ran = threading.Event()
+        time.sleep(0.01)  # the loop is back in its poll
+        t0 = time.perf_counter()
+        server.later(ran.set)
+        assert ran.wait(2.0)
+        lags.append(time.perf_counter() - t0)
+    assert sorted(lags)[len(lags) // 2] < 0.03, lags
+
+
+def test_a_drivers_posts_and_health_changes_wake_the_serve_loop():
+    from torchpass.coordinator.model import SpareHow
+
+    driver = Driver(JobState(job_id=42), CoordinatorPolicy())
+    server = CoordinatorServer(JobState(job_id=42), bind_address="127.0.0.1", driver=driver)
+    woken = []
+    real_wake = server.wake
+    server.wake = lambda: (woken.append(1), real_wake())  # what serve() hands the driver
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not woken:  # serve() has handed its wake-up over once a post wakes it
+            driver.post(ct.SpareAdded("spare9", SpareHow.HOT))
+            assert time.monotonic() < deadline, "the driver's posts never woke the serve loop"
+            time.sleep(0.01)
+        before = len(woken)
+        driver.health_changed()
+        assert len(woken) == before + 1
+    finally:
+        server.stop()
+        t.join(5)
+    assert not t.is_alive()
+    after = len(woken)
+    driver.post(ct.SpareAdded("spare10", SpareHow.HOT))  # serving is over: nothing to wake
+    assert len(woken) == after

@@ -1278,12 +1278,23 @@ class Driver:
         self._next_health = 0.0
         self._health_news = False  # health_changed(): a node's state changed since the last poll
         self._snapshots = 0  # snapshots asked of this coordinator (accept_snapshot)
+        self._waker: Callable[[], None] | None = None  # the serve loop's wake-up (set_waker)
         for s in spares:
             self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
 
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """What post() and health_changed() call to wake the serve loop (CoordinatorServer.wake)."""
+        self._waker = waker
+
+    def _wake(self) -> None:
+        waker = self._waker
+        if waker is not None:
+            waker()
+
     def post(self, outcome: Any) -> None:
-        """Thread-safe: queue an outcome for the serve thread."""
+        """Thread-safe: queue an outcome for the serve thread, and wake it."""
         self.queue.put(outcome)
+        self._wake()
 
     def feed(self, outcome: Any) -> None:
         """Apply ``outcome`` and decide now; within a batch (begin_batch) decide once at its end."""
@@ -1360,6 +1371,7 @@ class Driver:
         reads the health view and decides at once, instead of at its next health poll
         (HEALTH_POLL_S, or the idle tick): a fault reaches decide in one pass of the serve loop."""
         self._health_news = True
+        self._wake()
 
     def health_news(self) -> bool:
         """A node's state changed and no decision has read it yet (the server then ends its batch

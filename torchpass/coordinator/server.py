@@ -226,6 +226,13 @@ class CoordinatorServer:
         self.counters: dict[str, int] = {}
         self._stop = threading.Event()
         self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # Other threads' news (an executor outcome, a health change, later()) wakes the serve loop
+        # through this pipe at once: it waited for its poll's time-out (20 ms) before, and a
+        # migration's standstill took five such waits, one per step (issue 13).
+        # Made by serve(), closed when it ends; the lock keeps a late wake() off a closed (and maybe
+        # reused) descriptor.
+        self._wake_r = self._wake_w = -1
+        self._wake_lock = threading.Lock()
         self._batch: _Batch | None = None  # the messages being served (serve loop), else None
         self.pace = Pace(clock)
         # Long polls parked (PARK_MAX_S): rank -> its poll; their due times, oldest first
@@ -476,10 +483,29 @@ class CoordinatorServer:
     # --- loop --------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
+        self.wake()
 
     def later(self, fn: Callable[[], None]) -> None:
         """Thread-safe: run ``fn`` in the serve thread (which alone touches the job and the driver)."""
         self._later.put(fn)
+        self.wake()
+
+    def wake(self) -> None:
+        """Thread-safe: the serve loop looks at its queues now, not at its poll's time-out."""
+        with self._wake_lock:
+            if self._wake_w < 0:  # not serving: the queues are read when it starts
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # full: a wake-up is pending already
+                pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except OSError:  # empty
+            pass
 
     def watch(self, check: Callable[[], bool], interval_s: float) -> threading.Thread:
         """Run ``check`` every ``interval_s`` in a thread of its own (a slurmctld query can take
@@ -503,11 +529,20 @@ class CoordinatorServer:
 
     def serve(self) -> None:
         """Serve until stop() (a watch() check that found the job gone calls it)."""
+        with self._wake_lock:
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        set_waker = getattr(self.driver, "set_waker", None)
+        if set_waker is not None:
+            set_waker(self.wake)
         try:
             while not self._stop.is_set():
-                if poller.poll(self._poll_ms(100 if self.driver is None else 20)):
+                ready = dict(poller.poll(self._poll_ms(100 if self.driver is None else 20)))
+                if self._wake_r in ready:
+                    self._drain_wake()
+                if self.sock in ready:
                     self._serve_batch()
                 else:
                     self._run_later()
@@ -523,6 +558,12 @@ class CoordinatorServer:
                 self._unpark(rank)
             # Time for those answers to leave (at most 0.2 s; a peer gone meanwhile drops them).
             self.sock.close(linger=200 if parked else 0)
+            if set_waker is not None:
+                set_waker(None)
+            with self._wake_lock:
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
+                self._wake_r = self._wake_w = -1
 
     def _pump(self, force: bool = False) -> None:
         if self.driver is not None:
