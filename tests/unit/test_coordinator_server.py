@@ -716,3 +716,19 @@ def test_a_drivers_posts_and_health_changes_wake_the_serve_loop():
     after = len(woken)
     driver.post(ct.SpareAdded("spare10", SpareHow.HOT))  # serving is over: nothing to wake
     assert len(woken) == after
+
+
+def test_a_wake_from_a_signal_handler_in_the_thread_holding_the_wake_lock_does_not_hang(served):
+    """SIGTERM's handler (coordinator main) calls stop(), so wake(), in the serve thread, which may be
+    inside wake() or closing the pipe at that moment: the lock must let the same thread in again."""
+    server, _, _ = served
+    done = threading.Event()
+
+    def nested():
+        with server._wake_lock:  # as if interrupted in there
+            server.wake()
+        done.set()
+
+    t = threading.Thread(target=nested, daemon=True)
+    t.start()
+    assert done.wait(2.0), "wake() deadlocked on its own lock"

@@ -230,9 +230,10 @@ class CoordinatorServer:
         # through this pipe at once: it waited for its poll's time-out (20 ms) before, and a
         # migration's standstill took five such waits, one per step (issue 13).
         # Made by serve(), closed when it ends; the lock keeps a late wake() off a closed (and maybe
-        # reused) descriptor.
+        # reused) descriptor. Reentrant: SIGTERM's handler (main.py) calls stop(), so wake(), in the
+        # serve thread, which may hold it at that moment.
         self._wake_r = self._wake_w = -1
-        self._wake_lock = threading.Lock()
+        self._wake_lock = threading.RLock()
         self._batch: _Batch | None = None  # the messages being served (serve loop), else None
         self.pace = Pace(clock)
         # Long polls parked (PARK_MAX_S): rank -> its poll; their due times, oldest first
@@ -497,7 +498,7 @@ class CoordinatorServer:
                 return
             try:
                 os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # full: a wake-up is pending already
+            except OSError:  # full: a wake-up is pending already
                 pass
 
     def _drain_wake(self) -> None:
@@ -561,9 +562,9 @@ class CoordinatorServer:
             if set_waker is not None:
                 set_waker(None)
             with self._wake_lock:
-                for fd in (self._wake_r, self._wake_w):
+                fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+                for fd in fds:  # after the -1: a handler running in between writes to neither
                     os.close(fd)
-                self._wake_r = self._wake_w = -1
 
     def _pump(self, force: bool = False) -> None:
         if self.driver is not None:
