@@ -14,6 +14,11 @@ then killed and restored from the snapshot:
 * the file was removed: the restore fails, with CRIU's line naming the file (one CheckpointError;
   nothing runs).
 
+The same scenario restores a snapshot whose manifest is rewritten as tpassd wrote it before BLAKE3
+(format 1: each image file's SHA-256), with criu.restore(checked=...), which checks the digests
+while CRIU restores, as the restore wrapper does: whole-job snapshots may be days old when they are
+restored, so this version must take the manifests of the one before.
+
 The scenario runs in a child process that is a child subreaper (as the restore wrapper is), so
 that the restored process, detached by ``criu restore -d``, is its child and is reaped.
 """
@@ -32,9 +37,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="criu dump and restore
 
 SCENARIO = textwrap.dedent(
     r"""
-    import ctypes, json, os, subprocess, sys, time
+    import ctypes, hashlib, json, os, subprocess, sys, time
     from pathlib import Path
-    from torchpass.checkpoint import criu
+    from torchpass.checkpoint import criu, manifest
     from torchpass.errors import CheckpointError
 
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
@@ -70,15 +75,29 @@ SCENARIO = textwrap.dedent(
         os.truncate(log, 0)
     elif mode == "removed":
         log.unlink()
+    checked = None
+    if mode.startswith("format1"):  # the manifest as tpassd wrote it before BLAKE3
+        img = tmp / "img"
+        m = json.loads((img / "manifest.json").read_text())
+        files = {n: {"size": f["size"], "sha256": hashlib.sha256((img / n).read_bytes()).hexdigest()}
+                 for n, f in m["files"].items()}
+        (img / "manifest.json").write_text(json.dumps({"format": 1, "files": files, "meta": m["meta"]}))
+        if mode == "format1-damaged":
+            big = max(files, key=lambda n: files[n]["size"])
+            data = bytearray((img / big).read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            (img / big).write_bytes(data)
+        checked = manifest.read_manifest(img)
     kept = len(lines())
     try:
-        pid, _ = criu.restore(c, tmp / "img", pidfile=tmp / "restored.pid")
+        pid, _ = criu.restore(c, tmp / "img", pidfile=tmp / "restored.pid", checked=checked)
     except CheckpointError as exc:
-        print(json.dumps({"error": str(exc)}))
+        print(json.dumps({"error": str(exc), "format": checked and checked["format"]}))
         raise SystemExit(0)
     until(lambda: len(lines()) >= kept + 5, "steps of the restored copy")
     os.kill(pid, 9); os.waitpid(pid, 0)
-    print(json.dumps({"snapshot_steps": [first, last], "before": before, "after": lines()}))
+    print(json.dumps({"snapshot_steps": [first, last], "before": before, "after": lines(),
+                      "format": checked and checked["format"]}))
     """
 )
 
@@ -117,3 +136,19 @@ def test_a_removed_log_fails_the_restore_in_one_line_naming_the_file(tmp_path):
     r = _scenario(tmp_path, "removed")
     assert "Can't open file" in r["error"] and "train.log" in r["error"], r["error"]
     assert r["error"].startswith("criu restore from ") and "\n" not in r["error"]
+
+
+def test_a_format_1_snapshot_restores_and_the_process_goes_on(tmp_path):
+    r = _scenario(tmp_path, "format1")
+    assert r["format"] == 1  # dumped as today (format 2), then rewritten as before
+    first, last = r["snapshot_steps"]
+    before, after = r["before"], r["after"]
+    assert after[:len(before)] == before
+    steps = [_step(ln) for ln in after[len(before):]]
+    assert len(steps) >= 5 and first <= steps[0] <= last and steps == list(range(steps[0], steps[0] + len(steps)))
+
+
+def test_a_damaged_format_1_snapshot_is_refused_by_its_sha256(tmp_path):
+    r = _scenario(tmp_path, "format1-damaged")
+    assert r["format"] == 1 and "fails its SHA-256 check; take a new snapshot" in r["error"], r
+    assert "\n" not in r["error"]
