@@ -65,13 +65,19 @@ class Stat:
     ppid: int
     state: str
     start: int  # clock ticks after boot: with the pid, names one process for good
+    flags: int  # the task's PF_* flags (PF_EXITING: in do_exit)
 
 
 def read_stat(pid: int, proc: str = "/proc") -> Stat:
-    with open(f"{proc}/{pid}/stat", "rb") as f:
+    return _read_stat_file(f"{proc}/{pid}/stat")
+
+
+def _read_stat_file(path: str) -> Stat:
+    """A process's or a thread's (/proc/P/task/T/stat) stat file."""
+    with open(path, "rb") as f:
         raw = f.read(4096).decode(errors="replace")
     fields = raw.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces and parentheses
-    return Stat(ppid=int(fields[1]), state=fields[0], start=int(fields[19]))
+    return Stat(ppid=int(fields[1]), state=fields[0], start=int(fields[19]), flags=int(fields[6]))
 
 
 PF_EXITING = 0x4  # a task's flag (stat field 9) from the moment it is in do_exit (include/linux/sched.h)
@@ -81,9 +87,8 @@ _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 def _thread_dying(task: str) -> bool:
     """The thread at ``task`` (/proc/P/task/T) runs no more user code: gone, exiting, or SIGKILL pending."""
     try:
-        with open(f"{task}/stat", "rb") as f:
-            fields = f.read(4096).decode(errors="replace").rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X", "x") or int(fields[6]) & PF_EXITING:
+        st = _read_stat_file(f"{task}/stat")
+        if st.state in ("Z", "X", "x") or st.flags & PF_EXITING:
             return True
         with open(f"{task}/status", "rb") as f:
             for line in f.read(1 << 16).decode(errors="replace").splitlines():
