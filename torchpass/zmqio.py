@@ -309,13 +309,24 @@ def handle_frame(
         return wire.encode_error(msg.id, "internal", f"{msg.type} failed inside the server; see its log")
 
 
-def serve_one(sock: zmq.Socket, handlers: dict[str, Handler], **kw) -> None:
+def serve_one(sock: zmq.Socket, handlers: dict[str, Handler], *, bundles: bool = False, **kw) -> None:
     """Read one multipart message from a ROUTER socket and reply to it.
 
     Frames that do not look like a REQ envelope (identity, empty, payload)
-    are dropped: there is nobody to reply to.
+    are dropped: there is nobody to reply to. With ``bundles``, a node relay's
+    bundle (wire.RELAY_BUNDLE, torchpass/runtime/relay.py) is served item by
+    item and answered with one bundle, as the coordinator does.
     """
     parts = sock.recv_multipart(copy=True)
+    if bundles and len(parts) == 3 and parts[1] == wire.RELAY_BUNDLE:
+        try:
+            items = wire.unpack_bundle(parts[2])
+        except ProtocolError:
+            items = None
+        if items is not None:
+            answers = [(ident, handle_frame(frame, handlers, **kw)) for ident, frame in items]
+            sock.send_multipart([parts[0], wire.RELAY_BUNDLE, wire.pack_bundle(answers)])
+            return
     if len(parts) < 3 or parts[-2] != b"":
         counters = kw.get("counters")
         if counters is not None:

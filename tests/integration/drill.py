@@ -9,7 +9,8 @@ more node (the spare), puts an ECC drill on a random training node at a
 random step (both from ``seed``, printed), and checks the outcome: same job
 id, ``Restarts=0``, COMPLETED 0:0, every step exactly once per rank with the
 reference's losses bit for bit, one ``migration.completed`` event from that
-node to the spare. It returns that event's data (phase durations: the
+node to the spare; with several ranks per node, before the fault, one
+connection to the coordinator per node (the node relay). It returns that event's data (phase durations: the
 stall is ``paused``). bench/bench_ranks_per_node.py uses it too.
 """
 
@@ -85,6 +86,17 @@ def events(cluster, job_id: int) -> list[dict]:
 
 
 
+def coordinator_connections(cluster, job_id: int, nodes: tuple[str, ...]) -> int:
+    """Established TCP connections to the job's coordinator, counted in every node's network."""
+    port = json.loads(layout.coordinator_json(cluster.state_dir, job_id).read_text())["endpoint"].rsplit(":", 1)[1]
+    n = 0
+    for node in nodes:
+        ss = cluster.exec_on(node, ["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=True)
+        n += len(ss.stdout.splitlines())
+    return n
+
+
 def wait_step(cluster, job_id: int, out_path: Path, step: int, what: str, timeout_s: float = 240) -> None:
     """Wait until the job's output shows ``step`` (its ``step=N`` line); fail with the diagnosis."""
     deadline = time.monotonic() + timeout_s
@@ -137,6 +149,14 @@ def migrate(cluster, d: Drill, job_dir: Path, user: str | None, seed: int, jobs:
     jobs.append(job_id)
     out_path = job_dir / f"mig.{job_id}.out"
     wait_step(cluster, job_id, out_path, at, what)
+    if d.per_node > 1:
+        # The ranks of a node share one connection to the coordinator (the node relay, issue 13).
+        end, conns = time.monotonic() + 5, -1
+        while conns != d.nodes and time.monotonic() < end:
+            conns = coordinator_connections(cluster, job_id, (*d.training_nodes, d.spare))
+            time.sleep(0.2)
+        assert conns == d.nodes, diagnosis(cluster, job_id, out_path,
+                                           f"{what}: {conns} connections to the coordinator, not one per node")
     inj = tj.run([*tj.TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"])
     assert inj.returncode == 0, (what, inj.stderr)
     final = tj.wait_end(job_id, 400, context=f"{what}: ")

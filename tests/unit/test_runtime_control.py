@@ -34,20 +34,25 @@ sock, port = zmqio.bind_router(ctx, "127.0.0.1")
 print(port, flush=True)
 pause, at, progress = json.loads(sys.argv[1]), int(sys.argv[2]), 0
 refuse = sys.argv[3:] == ["refuse-checkpoints"]  # as a coordinator older than rank.checkpoint would
-while True:
-    parts = sock.recv_multipart()
-    msg = wire.decode(parts[-1])
-    result = {}
+def answer(frame):
+    global progress
+    msg = wire.decode(frame)
+    print(parts[0].hex(), msg.type, flush=True)
     if refuse and msg.type == "rank.checkpoint":
-        print(parts[0].hex(), msg.type, flush=True)
-        sock.send_multipart(parts[:-1] + [wire.encode_error(msg.id, "bad_request", "unknown message type")])
-        continue
+        return wire.encode_error(msg.id, "bad_request", "unknown message type")
+    result = {}
     if msg.type == "rank.progress":
         if progress == at:
             result = {"command": pause}
         progress += 1
-    print(parts[0].hex(), msg.type, flush=True)
-    sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, result)])
+    return wire.encode_ok(msg.id, result)
+while True:
+    parts = sock.recv_multipart()
+    if parts[1] == wire.RELAY_BUNDLE:  # a node relay's ranks: [relay, mark, bundle]
+        items = [(ident, answer(frame)) for ident, frame in wire.unpack_bundle(parts[2])]
+        sock.send_multipart([parts[0], wire.RELAY_BUNDLE, wire.pack_bundle(items)])
+    else:
+        sock.send_multipart(parts[:-1] + [answer(parts[-1])])
 """
 
 

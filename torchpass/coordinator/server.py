@@ -34,7 +34,7 @@ from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.state import JobState
-from torchpass.errors import RemoteError, SlurmError, TorchpassError
+from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
 
@@ -241,6 +241,10 @@ class CoordinatorServer:
         self._parked: dict[int, _Parked] = {}
         self._park_due: list[tuple[float, int, int]] = []  # (due, parked.seq, rank)
         self._park_seq = 0
+        # Replies to ranks behind a node relay, per relay, sent as one bundle (wire.RELAY_BUNDLE) at
+        # the end of each pass of the serve loop (_flush_bundles): a pause to 1,024 nodes x 8 ranks
+        # leaves as 1,024 messages, not 8,192.
+        self._bundles: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self.handlers: dict[str, zmqio.Handler] = {
             "rank.register": self._on_register,
             "rank.progress": self._on_progress,
@@ -549,6 +553,7 @@ class CoordinatorServer:
                     self._run_later()
                     self._pump()
                     self._answer_parked()
+                    self._flush_bundles()
                     self._after_replies()
         finally:
             self._run_later()  # news that came with the end (the job's last events)
@@ -557,6 +562,7 @@ class CoordinatorServer:
             parked = list(self._parked)
             for rank in parked:  # the parked polls get their answer without a command
                 self._unpark(rank)
+            self._flush_bundles()
             # Time for those answers to leave (at most 0.2 s; a peer gone meanwhile drops them).
             self.sock.close(linger=200 if parked else 0)
             if set_waker is not None:
@@ -585,19 +591,27 @@ class CoordinatorServer:
         news = getattr(self.driver, "health_news", None)
         try:
             for _ in range(BATCH_MAX):
+                if len(batch.replies) >= BATCH_MAX:  # rank messages: a relay's bundle holds several
+                    break
                 if batch.replies and news is not None and news():
                     break  # decided on now; what else is queued is the next batch (which reads one at least)
                 try:
                     parts = self.sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if len(parts) == 3 and parts[1] == wire.RELAY_BUNDLE:  # [relay, mark, bundle]: a node's ranks
+                    try:
+                        items = wire.unpack_bundle(parts[2])
+                    except ProtocolError:  # nobody to reply to: the relay's ranks time out and ask again
+                        self.counters["dropped"] = self.counters.get("dropped", 0) + 1
+                        continue
+                    for ident, frame in items:
+                        self._serve_one(batch, [parts[0], wire.RELAY_BUNDLE, ident], frame)
+                    continue
                 if len(parts) < 3 or parts[-2] != b"":  # not a REQ envelope: nobody to reply to
                     self.counters["dropped"] = self.counters.get("dropped", 0) + 1
                     continue
-                batch.pending = None
-                reply = zmqio.handle_frame(parts[-1], self.handlers, authenticate=self._authenticate,
-                                           counters=self.counters)
-                batch.replies.append((parts[:-1], reply, batch.pending))
+                self._serve_one(batch, parts[:-1], parts[-1])
         finally:
             self._batch = None
             if self.driver is not None:
@@ -608,8 +622,14 @@ class CoordinatorServer:
         self._run_later()
         self._reply_batch(batch)
         self._answer_parked()
+        self._flush_bundles()  # before what waits for the replies (_after_replies)
         self.pace.busy(time.perf_counter() - started)
         self._after_replies()
+
+    def _serve_one(self, batch: _Batch, envelope: list[bytes], frame: bytes) -> None:
+        batch.pending = None
+        reply = zmqio.handle_frame(frame, self.handlers, authenticate=self._authenticate, counters=self.counters)
+        batch.replies.append((envelope, reply, batch.pending))
 
     def _after_replies(self) -> None:
         """What a decision started that may wait until its replies are sent (executor.defer_prelaunch)."""
@@ -632,10 +652,24 @@ class CoordinatorServer:
             self._send(envelope, reply)
 
     def _send(self, envelope: list[bytes], reply: bytes) -> None:
+        if len(envelope) == 3 and envelope[1] == wire.RELAY_BUNDLE:  # [relay, mark, identity]
+            self._bundles.setdefault(envelope[0], []).append((envelope[2], reply))
+            return
         try:
             self.sock.send_multipart(envelope + [reply], zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full (it gave up): nothing to answer
             self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + 1
+
+    def _flush_bundles(self) -> None:
+        """Send the replies gathered per node relay, one message per relay."""
+        if not self._bundles:
+            return
+        bundles, self._bundles = self._bundles, {}
+        for relay, items in bundles.items():
+            try:
+                self.sock.send_multipart([relay, wire.RELAY_BUNDLE, wire.pack_bundle(items)], zmq.NOBLOCK)
+            except zmq.Again:  # the relay's queue is full (it is gone): its ranks ask again
+                self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + len(items)
 
     # --- long polls (PARK_MAX_S) -------------------------------------------------------------
     def _park(self, rank: int, parked: _Parked) -> None:
@@ -665,7 +699,11 @@ class CoordinatorServer:
                      if isinstance(commands, dict) and len(commands) < len(self._parked) else list(self._parked))
             urgent = getattr(ex, "urgent", ())  # the held ranks of a pause: theirs first (a rank answered is unparked)
             if 0 < len(urgent) < len(ranks):
-                ranks = [r for r in urgent if r in self._parked] + ranks
+                for rank in urgent:
+                    cmd = ex.command_for(rank) if rank in self._parked else None
+                    if cmd is not None:
+                        self._unpark(rank, cmd, replies)
+                self._flush_bundles()  # their node's bundle leaves before the others are encoded
             for rank in ranks:
                 cmd = ex.command_for(rank)
                 if cmd is not None:

@@ -202,6 +202,8 @@ class ControlLink(PauseListener):
         wall: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
         exit: Callable[[int], None] = os._exit,
+        relay_path: str | None = None,
+        relay_host: bool = False,
     ):
         self.pg = pg
         self.endpoint = endpoint
@@ -259,6 +261,16 @@ class ControlLink(PauseListener):
         self.before_dump: list[Callable[[], object]] = []
         self._checkpoints_posted = 0  # rank.checkpoint reports posted, and answered by the coordinator
         self._checkpoints_told = 0
+        # The node relay (torchpass/runtime/relay.py): its socket, whether this rank hosts it, the
+        # relay thread while it runs, whether the current client goes through it, and when a rank
+        # that talks to the coordinator itself tries the relay again.
+        self.relay_path = relay_path
+        self.relay_host = relay_host and relay_path is not None
+        self._relay = None
+        self._via_relay = False
+        self._relay_retry_at = 0.0
+        self._relay_waited = False
+        self._relay_timeouts = 0  # requests through the relay in a row that got no answer
         pg.listener = self
 
     @classmethod
@@ -277,6 +289,7 @@ class ControlLink(PauseListener):
             state_dir=env.get("TORCHPASS_STATE_DIR") or None,
             rank_dir=env.get("TORCHPASS_RANK_STATE_DIR") or None,
             lost_after_s=float(env.get("TORCHPASS_COORDINATOR_LOST_S", COORDINATOR_LOST_S)),
+            **_relay_args(env),
         )
         return link
 
@@ -303,7 +316,52 @@ class ControlLink(PauseListener):
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._stop_relay()
         self._close()
+
+    # -- the node relay ---------------------------------------------------------------
+    def _start_relay(self) -> None:
+        """The node's first rank, on the node it started on, hosts the relay."""
+        from torchpass.runtime import relay
+
+        if not self.relay_host or self._relay is not None or self.moved or self._stop:
+            return
+        if relay.private_dir(os.path.dirname(self.relay_path), create=True) is None:
+            self.relay_host = False  # said why; the node's ranks connect to the coordinator themselves
+            return
+        r = relay.NodeRelay(self.relay_path, self.endpoint)
+        if r.start():
+            self._relay = r
+        else:
+            self.relay_host = False
+
+    def _stop_relay(self, drain_s: float = 0.0) -> None:
+        r, self._relay = self._relay, None
+        if r is not None:
+            r.stop(drain_s)
+
+    def _use_relay(self) -> bool:
+        """Whether the next connection goes through the node relay: one listens on its socket in a
+        private directory, and this copy runs on the node it started on."""
+        from torchpass.runtime import relay
+
+        if self.relay_path is None or self.moved or self.clock() < self._relay_retry_at:
+            return False
+        ok = (relay.private_dir(os.path.dirname(self.relay_path), create=False) is not None
+              and relay.listening(self.relay_path))
+        if not ok and not self._relay_waited and not self.relay_host:
+            # The first connection: the node's first rank starts its relay as this rank starts
+            # (both right after init_process_group); a direct connection made meanwhile would be
+            # given up later, which costs the coordinator as much memory as keeping it.
+            end = self.clock() + relay.FIRST_WAIT_S
+            while not ok and not self._stop and self.clock() < end:
+                time.sleep(0.05)
+                ok = (relay.private_dir(os.path.dirname(self.relay_path), create=False) is not None
+                      and relay.listening(self.relay_path))
+        self._relay_waited = True
+        if not ok:
+            self._relay_retry_at = self.clock() + relay.RELAY_RETRY_S
+        return ok
 
     def _open(self):
         import zmq
@@ -315,6 +373,8 @@ class ControlLink(PauseListener):
     def _close(self) -> None:
         if self._client is not None:
             self._client.close()  # the next request connects again, in the next context
+            if self._via_relay:  # and chooses its way again: after a hold this copy may have moved
+                self._client = None
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.destroy(linger=0)  # joins its I/O threads; their fds close
@@ -323,8 +383,15 @@ class ControlLink(PauseListener):
         from torchpass import zmqio
         from torchpass.errors import RemoteError, TorchpassError
 
-        if self._client is None:
-            self._client = zmqio.Client(self.endpoint, retries=0, auth=self.auth, context=self._open)
+        if self._client is None or (not self._via_relay and self.relay_path is not None
+                                    and self.clock() >= self._relay_retry_at):
+            via = self._use_relay()
+            if self._client is None or via:
+                if self._client is not None:
+                    self._client.close()
+                self._client = zmqio.Client(f"ipc://{self.relay_path}" if via else self.endpoint, retries=0,
+                                            auth=self.auth, context=self._open)
+                self._via_relay = via
         wait_s = body.get("wait_s") or 0.0  # a long poll: given up for a report to send, or stop()
         try:
             timeout_s = max(self.request_timeout_s, self.reply_hint_s) + wait_s
@@ -335,6 +402,18 @@ class ControlLink(PauseListener):
                 return None  # given up, not unanswered
         except TorchpassError as exc:
             self.refused = exc if isinstance(exc, RemoteError) else None  # answered, with an error
+            if self.refused is None and self._via_relay:
+                self._relay_timeouts += 1
+                if self._relay_timeouts >= _relay_timeouts_allowed():
+                    # No answer through the node relay, twice running (once is mostly a
+                    # coordinator that was late for many ranks at once): the next try goes to
+                    # the coordinator itself.
+                    from torchpass.runtime.relay import RELAY_RETRY_S
+
+                    self._client.close()
+                    self._client, self._via_relay = None, False
+                    self._relay_retry_at = self.clock() + RELAY_RETRY_S
+                    self._relay_timeouts = 0
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
                 say(f"coordinator {self.endpoint} did not answer {type_} ({exc}); will keep trying")
@@ -343,6 +422,7 @@ class ControlLink(PauseListener):
         self.errors = 0
         self.refused = None
         self._failing_since = None
+        self._relay_timeouts = 0
         return result
 
     def _note_silence(self, error: str) -> None:
@@ -376,6 +456,7 @@ class ControlLink(PauseListener):
 
     def _run(self) -> None:
         try:
+            self._start_relay()
             while not self._stop:
                 if not self.registered:  # at the start, and again as a copy restored from a snapshot
                     self._register()
@@ -437,6 +518,7 @@ class ControlLink(PauseListener):
         except Exception as exc:  # noqa: BLE001 - never take training down
             say(f"control link stopped ({type(exc).__name__}: {exc}); the rank cannot be migrated")
         finally:
+            self._stop_relay()
             self._close()
 
     def _register(self) -> None:
@@ -504,6 +586,9 @@ class ControlLink(PauseListener):
         leaves the wait still holding; the control loop then claims the rank.
         """
         path = self._hold_file
+        # The node's other ranks hold with this one (a move takes a whole node): the relay first
+        # forwards their rank.quiesced and its answers, then closes its sockets.
+        self._stop_relay(drain_s=_relay_drain_s())
         self._close()
         self._holding = True
         marker = _agent_marker()
@@ -519,6 +604,7 @@ class ControlLink(PauseListener):
                 self._woken_from_snapshot(path)
         finally:
             self._holding = False
+            self._start_relay()  # on the node it started on (not after a move)
             if marker is not None:
                 try:
                     os.unlink(marker[0])
@@ -815,6 +901,29 @@ class ControlLink(PauseListener):
         # now: the coordinator cancels it (every report also says why).
         if dropped is not None:
             self._report_armed(dropped[0], dropped[1], False)
+
+
+def _relay_timeouts_allowed() -> int:
+    from torchpass.runtime.relay import TIMEOUTS_BEFORE_DIRECT
+
+    return TIMEOUTS_BEFORE_DIRECT
+
+
+def _relay_drain_s() -> float:
+    from torchpass.runtime.relay import DRAIN_S
+
+    return DRAIN_S
+
+
+def _relay_args(env) -> dict:
+    """relay_path and relay_host for ControlLink from the task's environment (no relay: {})."""
+    from torchpass.runtime import relay
+
+    node = env.get("TORCHPASS_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
+    if not relay.relay_enabled(env) or relay.local_rank(env) is None:
+        return {}  # a task that knows no local rank knows no node relay host either
+    path = relay.relay_path(relay.relay_dir(env), int(env["TORCHPASS_JOB_ID"]), env.get("SLURM_STEP_ID", "0"), node)
+    return {"relay_path": path, "relay_host": relay.is_node_leader(env)}
 
 
 def _tcp(endpoint: str) -> str:

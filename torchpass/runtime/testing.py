@@ -94,7 +94,7 @@ class MiniCoordinator:
     def _serve(self) -> None:
         while not self._stop:
             if self._sock.poll(50, zmq.POLLIN):
-                zmqio.serve_one(self._sock, self._handlers)
+                zmqio.serve_one(self._sock, self._handlers, bundles=True)  # ranks behind a node relay
 
     def _view(self, body) -> RankView:
         if body["job_id"] != self.job_id:
