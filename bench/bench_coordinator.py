@@ -92,6 +92,8 @@ MAX_HINT_S = 10.0  # torchpass.runtime.control.MAX_HINT_S
 MAX_REPLY_HINT_S = 20.0  # torchpass.runtime.control.MAX_REPLY_HINT_S
 REQUEST_TIMEOUT_S = 2.0
 OUTBOX_RETRY_S = 0.2
+RELAY_RETRY_S = 30.0  # torchpass.runtime.relay.RELAY_RETRY_S
+TIMEOUTS_BEFORE_DIRECT = 2  # torchpass.runtime.relay.TIMEOUTS_BEFORE_DIRECT
 HOLD_POLL_S = 0.02
 HEARTBEAT_S = 1.0  # tpassd's default interval_s
 COLLECTIVES_PER_S = 40.0
@@ -211,7 +213,7 @@ class SimRank:
 
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
-                 "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s")
+                 "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s", "ident", "idents", "direct_until", "relay_timeouts")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
@@ -232,6 +234,14 @@ class SimRank:
         self.paused_hint_s = 0.0
         self.wait_max_s = 0.0  # > 0: the coordinator parks long polls (its replies' wait_max_s)
         self.reply_hint_s = 0.0  # the coordinator's reply_within_s (ControlLink.reply_hint_s)
+        # --connection relay: this rank's socket identity at its node's relay (a new one after a
+        # time-out, as a new ipc connection), and until when it talks to the coordinator itself
+        # (ControlLink after TIMEOUTS_BEFORE_DIRECT time-outs in a row through the relay:
+        # RELAY_RETRY_S), and how many it had in a row.
+        self.idents = 0
+        self.ident = b"r%d.0" % rank
+        self.direct_until = 0.0
+        self.relay_timeouts = 0
 
     def every(self) -> float:
         """Seconds to the next report, as ControlLink.every_s/paused_every_s choose them."""
@@ -251,14 +261,21 @@ class LoadGen:
 
     def __init__(self, endpoint: str, job_id: int, world: int, ranks: range, secret: str, t0: float,
                  persistent: bool, conn, wait_at, wait_gen, long_poll: bool = True, running_long: bool = True,
-                 reply_hints: bool = True):
+                 reply_hints: bool = True, relay: bool = False):
         import zmq
 
         from torchpass import jobauth, wire, zmqio
 
         self.zmq, self.wire, self.zmqio = zmq, wire, zmqio
         self.endpoint, self.job_id, self.world = endpoint, job_id, world
-        self.persistent = persistent
+        self.persistent = persistent or relay
+        # One connection per node (torchpass.runtime.relay): every rank's request goes over its
+        # node's one DEALER in the envelope the node relay forwards ([rank socket, "", frame]).
+        self.relay = relay
+        self.node_socks: dict[str, Any] = {}
+        self.by_ident: dict[bytes, int] = {}
+        self.relay_socks: set[Any] = set()
+        self.bundles: dict[Any, list[tuple[bytes, bytes]]] = {}  # node socket -> (identity, frame) to send
         self.long_poll = long_poll  # paused ranks long-poll as the runtime does (else every 20 ms, as before)
         self.running_long = running_long  # running ranks' reports are long polls too (else plain, as before)
         self.reply_hints = reply_hints  # a request waits max(2 s, reply_within_s) (else 2 s, as before)
@@ -319,7 +336,8 @@ class LoadGen:
 
     @staticmethod
     def _zero() -> dict[str, int]:
-        return {"sent": 0, "answered": 0, "timeouts": 0, "timeouts_reply_waiting": 0, "error_replies": 0,
+        return {"sent": 0, "answered": 0, "timeouts": 0, "timeouts_reply_waiting": 0, "timeouts_relayed": 0,
+                "timeouts_progress": 0, "timeouts_acks": 0, "error_replies": 0,
                 "refused_pauses": 0}
 
     def _count(self, key: str) -> None:
@@ -336,7 +354,16 @@ class LoadGen:
         rk = self.ranks[i]
         id_ = wire.new_id()
         frame = wire.encode(type_, body, id=id_, **rk.signer.envelope(type_, id_, body))
-        if self.persistent:  # as torchpass.zmqio.Client: one DEALER kept until a time-out
+        via_relay = self.relay and now >= rk.direct_until
+        if via_relay:  # the node relay's one connection (torchpass.runtime.relay), kept for the run
+            sock = self.node_socks.get(rk.node)
+            if sock is None:
+                sock = self.node_socks[rk.node] = self.zmqio.dealer_socket(self.ctx, self.endpoint)
+                self.relay_socks.add(sock)
+            # The relay bundles what its ranks send together (wire.RELAY_BUNDLE): sent at the end
+            # of this pass of the loop (_flush_bundles), with whatever the node's other ranks sent.
+            self.bundles.setdefault(sock, []).append((rk.ident, frame))
+        elif self.persistent:  # as torchpass.zmqio.Client: one DEALER kept until a time-out
             sock = rk.sock = rk.sock or self.zmqio.dealer_socket(self.ctx, self.endpoint)
             self.zmqio.send_request(sock, frame)
         else:  # as torchpass.zmqio.request: a REQ socket per request
@@ -345,8 +372,11 @@ class LoadGen:
             sock.connect(self.endpoint)
             sock.send(frame)
         self._seq += 1
-        rk.inflight = (sock, type_, body, now, self._seq, id_)
-        self.by_sock[sock] = i
+        rk.inflight = (sock, type_, body, now, self._seq, id_, via_relay)
+        if via_relay:
+            self.by_ident[rk.ident] = i
+        else:
+            self.by_sock[sock] = i
         fd = sock.getsockopt(zmq.FD)
         if self.by_fd.get(fd) is not sock:
             if fd in self.by_fd:  # a closed socket's number, reused
@@ -360,9 +390,18 @@ class LoadGen:
 
     def _finish(self, i: int, keep: bool) -> None:
         rk = self.ranks[i]
-        sock = rk.inflight[0]
-        del self.by_sock[sock]
+        sock, via_relay = rk.inflight[0], rk.inflight[6]
         rk.inflight = None
+        if via_relay:  # the node's connection stays; a time-out: a new ipc connection, and the next
+            del self.by_ident[rk.ident]  # try to the coordinator itself (ControlLink._request)
+            if not keep:
+                rk.idents += 1
+                rk.ident = b"r%d.%d" % (rk.rank, rk.idents)
+                rk.relay_timeouts += 1
+                if rk.relay_timeouts >= TIMEOUTS_BEFORE_DIRECT:
+                    rk.direct_until, rk.relay_timeouts = time.monotonic() + RELAY_RETRY_S, 0
+            return
+        del self.by_sock[sock]
         if not (keep and self.persistent):
             fd = sock.getsockopt(self.zmq.FD)
             if self.by_fd.get(fd) is sock:
@@ -409,17 +448,20 @@ class LoadGen:
         if rk.inflight is None and not rk.holding:
             self._timer(now, i)  # the control thread's condition variable wakes it
 
-    def _reply(self, i: int, now: float) -> None:
+    def _reply(self, i: int, now: float, relayed=None) -> None:
         rk = self.ranks[i]
-        sock, type_, body, t_sent, _, id_ = rk.inflight
-        reply, frame = None, None
-        if self.persistent:
+        sock, type_, body, t_sent, _, id_, _ = rk.inflight
+        reply, frame = relayed, None
+        if relayed is not None:
+            pass
+        elif self.persistent:
             reply = self.zmqio.recv_reply(sock, id_)
             if reply is None:  # a late reply to an earlier try: the client drops it
                 return
         else:
             frame = sock.recv()
         self._count("answered")
+        rk.relay_timeouts = 0  # an answer, whichever way: ControlLink._request
         try:
             result = (reply or self.wire.decode_reply(frame)).unwrap()
         except Exception:  # noqa: BLE001 - an error reply: the rank treats it as no reply
@@ -607,18 +649,36 @@ class LoadGen:
             self._timer(now + PROGRESS_INTERVAL_S * i / len(self.ranks), i)
         conn_fd = self.conn.fileno()
         next_sync = now
+        wait_s = 0.0
         while True:
+            # The replies first: on a cluster every rank (and every node's relay) reads its own
+            # socket while the others work, so a reply that has arrived is read before this loop
+            # sends what the replies it read before asked for (1,024 acknowledgments of a pause,
+            # signed and sent, took ~0.1 s of this loop before the next reply was read).
+            for fd, _ in self.epoll.poll(wait_s):
+                if fd == conn_fd:
+                    if not self.command(self.conn.recv()):
+                        self.ctx.destroy(linger=0)
+                        return
+                elif (sock := self.by_fd.get(fd)) is not None:
+                    self.unread.add(sock)
+            for sock in list(self.unread):
+                self._read(sock)
             now = time.monotonic()
             while self.deadlines and self.deadlines[0][0] <= now:
                 _, token, i = heapq.heappop(self.deadlines)
                 rk = self.ranks[i]
                 if rk.inflight is not None and rk.inflight[4] == token:
                     sock, type_, body, t_sent = rk.inflight[:4]
-                    if not sock.closed and sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN:
+                    if (not rk.inflight[6] and not sock.closed
+                            and sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN):
                         # Its reply is in the rank's socket, unread: this generator, sharing the
                         # cores with the coordinator, came to it late (a rank process of its own
                         # would likely have read it in time). Still a time-out; counted apart too.
                         self._count("timeouts_reply_waiting")
+                    if rk.inflight[6]:
+                        self._count("timeouts_relayed")
+                    self._count("timeouts_progress" if type_ == "rank.progress" else "timeouts_acks")
                     self._finish(i, keep=False)  # Lazy Pirate: a fresh socket next time
                     self._count("timeouts")
                     self._failed(i, type_, now, body, t_sent)
@@ -631,22 +691,27 @@ class LoadGen:
             if now >= next_sync:
                 self._sync(now)
                 next_sync = now + SYNC_S
+            self._flush_bundles()  # each node's requests of this pass, as its relay bundles them
             nxt = min(self.timers[0][0] if self.timers else now + 0.05,
                       self.deadlines[0][0] if self.deadlines else now + 0.05)
             wait_s = 0.0 if self.unread else max(0.0, min(SYNC_S, nxt - time.monotonic()))
-            for fd, _ in self.epoll.poll(wait_s):
-                if fd == conn_fd:
-                    if not self.command(self.conn.recv()):
-                        self.ctx.destroy(linger=0)
-                        return
-                elif (sock := self.by_fd.get(fd)) is not None:
-                    self.unread.add(sock)
-            for sock in list(self.unread):
-                self._read(sock)
+
+    def _flush_bundles(self) -> None:
+        """Each node's requests of this pass as one message, as its relay sends them."""
+        if not self.bundles:
+            return
+        bundles, self.bundles = self.bundles, {}
+        for sock, items in bundles.items():
+            try:
+                sock.send_multipart([self.wire.RELAY_BUNDLE, self.wire.pack_bundle(items)], self.zmq.NOBLOCK)
+            except self.zmq.Again:  # as the relay: dropped, the ranks time out and ask again
+                pass
 
     def _read(self, sock) -> None:
         """The replies waiting on ``sock`` (a few per pass); it leaves ``unread`` when it has none."""
         zmq = self.zmq
+        if sock in self.relay_socks:
+            return self._read_relay(sock)
         for _ in range(8):
             if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self.unread.discard(sock)
@@ -658,12 +723,36 @@ class LoadGen:
             self._reply(i, time.monotonic())
 
 
+    def _read_relay(self, sock) -> None:
+        """The replies waiting on a node's connection, each routed to its rank by its socket identity
+        as the node relay's ROUTER routes it (a late one, or one to an identity given up, dropped)."""
+        zmq = self.zmq
+        for _ in range(8):
+            if sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.unread.discard(sock)
+                return
+            parts = sock.recv_multipart(zmq.NOBLOCK)
+            if len(parts) != 2 or parts[0] != self.wire.RELAY_BUNDLE:
+                continue
+            for ident, frame in self.wire.unpack_bundle(parts[1]):
+                i = self.by_ident.get(ident)
+                if i is None:
+                    continue
+                try:
+                    reply = self.wire.decode_reply(frame)
+                except Exception:  # noqa: BLE001 - not a reply: the rank's client drops it
+                    continue
+                inflight = self.ranks[i].inflight
+                if inflight is not None and reply.id == inflight[5]:
+                    self._reply(i, time.monotonic(), reply)
+
+
 def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
-                 long_poll=True, running_long=True, reply_hints=True) -> None:
+                 long_poll=True, running_long=True, reply_hints=True, relay=False) -> None:
     lim = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lim[1], lim[1]))
     LoadGen(endpoint, job_id, world, range(lo, hi), secret, t0, persistent, conn, wait_at, wait_gen,
-            long_poll, running_long, reply_hints).run()
+            long_poll, running_long, reply_hints, relay).run()
 
 
 # ============================================================================
@@ -885,7 +974,7 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                                   args=(coord.endpoint, JOB_ID, ranks, lo, hi, secret, t0,
                                         connection == "persistent", child, wait_at, wait_gen,
                                         paused_poll == "long", running_poll == "long",
-                                        reply_timeout == "hinted"))
+                                        reply_timeout == "hinted", connection == "relay"))
                 p.start()
                 procs.append(p)
                 conns.append(a)
@@ -1020,6 +1109,9 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 "refused_pauses": tot["refused_pauses"],
                 "requests_total": tot["sent"], "replies_total": tot["answered"], "timeouts_total": tot["timeouts"],
                 "timeouts_reply_waiting": tot["timeouts_reply_waiting"],
+                # which requests timed out: rank.progress, the rest (register, armed, quiesced,
+                # resumed), and how many of them had gone through a node relay
+                **{k: tot[k] for k in ("timeouts_progress", "timeouts_acks", "timeouts_relayed")},
                 "error_replies_total": tot["error_replies"],
                 "replies_fraction_all": round(tot["answered"] / done, 4) if done else 0.0,
                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
@@ -1067,18 +1159,24 @@ def _tpassd_stats(conn) -> dict:
 
 # ============================================================================
 def plot_rows(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = ()) -> None:
-    """The curves of the runtime's protocol (persistent connections; long polls where measured),
-    with the per-request rows dotted."""
-    persistent = [r for r in rows if r.get("connection") == "persistent"]
-    persistent = [r for r in persistent if r.get("paused_poll") == "long"] or persistent
-    persistent = [r for r in persistent if r.get("running_poll") == "long"] or persistent
-    persistent = [r for r in persistent if r.get("reply_timeout") == "hinted"] or persistent
-    per_request = [r for r in rows if r.get("connection", "per-request") == "per-request"]
-    plot(persistent or per_request, path, before, per_request if persistent else [])
+    """The curves of the runtime's protocol (the node relay where measured, else persistent
+    connections; long polls where measured), with the protocol before it dotted."""
+    def runtime(connection: str) -> list[dict[str, Any]]:
+        got = [r for r in rows if r.get("connection", "per-request") == connection]
+        got = [r for r in got if r.get("paused_poll") == "long"] or got
+        got = [r for r in got if r.get("running_poll") == "long"] or got
+        return [r for r in got if r.get("reply_timeout") == "hinted"] or got
+
+    relay, persistent, per_request = runtime("relay"), runtime("persistent"), runtime("per-request")
+    if relay:
+        plot(relay, path, before, persistent, "a connection per rank")
+    else:
+        plot(persistent or per_request, path, before, per_request if persistent else [], "per-request sockets")
 
 
 def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = (),
-         per_request: list[dict[str, Any]] = ()) -> None:
+         per_request: list[dict[str, Any]] = (), other: str = "per-request sockets") -> None:
+    """``per_request``: the rows of the protocol before, dotted, labelled ``other``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1100,8 +1198,8 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
         if r.get("decision_p99_ms") is None:  # no rank ever saw a pause: nothing to plot
             ax.text(r["ranks"], 0.5, f"no pause\nreached\n{r.get('registered')}/{r['ranks']}\nregistered",
                     transform=ax.get_xaxis_transform(), ha="center", va="center", color="tab:red", fontsize=8)
-    for key, label in (("decision_p99_ms", "pause received, per-request sockets"),
-                       ("pause_fanout_p99_ms", "pause fan-out, per-request sockets")):
+    for key, label in (("decision_p99_ms", f"pause received, {other}"),
+                       ("pause_fanout_p99_ms", f"pause fan-out, {other}")):
         pts = [(r["ranks"], r[key]) for r in per_request if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), ls=":", marker=".", label=label)
@@ -1126,14 +1224,14 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
         ax.plot(bx, [r.get("cpu_core_fraction") for r in before], ls="--", color="grey", label="CPU before")
     if per_request:
         ax.plot([r["ranks"] for r in per_request], [r.get("cpu_core_fraction") for r in per_request], ls=":",
-                marker=".", label="CPU, per-request sockets")
+                marker=".", label=f"CPU, {other}")
     ax = axes[2]
     if before:
         ax.plot(bx, [r.get("replies_fraction") for r in before], ls="--", color="grey",
                 label="steady state, before")
     if per_request:
         ax.plot([r["ranks"] for r in per_request], [r.get("replies_fraction_all") for r in per_request], ls=":",
-                marker=".", label="whole run, per-request sockets")
+                marker=".", label=f"whole run, {other}")
     ax.plot(x, [r.get("replies_fraction") for r in rows], marker="o", label="steady state")
     ax.plot(x, [r.get("replies_fraction_all") for r in rows], marker="s", label="whole run")
     ax.set(xscale="log", ylim=(0, 1.05), xlabel="ranks", ylabel="fraction", title="rank requests answered")
@@ -1158,10 +1256,14 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--status-timeout-s", type=float, default=10.0)
     ap.add_argument("--size-timeout-s", type=float, default=300.0, help="no new trial starts after this")
     ap.add_argument("--generators", type=int, default=0, help="load generator processes (0: one per 1024 ranks)")
-    ap.add_argument("--connection", choices=("per-request", "persistent", "both"), default="persistent",
-                    help="persistent: one DEALER socket per rank (torchpass.zmqio.Client, what the rank runtime "
-                         "uses); per-request: a new REQ socket per request (torchpass.zmqio.request, the runtime "
-                         "before issue 13); both: each size with one, then the other")
+    ap.add_argument("--connection", choices=("per-request", "persistent", "relay", "both", "per-node-ab"),
+                    default="relay",
+                    help="relay: the ranks of a node share one DEALER to the coordinator, as the node relay "
+                         "forwards them (torchpass.runtime.relay, what the rank runtime does since issue 13's "
+                         "per-node aggregation); persistent: one DEALER socket per rank (torchpass.zmqio.Client, "
+                         "the runtime before the relay); per-request: a new REQ socket per request "
+                         "(torchpass.zmqio.request, the runtime before that); both: per-request, then persistent; "
+                         "per-node-ab: persistent, then relay, each size")
     ap.add_argument("--paused-poll", choices=("long", "short", "both"), default="long",
                     help="long: a paused rank's poll carries wait_s and waits at the coordinator for its command "
                          "(the rank runtime since issue 13's long polls); short: a poll every 20 ms (or "
@@ -1205,7 +1307,8 @@ def main() -> int:
             print(f"warning: open files limited to {hard}; {max(sizes)} ranks may want {want}", flush=True)
     from tpassd.testing import private_munged
 
-    conns = ("per-request", "persistent") if args.connection == "both" else (args.connection,)
+    conns = {"both": ("per-request", "persistent"), "per-node-ab": ("persistent", "relay")}.get(
+        args.connection, (args.connection,))
     polls = ("short", "long") if args.paused_poll == "both" else (args.paused_poll,)
     running = ("short", "long") if args.running_poll == "both" else (args.running_poll,)
     replies = ("fixed", "hinted") if args.reply_timeout == "both" else (args.reply_timeout,)

@@ -2,8 +2,8 @@
 
 The harness starts the real ``tpass-coordinator`` process (as the SPANK plugin
 does, Slurm replaced by stand-in commands on its PATH) against 512 simulated
-ranks speaking the rank protocol (signed with the job secret, one kept
-connection per rank as the runtime's ``zmqio.Client``, 2 s time-out) and 65 simulated tpassds, then injects two
+ranks speaking the rank protocol (signed with the job secret, the ranks of a node sharing one kept
+connection as the runtime's node relay forwards them, 2 s time-out) and 65 simulated tpassds, then injects two
 node faults. It needs no devcluster and takes about a minute.
 """
 

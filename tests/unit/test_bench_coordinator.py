@@ -15,12 +15,18 @@ def _harness():
     return mod
 
 
-def test_the_default_connection_is_the_runtimes_kept_one_and_both_stays_available():
-    # torchpass.runtime.control sends every request over one zmqio.Client connection (issue 13).
-    parser = _harness().arg_parser()
-    assert parser.parse_args([]).connection == "persistent"
-    assert parser.parse_args(["--connection", "both"]).connection == "both"
-    assert parser.parse_args(["--connection", "per-request"]).connection == "per-request"
+def test_the_default_connection_is_the_node_relays_and_the_earlier_ones_stay_available():
+    # torchpass.runtime.control sends every request through its node's relay, one connection per
+    # node (torchpass.runtime.relay; issue 13), and the relay's constants are the harness's.
+    h = _harness()
+    parser = h.arg_parser()
+    assert parser.parse_args([]).connection == "relay"
+    for c in ("persistent", "per-request", "both", "per-node-ab"):
+        assert parser.parse_args(["--connection", c]).connection == c
+    from torchpass.runtime import relay
+
+    assert h.RELAY_RETRY_S == relay.RELAY_RETRY_S
+    assert h.TIMEOUTS_BEFORE_DIRECT == relay.TIMEOUTS_BEFORE_DIRECT
 
 
 def test_paused_ranks_long_poll_by_default_and_the_old_polling_stays_available():
