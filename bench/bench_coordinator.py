@@ -213,7 +213,8 @@ class SimRank:
 
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
-                 "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s", "ident", "idents", "direct_until", "relay_timeouts")
+                 "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s", "ident", "idents", "direct_until",
+                 "relay_timeouts")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
@@ -702,10 +703,7 @@ class LoadGen:
             return
         bundles, self.bundles = self.bundles, {}
         for sock, items in bundles.items():
-            try:
-                sock.send_multipart([self.wire.RELAY_BUNDLE, self.wire.pack_bundle(items)], self.zmq.NOBLOCK)
-            except self.zmq.Again:  # as the relay: dropped, the ranks time out and ask again
-                pass
+            self.zmqio.send_bundle(sock, items)  # as the relay: a full queue drops it, the ranks ask again
 
     def _read(self, sock) -> None:
         """The replies waiting on ``sock`` (a few per pass); it leaves ``unread`` when it has none."""

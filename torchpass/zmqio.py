@@ -309,6 +309,17 @@ def handle_frame(
         return wire.encode_error(msg.id, "internal", f"{msg.type} failed inside the server; see its log")
 
 
+def send_bundle(sock: zmq.Socket, items: list[tuple[bytes, bytes]], *, to: bytes | None = None) -> bool:
+    """Send (identity, frame) items as one node-relay bundle (wire.RELAY_BUNDLE); ``to``: the ROUTER
+    peer it goes to. False when the peer's queue is full (nothing is sent: the ranks ask again)."""
+    head = [wire.RELAY_BUNDLE] if to is None else [to, wire.RELAY_BUNDLE]
+    try:
+        sock.send_multipart([*head, wire.pack_bundle(items)], zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
 def serve_one(sock: zmq.Socket, handlers: dict[str, Handler], *, bundles: bool = False, **kw) -> None:
     """Read one multipart message from a ROUTER socket and reply to it.
 
@@ -324,8 +335,7 @@ def serve_one(sock: zmq.Socket, handlers: dict[str, Handler], *, bundles: bool =
         except ProtocolError:
             items = None
         if items is not None:
-            answers = [(ident, handle_frame(frame, handlers, **kw)) for ident, frame in items]
-            sock.send_multipart([parts[0], wire.RELAY_BUNDLE, wire.pack_bundle(answers)])
+            send_bundle(sock, [(ident, handle_frame(frame, handlers, **kw)) for ident, frame in items], to=parts[0])
             return
     if len(parts) < 3 or parts[-2] != b"":
         counters = kw.get("counters")

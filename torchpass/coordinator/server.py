@@ -666,9 +666,7 @@ class CoordinatorServer:
             return
         bundles, self._bundles = self._bundles, {}
         for relay, items in bundles.items():
-            try:
-                self.sock.send_multipart([relay, wire.RELAY_BUNDLE, wire.pack_bundle(items)], zmq.NOBLOCK)
-            except zmq.Again:  # the relay's queue is full (it is gone): its ranks ask again
+            if not zmqio.send_bundle(self.sock, items, to=relay):  # its queue is full: its ranks ask again
                 self.counters["reply_dropped"] = self.counters.get("reply_dropped", 0) + len(items)
 
     # --- long polls (PARK_MAX_S) -------------------------------------------------------------

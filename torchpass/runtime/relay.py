@@ -282,7 +282,7 @@ class NodeRelay:
         """The ranks' requests that are ready, and those that follow within LINGER_S, as one bundle."""
         import zmq
 
-        from torchpass import wire
+        from torchpass import zmqio
 
         items: list[tuple[bytes, bytes]] = []
         end = self.clock() + LINGER_S
@@ -303,10 +303,9 @@ class NodeRelay:
             items.append((parts[0], parts[2]))
         if not items:
             return
-        try:
-            dealer.send_multipart([wire.RELAY_BUNDLE, wire.pack_bundle(items)], zmq.NOBLOCK)
+        if zmqio.send_bundle(dealer, items):
             self.forwarded += len(items)
-        except zmq.ZMQError:  # the coordinator's queue is full: the ranks ask again
+        else:  # the coordinator's queue is full: the ranks ask again
             self.dropped += len(items)
 
     def _down(self, dealer, router) -> None:
@@ -337,4 +336,5 @@ class NodeRelay:
                     self.dropped += 1
 
 
-__all__ = ["NodeRelay", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled", "relay_path"]
+__all__ = ["NodeRelay", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled",
+           "relay_path"]
