@@ -152,7 +152,7 @@ class NodeRelay:
         self._inode = 0  # of the socket file this relay bound: removed at the end only if still its own
         self._stopping = False
         self._drain_until = 0.0
-        self.forwarded = 0  # frames, both ways (tests, and one line at the end)
+        self.forwarded = 0  # rank frames, both ways (tests)
         self.dropped = 0
         # rank -> when it last sent through the relay; the ranks whose hold was answered; the
         # request ids of the rank.quiesced (hold) on their way, with their ranks.
@@ -228,6 +228,8 @@ class NodeRelay:
             return
         self._peers[rank] = self.clock()
         if msg.type == "rank.quiesced" and msg.body.get("hold"):
+            if len(self._quiescing) >= 4 * BURST:  # answers that never came (ranks that went direct)
+                self._quiescing.clear()
             self._quiescing[msg.id] = rank
         elif msg.type == "rank.resumed":
             self._held.discard(rank)
