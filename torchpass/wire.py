@@ -48,6 +48,7 @@ MAX_FRAME_BYTES = 1 << 20  # 1 MiB: the largest honest message is a node snapsho
 # 18-frame messages took longer than the replies themselves (issue 13, cProfile at 8,192 ranks).
 RELAY_BUNDLE = b"torchpass.bundle/1"
 _ITEM_HEAD = struct.Struct("!BI")  # identity length (a ZeroMQ identity is at most 255 bytes), frame length
+BUNDLE_ITEM_OVERHEAD = _ITEM_HEAD.size
 
 
 def pack_bundle(items: list[tuple[bytes, bytes]]) -> bytes:

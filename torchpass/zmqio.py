@@ -310,11 +310,23 @@ def handle_frame(
 
 
 def send_bundle(sock: zmq.Socket, items: list[tuple[bytes, bytes]], *, to: bytes | None = None) -> bool:
-    """Send (identity, frame) items as one node-relay bundle (wire.RELAY_BUNDLE); ``to``: the ROUTER
-    peer it goes to. False when the peer's queue is full (nothing is sent: the ranks ask again)."""
+    """Send (identity, frame) items as node-relay bundles (wire.RELAY_BUNDLE), as few as fit under
+    wire.MAX_FRAME_BYTES each (a peer's MAXMSGSIZE, bind_router, disconnects a larger frame); ``to``:
+    the ROUTER peer they go to. False when the peer's queue was full (the items not sent: their ranks
+    ask again)."""
     head = [wire.RELAY_BUNDLE] if to is None else [to, wire.RELAY_BUNDLE]
+    chunk: list[tuple[bytes, bytes]] = []
+    size = 0
     try:
-        sock.send_multipart([*head, wire.pack_bundle(items)], zmq.NOBLOCK)
+        for ident, frame in items:
+            n = wire.BUNDLE_ITEM_OVERHEAD + len(ident) + len(frame)
+            if chunk and size + n > wire.MAX_FRAME_BYTES:
+                sock.send_multipart([*head, wire.pack_bundle(chunk)], zmq.NOBLOCK)
+                chunk, size = [], 0
+            chunk.append((ident, frame))
+            size += n
+        if chunk:
+            sock.send_multipart([*head, wire.pack_bundle(chunk)], zmq.NOBLOCK)
         return True
     except zmq.Again:
         return False

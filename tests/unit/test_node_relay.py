@@ -297,3 +297,25 @@ def test_a_bundle_unpacks_to_its_items_and_a_broken_one_is_one_protocol_error():
     huge = wire._ITEM_HEAD.pack(1, wire.MAX_FRAME_BYTES + 1) + b"r"
     with pytest.raises(ProtocolError, match="frame limit"):
         wire.unpack_bundle(huge)
+
+
+def test_a_bundle_too_large_for_one_frame_goes_as_several_each_under_the_limit():
+    # The coordinator's socket disconnects a peer that sends a frame over MAXMSGSIZE (bind_router):
+    # a relay's bundle must never be one.
+    ctx = zmq.Context()
+    coord, port = zmqio.bind_router(ctx, "127.0.0.1")
+    relay_sock = zmqio.dealer_socket(ctx, f"tcp://127.0.0.1:{port}")
+    try:
+        big = [(b"r%d" % i, b"x" * (wire.MAX_FRAME_BYTES // 3)) for i in range(5)]
+        assert zmqio.send_bundle(relay_sock, big)
+        got = []
+        while len(got) < len(big):
+            assert coord.poll(3000), f"{len(got)} of {len(big)} items came"
+            parts = coord.recv_multipart()
+            assert parts[1] == wire.RELAY_BUNDLE and len(parts[2]) <= wire.MAX_FRAME_BYTES
+            got += wire.unpack_bundle(parts[2])
+        assert got == big
+    finally:
+        relay_sock.close(linger=0)
+        coord.close(linger=0)
+        ctx.term()
