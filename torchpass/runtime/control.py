@@ -73,6 +73,7 @@ from collections import deque
 from typing import Callable
 
 from torchpass import layout
+from torchpass.runtime import relay
 from torchpass.runtime.pg import PauseListener, ReconfigurablePG, Rendezvous, count_sockets
 from torchpass.runtime.release import release_allocator_caches
 from torchpass.runtime.say import say
@@ -322,8 +323,6 @@ class ControlLink(PauseListener):
     # -- the node relay ---------------------------------------------------------------
     def _start_relay(self) -> None:
         """The node's first rank, on the node it started on, hosts the relay."""
-        from torchpass.runtime import relay
-
         if not self.relay_host or self._relay is not None or self.moved or self._stop:
             return
         if relay.private_dir(os.path.dirname(self.relay_path), create=True) is None:
@@ -343,12 +342,9 @@ class ControlLink(PauseListener):
     def _use_relay(self) -> bool:
         """Whether the next connection goes through the node relay: one listens on its socket in a
         private directory, and this copy runs on the node it started on."""
-        from torchpass.runtime import relay
-
         if self.relay_path is None or self.moved or self.clock() < self._relay_retry_at:
             return False
-        ok = (relay.private_dir(os.path.dirname(self.relay_path), create=False) is not None
-              and relay.listening(self.relay_path))
+        ok = relay.available(self.relay_path)
         if not ok and not self._relay_waited and not self.relay_host:
             # The first connection: the node's first rank starts its relay as this rank starts
             # (both right after init_process_group); a direct connection made meanwhile would be
@@ -356,8 +352,7 @@ class ControlLink(PauseListener):
             end = self.clock() + relay.FIRST_WAIT_S
             while not ok and not self._stop and self.clock() < end:
                 time.sleep(0.05)
-                ok = (relay.private_dir(os.path.dirname(self.relay_path), create=False) is not None
-                      and relay.listening(self.relay_path))
+                ok = relay.available(self.relay_path)
         self._relay_waited = True
         if not ok:
             self._relay_retry_at = self.clock() + relay.RELAY_RETRY_S
@@ -404,15 +399,13 @@ class ControlLink(PauseListener):
             self.refused = exc if isinstance(exc, RemoteError) else None  # answered, with an error
             if self.refused is None and self._via_relay:
                 self._relay_timeouts += 1
-                if self._relay_timeouts >= _relay_timeouts_allowed():
+                if self._relay_timeouts >= relay.TIMEOUTS_BEFORE_DIRECT:
                     # No answer through the node relay, twice running (once is mostly a
                     # coordinator that was late for many ranks at once): the next try goes to
                     # the coordinator itself.
-                    from torchpass.runtime.relay import RELAY_RETRY_S
-
                     self._client.close()
                     self._client, self._via_relay = None, False
-                    self._relay_retry_at = self.clock() + RELAY_RETRY_S
+                    self._relay_retry_at = self.clock() + relay.RELAY_RETRY_S
                     self._relay_timeouts = 0
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
@@ -588,7 +581,7 @@ class ControlLink(PauseListener):
         path = self._hold_file
         # The node's other ranks hold with this one (a move takes a whole node): the relay first
         # forwards their rank.quiesced and its answers, then closes its sockets.
-        self._stop_relay(drain_s=_relay_drain_s())
+        self._stop_relay(drain_s=relay.DRAIN_S)
         self._close()
         self._holding = True
         marker = _agent_marker()
@@ -903,22 +896,8 @@ class ControlLink(PauseListener):
             self._report_armed(dropped[0], dropped[1], False)
 
 
-def _relay_timeouts_allowed() -> int:
-    from torchpass.runtime.relay import TIMEOUTS_BEFORE_DIRECT
-
-    return TIMEOUTS_BEFORE_DIRECT
-
-
-def _relay_drain_s() -> float:
-    from torchpass.runtime.relay import DRAIN_S
-
-    return DRAIN_S
-
-
 def _relay_args(env) -> dict:
     """relay_path and relay_host for ControlLink from the task's environment (no relay: {})."""
-    from torchpass.runtime import relay
-
     node = env.get("TORCHPASS_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
     if not relay.relay_enabled(env) or relay.local_rank(env) is None:
         return {}  # a task that knows no local rank knows no node relay host either

@@ -118,6 +118,11 @@ def relay_path(directory: str, job_id: int, step: str, node: str) -> str:
     return os.path.join(directory, f"job{job_id}.{step}-{node}.sock")
 
 
+def available(path: str) -> bool:
+    """A relay a rank may use: its socket in a private directory, and someone listening on it."""
+    return private_dir(os.path.dirname(path), create=False) is not None and listening(path)
+
+
 def listening(path: str) -> bool:
     """Someone accepts connections on the unix socket ``path`` (a file left by a relay that is gone
     refuses them)."""
@@ -338,5 +343,5 @@ class NodeRelay:
                     self.dropped += 1
 
 
-__all__ = ["NodeRelay", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled",
+__all__ = ["NodeRelay", "available", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled",
            "relay_path"]
