@@ -47,7 +47,7 @@ def nodes_json() -> dict:
     return {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
 
 
-def wait_for(pred, timeout: float, what: str):
+def wait_for(pred, timeout: float, what: str, show=None):
     end = time.monotonic() + timeout
     last = None
     while time.monotonic() < end:
@@ -55,7 +55,7 @@ def wait_for(pred, timeout: float, what: str):
         if last:
             return last
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what} ({timeout:g} s)" + (f"; now: {show()!r}" if show else ""))
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +84,15 @@ def test_inject_sbe_storm_degrades_node2_and_clear_heals(cluster, subscriber):
     wait_for(lambda: nodes_json()["node2"]["state"] == "healthy", 20, "node2 healthy")
     out = tpassctl("inject", "--node", "node2", "--fault", "ecc-sbe-storm", "--gpu", "3")
     assert "gpu3" in out.stdout
-    row = wait_for(lambda: (r := nodes_json()["node2"])["state"] == "degraded" and r, 10, "node2 degraded")
+    row = wait_for(lambda: (r := nodes_json()["node2"])["state"] == "degraded" and r, 30, "node2 degraded",
+                   show=lambda: nodes_json()["node2"])
     assert any("SBE ECC storm" in r for r in row["reasons"]), row
     assert row["last_heartbeat_age_s"] is not None and row["last_heartbeat_age_s"] < 2.0
     others = nodes_json()
     assert all(others[n]["state"] == "healthy" for n in ("node1", "node3", "node4")), others
     wait_for(lambda: subscriber.state("node2") is State.DEGRADED, 5, "subscriber sees node2 degraded")
     tpassctl("inject", "--node", "node2", "--fault", "clear")
-    wait_for(lambda: nodes_json()["node2"]["state"] == "healthy", 10, "node2 healthy after clear")
+    wait_for(lambda: nodes_json()["node2"]["state"] == "healthy", 30, "node2 healthy after clear")
     wait_for(lambda: subscriber.state("node2") is State.HEALTHY, 5, "subscriber sees node2 healthy")
 
 

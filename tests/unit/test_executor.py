@@ -539,3 +539,41 @@ def test_a_deferred_restore_step_starts_before_the_next_action(tmp_path):
     _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
     assert ex._deferred == [] and ex.moves["m1"].gates == {}
     assert ex.gate_file("m1", 1).read_text().strip() == "cancel"  # started, then called off
+
+
+def test_a_job_ending_while_its_source_node_is_released_records_the_move_as_completed(tmp_path):
+    """The serve loop ends with the job (CI, mesh3d: training ended while slurmctld was slow to
+    answer the shrink). A move whose ranks already train on the target is recorded, in the event
+    log tpassctl and the tests read, not lost with the coordinator."""
+    from torchpass.coordinator import decide as dc
+    from torchpass.coordinator.phases import Phase
+
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
+    now, pol = d.clock(), d.policy
+    st = d.state
+    for r in range(3):
+        st = mc.apply(st, mc.RankProgress(r, 100, 10), now)
+
+    def step(*outcomes, dt=0.1):  # the pure core alone, as far as the drain: no action runs
+        nonlocal st, now
+        now += dt
+        for o in outcomes:
+            st = mc.apply(st, o, now)
+        st = dc.decide(now, st, pol).state
+        return st.migration
+
+    m = step(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
+    m = step(*[mc.Quiesced(r, m.generation, m.pause_at) for r in range(3)])
+    m = step(mc.SnapshotDone(m.id, 1, "/img/r1", "sha", {}))
+    m = step(mc.TransferDone(m.id, 1, m.target, "/img/r1", "sha"))
+    m = step(mc.RestoreDone(m.id, 1, m.target, {}))
+    m = step(mc.SourceKilled(m.id, "n2"))
+    m = step(*[mc.Resumed(r, m.generation, st.ranks[r].node) for r in range(3)])
+    assert m.phase == Phase.DRAIN and m.target == "n4"
+    d.state = st
+    layout.events_json(tmp_path, 42).parent.mkdir(parents=True)  # the coordinator's state dir
+    d.close()
+    done = [e for e in d.job.events if e.kind == "migration.completed"]
+    assert len(done) == 1 and done[0].data["outcome"] == "completed" and d.state.migration is None
+    assert "the job ended before n2 was released" in done[0].message
+    assert "migration.completed" in layout.events_json(tmp_path, 42).read_text()

@@ -812,6 +812,23 @@ def _on_shrink(out: _Out, st: CoordState, m: Migration, now: float, policy: Coor
                    f"{notes}", "migration.completed")
 
 
+def job_ended(now: float, state: CoordState, policy: CoordinatorPolicy) -> Decision:
+    """The job ended (the coordinator stops with it). A migration whose ranks already run on the
+    target (DRAIN, SHRINK) is complete: Slurm releases the source node with the job, so the
+    release need not be waited for. Any other migration ends with the job, unrecorded; nothing
+    new starts. Pure, like ``decide``."""
+    out = _Out()
+    st = state
+    m = state.migration
+    if m is not None and m.phase in (Phase.DRAIN, Phase.SHRINK):
+        what = f"drain of {m.node}" if m.phase == Phase.DRAIN else "shrink"
+        m = replace(m, notes=m.notes + (f"{what} not confirmed: the job ended first and {m.node} leaves with it",))
+        st = _finish(out, st, m, now, Result.COMPLETED, policy,
+                     f"{m.id}: moved ranks {list(m.ranks)} from {m.node} to {m.target}; the job ended before "
+                     f"{m.node} was released ({'; '.join(m.notes)})", "migration.completed")
+    return Decision(tuple(out.actions), "the job has ended", st)
+
+
 def _on_rebuild(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool
                 ) -> CoordState:
     """Every rank (the moved ones on the target) rebuilds the new generation: then drain the node."""
@@ -1631,7 +1648,7 @@ __all__ = [
     "Phase", "PAUSED_PHASES", "Result", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image",
     "Failure", "Migration", "MigrationRecord", "CoordState", "SpareHow", "SpareStatus", "Trigger",
     "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
-    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "candidates",
-    "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
+    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "job_ended",
+    "candidates", "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
     "IllegalTransition", "SnapshotRun", "check_snapshot_request", "periodic_snapshot_due", "snapshot_phase_complete",
 ]

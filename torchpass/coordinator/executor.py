@@ -1445,9 +1445,15 @@ class Driver:
 
     def close(self) -> None:
         """The serve loop ends: record outcomes still queued (a companion granted just now), then
-        stop the executor's restore steps and cancel its companion allocations."""
+        stop the executor's restore steps and cancel its companion allocations. The serve loop
+        ends with the job: a migration that was only releasing its source node is recorded as
+        complete (decide.job_ended), not lost with the coordinator."""
         self._drain()
+        d = dc.job_ended(self.clock(), self.state, self.policy)
+        self.state = self.state.carry_views(d.state)
         if self.executor is not None:
+            for a in d.actions:  # events only: nothing new starts at the end
+                self.executor.perform(a, self.state)
             self.executor.close()
 
 

@@ -75,7 +75,7 @@ TRANSITIONS: dict[Phase | None, frozenset[Phase | None]] = {
     Phase.RESTORE: frozenset({Phase.KILL_SOURCE, Phase.TRANSFER, Phase.ROLLBACK, None}),
     Phase.KILL_SOURCE: frozenset({Phase.REBUILD, Phase.ROLLBACK, None}),
     Phase.REBUILD: frozenset({Phase.DRAIN, None}),
-    Phase.DRAIN: frozenset({Phase.SHRINK}),
+    Phase.DRAIN: frozenset({Phase.SHRINK, None}),  # None: the job ended first (decide.job_ended)
     Phase.SHRINK: frozenset({None}),
     Phase.ROLLBACK: frozenset({None}),
 }
@@ -89,6 +89,7 @@ RESULTS: dict[Phase, frozenset[Result]] = {
     Phase.RESTORE: frozenset({Result.SOURCE_LOST}),
     Phase.KILL_SOURCE: frozenset({Result.SOURCE_LOST}),
     Phase.REBUILD: frozenset({Result.STUCK}),
+    Phase.DRAIN: frozenset({Result.COMPLETED}),
     Phase.SHRINK: frozenset({Result.COMPLETED}),
     Phase.ROLLBACK: frozenset({Result.ROLLED_BACK, Result.STUCK, Result.SOURCE_LOST}),
 }
