@@ -319,3 +319,29 @@ def test_a_bundle_too_large_for_one_frame_goes_as_several_each_under_the_limit()
         relay_sock.close(linger=0)
         coord.close(linger=0)
         ctx.term()
+
+
+def test_a_process_that_exits_with_its_relay_running_leaves_no_socket_file(relay_dir):
+    # Training ends and the interpreter exits with the relay thread (a daemon) still running: its
+    # socket file went on piling up in /tmp/torchpass-relay-UID, one per job step and node.
+    import subprocess
+    import sys
+
+    path = relay_dir / "job7.0-node1.sock"
+    code = ("import sys, time\nfrom torchpass.runtime import relay\n"
+            f"r = relay.NodeRelay({str(path)!r}, 'tcp://127.0.0.1:1')\nassert r.start()\n"
+            "print('bound', flush=True)\ntime.sleep(0.2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "bound" in out.stdout, out.stderr
+    assert not path.exists()
+    # ... but not a socket file bound since by another relay on the same path
+    other = relay.NodeRelay(str(path), "tcp://127.0.0.1:1")
+    assert other.start()
+    try:
+        stale = relay.NodeRelay(str(path), "tcp://127.0.0.1:1")
+        stale._inode = -1  # bound long ago; the file is not its own any more
+        stale._remove_socket()
+        assert path.exists()
+    finally:
+        other.stop()
+    assert not path.exists()

@@ -35,6 +35,7 @@ and its context; after the hold, on the same node, it starts it again.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import stat
@@ -185,6 +186,9 @@ class NodeRelay:
             return False
         self._ctx, self._router, self._dealer = ctx, router, dealer
         self._inode = os.stat(self.path).st_ino
+        # A training process usually exits with this thread still running (a daemon: never
+        # stopped): its socket file would stay in the user's relay directory, one per job step.
+        atexit.register(self._remove_socket)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="torchpass-relay", daemon=True)
@@ -279,11 +283,17 @@ class NodeRelay:
                 sock.close(linger=0)
             self._ctx.term()
             self._ctx = self._router = self._dealer = None
-            try:
-                if os.stat(self.path).st_ino == self._inode:
-                    os.unlink(self.path)  # no rank connects to a relay that is gone
-            except OSError:
-                pass
+            self._remove_socket()
+            atexit.unregister(self._remove_socket)
+
+    def _remove_socket(self) -> None:
+        """No rank connects to a relay that is gone: its socket file goes, if it is still the one
+        this relay bound (a relay started since on the same path, another copy's, keeps its own)."""
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except OSError:
+            pass
 
     def _up(self, router, dealer) -> None:
         """The ranks' requests that are ready, and those that follow within LINGER_S, as one bundle."""
