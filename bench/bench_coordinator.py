@@ -305,6 +305,10 @@ class LoadGen:
         self.window = self._zero()
         self.rtts: list[float] = []  # rank.progress round trips since the last mark
         self.resumed_since: set[int] = set()
+        # Relayed requests given up on (ident -> when): a reply that still comes for one is
+        # counted late, with how late, so a time-out tells a slow answer from a lost one.
+        self.gave_up: dict[bytes, float] = {}
+        self.late_s: list[float] = []
 
     def collectives(self, rk: SimRank, now: float) -> int:
         if rk.paused:
@@ -339,7 +343,7 @@ class LoadGen:
     def _zero() -> dict[str, int]:
         return {"sent": 0, "answered": 0, "timeouts": 0, "timeouts_reply_waiting": 0, "timeouts_relayed": 0,
                 "timeouts_progress": 0, "timeouts_acks": 0, "error_replies": 0,
-                "refused_pauses": 0}
+                "refused_pauses": 0, "late_replies": 0}
 
     def _count(self, key: str) -> None:
         self.totals[key] += 1
@@ -396,6 +400,7 @@ class LoadGen:
         if via_relay:  # the node's connection stays; a time-out: a new ipc connection, and the next
             del self.by_ident[rk.ident]  # try to the coordinator itself (ControlLink._request)
             if not keep:
+                self.gave_up[rk.ident] = time.monotonic()
                 rk.idents += 1
                 rk.ident = b"r%d.%d" % (rk.rank, rk.idents)
                 rk.relay_timeouts += 1
@@ -602,7 +607,7 @@ class LoadGen:
 
     # -- the loop ----------------------------------------------------------------------
     def stats(self, rtts: bool = False) -> dict[str, Any]:
-        return {"totals": dict(self.totals), "window": dict(self.window),
+        return {"totals": dict(self.totals), "window": dict(self.window), "late_s": list(self.late_s),
                 "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks), "rtts": list(self.rtts) if rtts else [],
                 "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
                 "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
@@ -735,6 +740,10 @@ class LoadGen:
             for ident, frame in self.wire.unpack_bundle(parts[1]):
                 i = self.by_ident.get(ident)
                 if i is None:
+                    since = self.gave_up.pop(ident, None)
+                    if since is not None:  # answered after its rank gave up on it
+                        self._count("late_replies")
+                        self.late_s.append(time.monotonic() - since)
                     continue
                 try:
                     reply = self.wire.decode_reply(frame)
@@ -863,6 +872,24 @@ class Coordinator:
             return []
         return [ln[:300] for ln in lines if '"level": "error"' in ln or ln.startswith("Traceback")
                 or "[error" in ln]
+
+    def parked_sends(self) -> list[dict]:
+        """The coordinator's own part of each fan-out: its "command sent to parked polls" lines
+        (a pause or a resume to many parked polls: encoded and sent, in seconds)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        out = []
+        for ln in lines:
+            if '"command sent to parked polls"' in ln:
+                try:
+                    rec = json.loads(ln)
+                    out.append({"command": rec.get("command"), "commanded": rec["commanded"],
+                                "seconds": rec["seconds"]})
+                except (ValueError, KeyError):
+                    pass
+        return out
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -1085,6 +1112,12 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
             rdel = [x for t in trials for x in t.get("resume_delays_s", [])]
             allq = [t["all_quiesced_s"] for t in trials if "all_quiesced_s" in t and t["ranks_quiesced"] == ranks]
             allr = [t["all_resumed_s"] for t in trials if "all_resumed_s" in t and t.get("ranks_resumed") == ranks]
+            # The coordinator's own part of each pause's fan-out (encoding and sending it to the
+            # ranks' parked polls, from its log), against what the ranks saw (pause_fanout_*, which
+            # adds the generators' reading of the replies on the cores they share with it).
+            sends = [x["seconds"] for x in coord.parked_sends() if x["command"] == "pause"]
+            out["pause_sent_p50_ms"], out["pause_sent_max_ms"] = q(sends, 50), q(sends, 100)
+            out["pause_sends"] = len(sends)
             st = _ask(conns, ("stats",))
             tot = {k: sum(s["totals"][k] for s in st) for k in st[0]["totals"]}
             done = tot["answered"] + tot["timeouts"]
@@ -1107,6 +1140,11 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 "refused_pauses": tot["refused_pauses"],
                 "requests_total": tot["sent"], "replies_total": tot["answered"], "timeouts_total": tot["timeouts"],
                 "timeouts_reply_waiting": tot["timeouts_reply_waiting"],
+                # relayed requests answered after their rank gave up (the rest were never answered),
+                # and by how much after
+                "late_replies": tot["late_replies"],
+                "late_by_p50_ms": q([x for s in st for x in s["late_s"]], 50),
+                "late_by_max_ms": q([x for s in st for x in s["late_s"]], 100),
                 # which requests timed out: rank.progress, the rest (register, armed, quiesced,
                 # resumed), and how many of them had gone through a node relay
                 **{k: tot[k] for k in ("timeouts_progress", "timeouts_acks", "timeouts_relayed")},
@@ -1188,6 +1226,7 @@ def plot(rows: list[dict[str, Any]], path: Path, before: list[dict[str, Any]] = 
                        ("decision_event_p99_ms", "fault -> decision logged (p99)"),
                        ("pause_fanout_p99_ms", "pause fan-out (p99)"),
                        ("resume_fanout_p99_ms", "resume fan-out (p99)"),
+                       ("pause_sent_max_ms", "pause sent by the coordinator (max)"),
                        ("status_p99_ms", "job.status (p99)")):
         pts = [(r["ranks"], r[key]) for r in rows if r.get(key) is not None]
         if pts:

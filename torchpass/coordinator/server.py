@@ -121,6 +121,10 @@ REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = 2.0, 20.0
 # the serve thread shares the cores) and one decision. A node's health change ends a batch early.
 BATCH_MAX = 512
 
+# A command to at least this many parked polls at once (a pause, a resume) is logged with the time
+# the coordinator took to encode and send it: its own part of the fan-out the ranks see.
+FANOUT_LOG_MIN = 64
+
 # Long polls (issue 13): a paused rank's rank.progress carries ``wait_s``; with no command for the
 # rank, the request is parked (its ROUTER envelope kept, one per rank: a rank's newer message
 # answers the older poll) until decide gives the rank a command, which goes out from the serve loop
@@ -689,6 +693,7 @@ class CoordinatorServer:
         resume to every rank: one batch of replies); those parked for their wait_s get no command."""
         if not self._parked:
             return
+        started, parked = time.perf_counter(), len(self._parked)
         ex = self.driver.executor if self.driver is not None else None
         replies = _Replies()
         if ex is not None:
@@ -702,10 +707,17 @@ class CoordinatorServer:
                     if cmd is not None:
                         self._unpark(rank, cmd, replies)
                 self._flush_bundles()  # their node's bundle leaves before the others are encoded
+            kinds: set[str] = set()
             for rank in ranks:
                 cmd = ex.command_for(rank)
                 if cmd is not None:
                     self._unpark(rank, cmd, replies)
+                    kinds.add(cmd.get("command", "?"))
+            commanded = parked - len(self._parked)
+            if commanded >= FANOUT_LOG_MIN:  # a pause or a resume to many ranks: its own part, for the record
+                self._flush_bundles()
+                log.info("command sent to parked polls", job_id=self.job.job_id, command="/".join(sorted(kinds)),
+                         commanded=commanded, seconds=round(time.perf_counter() - started, 4))
         now = self.clock()
         while self._park_due and self._park_due[0][0] <= now:
             _, seq, rank = heapq.heappop(self._park_due)
