@@ -214,13 +214,14 @@ class SimRank:
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
                  "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s", "ident", "idents", "direct_until",
-                 "relay_timeouts")
+                 "relay_timeouts", "inflight_type")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
         self.registered = False
         self.outbox: list[tuple[str, dict]] = []
         self.inflight = None  # (sock, type, body, t_sent, token)
+        self.inflight_type = ""  # the type of the request last in flight
         self.holding = False
         self.hold_file: str | None = None
         self.armed: tuple[int, int] | None = None  # (at, generation)
@@ -309,6 +310,7 @@ class LoadGen:
         # counted late, with how late, so a time-out tells a slow answer from a lost one.
         self.gave_up: dict[bytes, float] = {}
         self.late_s: list[float] = []
+        self.late_types: dict[str, int] = {}
 
     def collectives(self, rk: SimRank, now: float) -> int:
         if rk.paused:
@@ -389,18 +391,21 @@ class LoadGen:
             self.epoll.register(fd, select.EPOLLIN)
             self.by_fd[fd] = sock
         self.unread.add(sock)  # the edge may have come before the registration
-        timeout_s = max(REQUEST_TIMEOUT_S, rk.reply_hint_s) if self.reply_hints else REQUEST_TIMEOUT_S
+        # as ControlLink: rank.register, before any answer said reply_within_s, expects what it would say
+        expect = self.wire.reply_within_s(self.world) if type_ == "rank.register" else 0.0
+        timeout_s = max(REQUEST_TIMEOUT_S, rk.reply_hint_s or expect) if self.reply_hints else REQUEST_TIMEOUT_S
         heapq.heappush(self.deadlines, (now + timeout_s + body.get("wait_s", 0.0), self._seq, i))
         self._count("sent")
 
     def _finish(self, i: int, keep: bool) -> None:
         rk = self.ranks[i]
         sock, via_relay = rk.inflight[0], rk.inflight[6]
+        rk.inflight_type = rk.inflight[1]
         rk.inflight = None
         if via_relay:  # the node's connection stays; a time-out: a new ipc connection, and the next
             del self.by_ident[rk.ident]  # try to the coordinator itself (ControlLink._request)
             if not keep:
-                self.gave_up[rk.ident] = time.monotonic()
+                self.gave_up[rk.ident] = (time.monotonic(), rk.inflight_type)
                 rk.idents += 1
                 rk.ident = b"r%d.%d" % (rk.rank, rk.idents)
                 rk.relay_timeouts += 1
@@ -608,6 +613,7 @@ class LoadGen:
     # -- the loop ----------------------------------------------------------------------
     def stats(self, rtts: bool = False) -> dict[str, Any]:
         return {"totals": dict(self.totals), "window": dict(self.window), "late_s": list(self.late_s),
+                "late_types": dict(self.late_types),
                 "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks), "rtts": list(self.rtts) if rtts else [],
                 "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
                 "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
@@ -740,10 +746,11 @@ class LoadGen:
             for ident, frame in self.wire.unpack_bundle(parts[1]):
                 i = self.by_ident.get(ident)
                 if i is None:
-                    since = self.gave_up.pop(ident, None)
-                    if since is not None:  # answered after its rank gave up on it
+                    gave_up = self.gave_up.pop(ident, None)
+                    if gave_up is not None:  # answered after its rank gave up on it
                         self._count("late_replies")
-                        self.late_s.append(time.monotonic() - since)
+                        self.late_s.append(time.monotonic() - gave_up[0])
+                        self.late_types[gave_up[1]] = self.late_types.get(gave_up[1], 0) + 1
                     continue
                 try:
                     reply = self.wire.decode_reply(frame)
@@ -1099,6 +1106,11 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                       f"{round(fig.get('decision_s', float('nan')) * 1000, 1)} ms, paused {fig['ranks_paused']}, "
                       f"resumed {fig.get('ranks_resumed', 0)}", flush=True)
                 time.sleep(args.cooldown_s)
+            _, stres, _ = _request(coord.endpoint, "job.status", {}, 30.0)
+            counters = ((stres or {}).get("coordinator") or {}).get("counters") or {}
+            # the coordinator's count of rank requests it handled long after they were signed
+            out["handled_after"] = {k.removeprefix("rank_requests_handled_after_"): v
+                                    for k, v in counters.items() if k.startswith("rank_requests_handled_after_")}
             _, evres, _ = _request(coord.endpoint, "job.events", {"since_seq": last_seq}, 30.0)
             started = [e for e in (evres or {}).get("events", []) if e["kind"] == "migration.started"]
             dec_ev = []
@@ -1145,6 +1157,8 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
                 "late_replies": tot["late_replies"],
                 "late_by_p50_ms": q([x for s in st for x in s["late_s"]], 50),
                 "late_by_max_ms": q([x for s in st for x in s["late_s"]], 100),
+                "late_types": {t: sum(s["late_types"].get(t, 0) for s in st)
+                               for t in sorted({t for s in st for t in s["late_types"]})},
                 # which requests timed out: rank.progress, the rest (register, armed, quiesced,
                 # resumed), and how many of them had gone through a node relay
                 **{k: tot[k] for k in ("timeouts_progress", "timeouts_acks", "timeouts_relayed")},

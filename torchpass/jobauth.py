@@ -144,8 +144,9 @@ class JobVerifier:
         self.max_senders = max_senders
         self._last: dict[str, tuple[int, int]] = {}  # sender -> (last seq, newest t_ms)
 
-    def verify(self, msg: Any) -> None:
-        """``msg``: a torchpass.wire.Message. Accepting it advances its sender's counter."""
+    def verify(self, msg: Any) -> int:
+        """``msg``: a torchpass.wire.Message. Accepting it advances its sender's counter; returns
+        the wall-clock time it was signed at (ms), which the MAC covers."""
         m = _AUTH_RE.fullmatch(msg.auth) if isinstance(msg.auth, str) else None
         if m is None:
             raise AuthFailure("unauthenticated", f"{msg.type} is not signed with the job secret "
@@ -167,6 +168,7 @@ class JobVerifier:
         self._last[sender] = (seq, max(t_ms, last[1]) if last else t_ms)
         if len(self._last) > self.max_senders:
             self._forget(now_ms)
+        return t_ms
 
     def _forget(self, now_ms: int) -> None:
         horizon = now_ms - self.window_s * 1000

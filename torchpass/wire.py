@@ -47,6 +47,23 @@ MAX_FRAME_BYTES = 1 << 20  # 1 MiB: the largest honest message is a node snapsho
 # frame, not a frame per item: pyzmq sends and reads each frame by itself, and 8,192 replies in
 # 18-frame messages took longer than the replies themselves (issue 13, cProfile at 8,192 ranks).
 RELAY_BUNDLE = b"torchpass.bundle/1"
+
+# A fan-in (issue 13): a pause or a resume makes every rank acknowledge at once (rank.armed,
+# rank.quiesced, rank.resumed), and a job's start makes every rank register at once: 8,192
+# requests at 8,192 ranks, which the coordinator answers at about FAN_IN_PER_S; the last waits
+# world / FAN_IN_PER_S. So every rank.* reply says ``reply_within_s`` (reply_within_s() times the
+# coordinator's pace factor): how long a request may wait for its answer; the rank waits the larger
+# of it and its own time-out. Before its first answer a rank expects the same at factor 1: its
+# rank.register is one of a job-wide fan-in too.
+FAN_IN_PER_S = 2000.0
+REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = 2.0, 20.0
+
+
+def reply_within_s(world: int, factor: float = 1.0) -> float:
+    """How long a request of one of ``world`` ranks may wait for its answer in a fan-in."""
+    return round(min(REPLY_WITHIN_MAX_S, REPLY_WITHIN_MIN_S + world / FAN_IN_PER_S * factor), 3)
+
+
 _ITEM_HEAD = struct.Struct("!BI")  # identity length (a ZeroMQ identity is at most 255 bytes), frame length
 BUNDLE_ITEM_OVERHEAD = _ITEM_HEAD.size
 

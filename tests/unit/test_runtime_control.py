@@ -418,3 +418,49 @@ def test_a_rank_waits_as_long_as_the_coordinator_says_its_answers_may_take(hint)
     finally:
         proc.kill()
         proc.wait()
+
+
+# Answers rank.register only after 2.5 s (every rank of a large job registers at once), the rest at once.
+SLOW_REGISTER = r"""
+import json, sys, time, zmq
+from torchpass import wire, zmqio
+ctx = zmq.Context()
+sock, port = zmqio.bind_router(ctx, "127.0.0.1")
+print(port, flush=True)
+while True:
+    parts = sock.recv_multipart()
+    msg = wire.decode(parts[-1])
+    print(json.dumps([parts[0].hex(), msg.type]), flush=True)
+    if msg.type == "rank.register":
+        time.sleep(2.5)
+    sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, {})])
+"""
+
+
+@pytest.mark.parametrize("world", [8192, 2])
+def test_a_rank_of_a_large_job_waits_for_its_registration_as_long_as_the_fan_in_may_take(world):
+    """Before any answer says reply_within_s, rank.register waits what the coordinator would say
+    for the job's size (wire.reply_within_s: 6.1 s at 8,192 ranks; 2 s for 2), so a large job's
+    registrations are not given up and sent again while the coordinator works through them."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_REGISTER], stdout=subprocess.PIPE, text=True)
+    seen: list[tuple[str, str]] = []
+    try:
+        ep = f"tcp://127.0.0.1:{int(proc.stdout.readline())}"
+        threading.Thread(target=lambda: [seen.append(tuple(json.loads(line))) for line in proc.stdout],
+                         daemon=True).start()
+        link = control.ControlLink(FakePG(size=world, rank=1), endpoint=ep, job_id=7, rank=1, node="n1",
+                                   interval_s=0.05, paused_interval_s=0.02, request_timeout_s=0.5)
+        link.start()
+        try:
+            if world == 8192:
+                wait_for(lambda: link.registered, "registered", 15.0)
+            else:  # given up after 2 s, 0.5 s before its answer: sent again on a new connection
+                wait_for(lambda: len({i for i, t in seen if t == "rank.register"}) >= 2, "registered again", 15.0)
+        finally:
+            link.stop()
+        if world == 8192:
+            assert [t for _, t in seen].count("rank.register") == 1
+            assert link._client.connects == 1  # answered, on the one connection
+    finally:
+        proc.kill()
+        proc.wait()

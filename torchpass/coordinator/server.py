@@ -102,24 +102,23 @@ class Pace:
         return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
                 "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3),
                 "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3),
-                "reply_within_s": round(min(REPLY_WITHIN_MAX_S,
-                                            REPLY_WITHIN_MIN_S + world / FAN_IN_PER_S * self.factor), 3)}
+                "reply_within_s": wire.reply_within_s(world, self.factor)}
 
 
-# A fan-in (issue 13): a pause or a resume makes every rank acknowledge at once (rank.armed,
-# rank.quiesced, rank.resumed: 8,192 requests at 8,192 ranks), which the coordinator answers at
-# about FAN_IN_PER_S; the last waits world / FAN_IN_PER_S. A rank that gave up on its request after
-# a fixed 2 s sent it again on a fresh connection, and those copies made the queue longer still.
-# So every rank.* reply also says ``reply_within_s``: how long a request may wait for its answer
-# (REPLY_WITHIN_MIN_S plus that wait, times the pace factor, at most REPLY_WITHIN_MAX_S); the rank
-# waits the larger of it and its own time-out.
-FAN_IN_PER_S = 2000.0
-REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = 2.0, 20.0
+# A fan-in (issue 13): a rank that gave up on its request after a fixed 2 s sent it again on a
+# fresh connection, and those copies made the queue longer still. So every rank.* reply also says
+# ``reply_within_s`` (wire.reply_within_s, times the pace factor).
+FAN_IN_PER_S = wire.FAN_IN_PER_S
+REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = wire.REPLY_WITHIN_MIN_S, wire.REPLY_WITHIN_MAX_S
 
 # At most this many messages are read before the batch is decided on and answered: a reply
 # waits for at most this many handlers (30 us each alone; 0.2-0.6 ms each at 8,192 ranks, where
 # the serve thread shares the cores) and one decision. A node's health change ends a batch early.
 BATCH_MAX = 512
+
+# A rank's request handled this long (or longer) after it was signed is counted in job.status
+# (rank_requests_handled_after_<N>s): a coordinator falling behind shows there before ranks time out.
+REQUEST_AGE_COUNTED_S = (1.0, 2.0, 4.0, 6.0)
 
 # A command to at least this many parked polls at once (a pause, a resume) is logged with the time
 # the coordinator took to encode and send it: its own part of the fan-out the ranks see.
@@ -269,7 +268,15 @@ class CoordinatorServer:
             self._batch.msg_id = msg.id
         if msg.type.startswith("rank."):
             if self.verifier is not None:
-                self.verifier.verify(msg)
+                signed_ms = self.verifier.verify(msg)
+                # How long after its rank signed it the request is handled (its wait in the
+                # queues on both sides): counted when long, in job.status's counters.
+                age_s = self.wall() - signed_ms / 1000.0
+                for over in REQUEST_AGE_COUNTED_S:
+                    if age_s < over:
+                        break
+                    key = f"rank_requests_handled_after_{over:g}s"
+                    self.counters[key] = self.counters.get(key, 0) + 1
         elif msg.type in ("job.status", "job.events") and self.private_jobs:
             self._owner_or_admin(msg, "see")
 

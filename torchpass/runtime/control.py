@@ -374,7 +374,9 @@ class ControlLink(PauseListener):
         if ctx is not None:
             ctx.destroy(linger=0)  # joins its I/O threads; their fds close
 
-    def _request(self, type_: str, body: dict) -> dict | None:
+    def _request(self, type_: str, body: dict, *, expect_s: float = 0.0) -> dict | None:
+        """``expect_s``: how long its answer may take, where the coordinator has not said
+        (reply_within_s) yet."""
         from torchpass import zmqio
         from torchpass.errors import RemoteError, TorchpassError
 
@@ -389,7 +391,7 @@ class ControlLink(PauseListener):
                 self._via_relay = via
         wait_s = body.get("wait_s") or 0.0  # a long poll: given up for a report to send, or stop()
         try:
-            timeout_s = max(self.request_timeout_s, self.reply_hint_s) + wait_s
+            timeout_s = max(self.request_timeout_s, self.reply_hint_s or expect_s) + wait_s
             result = self._client.request(type_, body, timeout_s=timeout_s,
                                           abandon=self._wants_link if wait_s else None,
                                           wake_fd=self._wake_r if wait_s else None)
@@ -516,10 +518,16 @@ class ControlLink(PauseListener):
 
     def _register(self) -> None:
         restored = {"restored": self.restored} if self.restored else {}
+        from torchpass import wire
+
+        # Every rank of the job registers at once: before the coordinator's first answer says how
+        # long one may take (reply_within_s), expect what it would say for this job's size. With
+        # 2 s, hundreds of 8,192 ranks gave up and registered again (issue 13, the harness).
         res = self._request(
             "rank.register",
             {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
              "generation": self.pg.generation, **self._unprotected(), **task_fields(), **restored},
+            expect_s=wire.reply_within_s(self.pg.size()),
         )
         if res is not None:
             self.registered = True
