@@ -1,7 +1,7 @@
 """Live migration against checkpoint-restart, in the same run, on the devcluster.
 
     .venv/bin/python bench/bench_migration.py [--sizes 10M,100M] [--repeat N] [--requeue-hold both|slurm|lifted|none]
-                                              [--out bench/results/migration.json]
+                                              [--out bench/results/migration.json] [--as-root]
 
 For each model size (examples/train_ddp.py, 3-layer MLP + Adam, gloo, one
 thread per rank) it runs three jobs on one devcluster (4 nodes, each in its
@@ -46,6 +46,11 @@ Steps lost: for migration, every step must appear exactly once per rank with
 the reference's loss (float.hex, bit for bit); for checkpoint-restart the
 steps printed twice (recomputed) are counted and their losses checked too.
 
+Every job is submitted as the devcluster's first job user (an ordinary user,
+as on a real cluster: its coordinator runs as that user, and tpassd dumps
+and restores a rank it does not own); ``--as-root`` submits as root, as the
+figures before 2026-12-06 were measured.
+
 Writes bench/results/migration.json (with ``migration_pause_s`` and
 ``detection_latency_s`` for ``tpassctl goodput --measured``).
 """
@@ -56,6 +61,7 @@ import argparse
 import json
 import os
 import platform
+import pwd
 import re
 import shutil
 import statistics
@@ -153,17 +159,29 @@ class Tail(threading.Thread):
 
 
 class Bench:
-    def __init__(self, cluster: Devcluster, work: Path, policy: str = ""):
+    def __init__(self, cluster: Devcluster, work: Path, policy: str = "", user: str | None = None):
         self.c = cluster
         self.work = work
         self.policy = policy  # the live migrations' --torchpass policy name ("": default)
+        # Jobs are submitted as this ordinary user, as on a real cluster (None: as root). The
+        # bench itself stays root: the drill, the requeue baseline's drain and requeue are an
+        # admin's actions.
+        self.user = user
+
+    def own(self, path: Path) -> Path:
+        """``path`` made the job user's (a directory the job writes into)."""
+        if self.user is not None:
+            pw = pwd.getpwnam(self.user)
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+        return path
 
     # --- Slurm helpers ---------------------------------------------------------------
     def submit(self, tag: str, cmd: str, sbatch_args: list[str]) -> tuple[int, Path]:
         script = self.work / f"{tag}.sbatch"
         script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
         out = self.work / f"{tag}.out"
-        p = run(["sbatch", "--parsable", "--ntasks-per-node=1", "--open-mode=append", "-o", str(out),
+        as_user = ["runuser", "-u", self.user, "--"] if self.user is not None else []
+        p = run([*as_user, "sbatch", "--parsable", "--ntasks-per-node=1", "--open-mode=append", "-o", str(out),
                  *sbatch_args, str(script)], cwd=self.work)
         if p.returncode != 0:
             raise RuntimeError(f"sbatch {tag}: {p.stderr.strip()}")
@@ -343,6 +361,7 @@ class Bench:
         ckpt = self.work / f"ckpt-{size}-{'lifted' if lift_hold else 'slurm'}"
         shutil.rmtree(ckpt, ignore_errors=True)
         ckpt.mkdir()
+        self.own(ckpt)
         cmd = (f"{PY} {TRAIN_CKPT} --steps {plan['steps']} --params {size} --sleep {plan['sleep']} "
                f"--ckpt-dir {ckpt} --ckpt-every {plan['ckpt_every']}")
         job_id, out = self.submit(f"ckpt-{size}-{'lifted' if lift_hold else 'slurm'}", cmd, ["-N3", "--requeue"])
@@ -467,6 +486,9 @@ def main() -> int:
                     help="checkpoint-restart baseline: wait out Slurm's requeue hold (slurm), lift it (lifted), "
                          "run both side by side (both, the default), or none (migration only: a run "
                          "for investigation; bench/run_all.py never passes it)")
+    ap.add_argument("--as-root", action="store_true",
+                    help="submit the jobs as root (the figures before 2026-12-06); by default they run as the "
+                         "devcluster's first job user, an ordinary user, as on a real cluster")
     args = ap.parse_args()
     if args.requeue_hold == "none" and args.out == ap.get_default("out"):
         ap.error("--requeue-hold none runs no baseline: give --out a file outside bench/results/ "
@@ -486,7 +508,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
             work = Path(tmp)
             work.chmod(0o777)
-            b = Bench(c, work, args.policy)
+            b = Bench(c, work, args.policy, user=None if args.as_root else c.job_users[0])
+            log(f"jobs submitted as {b.user or 'root'}")
             time.sleep(2.0)  # every tpassd has published its first sample
             for size in sizes:
                 plan = PLANS[size]
@@ -537,6 +560,7 @@ def main() -> int:
                                                   for s, r in results.items() if "checkpoint_restart_hold_lifted" in r},
         "models": results,
         "policy": args.policy or "default",
+        "job_user": "root" if args.as_root else c.job_users[0],
         "machine": machine(),
         "bench_seconds": round(time.monotonic() - t_all, 1),
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
