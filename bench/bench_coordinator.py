@@ -311,6 +311,7 @@ class LoadGen:
         self.gave_up: dict[bytes, float] = {}
         self.late_s: list[float] = []
         self.late_types: dict[str, int] = {}
+        self.inbox: list[tuple[int, float, Any]] = []  # relayed replies read, not yet handled
 
     def collectives(self, rk: SimRank, now: float) -> int:
         if rk.paused:
@@ -676,6 +677,12 @@ class LoadGen:
                     self.unread.add(sock)
             for sock in list(self.unread):
                 self._read(sock)
+            # The relayed replies read in this pass, each stamped when its bundle left the socket:
+            # on a cluster each rank has its reply then, and what it does with it (arming, signing
+            # its acknowledgment) is its own work, not a delay to the next node's ranks.
+            inbox, self.inbox = self.inbox, []
+            for i, t_read, reply in inbox:
+                self._reply(i, t_read, reply)
             now = time.monotonic()
             while self.deadlines and self.deadlines[0][0] <= now:
                 _, token, i = heapq.heappop(self.deadlines)
@@ -741,6 +748,7 @@ class LoadGen:
                 self.unread.discard(sock)
                 return
             parts = sock.recv_multipart(zmq.NOBLOCK)
+            t_read = time.monotonic()
             if len(parts) != 2 or parts[0] != self.wire.RELAY_BUNDLE:
                 continue
             for ident, frame in self.wire.unpack_bundle(parts[1]):
@@ -758,7 +766,7 @@ class LoadGen:
                     continue
                 inflight = self.ranks[i].inflight
                 if inflight is not None and reply.id == inflight[5]:
-                    self._reply(i, time.monotonic(), reply)
+                    self.inbox.append((i, t_read, reply))  # handled once every socket was read (run)
 
 
 def loadgen_main(endpoint, job_id, world, lo, hi, secret, t0, persistent, conn, wait_at, wait_gen,
@@ -1127,9 +1135,13 @@ def run_size(ranks: int, args, munge_socket: str, connection: str, paused_poll: 
             # The coordinator's own part of each pause's fan-out (encoding and sending it to the
             # ranks' parked polls, from its log), against what the ranks saw (pause_fanout_*, which
             # adds the generators' reading of the replies on the cores they share with it).
-            sends = [x["seconds"] for x in coord.parked_sends() if x["command"] == "pause"]
+            pauses = [x for x in coord.parked_sends() if x["command"] == "pause"]
+            sends = [x["seconds"] for x in pauses]
             out["pause_sent_p50_ms"], out["pause_sent_max_ms"] = q(sends, 50), q(sends, 100)
             out["pause_sends"] = len(sends)
+            # ranks whose poll was parked when the pause was decided (the others had theirs on its
+            # way, or in the coordinator's queue: the pause is the answer to it, when it is read)
+            out["pause_parked_ranks"] = [x["commanded"] for x in pauses]
             st = _ask(conns, ("stats",))
             tot = {k: sum(s["totals"][k] for s in st) for k in st[0]["totals"]}
             done = tot["answered"] + tot["timeouts"]

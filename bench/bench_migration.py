@@ -167,6 +167,8 @@ class Bench:
         # bench itself stays root: the drill, the requeue baseline's drain and requeue are an
         # admin's actions.
         self.user = user
+        # the interpreter of the jobs: one every job user may run (the bench's own venv is root's)
+        self.python = cluster.job_python if user is not None else PY
 
     def own(self, path: Path) -> Path:
         """``path`` made the job user's (a directory the job writes into)."""
@@ -271,7 +273,7 @@ class Bench:
 
     # --- the three runs ----------------------------------------------------------------
     def reference(self, size: str, plan: dict) -> dict:
-        cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
+        cmd = f"{self.python} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
         job_id, out = self.submit(f"ref-{size}", cmd, ["-N3"])
         tail = Tail(out)
         tail.start()
@@ -288,7 +290,7 @@ class Bench:
         return {"job_id": job_id, "lines": [ln for _, _, ln in steps], "step_period_s": statistics.median(gaps)}
 
     def migration(self, size: str, plan: dict, ref: dict, run_no: int = 1) -> dict:
-        cmd = f"{PY} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
+        cmd = f"{self.python} {TRAIN} --steps {plan['steps']} --params {size} --sleep {plan['sleep']}"
         option = "--torchpass=spares=1" + (f",policy={self.policy}" if self.policy else "")
         job_id, out = self.submit(f"mig-{size}-{run_no}", cmd, ["-N4", option])
         tail = Tail(out)
@@ -362,7 +364,7 @@ class Bench:
         shutil.rmtree(ckpt, ignore_errors=True)
         ckpt.mkdir()
         self.own(ckpt)
-        cmd = (f"{PY} {TRAIN_CKPT} --steps {plan['steps']} --params {size} --sleep {plan['sleep']} "
+        cmd = (f"{self.python} {TRAIN_CKPT} --steps {plan['steps']} --params {size} --sleep {plan['sleep']} "
                f"--ckpt-dir {ckpt} --ckpt-every {plan['ckpt_every']}")
         job_id, out = self.submit(f"ckpt-{size}-{'lifted' if lift_hold else 'slurm'}", cmd, ["-N3", "--requeue"])
         tail = Tail(out)
