@@ -24,6 +24,7 @@ import pytest
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
 from torchpass.errors import DevclusterError
+from torchpass.runtime import relay
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,18 @@ def cluster():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        uids = {0}
+        for user in spec.job_users:
+            try:
+                uids.add(pwd.getpwnam(user).pw_uid)
+            except KeyError:
+                pass
         c.down()
+        # The jobs' node relays are gone with the cluster: their socket files go too (one left by
+        # a process ended with os._exit, as the test jobs end, is otherwise swept only by a later
+        # relay host of the same user: torchpass.runtime.relay.sweep_dead).
+        for uid in uids:
+            relay.sweep_dead(relay.relay_dir({}, uid=uid), older_s=0.0)
         leftover = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                     if ns.startswith(f"tp-{spec.name}-")]
         assert not leftover, f"devcluster left namespaces behind: {leftover}"

@@ -345,3 +345,32 @@ def test_a_process_that_exits_with_its_relay_running_leaves_no_socket_file(relay
     finally:
         other.stop()
     assert not path.exists()
+
+
+def test_a_relay_host_sweeps_the_socket_files_nobody_listens_on_any_more(relay_dir):
+    # A process ended with os._exit (the examples do; torch 2.13 may abort at exit) or killed runs no
+    # atexit handler: the next relay host of the user on the node removes its file once it is old.
+    import socket as socket_mod
+
+    dead = relay_dir / "job1.0-node1.sock"
+    s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    s.bind(str(dead))
+    s.close()  # bound, never listening: what a relay killed outright leaves
+    live = relay.NodeRelay(str(relay_dir / "job2.0-node1.sock"), "tcp://127.0.0.1:1")
+    assert live.start()
+    young = relay_dir / "job3.0-node1.sock"
+    s = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    s.bind(str(young))
+    s.close()
+    other = relay_dir / "notes.sock.txt"
+    other.write_text("not a socket")
+    try:
+        past = os.stat(dead).st_mtime - 120
+        for p in (dead, relay_dir / "job2.0-node1.sock"):
+            os.utime(p, (past, past), follow_symlinks=False)
+        assert relay.sweep_dead(str(relay_dir)) == 1
+        assert not dead.exists()  # nobody listens, and old
+        assert (relay_dir / "job2.0-node1.sock").exists()  # old, but its relay listens
+        assert young.exists() and other.exists()  # too young to tell; not a socket file
+    finally:
+        live.stop()

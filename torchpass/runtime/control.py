@@ -325,9 +325,11 @@ class ControlLink(PauseListener):
         """The node's first rank, on the node it started on, hosts the relay."""
         if not self.relay_host or self._relay is not None or self.moved or self._stop:
             return
-        if relay.private_dir(os.path.dirname(self.relay_path), create=True) is None:
+        directory = os.path.dirname(self.relay_path)
+        if relay.private_dir(directory, create=True) is None:
             self.relay_host = False  # said why; the node's ranks connect to the coordinator themselves
             return
+        relay.sweep_dead(directory)  # files of relays gone (killed, or their process ended with os._exit)
         r = relay.NodeRelay(self.relay_path, self.endpoint)
         if r.start():
             self._relay = r

@@ -138,6 +138,36 @@ def listening(path: str) -> bool:
         s.close()
 
 
+# A socket file nobody listens on is swept by the next relay host of the user on that node, once
+# it is this old (a relay's file exists a moment before it listens). A process that exits without
+# its atexit handlers (os._exit: examples/ do, torch 2.13 may abort at exit) or is killed leaves one.
+SWEEP_AFTER_S = 60.0
+SWEEP_MAX = 256  # files looked at per start
+
+
+def sweep_dead(directory: str, *, wall=time.time, older_s: float = SWEEP_AFTER_S) -> int:
+    """Remove the relay socket files in the user's private ``directory`` that nobody listens on
+    any more (only those older than ``older_s``); returns how many went."""
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))[:SWEEP_MAX]
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.endswith(".sock"):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISSOCK(st.st_mode) or wall() - st.st_mtime < older_s or listening(entry.path):
+                continue
+            if os.lstat(entry.path).st_ino == st.st_ino:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 class NodeRelay:
     """The relay thread: a ROUTER on ``ipc://path`` forwarding to one DEALER on ``upstream``.
 
