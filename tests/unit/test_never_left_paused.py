@@ -287,7 +287,7 @@ def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline
     assert link.registered is False and link.restored == "snap-7"
     assert link.deadline() == now[0] + D and not link._expired()
     sent = []
-    link._request = lambda type_, body: sent.append((type_, body)) or {}
+    link._request = lambda type_, body, **kw: sent.append((type_, body)) or {}
     link._register()
     (type_, body), = sent
     assert type_ == "rank.register" and body["restored"] == "snap-7" and body["rank"] == 1 and link.registered
