@@ -297,9 +297,9 @@ class TimedPG(FakePG):
         return super().resume(gen, rv)
 
 
-# Answers rank.register (and every report) with wait_max_s, but never a rank.progress: a
-# coordinator that parks polls and then never answers them (hung, or gone after the pause).
-SILENT = r"""
+# A stand-in coordinator, run with python -c: a ROUTER on a free port (printed first), reading
+# requests; each script below adds what it does with them.
+STAND_IN = r"""
 import json, sys, time, zmq
 from torchpass import wire, zmqio
 ctx = zmq.Context()
@@ -308,6 +308,12 @@ print(port, flush=True)
 while True:
     parts = sock.recv_multipart()
     msg = wire.decode(parts[-1])
+"""
+
+
+# Answers rank.register (and every report) with wait_max_s, but never a rank.progress: a
+# coordinator that parks polls and then never answers them (hung, or gone after the pause).
+SILENT = STAND_IN + r"""
     print(json.dumps([msg.type, msg.body, time.time()]), flush=True)
     if msg.type != "rank.progress":
         sock.send_multipart(parts[:-1] + [wire.encode_ok(msg.id, {"wait_max_s": 2.0})])
@@ -373,16 +379,8 @@ def test_a_checkpoint_report_the_coordinator_refuses_is_dropped_and_holds_up_not
 
 # Answers rank.register at once with reply_within_s (argv[1]; "" for none) and every later request
 # only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks (issue 13).
-SLOW = r"""
-import json, sys, time, zmq
-from torchpass import wire, zmqio
-ctx = zmq.Context()
-sock, port = zmqio.bind_router(ctx, "127.0.0.1")
-print(port, flush=True)
-hint = {"reply_within_s": float(sys.argv[1])} if sys.argv[1] else {}
-while True:
-    parts = sock.recv_multipart()
-    msg = wire.decode(parts[-1])
+SLOW = STAND_IN + r"""
+    hint = {"reply_within_s": float(sys.argv[1])} if sys.argv[1] else {}
     print(json.dumps([parts[0].hex(), msg.type]), flush=True)
     if msg.type != "rank.register":
         time.sleep(1.2)
@@ -421,15 +419,7 @@ def test_a_rank_waits_as_long_as_the_coordinator_says_its_answers_may_take(hint)
 
 
 # Answers rank.register only after 2.5 s (every rank of a large job registers at once), the rest at once.
-SLOW_REGISTER = r"""
-import json, sys, time, zmq
-from torchpass import wire, zmqio
-ctx = zmq.Context()
-sock, port = zmqio.bind_router(ctx, "127.0.0.1")
-print(port, flush=True)
-while True:
-    parts = sock.recv_multipart()
-    msg = wire.decode(parts[-1])
+SLOW_REGISTER = STAND_IN + r"""
     print(json.dumps([parts[0].hex(), msg.type]), flush=True)
     if msg.type == "rank.register":
         time.sleep(2.5)
