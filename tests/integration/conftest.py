@@ -82,8 +82,10 @@ def cluster():
         # The jobs' node relays are gone with the cluster: their socket files go too (one left by
         # a process ended with os._exit, as the test jobs end, is otherwise swept only by a later
         # relay host of the same user: torchpass.runtime.relay.sweep_dead).
-        for uid in uids:
-            relay.sweep_dead(relay.relay_dir({}, uid=uid), older_s=0.0)
+        for uid in uids:  # only a real directory of that user (lstat: not a link it planted)
+            directory = relay.private_dir(relay.relay_dir({}, uid=uid), create=False, uid=uid)
+            if directory is not None:
+                relay.sweep_dead(directory, older_s=0.0)
         leftover = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                     if ns.startswith(f"tp-{spec.name}-")]
         assert not leftover, f"devcluster left namespaces behind: {leftover}"

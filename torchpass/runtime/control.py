@@ -519,9 +519,9 @@ class ControlLink(PauseListener):
             self._close()
 
     def _register(self) -> None:
-        restored = {"restored": self.restored} if self.restored else {}
         from torchpass import wire
 
+        restored = {"restored": self.restored} if self.restored else {}
         # Every rank of the job registers at once: before the coordinator's first answer says how
         # long one may take (reply_within_s), expect what it would say for this job's size. With
         # 2 s, hundreds of 8,192 ranks gave up and registered again (issue 13, the harness).
