@@ -214,14 +214,13 @@ class SimRank:
     __slots__ = ("rank", "node", "signer", "registered", "outbox", "inflight", "holding", "hold_file",
                  "armed", "waiting", "frozen", "generation", "base_t", "base_c", "armed_reported", "seen", "sock",
                  "hint_s", "paused_hint_s", "wait_max_s", "reply_hint_s", "ident", "idents", "direct_until",
-                 "relay_timeouts", "inflight_type")
+                 "relay_timeouts")
 
     def __init__(self, rank: int, node: str, signer, t0: float):
         self.rank, self.node, self.signer = rank, node, signer
         self.registered = False
         self.outbox: list[tuple[str, dict]] = []
         self.inflight = None  # (sock, type, body, t_sent, token)
-        self.inflight_type = ""  # the type of the request last in flight
         self.holding = False
         self.hold_file: str | None = None
         self.armed: tuple[int, int] | None = None  # (at, generation)
@@ -308,7 +307,7 @@ class LoadGen:
         self.resumed_since: set[int] = set()
         # Relayed requests given up on (ident -> when): a reply that still comes for one is
         # counted late, with how late, so a time-out tells a slow answer from a lost one.
-        self.gave_up: dict[bytes, float] = {}
+        self.gave_up: dict[bytes, tuple[float, str]] = {}  # identity -> (when, request type)
         self.late_s: list[float] = []
         self.late_types: dict[str, int] = {}
         self.inbox: list[tuple[int, float, Any]] = []  # relayed replies read, not yet handled
@@ -400,13 +399,12 @@ class LoadGen:
 
     def _finish(self, i: int, keep: bool) -> None:
         rk = self.ranks[i]
-        sock, via_relay = rk.inflight[0], rk.inflight[6]
-        rk.inflight_type = rk.inflight[1]
+        sock, type_, via_relay = rk.inflight[0], rk.inflight[1], rk.inflight[6]
         rk.inflight = None
         if via_relay:  # the node's connection stays; a time-out: a new ipc connection, and the next
             del self.by_ident[rk.ident]  # try to the coordinator itself (ControlLink._request)
             if not keep:
-                self.gave_up[rk.ident] = (time.monotonic(), rk.inflight_type)
+                self.gave_up[rk.ident] = (time.monotonic(), type_)
                 rk.idents += 1
                 rk.ident = b"r%d.%d" % (rk.rank, rk.idents)
                 rk.relay_timeouts += 1
@@ -757,7 +755,7 @@ class LoadGen:
                     gave_up = self.gave_up.pop(ident, None)
                     if gave_up is not None:  # answered after its rank gave up on it
                         self._count("late_replies")
-                        self.late_s.append(time.monotonic() - gave_up[0])
+                        self.late_s.append(t_read - gave_up[0])
                         self.late_types[gave_up[1]] = self.late_types.get(gave_up[1], 0) + 1
                     continue
                 try:

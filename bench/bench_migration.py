@@ -105,6 +105,12 @@ def run(argv, timeout=120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def as_user(user: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``argv`` run as the job user (runuser), as that user typing it would run it."""
+    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=60,
+                          cwd=cwd, env=os.environ)
+
+
 def log(msg: str) -> None:
     print(f"[bench_migration {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -182,9 +188,9 @@ class Bench:
         script = self.work / f"{tag}.sbatch"
         script.write_text(f"#!/bin/bash\nsrun {cmd}\n")
         out = self.work / f"{tag}.out"
-        as_user = ["runuser", "-u", self.user, "--"] if self.user is not None else []
-        p = run([*as_user, "sbatch", "--parsable", "--ntasks-per-node=1", "--open-mode=append", "-o", str(out),
-                 *sbatch_args, str(script)], cwd=self.work)
+        argv = ["sbatch", "--parsable", "--ntasks-per-node=1", "--open-mode=append", "-o", str(out),
+                *sbatch_args, str(script)]
+        p = as_user(self.user, argv, self.work) if self.user is not None else run(argv, cwd=self.work)
         if p.returncode != 0:
             raise RuntimeError(f"sbatch {tag}: {p.stderr.strip()}")
         return int(p.stdout.strip().split(";")[0]), out

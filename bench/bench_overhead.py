@@ -51,7 +51,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
-from bench_migration import Tail, first_arrivals, machine, per_step  # noqa: E402
+from bench_migration import Tail, as_user, first_arrivals, machine, per_step  # noqa: E402
 
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
@@ -90,11 +90,6 @@ def user_workdir(prefix: str, user: str):
         os.chown(work, pw.pw_uid, pw.pw_gid)
         time.sleep(2.0)
         yield work
-
-
-def as_user(user: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True, timeout=60,
-                          cwd=cwd, env=os.environ)
 
 
 def job_state(job_id: int) -> dict:

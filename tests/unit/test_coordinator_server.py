@@ -262,7 +262,7 @@ def test_replies_to_ranks_carry_backpressure_hints_that_grow_with_the_job_and_th
     assert res["paused_every_s"] == pytest.approx(3000 / srv.PAUSED_BUDGET_PER_S, abs=1e-3)
     assert res["wait_max_s"] == pytest.approx(3000 / srv.PARKED_BUDGET_PER_S, abs=1e-3)  # long polls: longer waits
     # A fan-in of 3,000 acknowledgments: the last is answered after 3000 / FAN_IN_PER_S; a rank waits that too.
-    assert res["reply_within_s"] == pytest.approx(srv.REPLY_WITHIN_MIN_S + 3000 / srv.FAN_IN_PER_S, abs=1e-3)
+    assert res["reply_within_s"] == pytest.approx(wire.REPLY_WITHIN_MIN_S + 3000 / wire.FAN_IN_PER_S, abs=1e-3)
     assert "report_every_s" not in req(ep, "job.status")  # only rank.* replies
 
     t = [0.0]
@@ -273,7 +273,7 @@ def test_replies_to_ranks_carry_backpressure_hints_that_grow_with_the_job_and_th
     assert pace.factor == srv.PACE_FACTOR_MAX
     assert pace.hint(1500)["report_every_s"] == pytest.approx(srv.PACE_FACTOR_MAX)
     assert pace.hint(100_000)["wait_max_s"] == srv.PARK_MAX_S  # bounded: the rank's time-out grows with it
-    assert pace.hint(100_000)["reply_within_s"] == srv.REPLY_WITHIN_MAX_S
+    assert pace.hint(100_000)["reply_within_s"] == wire.REPLY_WITHIN_MAX_S
     for _ in range(20):  # idle again: back to the job's own size
         t[0] += 1.0
         pace.busy(0.05)

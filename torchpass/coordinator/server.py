@@ -102,14 +102,10 @@ class Pace:
         return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
                 "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3),
                 "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3),
+                # a fan-in (issue 13): a rank that gave up on its request after a fixed 2 s sent it
+                # again on a fresh connection, which made the queue longer still
                 "reply_within_s": wire.reply_within_s(world, self.factor)}
 
-
-# A fan-in (issue 13): a rank that gave up on its request after a fixed 2 s sent it again on a
-# fresh connection, and those copies made the queue longer still. So every rank.* reply also says
-# ``reply_within_s`` (wire.reply_within_s, times the pace factor).
-FAN_IN_PER_S = wire.FAN_IN_PER_S
-REPLY_WITHIN_MIN_S, REPLY_WITHIN_MAX_S = wire.REPLY_WITHIN_MIN_S, wire.REPLY_WITHIN_MAX_S
 
 # At most this many messages are read before the batch is decided on and answered: a reply
 # waits for at most this many handlers (30 us each alone; 0.2-0.6 ms each at 8,192 ranks, where
