@@ -111,12 +111,45 @@ def read_job_manifests(dfd: int, job_id: int) -> list[dict[str, Any]]:
     return out
 
 
+class Asking:
+    """One question asked in a thread of its own; ``answer()`` waits for it (its error re-raised)."""
+
+    def __init__(self, ask: Callable[[int], set[int]], job_id: int):
+        self._value: set[int] = set()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._ask, args=(ask, job_id), name="tpassd-slurm-question",
+                                        daemon=True)
+        self._thread.start()
+
+    def _ask(self, ask: Callable[[int], set[int]], job_id: int) -> None:
+        try:
+            self._value = ask(job_id)
+        except BaseException as exc:  # re-raised in the thread that waits for the answer
+            self._error = exc
+
+    def answer(self) -> set[int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+# (request, op) that pin a process of the job, and so need its pids from slurmd.
+PINNING_OPS = frozenset({("snapshot", "dump"), ("snapshot", "kill"), ("snapshot", "snap"), ("restore", "abort")})
+
+
 class Audit:
     """The one audit line of a request: filled in as the request goes, logged at its end."""
 
     def __init__(self, ident: auth.Identity, action: str, body: dict[str, Any]):
         self.fields: dict[str, Any] = {"requester_uid": ident.uid, "job_id": body.get("job_id"),
                                        "rank": body.get("rank"), "pid": None, "action": action}
+        # What Slurm said of the job in this request. Each question takes 6-14 ms while a migrating
+        # job stands still, so a request asks each once: the owner (slurmctld) as its authorization
+        # heard it (None: not asked, root's request), and, for a request that pins a process, the
+        # job's pids on this node (slurmd), asked as it arrives, while the owner is asked.
+        self.owner: int | None = None
+        self.pids: Asking | None = None
 
     def __enter__(self) -> "Audit":
         return self
@@ -183,19 +216,25 @@ class CheckpointService:
             raise RemoteError("not_found", f"job {job_id} is not known to Slurm")
         return owner
 
-    def authorize(self, ident: auth.Identity, job_id: int) -> None:
+    def authorize(self, ident: auth.Identity, job_id: int) -> int | None:
+        """Root, or the job's owner; returns the owner when Slurm was asked (None for root)."""
         if ident.uid == 0:
-            return
-        if self.owner_of(job_id) != ident.uid:
+            return None
+        owner = self.owner_of(job_id)
+        if owner != ident.uid:
             raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}")
+        return owner
 
-    def _job_view(self, job_id: int) -> tuple[set[int], int]:
-        """What Slurm says of the job: its pids on this node, its owner."""
-        return self.job_pids(job_id), self.owner_of(job_id)
+    def _job_view(self, job_id: int, act: Audit | None = None) -> tuple[set[int], int]:
+        """What Slurm says of the job: its pids on this node (slurmd), its owner (slurmctld); what
+        the request ``act`` asked already is not asked again, and the rest is asked at once."""
+        pids = act.pids if act is not None and act.pids is not None else Asking(self.job_pids, job_id)
+        owner = act.owner if act is not None and act.owner is not None else self.owner_of(job_id)
+        return pids.answer(), owner
 
     def _pin(self, job_id: int, pid: Any, *, parent: int | None = None, dump: bool = False,
-             view: tuple[set[int], int] | None = None) -> procs.Pinned:
-        pids, owner = view or self._job_view(job_id)
+             view: tuple[set[int], int] | None = None, act: Audit | None = None) -> procs.Pinned:
+        pids, owner = view or self._job_view(job_id, act)
         return procs.pin(pid, job_id=job_id, job_pids=pids, owner=owner, parent=parent, same_namespaces=dump,
                          proc=self.proc)
 
@@ -256,10 +295,12 @@ class CheckpointService:
             if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
                        for k in ("job_id", "rank")):
                 raise RemoteError("bad_request", f"{kind}: job_id and rank must be non-negative integers")
+            if (kind, b.get("op")) in PINNING_OPS:
+                act.pids = Asking(self.job_pids, b["job_id"])
             if kind == "snapshot" and b.get("op") in JOB_SNAPSHOT_OPS:
-                self.authorize_snapshot(ident, b["job_id"], b["op"])
+                act.owner = self.authorize_snapshot(ident, b["job_id"], b["op"])
             else:
-                self.authorize(ident, b["job_id"])
+                act.owner = self.authorize(ident, b["job_id"])
             return handler(b, act)
 
     def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
@@ -283,7 +324,7 @@ class CheckpointService:
                             pid=pid)
                 raise RemoteError("failed", f"fault drill kill-fail on {self.node}: the source copy of rank {rank} "
                                             f"(pid {pid}) was not killed")
-            out = self._kill(job_id, rank, pid)
+            out = self._kill(job_id, rank, pid, act)
             # Every restore succeeded before the coordinator asks for this kill:
             # the images are not needed any more.
             out["discarded_mb"] = self._discard(job_id, rank)
@@ -368,7 +409,7 @@ class CheckpointService:
             # Slurm's and the kernel's word, not the record's: the wrapper is the job's,
             # the tree's root its child, the rank the root's child (or the root itself);
             # all in tpassd's own namespaces.
-            view = self._job_view(job_id)
+            view = self._job_view(job_id, act)
             with self._pin(job_id, wrapper, dump=True, view=view) as w, \
                     self._pin(job_id, pid, parent=wrapper, dump=True, view=view) as p:
                 if rank_pid == pid:
@@ -483,12 +524,14 @@ class CheckpointService:
                 errors.append(str(exc))
         return "; ".join(errors) or None
 
-    def _pin_unless_gone(self, job_id: int, pid: int, *, parent: int | None = None) -> procs.Pinned | None:
-        """The checked, pinned process; None if it is gone (RemoteError if it is not the job's)."""
+    def _pin_unless_gone(self, job_id: int, pid: int, *, parent: int | None = None, act: Audit | None = None
+                         ) -> procs.Pinned | None:
+        """The checked, pinned process; None if it is gone (RemoteError if it is not the job's).
+        ``act``: the request, with what it asked Slurm already."""
         if not Path(f"{self.proc}/{pid}").exists():
             return None
         try:
-            return self._pin(job_id, pid, parent=parent)
+            return self._pin(job_id, pid, parent=parent, act=act)
         except RemoteError as exc:
             if exc.code == "not_found":  # it died since
                 return None
@@ -504,8 +547,8 @@ class CheckpointService:
                 continue
         return out
 
-    def _kill(self, job_id: int, rank: int, pid: int) -> dict[str, Any]:
-        return self._kill_pinned(job_id, rank, pid, self._pin_unless_gone(job_id, pid))
+    def _kill(self, job_id: int, rank: int, pid: int, act: Audit | None = None) -> dict[str, Any]:
+        return self._kill_pinned(job_id, rank, pid, self._pin_unless_gone(job_id, pid, act=act))
 
     def _kill_pinned(self, job_id: int, rank: int, pid: int, pinned: procs.Pinned | None) -> dict[str, Any]:
         gone = {"node": self.node, "rank": rank, "pid": pid, "killed": False}
@@ -530,7 +573,7 @@ class CheckpointService:
                 if (all(procs.dying(p, start, self.proc) for p, start in before)
                         and all(procs.dying(p, None, self.proc) for p in criu_mod.tree_pids(pid, self.proc))):
                     break
-                time.sleep(0.005)
+                time.sleep(0.002)  # every rank stands still until this reply
         log.info("source copy killed", job_id=job_id, rank=rank, pid=pid)
         return {"node": self.node, "rank": rank, "pid": pid, "killed": True}
 
@@ -574,7 +617,7 @@ class CheckpointService:
                              keep=_keep(b))
             return {**out, "snapshot": snap}
         if op == "commit":
-            return self._commit(job_id, snap, b)
+            return self._commit(job_id, snap, b, act.owner)
         if op == "discard":
             if self.state_dir is not None and layout.snapshot_manifest(self.state_dir, job_id, snap).exists():
                 raise RemoteError("conflict", f"snapshot {snap} of job {job_id} is complete (it has a manifest); "
@@ -656,8 +699,8 @@ class CheckpointService:
         finally:
             os.close(jfd)
 
-    def _commit(self, job_id: int, snap: str, b: dict[str, Any]) -> dict[str, Any]:
-        owner = self.owner_of(job_id)
+    def _commit(self, job_id: int, snap: str, b: dict[str, Any], owner: int | None = None) -> dict[str, Any]:
+        owner = self.owner_of(job_id) if owner is None else owner
         parts = b.get("parts")
         if not isinstance(parts, list) or not parts:
             raise RemoteError("bad_request", f"commit of snapshot {snap}: no parts")
@@ -818,11 +861,12 @@ class CheckpointService:
             os.close(dfd)
         return {"node": self.node, "snapshot": snap, "deleted": True, "freed_mb": round(freed / 1e6, 1)}
 
-    def authorize_snapshot(self, ident: auth.Identity, job_id: int, op: str) -> None:
+    def authorize_snapshot(self, ident: auth.Identity, job_id: int, op: str) -> int | None:
         """Root or the job's owner; for op delete also the owner a job manifest records (root wrote
-        it), so that a snapshot can be deleted after Slurm forgot the job."""
+        it), so that a snapshot can be deleted after Slurm forgot the job. Returns the owner when
+        Slurm was asked, as ``authorize``."""
         if ident.uid == 0:
-            return
+            return None
         if op == "delete" and self.state_dir is not None:
             dfd = self._manifests_dir(job_id)
             if dfd is not None:
@@ -831,10 +875,10 @@ class CheckpointService:
                 finally:
                     os.close(dfd)
                 if uids and uids <= {ident.uid}:
-                    return
+                    return None  # the manifests' word, not Slurm's: nothing is pinned on it
                 if uids:
                     raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {job_id}'s snapshots")
-        self.authorize(ident, job_id)
+        return self.authorize(ident, job_id)
 
     # -- tpassd.restore ----------------------------------------------------------
     def restore(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
@@ -911,7 +955,7 @@ class CheckpointService:
             # the record says the copy was aborted, which the wrapper also honours.
             # The pid is checked first (the job's, the wrapper's child); a copy already
             # gone is no reason to leave the record naming it.
-            pinned = self._pin_unless_gone(job_id, pid, parent=wrapper)
+            pinned = self._pin_unless_gone(job_id, pid, parent=wrapper, act=act)
             prev = rec.get("previous")
             restored_prev = isinstance(prev, dict) and prev.get("wrapper_pid")
             record = layout.rank_record(self.rank_dir(job_id), job_id, rank)
