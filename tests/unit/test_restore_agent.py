@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,43 @@ def test_the_job_users_request_is_read(tmp_path, user):  # noqa: F811
     finally:
         os.close(pidfd)
     assert got == {"images": "/x", "fds": {"1": 5}}
+
+
+def test_a_request_written_while_it_waits_is_found_and_no_fd_is_left(tmp_path):
+    """The rank directory and then the request appear while the agent waits (a step at its gate):
+    it finds the request within a few polls and keeps no descriptor but the one it returns."""
+    def write_later():
+        time.sleep(0.05)
+        d = _rank_dir(tmp_path)
+        time.sleep(0.05)
+        ra.request_file(d, RANK, os.getpid()).write_text(json.dumps({"images": "/x"}))
+
+    before = set(os.listdir("/proc/self/fd"))
+    pidfd = _alive_pidfd()
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    try:
+        dfd, got = ra.wait_request(str(tmp_path), JOB, RANK, os.getuid(), pidfd)
+        assert got == {"images": "/x"}
+        os.close(dfd)
+    finally:
+        writer.join()
+        os.close(pidfd)
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_task_waits_for_its_agents_exit_and_gives_up_at_its_deadline():
+    from torchpass.checkpoint.rankwrap import wait_agent
+
+    done = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.2); sys.exit(3)"])
+    status = wait_agent(done.pid, 30.0)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 3
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        assert wait_agent(hung.pid, 0.2) is None
+    finally:
+        hung.kill()
+        hung.wait()
 
 
 def test_the_agent_exits_when_its_task_is_gone(tmp_path):

@@ -673,6 +673,29 @@ RESTORE_RANK_ENV = "TORCHPASS_RESTORE_RANK"  # set on the restore srun: the plug
 RESTORE_JOB_ENV = "TORCHPASS_RESTORE_JOB"
 
 
+def wait_agent(agent: int, timeout_s: float) -> int | None:
+    """The wait status of our child ``agent`` once it exits; None after ``timeout_s``. Woken by its
+    exit (a pidfd), not a poll: every rank of the job stands still until the restored rank runs."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        pidfd = os.pidfd_open(agent)
+    except OSError:  # already reaped elsewhere, or no pidfd: fall back to polling
+        pidfd = -1
+    try:
+        while (got := os.waitpid(agent, os.WNOHANG))[0] == 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if pidfd >= 0:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(0.01, left))
+        return got[1]
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
 def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents: list[int],
                       wake_text: str = "", env=os.environ) -> int:
     """User side of a root restore (torchpass.checkpoint.restore_agent). The plugin made this task
@@ -698,14 +721,11 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
         relays[r], fds[str(fd)] = fd, w
     write_json(req, {"images": str(images), "fds": fds})
     # criu (and its hashing) has its own timeout in the agent; this is for an agent that never answers
-    deadline = time.monotonic() + criu_mod.RESTORE_TIMEOUT_S + 60.0
-    while (got := os.waitpid(agent, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            say(f"restore: the root restore agent (pid {agent}) did not answer in "
-                f"{criu_mod.RESTORE_TIMEOUT_S + 60.0:g} s; not restoring")
-            return 1
-        time.sleep(0.01)
-    status = got[1]
+    status = wait_agent(agent, criu_mod.RESTORE_TIMEOUT_S + 60.0)
+    if status is None:
+        say(f"restore: the root restore agent (pid {agent}) did not answer in "
+            f"{criu_mod.RESTORE_TIMEOUT_S + 60.0:g} s; not restoring")
+        return 1
     for w in fds.values():
         os.close(w)
     try:

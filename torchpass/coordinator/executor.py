@@ -122,6 +122,8 @@ RESTORE_STEP_NAME = "torchpass-restore-"  # job name of restore steps (-J torchp
 RESTORE_STEP_END_GRACE_S = 10.0
 # How long a rollback waits for a called-off restore step (srun ending it, with the copy)
 ABORT_WAIT_S = 15.0
+# How often a restore's waiter reads the rank record for "restored" while the job stands still.
+RESTORE_POLL_S = 0.002
 # The programs a restore step runs (python -m ...): the restore wrapper, and the gate in front of it.
 RANKWRAP_MODULE = "torchpass.checkpoint.rankwrap"
 RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
@@ -789,7 +791,9 @@ class Executor:
                     self.post(ct.RestoreFailed(asked.migration, asked.rank, a.target,
                                                f"restore step exited {rc} before the rank was restored{again}: {tail}"))
                     return
-                time.sleep(0.01)
+                # Every rank of the job stands still until this record says restored: poll finely
+                # (a record read is ~50 us; at 10 ms the wait added 5 ms on average).
+                time.sleep(RESTORE_POLL_S)
 
         self._thread(run, f"restore-{a.rank}")
 

@@ -93,6 +93,8 @@ RESTORED_CLAIM_DELAY_S = 60.0
 FALLBACK_JOIN_S = 120.0
 # No answer from the coordinator for this long: it is lost (TORCHPASS_COORDINATOR_LOST_S).
 COORDINATOR_LOST_S = 30.0
+# How often a held rank looks for its hold file (one stat; the hold lasts the dump and restore).
+HOLD_POLL_S = 0.005
 # The fallback rendezvous' own keys on rank 0's store (beside the generations' gen<g>/ keys).
 FALLBACK_KEY = "torchpass-fallback/gen{gen}"
 
@@ -601,7 +603,10 @@ class ControlLink(PauseListener):
             while not self._stop and path and not os.path.exists(path):
                 if self._expired():
                     return
-                time.sleep(0.02)  # short sleeps restart cleanly after a restore
+                # Short sleeps restart cleanly after a restore; and a restored rank wakes from
+                # this loop while the source's kill runs: at 20 ms its wake-up could outlast the
+                # kill and delay its resume.
+                time.sleep(HOLD_POLL_S)
             self._hold_file = None  # released: the coordinator's decision stands, no claim
             if path:
                 self._woken_from_snapshot(path)
