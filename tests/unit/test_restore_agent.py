@@ -185,6 +185,7 @@ def test_the_task_waits_for_its_agents_exit_and_gives_up_at_its_deadline():
     done = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.2); sys.exit(3)"])
     status = wait_agent(done.pid, 30.0)
     assert status is not None and os.waitstatus_to_exitcode(status) == 3
+    done.returncode = 3  # reaped above: Popen must not wait for it again
     hung = subprocess.Popen(["sleep", "60"])
     try:
         assert wait_agent(hung.pid, 0.2) is None
