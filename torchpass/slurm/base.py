@@ -111,7 +111,8 @@ class SlurmClient(ABC):
 
     @abstractmethod
     def job(self, job_id: int) -> JobInfo | None:
-        """The job, or None when slurmctld no longer knows it."""
+        """The job, or None when slurmctld says it does not know it; SlurmError when slurmctld
+        cannot be asked (never None then: a coordinator takes None for its job's end)."""
 
     @abstractmethod
     def jobs(self, *, user: str | None = None, states: tuple[str, ...] = ("RUNNING",)) -> list[JobInfo]: ...

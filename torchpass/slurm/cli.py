@@ -105,7 +105,19 @@ class CliSlurmClient(SlurmClient):
                 return None
             raise
         jobs = data.get("jobs", [])
-        return self._job_from(jobs[0]) if jobs else None
+        if jobs:
+            return self._job_from(jobs[0])
+        # scontrol 24.11 with --json prints the same empty answer, exit status 0, for a job
+        # slurmctld does not know and for a slurmctld it could not reach: a coordinator took
+        # the second for its job's end and exited. squeue tells them apart: "Invalid job id
+        # specified" for the first, "Unable to contact slurm controller" for the second.
+        try:
+            self._run(["squeue", "--json", "--jobs", str(int(job_id))])
+        except SlurmError as exc:
+            if "Invalid job id" in str(exc):
+                return None
+            raise
+        return None
 
     def jobs(self, *, user: str | None = None, states: tuple[str, ...] = ("RUNNING",)) -> list[JobInfo]:
         argv = ["squeue", "--json"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
-from torchpass.errors import DependencyError
+from torchpass.errors import DependencyError, SlurmError
 from torchpass.slurm.base import JobInfo, NodeInfo
 from torchpass.slurm.cli import CliSlurmClient
 
@@ -60,8 +60,12 @@ class PyslurmClient(CliSlurmClient):
     def job(self, job_id: int) -> JobInfo | None:
         try:
             j = self._pyslurm.Job.load(int(job_id))
-        except self._pyslurm.RPCError:
-            return None
+        except self._pyslurm.RPCError as exc:
+            # Only slurmctld's "Invalid job id specified" means the job is gone; any other RPC
+            # error (slurmctld unreachable) is no answer, which the caller must not take for one.
+            if "Invalid job id" in str(exc):
+                return None
+            raise SlurmError(f"cannot ask slurmctld about job {job_id} ({exc})") from None
         nodes = j.nodes or ""
         return JobInfo(
             job_id=int(j.id),
