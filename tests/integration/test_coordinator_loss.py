@@ -231,7 +231,7 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
                       "--endpoint", tpassd])
         assert inj.returncode == 0, inj.stderr
         # The coordinator's own question, asked here too: slurmctld away is an error, never "no such
-        # job" (scontrol --json answers both alike; a coordinator once exited on it, in CI).
+        # job" (scontrol --json answers both alike; most likely why a coordinator exited in CI).
         slurm = CliSlurmClient(environ={**os.environ, **cluster.env()})
         with pytest.raises(SlurmError):
             slurm.job(job_id)
