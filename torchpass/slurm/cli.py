@@ -99,19 +99,13 @@ class CliSlurmClient(SlurmClient):
 
     def job(self, job_id: int) -> JobInfo | None:
         try:
-            data = self._json(["scontrol", "show", "job", str(int(job_id)), "--json"])
-        except SlurmError as exc:
-            if "Invalid job id" in str(exc):
-                return None
-            raise
-        jobs = data.get("jobs", [])
-        if jobs:
-            return self._job_from(jobs[0])
-        # scontrol 24.11 with --json prints the same empty answer, exit status 0, for a job
-        # slurmctld does not know and for a slurmctld it could not reach: a coordinator took
-        # the second for its job's end and exited. squeue tells them apart: "Invalid job id
-        # specified" for the first, "Unable to contact slurm controller" for the second.
-        try:
+            jobs = self._json(["scontrol", "show", "job", str(int(job_id)), "--json"]).get("jobs", [])
+            if jobs:
+                return self._job_from(jobs[0])
+            # scontrol 24.11 with --json prints the same empty answer, exit status 0, for a job
+            # slurmctld does not know and for a slurmctld it could not reach: a coordinator took
+            # the second for its job's end and exited. squeue tells them apart: "Invalid job id
+            # specified" for the first, "Unable to contact slurm controller" for the second.
             self._run(["squeue", "--json", "--jobs", str(int(job_id))])
         except SlurmError as exc:
             if "Invalid job id" in str(exc):
