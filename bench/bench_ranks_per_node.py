@@ -34,7 +34,7 @@ from drill import Drill, leave_clean, migrate  # noqa: E402
 
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
-PHASES = ("pause", "dump", "transfer", "restore", "paused", "total")
+PHASES = ("pause", "dump", "transfer", "restore", "kill_source", "paused", "total")
 
 
 def main() -> int:

@@ -321,7 +321,10 @@ BODIES: dict[str, dict[str, F]] = {
     #   op "dump":  CRIU-dump the quiesced rank, leaving it running (paused);
     #               result {images, checksum, bytes, criu_dump_s, total_s, pid}
     #   op "kill":  SIGKILL the source copy `pid` (after every restore succeeded), discard
-    #               the rank's images on this node; result {killed, discarded_mb}
+    #               the rank's images on this node; result {killed, discarded_mb}. `tasks`
+    #               [[rank, pid], ...]: the node's other source copies of the move, each
+    #               checked before any is killed, all killed at once; result also `tasks`
+    #               (one {rank, pid, killed, discarded_mb} each)
     #   op "abort": the move is off: hand-off marker "abort", images discarded
     # Whole-job snapshots (issue 12, F; torchpass.checkpoint.service._job_snapshot), `snapshot` = its id:
     #   op "snap":    dump the held rank into SNAPSHOT_DIR/snapshots/jobJ/ID/rankR (no hand-off marker);
@@ -342,6 +345,7 @@ BODIES: dict[str, dict[str, F]] = {
         "collectives": _f(int, required=False),
         "keep": _f(int, required=False),
         "parts": _f(list, required=False),
+        "tasks": _f(list, required=False),
     },
     #   op "verify": the target can read `images` and its manifest matches `checksum`
     #   op "abort":  kill what was restored from `images` on this node (best effort)

@@ -577,3 +577,36 @@ def test_a_job_ending_while_its_source_node_is_released_records_the_move_as_comp
     assert len(done) == 1 and done[0].data["outcome"] == "completed" and d.state.migration is None
     assert "the job ended before n2 was released" in done[0].message
     assert "migration.completed" in layout.events_json(tmp_path, 42).read_text()
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["killed", "refused"])
+def test_a_nodes_source_copies_are_killed_in_one_request(tmp_path, refuse):
+    """Two tasks on the source node: one tpassd.snapshot op=kill names both (tpassd checks
+    both before it kills either, then kills them at once); its refusal is one KillFailed."""
+    from torchpass.coordinator import contract as ct
+
+    class KillTpassd(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            super().request(node, type_, body, timeout_s)
+            if refuse and body.get("op") == "kill":
+                raise RemoteError("failed", "fault drill kill-fail on n2: the source copy of rank 1 was not killed")
+            return {}
+
+    tp = KillTpassd(fail_dump=False)
+    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
+    d = Driver(job, pol, spares=("n4",))
+    ex = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
+                  address_of=lambda n: "10.0.0.1", srun=str(fake_srun(tmp_path)))
+    _open_executors.append(ex)
+    for r, n in enumerate(("n1", "n2", "n2", "n3")):
+        d.feed(mc.RankRegistered(r, n, 4))
+    ex.move("m1").dumps.update({1: {"pid": 101}, 2: {"pid": 102}})
+    ex.perform(ct.KillSource("m1", "n2", (1, 2)), d.state)
+    outcome = d.queue.get(timeout=5)
+    kills = [(n, b) for n, t, b in tp.calls if t == "tpassd.snapshot"]
+    assert kills == [("n2", {"job_id": 42, "rank": 1, "op": "kill", "pid": 101, "tasks": [[2, 102]],
+                             "rank_dir": str(ex.rank_dir)})]
+    if refuse:
+        assert isinstance(outcome, ct.KillFailed) and "kill-fail" in outcome.why
+    else:
+        assert outcome == ct.SourceKilled("m1", "n2")

@@ -156,6 +156,43 @@ def test_kill_refuses_a_pid_slurm_does_not_list_for_the_job(tmp_path):
         _stop(victim)
 
 
+def _kill(pid: int, tasks: list) -> wire.Message:
+    return wire.Message("tpassd.snapshot", {"job_id": JOB, "rank": RANK, "op": "kill", "pid": pid, "tasks": tasks})
+
+
+def test_a_nodes_kill_checks_every_copy_before_it_kills_any(tmp_path):
+    """One op=kill for a node's tasks: one copy that is not the job's refuses the request and
+    leaves every copy paused (a rollback can still resume them); all the job's: all killed."""
+    a, b, stranger = _popen(["sleep", "60"]), _popen(["sleep", "60"]), _popen(["sleep", "60"])
+    try:
+        svc = _service(tmp_path, lambda: {a.pid, b.pid})
+        _refused(lambda: svc.snapshot(_kill(a.pid, [[2, b.pid], [3, stranger.pid]]), ROOT),
+                 f"pid {stranger.pid} is not a process of job {JOB} on this node")
+        time.sleep(0.1)
+        assert a.poll() is None and b.poll() is None and stranger.poll() is None
+        res = svc.snapshot(_kill(a.pid, [[2, b.pid]]), ROOT)
+        assert (res["rank"], res["killed"]) == (RANK, True)
+        assert [(t["rank"], t["pid"], t["killed"]) for t in res["tasks"]] == [(2, b.pid, True)]
+        assert a.wait(5) == -9 and b.wait(5) == -9 and stranger.poll() is None
+    finally:
+        _stop(a, b, stranger)
+
+
+@pytest.mark.parametrize("tasks", [[[2]], [[2, 1]], [[-1, 4242]], [[RANK, 4242]], "2:4242", [[2, True]]],
+                         ids=["short", "pid-1", "negative-rank", "rank-twice", "not-a-list", "bool"])
+def test_a_malformed_kill_list_is_refused_and_kills_nothing(tmp_path, tasks):
+    a = _popen(["sleep", "60"])
+    try:
+        svc = _service(tmp_path, lambda: {a.pid})
+        with pytest.raises(RemoteError, match="op kill") as ei:
+            svc.snapshot(_kill(a.pid, tasks), ROOT)
+        assert ei.value.code == "bad_request" and "\n" not in str(ei.value)
+        time.sleep(0.1)
+        assert a.poll() is None
+    finally:
+        _stop(a)
+
+
 # -- whose paths ----------------------------------------------------------------------------------
 def test_a_rank_dir_outside_the_jobs_own_directory_is_refused(tmp_path):
     rank = _popen(["sleep", "60"])

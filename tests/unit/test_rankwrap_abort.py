@@ -238,6 +238,34 @@ def test_kill_fail_drill_refuses_one_kill(tmp_path):
     assert svc.snapshot(msg, ROOT)["killed"] is False
 
 
+def test_kill_fail_drill_refuses_a_nodes_kill_before_killing_any(tmp_path):
+    """The drill refuses the whole request for a node's tasks: no copy of the node dies, so the
+    rollback that follows resumes the job as it stood (with one kill per task, the copies
+    killed before the refusal left the job stuck)."""
+    from tpassd.drills import Drills
+    from tpassd.policy import Policy
+
+    copies = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        drills = Drills(None, tmp_path / "sys", Policy(), enabled=True)
+        svc = CheckpointService(tmp_path / "snap", "n3", job_owner=lambda j: 0,
+                                job_pids=lambda j: {c.pid for c in copies}, kill_fault=drills.take_kill_fault)
+        msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": copies[0].pid,
+                                               "tasks": [[2, copies[1].pid], [3, copies[2].pid]]})
+        drills.apply("kill-fail")
+        with pytest.raises(RemoteError, match="kill-fail"):
+            svc.snapshot(msg, ROOT)
+        time.sleep(0.1)
+        assert [c.poll() for c in copies] == [None, None, None]
+        res = svc.snapshot(msg, ROOT)
+        assert res["killed"] is True and [t["killed"] for t in res["tasks"]] == [True, True]
+        assert [c.wait(5) for c in copies] == [-9, -9, -9]
+    finally:
+        for c in copies:
+            c.kill()
+            c.wait()
+
+
 def test_a_second_restore_of_the_same_snapshot_keeps_the_copy_the_move_started_from(tmp_path):
     """The first target was lost before its copy could be called off (its record stayed): the
     restore on the next spare must still remember the source copy, not the lost one."""
