@@ -8,6 +8,7 @@ place), the source node is not drained, and the job's events say so.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +102,14 @@ def _pump_until(d, pred, timeout_s=5.0):
     raise AssertionError(f"not reached; reason now: {d.reasons.last}")
 
 
+def _until(pred, what: str, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     tp = FakeTpassd(fail_dump=True)
     d, slurm = _driver(tmp_path, tp)
@@ -128,7 +137,8 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     assert all(pause[r]["fallback"] == resume and pause[r]["deadline_s"] == 3630.0 for r in range(3))
     # ... and how long the ranks of that fallback wait for each other before failing (the rebuild's timeout)
     assert all(pause[r]["join_s"] == ex.policy.rebuild_timeout_s for r in range(3))
-    assert hf.exists()  # the held source copy wakes up where it is
+    # the held source copy wakes up where it is, once its hand-off is marked aborted (off the serve thread)
+    _until(hf.exists, "the hold file")
     assert ("n2", "tpassd.snapshot") in [(n, t) for n, t, b in tp.calls if b["op"] == "abort"]
     for r in range(3):
         ex.acknowledge(r, "resume", gen)
@@ -610,3 +620,40 @@ def test_a_nodes_source_copies_are_killed_in_one_request(tmp_path, refuse):
         assert isinstance(outcome, ct.KillFailed) and "kill-fail" in outcome.why
     else:
         assert outcome == ct.SourceKilled("m1", "n2")
+
+
+def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(tmp_path):
+    """Rolled back after the source node's tpassd stopped answering in time: every rank's resume
+    is set at once, the held tasks' hand-offs are marked aborted together, and only then their
+    hold files appear (5 s a task in the serve thread delayed every rank's resume before)."""
+    from torchpass.coordinator import contract as ct
+
+    both = threading.Barrier(2, timeout=10)  # broken (BrokenBarrierError) if marked one after the other
+
+    class SlowTpassd(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            super().request(node, type_, body, timeout_s)
+            if body.get("op") == "abort":
+                time.sleep(1.0)
+                both.wait()
+            return {}
+
+    tp = SlowTpassd(fail_dump=False)
+    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
+    d = Driver(job, pol, spares=("n4",))
+    ex = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
+                  address_of=lambda n: "10.0.0.1", srun=str(fake_srun(tmp_path)))
+    _open_executors.append(ex)
+    for r, n in enumerate(("n1", "n2", "n2", "n3")):
+        d.feed(mc.RankRegistered(r, n, 4))
+    mv = ex.move("m1")
+    mv.hold, mv.hold_tasks = (1, 2), (1, 2)
+    started = time.monotonic()
+    ex._resume_in_place(ct.ResumeInPlace("m1", 2, "n1", "dump failed"), (0, 1, 2, 3), "n2")
+    assert time.monotonic() - started < 0.5
+    assert all(ex.command_for(r)["command"] == "resume" for r in range(4))
+    holds = [layout.hold_file(tmp_path, 42, "m1", r) for r in (1, 2)]
+    assert not any(h.exists() for h in holds)
+    _until(lambda: all(h.exists() for h in holds), "both hold files", 15.0)
+    assert not both.broken
+    assert sorted(b["rank"] for _, _, b in tp.calls if b["op"] == "abort") == [1, 2]

@@ -887,15 +887,27 @@ class Executor:
         mv = self.move(a.migration)
         mv.aborts = []
         self._resume_cmd(ranks, a.generation, a.master)
-        if node and mv.hold and self.tpassd is not None:
-            for r in mv.hold_tasks:  # the hand-off is off: a later death of the source copy is a real failure
-                try:
-                    self.tpassd.request(node, "tpassd.snapshot",
-                                        {"job_id": self.job_id, "rank": r, "op": "abort",
-                                         "rank_dir": str(self.rank_dir)}, 5.0)
-                except TorchpassError as exc:
-                    log.warning("could not mark the hand-off aborted", rank=r, node=node, error=str(exc))
-        self._release(a.migration)
+        if not (node and mv.hold and self.tpassd is not None):
+            self._release(a.migration)
+            return
+
+        # The hand-off is off: a later death of the source copy is a real failure. Each held task's
+        # marker is set (all at once) before its hold file lets it run on. Off the serve thread: the
+        # rollback often follows a source tpassd that stopped answering, and 5 s per task here
+        # delayed every rank's resume as long.
+        def mark(r: int) -> None:
+            try:
+                self.tpassd.request(node, "tpassd.snapshot", {"job_id": self.job_id, "rank": r, "op": "abort",
+                                                              "rank_dir": str(self.rank_dir)}, 5.0)
+            except TorchpassError as exc:
+                log.warning("could not mark the hand-off aborted", rank=r, node=node, error=str(exc))
+
+        def mark_then_release() -> None:
+            for t in [self._thread(lambda r=r: mark(r), f"abort-mark-{r}") for r in mv.hold_tasks]:
+                t.join()
+            self._release(a.migration)
+
+        self._thread(mark_then_release, f"in-place-{a.migration}")
 
     def _do_Drain(self, a: ct.Drain, st: CoordState) -> None:
         # Always through the node's own tpassd (root), whoever runs the coordinator: slurmctld
