@@ -253,7 +253,7 @@ def test_kill_fail_drill_refuses_a_nodes_kill_before_killing_any(tmp_path):
         msg = wire.Message("tpassd.snapshot", {"job_id": 5, "rank": 1, "op": "kill", "pid": copies[0].pid,
                                                "tasks": [[2, copies[1].pid], [3, copies[2].pid]]})
         drills.apply("kill-fail")
-        with pytest.raises(RemoteError, match="kill-fail"):
+        with pytest.raises(RemoteError, match="kill-fail on n3: the source copies of ranks 1, 2, 3 were not killed"):
             svc.snapshot(msg, ROOT)
         time.sleep(0.1)
         assert [c.poll() for c in copies] == [None, None, None]

@@ -331,8 +331,9 @@ class CheckpointService:
                 if self.kill_fault():
                     log.warning("fault drill kill-fail: refusing to kill the source copy", job_id=job_id,
                                 ranks=[r for r, _ in copies], pids=[pid for _, pid in copies])
-                    raise RemoteError("failed", f"fault drill kill-fail on {self.node}: the source copy of rank "
-                                                f"{rank} (pid {copies[0][1]}) was not killed")
+                    which = (f"the source copy of rank {rank} (pid {copies[0][1]}) was" if len(copies) == 1 else
+                             f"the source copies of ranks {', '.join(str(r) for r, _ in copies)} were")
+                    raise RemoteError("failed", f"fault drill kill-fail on {self.node}: {which} not killed")
             except BaseException:
                 for _, _, p in pinned:
                     if p is not None:
