@@ -589,6 +589,18 @@ def test_a_job_ending_while_its_source_node_is_released_records_the_move_as_comp
     assert "migration.completed" in layout.events_json(tmp_path, 42).read_text()
 
 
+def _two_tasks_on_n2(tmp_path, tp) -> tuple[Driver, Executor]:
+    """A driver and executor for ranks 0-3 on n1, n2, n2, n3 (two srun tasks on n2)."""
+    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
+    d = Driver(job, pol, spares=("n4",))
+    ex = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
+                  address_of=lambda n: "10.0.0.1", srun=str(fake_srun(tmp_path)))
+    _open_executors.append(ex)
+    for r, n in enumerate(("n1", "n2", "n2", "n3")):
+        d.feed(mc.RankRegistered(r, n, 4))
+    return d, ex
+
+
 @pytest.mark.parametrize("refuse", [False, True], ids=["killed", "refused"])
 def test_a_nodes_source_copies_are_killed_in_one_request(tmp_path, refuse):
     """Two tasks on the source node: one tpassd.snapshot op=kill names both (tpassd checks
@@ -602,14 +614,7 @@ def test_a_nodes_source_copies_are_killed_in_one_request(tmp_path, refuse):
                 raise RemoteError("failed", "fault drill kill-fail on n2: the source copy of rank 1 was not killed")
             return {}
 
-    tp = KillTpassd(fail_dump=False)
-    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
-    d = Driver(job, pol, spares=("n4",))
-    ex = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
-                  address_of=lambda n: "10.0.0.1", srun=str(fake_srun(tmp_path)))
-    _open_executors.append(ex)
-    for r, n in enumerate(("n1", "n2", "n2", "n3")):
-        d.feed(mc.RankRegistered(r, n, 4))
+    d, ex = _two_tasks_on_n2(tmp_path, tp := KillTpassd(fail_dump=False))
     ex.move("m1").dumps.update({1: {"pid": 101}, 2: {"pid": 102}})
     ex.perform(ct.KillSource("m1", "n2", (1, 2)), d.state)
     outcome = d.queue.get(timeout=5)
@@ -638,14 +643,7 @@ def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(t
                 both.wait()
             return {}
 
-    tp = SlowTpassd(fail_dump=False)
-    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
-    d = Driver(job, pol, spares=("n4",))
-    ex = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
-                  address_of=lambda n: "10.0.0.1", srun=str(fake_srun(tmp_path)))
-    _open_executors.append(ex)
-    for r, n in enumerate(("n1", "n2", "n2", "n3")):
-        d.feed(mc.RankRegistered(r, n, 4))
+    _, ex = _two_tasks_on_n2(tmp_path, tp := SlowTpassd(fail_dump=False))
     mv = ex.move("m1")
     mv.hold, mv.hold_tasks = (1, 2), (1, 2)
     started = time.monotonic()
