@@ -655,3 +655,23 @@ def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(t
     _until(lambda: all(h.exists() for h in holds), "both hold files", 15.0)
     assert not both.broken
     assert sorted(b["rank"] for _, _, b in tp.calls if b["op"] == "abort") == [1, 2]
+
+
+def test_the_jobs_output_file_given_at_the_start_is_not_asked_again(tmp_path):
+    """main.py passes Slurm's record of the job's output file: the first restore step, launched in
+    the serve thread at a pause, does not ask slurmctld (15 s at most, when it is away)."""
+    class CountingSlurm(FakeSlurm):
+        asked = 0
+
+        def job(self, job_id):
+            CountingSlurm.asked += 1
+            raise AssertionError("slurmctld asked for the job's output file")
+
+    job, pol = JobState(job_id=42, spares=1), CoordinatorPolicy()
+    ex = Executor(job, state_dir=tmp_path, post=lambda o: None, policy=pol, slurm=CountingSlurm(),
+                  srun=str(fake_srun(tmp_path)), output="/home/u/slurm-42.out")
+    _open_executors.append(ex)
+    from torchpass.coordinator import contract as ct
+
+    argv = ex.restore_argv(ct.Restore("m1", 1, "n4", "/img/r1", "sha"))
+    assert argv[argv.index("-o") + 1] == "/home/u/slurm-42.out" and CountingSlurm.asked == 0

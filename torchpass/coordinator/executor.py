@@ -285,6 +285,7 @@ class Executor:
         srun: str = "srun",
         follow: Callable[[str], None] | None = None,
         prelaunch_restore: bool = True,
+        output: str = "",
     ):
         self.job = job
         self.job_id = job.job_id
@@ -313,7 +314,9 @@ class Executor:
         self.moves: dict[str, Move] = {}
         self._restores_lock = threading.Lock()  # Move.restores: a relaunch must not revive a called-off step
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
-        self._output: str | None = None  # the job's stdout file (cached)
+        # The job's stdout file (cached). Given at the start (main.py has Slurm's record then), so
+        # the first restore step, launched in the serve thread at a pause, asks slurmctld nothing.
+        self._output: str | None = output or None
         self._silent_check: threading.Thread | None = None  # check_silent's worker
         # The relaunch verdict: written by the serve thread (RelaunchPossible) and by a Relaunch's
         # worker, under this lock; the steps the newest relaunch ended stay in every later write.

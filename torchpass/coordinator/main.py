@@ -166,7 +166,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
             health.follow(node, f"tcp://{address_of(node)}:{ports.pub_port}", f"tcp://{address_of(node)}:{tp.port}")
 
     driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
-                               address_of=address_of, follow=follow)
+                               address_of=address_of, follow=follow, output=info.output if info is not None else "")
     log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name,
              snapshot_every_s=pol.snapshot_every_s)
     return driver
