@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from torchpass import layout
+from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator import executor as executor_mod
 from torchpass.coordinator.executor import Driver, Executor, resume_port
@@ -605,8 +606,6 @@ def _two_tasks_on_n2(tmp_path, tp) -> tuple[Driver, Executor]:
 def test_a_nodes_source_copies_are_killed_in_one_request(tmp_path, refuse):
     """Two tasks on the source node: one tpassd.snapshot op=kill names both (tpassd checks
     both before it kills either, then kills them at once); its refusal is one KillFailed."""
-    from torchpass.coordinator import contract as ct
-
     class KillTpassd(FakeTpassd):
         def request(self, node, type_, body, timeout_s):
             super().request(node, type_, body, timeout_s)
@@ -631,8 +630,6 @@ def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(t
     """Rolled back after the source node's tpassd stopped answering in time: every rank's resume
     is set at once, the held tasks' hand-offs are marked aborted together, and only then their
     hold files appear (5 s a task in the serve thread delayed every rank's resume before)."""
-    from torchpass.coordinator import contract as ct
-
     both = threading.Barrier(2, timeout=10)  # broken (BrokenBarrierError) if marked one after the other
 
     class SlowTpassd(FakeTpassd):
@@ -671,7 +668,5 @@ def test_the_jobs_output_file_given_at_the_start_is_not_asked_again(tmp_path):
     ex = Executor(job, state_dir=tmp_path, post=lambda o: None, policy=pol, slurm=CountingSlurm(),
                   srun=str(fake_srun(tmp_path)), output="/home/u/slurm-42.out")
     _open_executors.append(ex)
-    from torchpass.coordinator import contract as ct
-
     argv = ex.restore_argv(ct.Restore("m1", 1, "n4", "/img/r1", "sha"))
     assert argv[argv.index("-o") + 1] == "/home/u/slurm-42.out" and CountingSlurm.asked == 0

@@ -318,36 +318,7 @@ class CheckpointService:
         if op in JOB_SNAPSHOT_OPS:
             return self._job_snapshot(b, op, act)
         if op == "kill":
-            copies = self._kill_targets(b)
-            act.fields["pid"] = copies[0][1]
-            if len(copies) > 1:
-                act.fields["tasks"] = [list(c) for c in copies[1:]]
-            # Every copy is checked (pinned) before any is killed: a refusal leaves them all
-            # paused, so the coordinator's rollback resumes the job where it stood.
-            pinned: list[tuple[int, int, procs.Pinned | None]] = []
-            try:
-                for r, pid in copies:
-                    pinned.append((r, pid, self._pin_unless_gone(job_id, pid, act=act)))
-                if self.kill_fault():
-                    log.warning("fault drill kill-fail: refusing to kill the source copy", job_id=job_id,
-                                ranks=[r for r, _ in copies], pids=[pid for _, pid in copies])
-                    which = (f"the source copy of rank {rank} (pid {copies[0][1]}) was" if len(copies) == 1 else
-                             f"the source copies of ranks {', '.join(str(r) for r, _ in copies)} were")
-                    raise RemoteError("failed", f"fault drill kill-fail on {self.node}: {which} not killed")
-            except BaseException:
-                for _, _, p in pinned:
-                    if p is not None:
-                        p.close()
-                raise
-            killed = self._kill_all_pinned(job_id, pinned)
-            # Every restore succeeded before the coordinator asks for this kill:
-            # the images are not needed any more.
-            for out in killed:
-                out["discarded_mb"] = self._discard(job_id, out["rank"])
-            first = dict(killed[0])
-            if len(killed) > 1:
-                first["tasks"] = killed[1:]
-            return first
+            return self._kill_op(b, act)
         if op == "abort":
             dfd = self._open_rank_dir(job_id)
             if dfd is not None:
@@ -359,6 +330,39 @@ class CheckpointService:
             return {"node": self.node, "rank": rank, "marker": "abort", "discarded_mb": self._discard(job_id, rank)}
         raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.snapshot; allowed: dump, kill, abort, "
                                          f"{', '.join(JOB_SNAPSHOT_OPS)}")
+
+    def _kill_op(self, b: dict[str, Any], act: Audit) -> dict[str, Any]:
+        """op=kill: the source copies ``rank``/``pid`` and ``tasks`` of one move on this node."""
+        job_id, rank = b["job_id"], b["rank"]
+        copies = self._kill_targets(b)
+        act.fields["pid"] = copies[0][1]
+        if len(copies) > 1:
+            act.fields["tasks"] = [list(c) for c in copies[1:]]
+        # Every copy is checked (pinned) before any is killed: a refusal leaves them all
+        # paused, so the coordinator's rollback resumes the job where it stood.
+        pinned: list[tuple[int, int, procs.Pinned | None]] = []
+        try:
+            for r, pid in copies:
+                pinned.append((r, pid, self._pin_unless_gone(job_id, pid, act=act)))
+            if self.kill_fault():
+                log.warning("fault drill kill-fail: refusing to kill the source copy", job_id=job_id,
+                            ranks=[r for r, _ in copies], pids=[pid for _, pid in copies])
+                which = (f"the source copy of rank {rank} (pid {copies[0][1]}) was" if len(copies) == 1 else
+                         f"the source copies of ranks {', '.join(str(r) for r, _ in copies)} were")
+                raise RemoteError("failed", f"fault drill kill-fail on {self.node}: {which} not killed")
+        except BaseException:
+            for _, _, p in pinned:
+                if p is not None:
+                    p.close()
+            raise
+        killed = self._kill_all_pinned(job_id, pinned)
+        # Every restore succeeded before the coordinator asks for this kill:
+        # the images are not needed any more.
+        for out in killed:
+            out["discarded_mb"] = self._discard(job_id, out["rank"])
+        if len(killed) > 1:
+            killed[0]["tasks"] = killed[1:]
+        return killed[0]
 
     def _discard(self, job_id: int, rank: int) -> float:
         """Remove this node's snapshots of the rank (MB freed). Without this every
