@@ -42,10 +42,11 @@ def _cgroup_of(pid: int, tag: str) -> str:
 
 
 RESTORE = """
-import sys
+import ctypes, sys
 from torchpass.checkpoint import criu
 open(sys.argv[1] + "/cgroup.procs", "w").write("0")  # the restorer (the restore step's agent) lives here
-pid, _s = criu.restore(criu.find_criu(), sys.argv[2], pidfile=sys.argv[3])
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the restored root must be our child
+pid, _s = criu.restore(criu.find_criu(), sys.argv[2])
 print(pid)
 """
 
@@ -68,8 +69,7 @@ def test_the_restored_tree_lands_in_the_restorers_cgroup(tmp_path):
         criu.dump(criu.find_criu(), sleeper.pid, tmp_path / "images")
         sleeper.kill()
         sleeper.wait()
-        out = subprocess.run([sys.executable, "-c", RESTORE, str(dst), str(tmp_path / "images"),
-                              str(tmp_path / "pid")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", RESTORE, str(dst), str(tmp_path / "images")], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         restored = int(out.stdout.split()[-1])
         # before: /<name>-src again (CRIU put it back where it was dumped from)

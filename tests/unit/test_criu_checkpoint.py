@@ -99,7 +99,7 @@ def test_corrupt_snapshot_is_a_clear_error_and_criu_never_runs(tmp_path, damage,
     damage(d)
     fake = criu.Criu(str(fake_criu(tmp_path, "Version: 4.1")), (4, 1))
     with pytest.raises(CheckpointError, match=pattern) as ei:
-        criu.restore(fake, d, pidfile=tmp_path / "pid")
+        criu.restore(fake, d)
     assert "\n" not in str(ei.value)
     assert not (tmp_path / "criu.calls").exists()  # no half-restored process: criu was not started
 
@@ -360,13 +360,18 @@ def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
         out.close()
 
 
-def _restoring_criu(tmp_path: Path) -> criu.Criu:
-    """A criu whose "restore" starts a sleeping process and writes its pid to --pidfile."""
+def _restoring_criu(tmp_path: Path, restored: int) -> criu.Criu:
+    """A criu whose "restore" writes ``restored`` (a child of the caller, as criu's restored root is
+    of its subreaper) to --pidfile."""
     p = tmp_path / "criu"
-    p.write_text("#!/bin/sh\nwhile [ \"$1\" != --pidfile ]; do shift; done\n"
-                 "setsid sleep 60 </dev/null >/dev/null 2>&1 &\necho $! > \"$2\"\n")
+    p.write_text(f"#!/bin/sh\nwhile [ \"$1\" != --pidfile ]; do shift; done\necho {restored} > \"$2\"\n")
     p.chmod(0o755)
     return criu.Criu(str(p), (4, 1))
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _gone(pid: int) -> bool:
@@ -381,11 +386,13 @@ def test_restore_hashes_while_criu_restores(tmp_path):
     make_images(d)
     manifest.write_manifest(d, {"job": 1, "rank": 0})
     m = manifest.read_manifest(d)
-    pid, _s = criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
+    sleeper = _sleeper()
     try:
-        assert not _gone(pid)  # the check passed: the restored process lives
+        pid, _s = criu.restore(_restoring_criu(tmp_path, sleeper.pid), d, checked=m)
+        assert pid == sleeper.pid and not _gone(pid)  # the check passed: the restored process lives
     finally:
-        os.kill(pid, 9)
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_corrupt_snapshot_found_during_the_restore_kills_the_restored_tree(tmp_path):
@@ -396,10 +403,12 @@ def test_corrupt_snapshot_found_during_the_restore_kills_the_restored_tree(tmp_p
     manifest.write_manifest(d, {"job": 1, "rank": 0})
     m = manifest.read_manifest(d)
     _flip_byte(d / "pages-1.img", 12345)
+    sleeper = _sleeper()
+    pid = sleeper.pid
     with pytest.raises(CheckpointError, match="pages-1.img fails its BLAKE3 check") as ei:
-        criu.restore(_restoring_criu(tmp_path), d, pidfile=tmp_path / "pid", checked=m)
+        criu.restore(_restoring_criu(tmp_path, pid), d, checked=m)
     assert "\n" not in str(ei.value)
-    pid = int((tmp_path / "pid").read_text())
+    sleeper.wait()
     deadline = time.monotonic() + 5
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -208,47 +208,59 @@ def test_a_fresh_proc_dir_is_left_alone_and_a_stale_one_removed(tmp_path):
         sleeper.wait()
 
 
-def _restoring_criu(tmp_path: Path, watch: Path) -> criu.Criu:
-    """A criu whose "restore" notes whether ``watch`` exists, starts a sleeper, writes --pidfile."""
+def _restoring_criu(tmp_path: Path, watch: Path, restored: int) -> criu.Criu:
+    """A criu whose "restore" notes whether ``watch`` exists, writes ``restored`` (a child of the
+    caller, as criu's restored root is of its subreaper) to --pidfile."""
     p = tmp_path / "criu"
     p.write_text(f"#!/bin/sh\nstat -c '%u %g %a' {watch} > {tmp_path}/seen 2>&1\n"
                  "while [ \"$1\" != --pidfile ]; do shift; done\n"
-                 "setsid sleep 60 </dev/null >/dev/null 2>&1 &\necho $! > \"$2\"\n")
+                 f"echo {restored} > \"$2\"\n")
     p.chmod(0o755)
     return criu.Criu(str(p), (4, 1))
 
 
-def test_restore_makes_the_recorded_working_directory_before_criu_runs(tmp_path):
-    """tpass-init's directory is in the node-local /tmp of the node it started on: on the spare
-    CRIU's restore would find no cwd. It is made there first, with the recorded owner and mode."""
-    cwd = tmp_path / "tpass-init.abc123"
+def test_restore_makes_the_recorded_working_directory_before_criu_runs(tmp_path, monkeypatch):
+    """tpass-init's directory is in the node-local /run of the node it started on: on the spare
+    CRIU's restore would find no cwd. It is made there first, root:root 0770 as tpass-init makes
+    it, whatever owner and mode the record names."""
+    base = tmp_path / "torchpass-init"
+    monkeypatch.setattr(criu, "TPASS_INIT_BASE", str(base))
+    cwd = base / "abc123"
     d = tmp_path / "snap"
     d.mkdir()
     (d / "core-1.img").write_bytes(b"x" * 100)
-    manifest.write_manifest(d, {"cwd": {"path": str(cwd), "uid": NOBODY, "gid": NOBODY, "mode": 0o700}})
-    pid, _s = criu.restore(_restoring_criu(tmp_path, cwd), d, pidfile=tmp_path / "pid")
-    os.kill(pid, 9)
-    assert (tmp_path / "seen").read_text().split() == [str(NOBODY), str(NOBODY), "700"]
+    manifest.write_manifest(d, {"cwd": {"path": str(cwd), "uid": NOBODY, "gid": NOBODY, "mode": 0o777}})
+    sleeper = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        pid, _s = criu.restore(_restoring_criu(tmp_path, cwd, sleeper.pid), d)
+        assert pid == sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert (tmp_path / "seen").read_text().split() == ["0", "0", "770"]
 
 
-def test_the_recorded_directory_is_made_only_as_a_new_leaf_of_a_root_owned_directory(tmp_path):
-    rec = lambda p: {"path": str(p), "uid": NOBODY, "gid": NOBODY, "mode": 0o700}  # noqa: E731
-    assert criu.recreate_cwd(rec(tmp_path / "new"))
-    st = os.lstat(tmp_path / "new")
-    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (NOBODY, NOBODY, 0o700)
+def test_the_recorded_directory_is_made_only_as_a_new_leaf_of_tpass_inits_base(tmp_path, monkeypatch):
+    base = tmp_path / "torchpass-init"
+    monkeypatch.setattr(criu, "TPASS_INIT_BASE", str(base))
+    rec = lambda p: {"path": str(p), "uid": NOBODY, "gid": NOBODY, "mode": 0o777}  # noqa: E731
+    assert criu.recreate_cwd(rec(base / "new"))
+    st = os.lstat(base / "new")
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o770)
     # already there: left as it is
-    (tmp_path / "have").mkdir(mode=0o755)
-    assert not criu.recreate_cwd(rec(tmp_path / "have")) and os.lstat(tmp_path / "have").st_uid == 0
-    # a user's directory, or one reached through a symlink, gets nothing from root
+    (base / "have").mkdir(mode=0o755)
+    assert not criu.recreate_cwd(rec(base / "have")) and stat.S_IMODE(os.lstat(base / "have").st_mode) == 0o755
+    # anywhere but one new component right in the base: refused, whoever owns it
     (tmp_path / "users").mkdir()
     os.chown(tmp_path / "users", NOBODY, NOBODY)
-    (tmp_path / "real").mkdir()
-    (tmp_path / "link").symlink_to(tmp_path / "real")
-    assert not criu.recreate_cwd(rec(tmp_path / "users" / "x"))
-    assert not criu.recreate_cwd(rec(tmp_path / "link" / "x"))
-    assert not criu.recreate_cwd(rec(tmp_path / "missing" / "x"))
+    (base / "real").mkdir()
+    (base / "link").symlink_to(base / "real")
+    for path in (tmp_path / "users" / "x", tmp_path / "x", base / "link" / "x", base / "real" / "x",
+                 base / "missing" / "x", f"{base}/../x", f"{base}/.", f"{base}/..", f"{base}/"):
+        assert not criu.recreate_cwd(rec(path)), path
     assert not criu.recreate_cwd(None) and not criu.recreate_cwd({"path": 3})
-    assert not (tmp_path / "users" / "x").exists() and not (tmp_path / "real" / "x").exists()
+    assert not (tmp_path / "users" / "x").exists() and not (base / "real" / "x").exists()
+    assert not (tmp_path / "x").exists()
 
 
 def test_tpass_inits_base_is_made_roots_with_group_root_0770_never_through_a_symlink(tmp_path):

@@ -202,7 +202,6 @@ def test_dump_runs_criu_in_the_criu_slice(tmp_path, recorded_runs):
 def test_restore_stays_in_the_callers_cgroup(tmp_path, recorded_runs):
     (tmp_path / "img").mkdir()
     with pytest.raises(CheckpointError, match="failed"):
-        criu_mod.restore(criu_mod.Criu("/bin/true", (4, 1)), tmp_path / "img", pidfile=tmp_path / "pid",
-                         verified={})
+        criu_mod.restore(criu_mod.Criu("/bin/true", (4, 1)), tmp_path / "img", verified={})
     (call,) = recorded_runs
     assert call["args"][0] == "restore" and call.get("slice_") is None

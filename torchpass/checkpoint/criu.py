@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
 import stat
 import subprocess
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchpass.checkpoint import pidfds, safeio
 from torchpass.checkpoint.manifest import TailHasher, check_hashes, verify_manifest, write_manifest
 from torchpass.errors import CheckpointError, DependencyError
 
@@ -137,9 +139,14 @@ def fd_target(pid: int, fd: int, proc: str = "/proc") -> str | None:
         return None
 
 
+LOG_TAIL_BYTES = 256 << 10
+
+
 def _log_tail(path: Path, n: int = 6) -> str:
+    """The last error lines of a criu log: its last LOG_TAIL_BYTES, read without following a
+    symlink or blocking on a FIFO (criu may run with the owner's ids and write there)."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = safeio.read_tail(path, LOG_TAIL_BYTES).decode(errors="replace").splitlines()
     except OSError:
         return "(no log)"
     errs = [ln.strip() for ln in lines if "Error" in ln or "error" in ln]
@@ -304,8 +311,7 @@ def check_space(who: str, root: str | os.PathLike, need: int) -> int:
 def _out_of_space(log: Path) -> bool:
     """Whether CRIU's log says a write failed for lack of space (ENOSPC, or EDQUOT of a quota)."""
     try:
-        with open(log, "rb") as f:
-            text = f.read(1 << 20).decode(errors="replace")
+        text = safeio.read_tail(log, 1 << 20).decode(errors="replace")
     except OSError:
         return False
     return "No space left on device" in text or "Disk quota exceeded" in text
@@ -359,71 +365,81 @@ def clear_stale_proc_dir(pid: int, proc: str = "/proc", now: Callable[[], float]
         return False
 
 
-def _root_owned_dir(path: str) -> int | None:
-    """A directory fd of ``path`` when it is a directory root owns, reached without following a
-    symlink at its last component; None otherwise (root makes nothing where a user points)."""
+def make_tpass_init_base(base: str | None = None) -> bool:
+    """TPASS_INIT_BASE as tpass-init makes it (root:root 0770), on a node where no rank started yet
+    (a spare): in a root-owned parent, without following a symlink. True when it is there now."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.close(_open_tpass_init_base(base or TPASS_INIT_BASE))
+        return True
     except OSError:
-        return None
-    if os.fstat(fd).st_uid != 0:
+        return False
+
+
+def _open_tpass_init_base(base: str) -> int:
+    """A directory fd of ``base``, made root:root 0770 if missing. Its parent is walked from ``/``
+    one component at a time with O_NOFOLLOW, each one root's and writable by root alone
+    (``safeio.open_root_owned_dir``); ``base`` itself must be root's with group root (tpass-init's
+    group, which the restored tpass-init needs to enter its directory). OSError otherwise."""
+    parent, name = os.path.split(base)
+    pfd = safeio.open_root_owned_dir(parent)
+    try:
+        try:
+            os.mkdir(name, 0o770, dir_fd=pfd)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{base} is a symlink or not a directory; refused") from None
+    finally:
+        os.close(pfd)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0:
+            raise OSError(errno.EPERM, f"{base} belongs to uid {st.st_uid}, not to root; refused")
+        if st.st_gid != 0:  # as tpass-init does (slurm_spank/tpass_init.c, root_dir_0770)
+            os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o770)
+    except BaseException:
         os.close(fd)
-        return None
+        raise
     return fd
 
 
-def make_tpass_init_base(base: str = TPASS_INIT_BASE) -> bool:
-    """TPASS_INIT_BASE as tpass-init makes it (root:root 0770), on a node where no rank started yet
-    (a spare): in a root-owned parent, without following a symlink. True when it is there now."""
-    parent, name = os.path.split(base)
-    dfd = _root_owned_dir(parent)
-    if dfd is None:
-        return False
-    try:
-        try:
-            os.mkdir(name, 0o770, dir_fd=dfd)
-        except FileExistsError:
-            pass
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != 0:
-                return False
-            os.fchown(fd, 0, 0)
-            os.fchmod(fd, 0o770)
-            return True
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    finally:
-        os.close(dfd)
-
-
-def recreate_cwd(rec: dict | None) -> bool:
+def recreate_cwd(rec: dict | None, base: str | None = None) -> bool:
     """Make the dumped root's working directory when this node lacks it (CRIU's restore fails
     without it): tpass-init's own directory lives in the node-local /run of the node it started
-    on. Only the last component, and only in a root-owned directory reached without a symlink,
-    so the manifest (root's, checked) never makes root write where a user points. True when made."""
-    if not rec or not isinstance(rec.get("path"), str) or os.path.lexists(rec["path"]):
+    on. True when made.
+
+    Only ``TPASS_INIT_BASE/<name>`` (one component), reached from ``/`` per component with
+    O_NOFOLLOW in root-owned directories (``_open_tpass_init_base``), made root:root 0770 like
+    every directory tpass-init makes there; the record's uid, gid and mode are never used. The
+    record is the image's: a path, owner and mode taken as given let a user who swapped an
+    intermediate directory (renameat2 RENAME_EXCHANGE, between a check and the mkdir) have root
+    make a directory of the user's, mode 0777, in a root-owned directory."""
+    base = base or TPASS_INIT_BASE
+    path = rec.get("path") if isinstance(rec, dict) else None
+    if not isinstance(path, str):
         return False
-    parent, name = os.path.split(rec["path"])
-    if not name or name in (".", "..") or os.path.realpath(parent) != parent:
+    parent, name = os.path.split(path)
+    if parent != base or not name or name in (".", "..") or "\0" in name:
         return False
-    if parent == TPASS_INIT_BASE:
-        make_tpass_init_base()
-    dfd = _root_owned_dir(parent)
-    if dfd is None:
+    try:
+        dfd = _open_tpass_init_base(base)
+    except OSError:
         return False
     try:
         try:
             os.mkdir(name, 0o700, dir_fd=dfd)
+        except OSError:
+            return False  # there already (left as it is), or not makeable
+        try:
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except OSError:
             return False
         try:
-            os.fchown(fd, int(rec["uid"]), int(rec["gid"]))
-            os.fchmod(fd, int(rec["mode"]) & 0o7777)
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o770)
         finally:
             os.close(fd)
         return True
@@ -552,15 +568,81 @@ def pipe_key(target: str | None) -> str | None:
     return target if target and re.fullmatch(r"pipe:\[\d+\]", target) else None
 
 
+# Each restore's pidfile lies in a directory of its own, made fresh (mkdir of a random name: it
+# fails on an existing one) in this root-only (root:root 0700) node-local directory: the pid that
+# root signals is criu's word, never a file in the shared images directory, where another node's
+# restore, or anyone who can write there, may have left one. The per-restore directory is
+# root:root 0770 (criu may run with the owner's ids and group root); criu reaches it through
+# ``/proc/self/fd/N`` of a descriptor it inherits, so it needs no search right on the parent.
+RESTORE_PID_DIR = "/run/torchpass-restore"
+PIDFILE = "restored.pid"
+MAX_PIDFILE_BYTES = 64
+
+
+def _fresh_pid_dir(base: str) -> tuple[int, str]:
+    """(directory fd, name) of a new directory for one restore's pidfile, in ``base`` (made
+    root:root 0700 if missing; refused unless root's). OSError otherwise."""
+    parent, top = os.path.split(base)
+    pfd = safeio.open_root_owned_dir(parent)
+    try:
+        try:
+            os.mkdir(top, 0o700, dir_fd=pfd)
+        except FileExistsError:
+            pass
+        bfd = safeio.open_dir_at(pfd, top)
+    finally:
+        os.close(pfd)
+    try:
+        st = os.fstat(bfd)
+        if st.st_uid != 0:
+            raise OSError(errno.EPERM, f"{base} belongs to uid {st.st_uid}, not to root; refused")
+        if st.st_gid != 0:
+            os.fchown(bfd, 0, 0)
+        os.fchmod(bfd, 0o700)
+        name = secrets.token_hex(8)
+        os.mkdir(name, 0o700, dir_fd=bfd)  # FileExistsError on a name taken: never reused
+        fd = safeio.open_dir_at(bfd, name)
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o770)
+        return fd, name
+    finally:
+        os.close(bfd)
+
+
+def _remove_pid_dir(base: str, name: str, fd: int) -> None:
+    try:
+        try:
+            os.unlink(PIDFILE, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        bfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.rmdir(name, dir_fd=bfd)
+        finally:
+            os.close(bfd)
+    except OSError:
+        pass  # root's, in node-local /run: gone at the next boot
+    finally:
+        os.close(fd)
+
+
+def _read_pid(fd: int) -> int:
+    text = safeio.read_regular(PIDFILE, MAX_PIDFILE_BYTES, dir_fd=fd).decode(errors="replace").strip()
+    if not text.isdigit():
+        raise ValueError(f"pidfile holds {text[:20]!r}, not a pid")
+    return int(text)
+
+
 def restore(
     criu: Criu,
     images: str | os.PathLike,
     *,
-    pidfile: str | os.PathLike,
     inherit: dict[int, str] | None = None,
     verified: dict | None = None,
     checked: dict | None = None,
     timeout_s: float = RESTORE_TIMEOUT_S,
+    reaper: int | None = None,
+    reaper_pidfd: int | None = None,
 ) -> tuple[int, float]:
     """Verify the manifest, then ``criu restore -d`` the tree; returns (host pid, seconds).
 
@@ -583,16 +665,43 @@ def restore(
 
     ``inherit`` maps a file descriptor of this process to the resource the
     dumped task had (``'pipe:[INODE]'``, from the manifest's fd1/fd2): the
-    restored task gets that descriptor in its place. The caller should be a
-    child subreaper (PR_SET_CHILD_SUBREAPER) to become the restored tree's
-    parent and ``waitpid`` it: without ``-d`` criu's exit status says nothing
-    about the restored tree.
+    restored task gets that descriptor in its place. The restored root is
+    reparented to a child subreaper (PR_SET_CHILD_SUBREAPER), ``reaper``
+    (default: this process), whose pidfd ``reaper_pidfd`` the caller holds
+    (default: opened here): criu's pid (its pidfile: ``RESTORE_PID_DIR``)
+    must be a child of it, or this refuses (``pidfds.child_pidfd``); it is
+    killed, if at all, through a pidfd. Without ``-d`` criu's exit status
+    says nothing about the restored tree.
     """
     d = Path(images)
     if verified is None and checked is None:
         verified = verify_manifest(d)
     recreate_cwd(((verified if verified is not None else checked).get("meta") or {}).get("cwd"))
-    args = ["restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2", *CGROUPS]
+    own_reaper = reaper_pidfd is None
+    if reaper is None:
+        reaper = os.getpid()
+    if own_reaper:
+        reaper_pidfd = os.pidfd_open(reaper)
+    try:
+        base = RESTORE_PID_DIR
+        try:
+            pfd, pname = _fresh_pid_dir(base)
+        except OSError as exc:
+            raise CheckpointError(f"cannot make this restore's pidfile directory in {base} ({exc}); "
+                                  "not restoring") from None
+        try:
+            return _restore_with(criu, d, inherit, verified, checked, timeout_s, pfd, reaper, reaper_pidfd)
+        finally:
+            _remove_pid_dir(base, pname, pfd)
+    finally:
+        if own_reaper:
+            os.close(reaper_pidfd)
+
+
+def _restore_with(criu: Criu, d: Path, inherit: dict[int, str] | None, verified: dict | None, checked: dict | None,
+                  timeout_s: float, pfd: int, reaper: int, reaper_pidfd: int) -> tuple[int, float]:
+    args = ["restore", "-D", str(d), "-d", "--pidfile", f"/proc/self/fd/{pfd}/{PIDFILE}", "-o", "restore.log",
+            "-v2", *CGROUPS]
     for fd, key in sorted((inherit or {}).items()):
         args += ["--inherit-fd", f"fd[{fd}]:{key}"]
     hashing: list[BaseException | None] = []
@@ -609,7 +718,7 @@ def restore(
         hasher.start()
     t0 = time.monotonic()
     proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
-                    pass_fds=tuple((inherit or {}).keys()))
+                    pass_fds=(*(inherit or {}).keys(), pfd))
     seconds = time.monotonic() - t0
     if hasher is not None:
         hasher.join()
@@ -621,39 +730,28 @@ def restore(
             raise corrupt
         raise CheckpointError(f"criu restore from {d} failed (exit {proc.returncode}): "
                               f"{_log_tail(d / 'restore.log')}")
+    pid = pidfd = None
     try:
-        pid = int(Path(pidfile).read_text().strip())
+        pid = _read_pid(pfd)
+        pidfd = pidfds.child_pidfd(pid, reaper, reaper_pidfd)
     except (OSError, ValueError) as exc:
-        pid = None
         if corrupt is None:
-            raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc})") from None
-    if corrupt is not None:
-        if pid is not None:
-            _kill_restored(pid)
-        raise corrupt
+            raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc}); "
+                                  "the restored tree is left to its reaper") from None
+    try:
+        if corrupt is not None:
+            if pidfd is not None:
+                _kill_restored(pidfd)
+            raise corrupt
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     return pid, seconds
 
 
-def _kill_restored(pid: int) -> None:
-    """Kill a restored tree that must not run (its snapshot failed the check) and reap it
-    (the caller is its subreaper); the root is PID 1 of its namespace: the rest dies with it."""
-    try:
-        os.kill(pid, 9)
-    except ProcessLookupError:
-        return
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        # not our child (the root restore agent's tree goes to the restore task, its
-        # subreaper): gone, or a zombie its reaper has yet to collect
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _running(pid):
-            time.sleep(0.01)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read(4096).rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+def _kill_restored(pidfd: int) -> None:
+    """Kill a restored tree that must not run (its snapshot failed the check) through its pidfd,
+    and reap it if it is our child; the root is PID 1 of its namespace: the rest dies with it.
+    Not our child (the root restore agent's tree goes to the restore task, its subreaper): wait
+    until it has exited, and its reaper collects it."""
+    pidfds.kill_and_wait(pidfd)

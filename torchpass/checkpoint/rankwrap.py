@@ -588,14 +588,9 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
             r, w = os.pipe()
             relays[r] = fd
             inherit[w] = key
-    pidfile = Path(images) / "restored.pid"
-    try:
-        pidfile.unlink()
-    except FileNotFoundError:
-        pass
     relay = Relay(relays)
     try:
-        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit, checked=manifest)
+        pid, seconds = criu_mod.restore(c, images, inherit=inherit, checked=manifest)
     except TorchpassError as exc:
         say(str(exc))
         return 1
@@ -700,7 +695,7 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
                       wake_text: str = "", env=os.environ) -> int:
     """User side of a root restore (torchpass.checkpoint.restore_agent). The plugin made this task
     a child subreaper and forked the root agent as its child. We hand it two pipes (by fd
-    number: it opens them through /proc/OURPID/fd) and the image path, in a request file
+    number: it takes them with pidfd_getfd) and the image path, in a request file
     named after the agent's pid (a request of an earlier move's step is never taken); it runs
     criu restore -d as root and the restored tree (tpass-init and the rank) is reparented to us."""
     from torchpass.checkpoint import criu as criu_mod

@@ -12,6 +12,8 @@ or in an intermediate one, and never blocks on or swallows a special file:
 * ``read_regular(name, cap, dir_fd=...)``: a regular file of at most
   ``cap`` bytes (a FIFO, a device, a symlink or a larger file: OSError at
   once, with one clear line).
+* ``open_dir_at(dir_fd, name)``: one directory below ``dir_fd``, O_NOFOLLOW.
+* ``read_tail(path, cap)``: the last ``cap`` bytes of a regular file (a log).
 * ``write_at(dir_fd, name, data)``: a fresh file made with
   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and renamed over ``name`` (a planted symlink
   there is replaced, its target left unchanged).
@@ -66,6 +68,16 @@ def open_dir(base: str | os.PathLike, parts: Iterable[str]) -> int:
     return fd
 
 
+def open_dir_at(dir_fd: int, name: str) -> int:
+    """A directory fd of ``name`` in ``dir_fd``, not followed if a symlink. Close it."""
+    if name in ("", ".", "..") or "/" in name:
+        raise OSError(errno.EINVAL, f"bad path component {name!r}")
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _refused(name, exc) from None
+
+
 def open_root_owned_dir(path: str | os.PathLike) -> int:
     """A directory fd for the absolute ``path`` if every directory on it, ``/`` included,
     is a real directory (no symlink) owned by root and writable by no one else, or
@@ -116,6 +128,24 @@ def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None
         os.close(fd)
 
 
+def read_tail(path: str | os.PathLike, cap: int) -> bytes:
+    """The last ``cap`` bytes (or fewer) of the regular file ``path`` (not followed if a symlink;
+    a FIFO or device refused without blocking): a log that may be long, read bounded."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, f"{path} is a symlink; refused") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file; refused")
+        return os.pread(fd, cap, max(0, st.st_size - cap))
+    finally:
+        os.close(fd)
+
+
 def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     """Replace ``name`` in the directory ``dir_fd`` with ``data``: written to a fresh
     O_EXCL|O_NOFOLLOW file, then renamed (a symlink at ``name`` is replaced, not followed)."""
@@ -138,4 +168,5 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         raise
 
 
-__all__ = ["MAX_RECORD_BYTES", "MAX_MANIFEST_BYTES", "open_dir", "open_root_owned_dir", "read_regular", "write_at"]
+__all__ = ["MAX_RECORD_BYTES", "MAX_MANIFEST_BYTES", "open_dir", "open_dir_at", "open_root_owned_dir", "read_regular",
+           "read_tail", "write_at"]
