@@ -206,21 +206,26 @@ def test_the_agent_exits_when_its_task_is_gone(tmp_path):
 
 
 def test_a_task_fd_that_is_not_a_pipe_is_refused(tmp_path):
+    me = os.pidfd_open(os.getpid())
     f = open(tmp_path / "plain", "w")
     try:
         with pytest.raises(ra.Refused, match="not a pipe"):
-            ra.task_pipes(os.getpid(), {"1": f.fileno()}, {"fd1": "pipe:[123]"})
+            ra.task_pipes(me, {"1": f.fileno()}, {"fd1": "pipe:[123]"})
+        r, w = os.pipe()
+        try:
+            with pytest.raises(ra.Refused, match="not the write end"):
+                ra.task_pipes(me, {"1": r}, {"fd1": "pipe:[123]"})
+            got = ra.task_pipes(me, {"1": w, "2": w}, {"fd1": "pipe:[123]", "fd2": "/dev/null"})
+            assert list(got.values()) == ["pipe:[123]"]  # only where the dumped rank had a pipe
+            (ours,) = got
+            assert os.fstat(ours).st_ino == os.fstat(w).st_ino and ours != w  # our own copy of the task's
+            os.close(ours)
+        finally:
+            os.close(r)
+            os.close(w)
     finally:
         f.close()
-    r, w = os.pipe()
-    try:
-        got = ra.task_pipes(os.getpid(), {"1": w, "2": w}, {"fd1": "pipe:[123]", "fd2": "/dev/null"})
-        assert list(got.values()) == ["pipe:[123]"]  # only where the dumped rank had a pipe
-        for fd in got:
-            os.close(fd)
-    finally:
-        os.close(r)
-        os.close(w)
+        os.close(me)
 
 
 def test_the_result_never_follows_a_planted_symlink(tmp_path):

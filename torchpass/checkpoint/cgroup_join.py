@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from torchpass.checkpoint import pidfds
 from torchpass.errors import CheckpointError
 
 
@@ -73,11 +74,17 @@ def _reach(path: str, opts_wanted: frozenset[str],
     return found
 
 
-def join_cgroups_of(task: int, proc: str = "/proc") -> list[str]:
+def join_cgroups_of(task: int, proc: str = "/proc", pidfd: int | None = None) -> list[str]:
     """Move this process into ``task``'s cgroup in every hierarchy where ours differs and that
     is mounted here; returns the cgroup.procs files written. CheckpointError (one line) when
-    one cannot be joined: the restored rank would run outside Slurm's control."""
+    one cannot be joined: the restored rank would run outside Slurm's control.
+
+    ``pidfd``: the task's, held by the caller. /proc/TASK/cgroup is read by number: checked live
+    after the read, the task still held its number then, so what was read was its (a task that
+    exited could have left its number to a process in another cgroup)."""
     theirs, ours, mounts = cgroup_lines(task, proc), cgroup_lines("self", proc), cgroup_mounts(proc)
+    if pidfd is not None and not pidfds.alive(pidfd):
+        raise CheckpointError(f"the restore task {task} exited before the restore; restore refused")
     done = []
     for key, path in theirs.items():
         if ours.get(key) == path:

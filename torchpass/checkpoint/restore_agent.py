@@ -31,12 +31,18 @@ trusts nothing in it that it does not check itself:
   owner as UID, and the files' SHA-256 match it
   (checked while CRIU restores; a mismatch kills the restored tree before
   it may run);
-* N and M must be pipes of the task (``/proc/TASK/fd/N``);
+* N and M must be write ends of anonymous pipes of the task: taken with
+  pidfd_getfd on the task's pidfd and checked on the copy the agent holds
+  (``task_pipes``), never reopened through ``/proc/TASK/fd/N``;
 * the agent moves itself into the task's cgroups (``cgroup_join``: under
   proctrack/cgroup what task_init_privileged forks is not in the step's);
 
 then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` as root, with
-a timeout (``criu.RESTORE_TIMEOUT_S``). The restored tree keeps the
+a timeout (``criu.RESTORE_TIMEOUT_S``). The pidfile is this restore's own,
+in a root-only node-local directory (``criu.RESTORE_PID_DIR``), and the pid
+in it must be a child of the task; the agent acts on it through a pidfd alone
+(``pidfds.child_pidfd``), and reads ``/proc/TASK`` only while the task's
+pidfd, checked live afterwards, pins that number. The restored tree keeps the
 credentials in its image (the user's uid, gids and groups; tpass-init's
 CAP_SYS_ADMIN, the rank none), is reparented to the task (the subreaper),
 hence stays in the restore step, and its exit status reaches Slurm through
@@ -51,6 +57,7 @@ agent exits 0.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -61,9 +68,8 @@ from typing import Any
 
 from torchpass import layout
 from torchpass.checkpoint import criu as criu_mod
+from torchpass.checkpoint import pidfds, safeio
 from torchpass.checkpoint.cgroup_join import join_cgroups_of
-from torchpass import layout
-from torchpass.checkpoint import safeio
 from torchpass.checkpoint.manifest import read_manifest
 from torchpass.errors import TorchpassError
 
@@ -97,16 +103,6 @@ def audit(**fields: Any) -> None:
     sys.stderr.flush()
 
 
-def _task_alive(pidfd: int) -> bool:
-    import signal
-
-    try:
-        signal.pidfd_send_signal(pidfd, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def wait_request(state_dir: str, job: int, rank: int, uid: int, task_pidfd: int,
                  poll_s: float = POLL_S) -> tuple[int, dict[str, Any]] | None:
     """(rank directory fd, request) once the task wrote it; None when the task ended first. The
@@ -115,7 +111,7 @@ def wait_request(state_dir: str, job: int, rank: int, uid: int, task_pidfd: int,
     name = request_file(Path("."), rank, os.getpid()).name
     dfd = -1
     try:
-        while _task_alive(task_pidfd):
+        while pidfds.alive(task_pidfd):
             if dfd < 0:
                 try:
                     dfd = safeio.open_dir(state_dir, parts)
@@ -177,53 +173,77 @@ def check_images(images: Any, job: int, rank: int, uid: int) -> tuple[Path, dict
     return path, manifest
 
 
-def task_pipes(task: int, fds: Any, meta: dict[str, Any]) -> dict[int, str]:
-    """Our fds opened on the task's pipes, for ``--inherit-fd`` (only where the manifest had a pipe)."""
+def task_pipes(task_pidfd: int, fds: Any, meta: dict[str, Any]) -> dict[int, str]:
+    """Our fds on the task's pipes, for ``--inherit-fd`` (only where the manifest had a pipe).
+
+    Each is taken with pidfd_getfd from the task's pidfd, then checked on the copy we hold: an
+    anonymous pipe (fstat S_ISFIFO, and our own fd's link "pipe:[...]": not a FIFO on disk),
+    opened write-only. Reopening ``/proc/TASK/fd/N`` after checking its link instead reopens, as
+    root and by path, whatever N names at the second look: a task that swapped N between a pipe
+    and an O_PATH fd of a root-only 0600 file got root an O_WRONLY fd on that file in 5 tries."""
     inherit: dict[int, str] = {}
     if not isinstance(fds, dict):
         return inherit
-    for fd in (1, 2):
-        key, n = criu_mod.pipe_key(meta.get(f"fd{fd}")), fds.get(str(fd))
-        if not key or not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            continue
-        link = f"/proc/{task}/fd/{n}"
-        try:
-            if not os.readlink(link).startswith("pipe:"):
+    try:
+        for fd in (1, 2):
+            key, n = criu_mod.pipe_key(meta.get(f"fd{fd}")), fds.get(str(fd))
+            if not key or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                continue
+            try:
+                ours = pidfds.getfd(task_pidfd, n)
+            except OSError as exc:
+                raise Refused(f"cannot take fd {n} of the restore task ({exc.strerror}); refused") from None
+            inherit[ours] = key
+            try:
+                st, flags, link = os.fstat(ours), fcntl.fcntl(ours, fcntl.F_GETFL), os.readlink(f"/proc/self/fd/{ours}")
+            except OSError as exc:
+                raise Refused(f"fd {n} of the restore task: {exc.strerror}; refused") from None
+            if not stat.S_ISFIFO(st.st_mode) or not link.startswith("pipe:"):
                 raise Refused(f"fd {n} of the restore task is not a pipe; refused")
-            inherit[os.open(link, os.O_WRONLY | os.O_CLOEXEC)] = key
-        except OSError as exc:
-            raise Refused(f"cannot open fd {n} of the restore task ({exc.strerror})") from None
+            if flags & os.O_ACCMODE != os.O_WRONLY:
+                raise Refused(f"fd {n} of the restore task is not the write end of a pipe; refused")
+    except BaseException:
+        for ours in inherit:
+            os.close(ours)
+        raise
     return inherit
 
 
-def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int) -> dict[str, Any]:
+def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int, task_pidfd: int) -> dict[str, Any]:
     images, manifest = check_images(req.get("images"), job, rank, uid)
     meta = manifest.get("meta") or {}
     # Into the restore step's cgroups first, so that criu (--manage-cgroups=ignore) restores
     # the tree there: forked in task_init_privileged, we are not in them (cgroup_join).
-    join_cgroups_of(task)
-    inherit = task_pipes(task, req.get("fds"), meta)
+    join_cgroups_of(task, pidfd=task_pidfd)
+    inherit = task_pipes(task_pidfd, req.get("fds"), meta)
     try:
         c = criu_mod.find_criu(None)
-        pidfile = images / "restored.pid"
-        try:
-            pidfile.unlink()
-        except FileNotFoundError:
-            pass
-        pid, seconds = criu_mod.restore(c, images, pidfile=pidfile, inherit=inherit, checked=manifest)
+        # criu writes the pid in a pidfile of this restore's own, root's and node-local; the pid
+        # must be a child of the task (its subreaper), and is acted on through a pidfd alone
+        pid, seconds = criu_mod.restore(c, images, inherit=inherit, checked=manifest, reaper=task,
+                                        reaper_pidfd=task_pidfd)
     finally:
         for fd in inherit:
             os.close(fd)
     from torchpass.checkpoint.rankwrap import resume_cuda_of, wait_child_of
 
-    rank_pid = wait_child_of(pid) if meta.get("init") else pid
-    if meta.get("gpu"):
-        try:
-            resume_cuda_of(pid, rank_pid, meta)
-        except TorchpassError as exc:
-            os.kill(pid, 9)
-            raise TorchpassError(f"restored rank {rank} but its CUDA state did not come back ({exc}); "
-                                 "killed it") from None
+    try:
+        restored = pidfds.child_pidfd(pid, task, task_pidfd)
+    except OSError as exc:
+        raise TorchpassError(f"restored rank {rank}: {exc}") from None
+    try:
+        rank_pid = wait_child_of(pid) if meta.get("init") else pid
+        if not pidfds.alive(restored):  # what /proc said of its children was of another process
+            raise TorchpassError(f"restored rank {rank} (pid {pid}) exited at once")
+        if meta.get("gpu"):
+            try:
+                resume_cuda_of(pid, rank_pid, meta)
+            except TorchpassError as exc:
+                pidfds.kill_and_wait(restored)
+                raise TorchpassError(f"restored rank {rank} but its CUDA state did not come back ({exc}); "
+                                     "killed it") from None
+    finally:
+        os.close(restored)
     return {"pid": pid, "rank_pid": rank_pid, "restore_s": round(seconds, 4), "meta": meta, "images": str(images)}
 
 
@@ -256,7 +276,7 @@ def main(job: int | None, rank: int | None, task: int | None, uid: int | None, s
             return 0  # the step ended at its gate: nothing to restore
         dfd, req = got
         try:
-            out = restore(task, req, job, rank, uid)
+            out = restore(task, req, job, rank, uid, pidfd)
             audit(**fields, pid=out["pid"], images=out["images"], outcome="ok")
         except (Refused, TorchpassError, OSError) as exc:
             out = {"error": str(exc)}
