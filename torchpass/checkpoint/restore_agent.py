@@ -209,7 +209,16 @@ def task_pipes(task_pidfd: int, fds: Any, meta: dict[str, Any]) -> dict[int, str
     return inherit
 
 
-def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int, task_pidfd: int) -> dict[str, Any]:
+def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
+            task_pidfd: int | None = None) -> dict[str, Any]:
+    """Restore what ``req`` names for the task ``task`` (its pidfd: ``task_pidfd``, held by the
+    caller; opened here if None); the result's fields, or an exception (one line: why)."""
+    if task_pidfd is None:
+        task_pidfd = os.pidfd_open(task)
+        try:
+            return restore(task, req, job, rank, uid, task_pidfd)
+        finally:
+            os.close(task_pidfd)
     images, manifest = check_images(req.get("images"), job, rank, uid)
     meta = manifest.get("meta") or {}
     # Into the restore step's cgroups first, so that criu (--manage-cgroups=ignore) restores
