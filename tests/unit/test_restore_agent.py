@@ -246,3 +246,20 @@ def test_the_result_never_follows_a_planted_symlink(tmp_path):
 def test_the_agent_refuses_to_run_for_a_task_that_is_not_its_parent(tmp_path, capsys):
     assert ra.main(JOB, RANK, os.getpid(), os.getuid(), str(tmp_path)) == 2
     assert "parent is not the task" in capsys.readouterr().err
+
+
+@root_only
+def test_a_request_with_a_second_link_is_refused_on_the_descriptor_read(tmp_path, user):  # noqa: F811
+    """The owner and link count are checked on the descriptor read, not only by the name's stat
+    before: a file swapped in between, or a hard link to another file, is not what root reads."""
+    d = _rank_dir(tmp_path)
+    req = ra.request_file(d, RANK, os.getpid())
+    req.write_text(json.dumps({"images": "/x"}))
+    os.chown(req, user.pw_uid, user.pw_gid)
+    os.link(req, d / "second")
+    pidfd = _alive_pidfd()
+    try:
+        with pytest.raises(ra.Refused, match="with one link"):
+            ra.wait_request(str(tmp_path), JOB, RANK, user.pw_uid, pidfd)
+    finally:
+        os.close(pidfd)

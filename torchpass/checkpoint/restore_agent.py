@@ -128,7 +128,7 @@ def wait_request(state_dir: str, job: int, rank: int, uid: int, task_pidfd: int,
             if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
                 raise Refused(f"restore request {name} is not a regular file of uid {uid}; refused")
             try:
-                req = json.loads(safeio.read_regular(name, MAX_REQUEST_BYTES, dir_fd=dfd))
+                req = json.loads(safeio.read_regular(name, MAX_REQUEST_BYTES, dir_fd=dfd, owner=uid))
             except (OSError, ValueError) as exc:
                 raise Refused(f"restore request {name}: {exc}") from None
             if not isinstance(req, dict):

@@ -99,9 +99,11 @@ def open_root_owned_dir(path: str | os.PathLike) -> int:
     raise AssertionError("unreachable")
 
 
-def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None) -> bytes:
+def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None, owner: int | None = None) -> bytes:
     """The content of the regular file ``name`` (not followed if a symlink), at most ``cap``
-    bytes. A FIFO or device is refused without blocking; a larger file without reading it."""
+    bytes. A FIFO or device is refused without blocking; a larger file without reading it.
+    ``owner``: the file must be that uid's, with one link (checked on the descriptor read, so a
+    file swapped after a check by name, or a hard link to another's file, is refused)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
@@ -114,6 +116,9 @@ def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None
             kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if (
                 stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)) else "not a regular file"
             raise OSError(errno.EINVAL, f"{name} is {kind}; refused")
+        if owner is not None and (st.st_uid != owner or st.st_nlink != 1):
+            raise OSError(errno.EPERM, f"{name} is not a file of uid {owner} with one link (uid {st.st_uid}, "
+                                       f"{st.st_nlink} links); refused")
         if st.st_size > cap:
             raise OSError(errno.EFBIG, f"{name} has {st.st_size} bytes, more than the {cap} allowed; refused")
         chunks, left = [], cap + 1
