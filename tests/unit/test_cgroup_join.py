@@ -100,3 +100,27 @@ def test_on_real_cgroups_the_agent_lands_in_its_tasks_freezer_cgroup():
         task.wait()
         step.rmdir()
         base.rmdir()
+
+
+def test_a_task_that_exited_by_the_time_its_cgroups_were_read_is_refused(tmp_path):
+    """/proc/TASK/cgroup is read by number: once the task has exited, the number may be another
+    process's, in another cgroup. The task's pidfd, checked live after the read, refuses it and
+    nothing is joined."""
+    task = "6:freezer:/slurm_n/uid_1/job_5/step_1\n"
+    proc, root = _fake(tmp_path, task, "6:freezer:/slurm_n/uid_1/job_5\n")
+    (root / "freezer/slurm_n/uid_1/job_5/step_1").mkdir(parents=True)
+    (root / "freezer/slurm_n/uid_1/job_5/step_1/cgroup.procs").write_text("")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    pidfd = os.pidfd_open(gone.pid)
+    gone.wait()
+    try:
+        with pytest.raises(CheckpointError, match="exited before the restore"):
+            join_cgroups_of(77, proc=proc, pidfd=pidfd)
+    finally:
+        os.close(pidfd)
+    assert (root / "freezer/slurm_n/uid_1/job_5/step_1/cgroup.procs").read_text() == ""
+    live = os.pidfd_open(os.getpid())
+    try:
+        assert join_cgroups_of(77, proc=proc, pidfd=live)  # a live task: joined as before
+    finally:
+        os.close(live)
