@@ -277,6 +277,9 @@ def main(job: int | None, rank: int | None, task: int | None, uid: int | None, s
         pidfd = os.pidfd_open(task)
     except OSError:
         return 0
+    if os.getppid() != task:  # it exited in between (we were reparented): the pidfd may be another's
+        os.close(pidfd)
+        return 0
     fields = {"requester_uid": uid, "job_id": job, "rank": rank, "action": "restore"}
     dfd = -1
     try:
