@@ -112,6 +112,7 @@ def test_a_task_fd_flipped_between_a_pipe_and_a_root_only_file_never_gives_root_
         if pidfd >= 0:
             os.close(pidfd)
         swaps = _stop(p)
+    print(f"\nfd race: {swaps} swaps, {calls} calls: {got_pipe} pipes, {refused} refused")
     assert not got_file, f"root got an fd on the root-only file after {calls} calls"
     assert secret.read_bytes() == SECRET and stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     # the race was run: the user swapped, and root saw both sides of it
@@ -175,6 +176,7 @@ def test_a_cwd_record_raced_with_renameat2_never_makes_root_create_a_directory_f
                         pass
     finally:
         swaps = _stop(p)
+    print(f"\ncwd race: {swaps} exchanges, {calls} calls")
     assert not (rootdir / "r" / "x").exists(), f"root made {rootdir}/r/x for the user after {calls} calls"
     assert not made, f"root made a directory below the user's {mine} (calls {made[:5]})"
     assert swaps >= SWAPS and calls >= SWAPS, (swaps, calls)
