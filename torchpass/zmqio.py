@@ -48,14 +48,42 @@ class Signer(Protocol):
     def envelope(self, type_: str, id_: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
-def _frame(type_: str, body: dict[str, Any] | None, auth) -> tuple[str, bytes]:
-    """One try's request id and frame (a fresh id, and a fresh credential or signature, per try)."""
+@runtime_checkable
+class ReplyOpener(Protocol):
+    """Checks the MAC of the reply to a try it signed (torchpass.jobauth.JobSigner): the reply's
+    bytes as sealed, or None (a reply with no or a wrong MAC: dropped, the try waits on)."""
+
+    def open_reply(self, envelope: dict[str, Any], frame: bytes) -> bytes | None: ...
+
+
+def _frame(type_: str, body: dict[str, Any] | None, auth) -> tuple[str, bytes, Callable[[bytes], bytes | None] | None]:
+    """One try's request id, frame (a fresh id, and a fresh credential or signature, per try) and
+    what opens its reply (None: a reply is taken as it comes)."""
     id_ = wire.new_id()
+    opener = None
     if isinstance(auth, Signer):
         envelope = auth.envelope(type_, id_, body or {})
+        if isinstance(auth, ReplyOpener):
+            def opener(frame: bytes, _env=envelope) -> bytes | None:
+                return auth.open_reply(_env, frame)
     else:
         envelope = {"auth": auth() if callable(auth) else auth}
-    return id_, wire.encode(type_, body or {}, id=id_, **envelope)
+    return id_, wire.encode(type_, body or {}, id=id_, **envelope), opener
+
+
+def _reply_to(frame: bytes, id_: str, opener: Callable[[bytes], bytes | None] | None) -> wire.Reply | None:
+    """The reply to request ``id_`` in ``frame``; None for anything else: not a reply, a late reply
+    to an earlier try (dropped silently), or one whose MAC ``opener`` refuses (it says why)."""
+    try:
+        reply = wire.decode_reply(frame)
+        if reply.id != id_:
+            return None
+        if opener is None:
+            return reply
+        sealed = opener(frame)
+        return None if sealed is None else wire.decode_reply(sealed)
+    except ProtocolError:
+        return None
 
 
 def request(
@@ -78,14 +106,19 @@ def request(
     ctx = context or zmq.Context.instance()
     last_exc: Exception | None = None
     for _attempt in range(retries + 1):
-        frame = _frame(type_, body, auth)[1]
+        id_, frame, opener = _frame(type_, body, auth)
         sock = ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(endpoint)
             sock.send(frame)
             if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-                return wire.decode_reply(sock.recv()).unwrap()
+                raw = sock.recv()
+                if opener is None:
+                    return wire.decode_reply(raw).unwrap()
+                reply = _reply_to(raw, id_, opener)
+                if reply is not None:  # else a reply that is not this job's: as no reply
+                    return reply.unwrap()
         except zmq.ZMQError as exc:
             last_exc = exc
         finally:
@@ -118,17 +151,14 @@ def send_request(sock: zmq.Socket, frame: bytes) -> None:
     sock.send_multipart([b"", frame], zmq.NOBLOCK)
 
 
-def recv_reply(sock: zmq.Socket, id_: str) -> wire.Reply | None:
+def recv_reply(sock: zmq.Socket, id_: str, opener: Callable[[bytes], bytes | None] | None = None) -> wire.Reply | None:
     """Read one message from a DEALER socket: the reply to request ``id_``, or None for anything
-    else (a late reply to an earlier try, a frame that is not a reply)."""
+    else (a late reply to an earlier try, a frame that is not a reply, one whose MAC ``opener``
+    refuses)."""
     parts = sock.recv_multipart(zmq.NOBLOCK)
     if len(parts) != 2 or parts[0] != b"":
         return None
-    try:
-        reply = wire.decode_reply(parts[1])
-    except ProtocolError:
-        return None
-    return reply if reply.id == id_ else None
+    return _reply_to(parts[1], id_, opener)
 
 
 # How often a request with ``abandon`` and no ``wake_fd`` asks whether to give up waiting.
@@ -224,7 +254,7 @@ class Client:
         last_exc: Exception | None = None
         with self._lock:
             for _attempt in range(retries + 1):
-                id_, frame = _frame(type_, body, auth)
+                id_, frame, opener = _frame(type_, body, auth)
                 try:
                     sock = self._socket()
                     send_request(sock, frame)
@@ -248,7 +278,7 @@ class Client:
                                 continue
                         elif not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                             continue
-                        reply = recv_reply(sock, id_)
+                        reply = recv_reply(sock, id_, opener)
                         if reply is not None:
                             return reply.unwrap()
                 except zmq.ZMQError as exc:  # zmq.Again too: the queue to the peer is full

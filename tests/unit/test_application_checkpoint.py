@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.runtime.testing import MiniCoordinator, finish_ranks, free_port, launch_ranks
+from torchpass.runtime.testing import MiniCoordinator, finish_ranks, free_port, hold_files, launch_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 PLAIN = REPO / "examples" / "train_ddp.py"
@@ -138,7 +138,7 @@ def test_a_rank_about_to_be_dumped_waits_for_its_write_and_one_that_stays_does_n
                 assert time.monotonic() < deadline, "no save in 60 s"
                 time.sleep(0.01)
             t_saved = time.monotonic()
-            hold = {1: str(tmp_path / "wake")}
+            hold = hold_files(tmp_path, JOB, "m1", [1])
             _at, gen = coord.pause(margin=1, hold_files=hold)
             q = coord.wait_quiesced()
             waited = time.monotonic() - t_saved

@@ -81,6 +81,13 @@ def make(tmp_path, *, moved=False, rank=1, size=3, **kw):
     return link, now, exits
 
 
+def hold_at(tmp_path, migration: str, rank: int = 1):
+    """Rank ``rank``'s hold file of ``migration`` where the layout puts it (make()'s state_dir)."""
+    hold = layout.hold_file(tmp_path, 7, migration, rank)
+    hold.parent.mkdir(parents=True, exist_ok=True)
+    return hold
+
+
 def pause(link, hold_file=None, deadline_s=D, join_s=5.0, fallback=FALLBACK):
     cmd = {"command": "pause", "at": 50, "generation": 3, "deadline_s": deadline_s, "fallback": fallback,
            "join_s": join_s}
@@ -138,8 +145,7 @@ def test_a_pause_without_a_deadline_waits_as_before(tmp_path):
 
 
 def test_the_source_copy_claims_first_and_the_restored_copy_exits_untouched(tmp_path, capfd):
-    hold = tmp_path / "hold" / "m1.rank1"
-    hold.parent.mkdir()
+    hold = hold_at(tmp_path, "m1")
     # The dump marked the hand-off "moved" and the restored copy took the rank record (as rankwrap does).
     record, marker = layout.rank_record(tmp_path / "ranks", 7, 1), layout.handoff(tmp_path / "ranks", 7, 1)
     record.parent.mkdir(parents=True)
@@ -159,7 +165,7 @@ def test_the_source_copy_claims_first_and_the_restored_copy_exits_untouched(tmp_
     source._expire()
     settle(source)
     assert source.pg.resumes == [(3, Rendezvous("127.0.0.1", 1))]
-    assert (tmp_path / "hold" / "m1.rank1.claim").read_text().split()[1] == str(os.getpid())
+    assert (hold.parent / "m1.rank1.claim").read_text().split()[1] == str(os.getpid())
     # The move is called off as a rollback's tpassd would: this copy's task wrapper reports its exit code.
     assert marker.read_text() == "abort\n" and json.loads(record.read_text()) == launched
     now_r[0] += control.RESTORED_CLAIM_DELAY_S
@@ -171,7 +177,7 @@ def test_the_source_copy_claims_first_and_the_restored_copy_exits_untouched(tmp_
 
 
 def test_the_restored_copy_goes_on_when_the_source_copy_is_gone(tmp_path):
-    hold = tmp_path / "m1.rank1"
+    hold = hold_at(tmp_path, "m1")
     restored, now, exits = make(tmp_path, moved=True)
     pause(restored, hold)
     now[0] += D + control.RESTORED_CLAIM_DELAY_S
@@ -179,11 +185,11 @@ def test_the_restored_copy_goes_on_when_the_source_copy_is_gone(tmp_path):
     restored._expire()
     settle(restored)
     assert restored.pg.resumes == [(3, Rendezvous("127.0.0.1", 1))] and exits == []
-    assert (tmp_path / "m1.rank1.claim").exists()
+    assert (hold.parent / "m1.rank1.claim").exists()
 
 
 def test_no_claim_once_the_coordinator_released_the_hold_file(tmp_path):
-    hold = tmp_path / "m1.rank1"
+    hold = hold_at(tmp_path, "m1")
     link, now, _ = make(tmp_path)
     pause(link, hold)
     hold.touch()  # the coordinator released it (after the kill of the source, or a rollback)
@@ -192,14 +198,14 @@ def test_no_claim_once_the_coordinator_released_the_hold_file(tmp_path):
     now[0] += D  # ... and then died before the resume: resume in place, no claim
     link._expire()
     settle(link)
-    assert link.pg.resumes and not (tmp_path / "m1.rank1.claim").exists()
+    assert link.pg.resumes and not (hold.parent / "m1.rank1.claim").exists()
 
 
 def test_a_planted_claim_link_is_not_followed(tmp_path):
-    hold = tmp_path / "m1.rank1"
+    hold = hold_at(tmp_path, "m1")
     target = tmp_path / "target"
     target.write_text("keep")
-    (tmp_path / "m1.rank1.claim").symlink_to(target)
+    (hold.parent / "m1.rank1.claim").symlink_to(target)
     link, now, exits = make(tmp_path)
     pause(link, hold)
     now[0] += D
@@ -277,7 +283,7 @@ def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline
     removed the hold file, restored this copy and wrote it again saying "restored ID": the copy
     registers again naming the snapshot, and its deadline runs from the wake, not from the
     quiesce that happened before the snapshot was taken (else it would fall back at once)."""
-    hold = tmp_path / "snap-7.rank1"
+    hold = hold_at(tmp_path, "snap-7")
     link, now, _ = make(tmp_path)
     link.registered = True
     pause(link, hold)
@@ -294,7 +300,7 @@ def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline
 
 
 def test_a_plainly_released_hold_changes_nothing_about_registration(tmp_path):
-    hold = tmp_path / "m1.rank1"
+    hold = hold_at(tmp_path, "m1")
     link, now, _ = make(tmp_path)
     link.registered = True
     pause(link, hold)

@@ -17,7 +17,7 @@ import zmq
 from test_never_left_paused import FakePG
 from test_runtime_control import RESUME, coordinator, peers, socket_inodes, wait_for  # noqa: F401 - fixtures
 
-from torchpass import wire, zmqio
+from torchpass import layout, wire, zmqio
 from torchpass.coordinator import server as srv
 from torchpass.runtime import control, relay
 
@@ -29,10 +29,10 @@ def relay_dir(tmp_path):
     return d
 
 
-def link(endpoint: str, path, rank: int, *, host: bool, pg=None, size: int = 3) -> control.ControlLink:
+def link(endpoint: str, path, rank: int, *, host: bool, pg=None, size: int = 3, **kw) -> control.ControlLink:
     ln = control.ControlLink(pg or FakePG(size=size, rank=rank), endpoint=endpoint, job_id=7, rank=rank, node="n1",
                              interval_s=0.02, paused_interval_s=0.02, request_timeout_s=5.0,
-                             relay_path=str(path), relay_host=host)
+                             relay_path=str(path), relay_host=host, **kw)
     ln.start()
     return ln
 
@@ -215,12 +215,13 @@ def test_the_relay_host_and_its_socket_come_from_the_task_environment(tmp_path):
 
 
 def test_a_held_relay_host_keeps_no_socket_and_relays_again_after_the_hold(peers, relay_dir, tmp_path):
-    hold = tmp_path / "hold"
+    hold = layout.hold_file(tmp_path, 7, "m1", 0)
+    hold.parent.mkdir(parents=True)
     pg = FakePG(size=2, rank=0)
     peer = peers({"command": "pause", "at": 5, "generation": 3, "hold_file": str(hold)}, at=2)
     path = relay_dir / "job7.0-n1.sock"
     before = socket_inodes()
-    host = link(peer.endpoint, path, 0, host=True, pg=pg, size=2)
+    host = link(peer.endpoint, path, 0, host=True, pg=pg, size=2, state_dir=str(tmp_path))
     try:
         peer.wait(lambda: pg.arms == [(5, 3)], "the pause armed")
         host.on_quiesced(pg, {"next_generation": 3, "sockets": 0, "drain_s": 0.0})

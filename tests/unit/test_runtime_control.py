@@ -19,6 +19,7 @@ import pytest
 from test_coordinator_server import RESUME, CommandsDriver
 from test_never_left_paused import FALLBACK, FakePG
 
+from torchpass import layout
 from torchpass.coordinator import server as srv
 from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.state import JobState
@@ -111,9 +112,9 @@ def socket_inodes() -> set[str]:
     return found
 
 
-def start_link(endpoint: str, pg=None) -> control.ControlLink:
+def start_link(endpoint: str, pg=None, **kw) -> control.ControlLink:
     link = control.ControlLink(pg or FakePG(size=2, rank=1), endpoint=endpoint, job_id=7, rank=1, node="n1",
-                               interval_s=0.02, paused_interval_s=0.02, request_timeout_s=5.0)
+                               interval_s=0.02, paused_interval_s=0.02, request_timeout_s=5.0, **kw)
     link.start()
     return link
 
@@ -137,11 +138,12 @@ def test_every_report_goes_over_one_connection(peers):
 
 
 def test_no_socket_survives_the_close_at_the_hold_and_the_next_connection_is_new(peers, tmp_path):
-    hold = tmp_path / "hold"
+    hold = layout.hold_file(tmp_path, 7, "m1", 1)
+    hold.parent.mkdir(parents=True)
     pg = FakePG(size=2, rank=1)
     peer = peers({"command": "pause", "at": 5, "generation": 3, "hold_file": str(hold)}, at=2)
     before = socket_inodes()
-    link = start_link(peer.endpoint, pg)
+    link = start_link(peer.endpoint, pg, state_dir=str(tmp_path))
     try:
         peer.wait(lambda: pg.arms == [(5, 3)], "the pause armed")
         assert socket_inodes() - before  # the kept connection is open while the rank runs

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.runtime.testing import MiniCoordinator, finish_ranks, free_port, launch_ranks
+from torchpass.runtime.testing import MiniCoordinator, finish_ranks, free_port, hold_files, launch_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_ddp.py"
@@ -83,7 +83,7 @@ def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
             pids = {r: v.pid for r, v in coord.ranks.items()}
             for i, (step, at) in enumerate(plan):
                 coord.wait_collectives(counts[max(step - 3, 1)] - 2 if i else 0)
-                hold = {1: str(tmp_path / f"wake.{i}")}
+                hold = hold_files(tmp_path, JOB, f"m{i}", [1])
                 got_at, gen = coord.pause(margin=0, at=at, hold_files=hold)
                 assert got_at == at and gen == i + 1
                 q = coord.wait_quiesced()

@@ -37,7 +37,7 @@ from test_runtime_init_forms import SCRIPT as INIT_FORMS_SCRIPT
 from torchpass.runtime import boot_dir, hook
 from torchpass.runtime.control import AGENT_SERVES_WHY
 from torchpass.runtime.pg import count_sockets
-from torchpass.runtime.testing import MiniCoordinator, free_port, run_ranks
+from torchpass.runtime.testing import MiniCoordinator, free_port, hold_files, run_ranks
 
 SCRIPT = INIT_FORMS_SCRIPT  # for the store fallback below
 JOB_ID = 4711
@@ -55,7 +55,8 @@ def _torchrun(tmp_path, tag: str, runtime: bool, coordinator: str, store_port: i
     script.write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON", "TORCHELASTIC"))}
     env.update(PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB_ID), TORCHPASS_RUNTIME="1" if runtime else "0",
-               TORCHPASS_COORDINATOR=coordinator, TORCHPASS_NODE="nodeA", TORCHPASS_TASK="3", **TRAIN_ENV)
+               TORCHPASS_COORDINATOR=coordinator, TORCHPASS_NODE="nodeA", TORCHPASS_TASK="3",
+               TORCHPASS_STATE_DIR=str(tmp_path), **TRAIN_ENV)
     # Each worker's stdout to a file of its own (--redirects 1): two workers writing to one pipe
     # can interleave inside a line under load.
     logs = tmp_path / f"{tag}-logs"
@@ -108,7 +109,7 @@ def test_torchrun_workers_are_ranks_that_pause_hold_and_resume_bit_identically(t
             coord.wait_registered(timeout=60)
             bodies = {r: v.history[0][1] for r, v in coord.ranks.items()}
             coord.wait_collectives(12)
-            hold = {r: str(tmp_path / f"hold.{r}") for r in (0, 1)}
+            hold = hold_files(tmp_path, JOB_ID, "m1", (0, 1))
             at, gen = coord.pause(margin=6, hold_files=hold)
             q = coord.wait_quiesced()
             assert {r: q[r]["collectives"] for r in q} == {0: at, 1: at}

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from torchpass.runtime.pg import count_sockets
 from torchpass.runtime.store import StoreClosedError, SwitchableStore
-from torchpass.runtime.testing import JobUnprotected, MiniCoordinator, free_port, run_ranks
+from torchpass.runtime.testing import JobUnprotected, MiniCoordinator, free_port, hold_files, run_ranks
 
 JOB = 4343
 
@@ -142,7 +142,7 @@ def test_2d_mesh_is_paused_and_resumed_by_the_coordinator(plain_mesh2d, tmp_path
         def drive():
             coord.wait_registered()
             # each step: its end, then the total all_reduce (the mesh's groups are not counted)
-            holds = {r: str(tmp_path / f"hold.{r}") for r in range(4)}
+            holds = hold_files(tmp_path, JOB, "m1", range(4))
             at, gen = coord.pause(margin=0, at=7, hold_files=holds)  # mid-step 3, before its total all_reduce
             go.touch()  # now every rank makes the mesh
             quiesced = coord.wait_quiesced()

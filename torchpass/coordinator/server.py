@@ -6,7 +6,10 @@ Who may say what (docs/coordinator.md, "Authentication"):
   (torchpass.jobauth; refused with ``unauthenticated`` before any handler
   runs, so a forged ``rank.armed`` cannot touch a pause). A coordinator
   started without a secret (by hand) accepts them unsigned and says so in
-  its log and in job.status.
+  its log and in job.status. Each reply to a rank.* request that proved itself
+  ends with the job secret's MAC over it and the request's sender and seq
+  (jobauth.ReplySealer; the rank drops a reply without it), whether it comes
+  at once, with a batch's command, or from a parked poll.
 * ``job.status`` / ``job.events``: as Slurm's PrivateData says: when it
   hides jobs, only the job's owner or an admin (root, SlurmUser), proven by
   munge; others get ``forbidden``. Otherwise anyone.
@@ -139,25 +142,28 @@ _Pending = tuple[str, int, dict[str, Any], float]  # message id, rank, result, s
 class _Parked:
     """A rank's long poll, parked: where its answer goes and what it says without a command."""
 
-    __slots__ = ("envelope", "msg_id", "result", "due", "seq")
+    __slots__ = ("envelope", "msg_id", "result", "due", "seq", "signed")
 
-    def __init__(self, envelope: list[bytes], msg_id: str, result: dict[str, Any], due: float):
+    def __init__(self, envelope: list[bytes], msg_id: str, result: dict[str, Any], due: float,
+                 signed: tuple[str, int] | None = None):
         self.envelope, self.msg_id, self.result, self.due = envelope, msg_id, result, due
         self.seq = 0  # set when parked: which entry of the due times is this poll's
+        self.signed = signed  # the poll's (sender, seq): its answer is sealed for them
 
 
 class _Batch:
     """The messages of one serve_batch: their replies, each with the rank whose command it takes."""
 
-    __slots__ = ("msg_id", "pending", "replies")
+    __slots__ = ("msg_id", "pending", "replies", "signed")
 
     def __init__(self) -> None:
         self.msg_id = ""  # of the message being handled (_authenticate)
+        self.signed: tuple[str, int] | None = None  # its (sender, seq) once the job secret verified it
         # (message id, rank, result, park seconds) of the message being handled when it may take a
         # command (set by _with_command): its reply is encoded again if the batch's decision gave
         # one, or, with none and park seconds > 0 (a long poll), parked.
         self.pending: _Pending | None = None
-        self.replies: list[tuple[list[bytes], bytes, _Pending | None]] = []
+        self.replies: list[tuple[list[bytes], bytes, _Pending | None, tuple[str, int] | None]] = []
 
 
 class _Replies:
@@ -215,6 +221,7 @@ class CoordinatorServer:
         self.wall = wall
         # rank.* must carry the job secret's MAC; None: a coordinator started by hand, unsigned.
         self.verifier = jobauth.JobVerifier(job_secret, wall=wall) if job_secret else None
+        self.sealer = jobauth.ReplySealer(job_secret) if job_secret else None  # MACs the replies to ranks
         if self.verifier is None:
             log.warning("rank messages are not authenticated: no job secret (not started by the plugin)",
                         job_id=job.job_id)
@@ -265,6 +272,8 @@ class CoordinatorServer:
         if msg.type.startswith("rank."):
             if self.verifier is not None:
                 signed_ms = self.verifier.verify(msg)
+                if self._batch is not None:  # its reply, whatever it says, is sealed for its sender and seq
+                    self._batch.signed = (msg.sender, msg.seq)
                 # How long after its rank signed it the request is handled (its wait in the
                 # queues on both sides): counted when long, in job.status's counters.
                 age_s = self.wall() - signed_ms / 1000.0
@@ -634,9 +643,9 @@ class CoordinatorServer:
         self._after_replies()
 
     def _serve_one(self, batch: _Batch, envelope: list[bytes], frame: bytes) -> None:
-        batch.pending = None
+        batch.pending = batch.signed = None
         reply = zmqio.handle_frame(frame, self.handlers, authenticate=self._authenticate, counters=self.counters)
-        batch.replies.append((envelope, reply, batch.pending))
+        batch.replies.append((envelope, reply, batch.pending, batch.signed))
 
     def _after_replies(self) -> None:
         """What a decision started that may wait until its replies are sent (executor.defer_prelaunch)."""
@@ -647,18 +656,20 @@ class CoordinatorServer:
     def _reply_batch(self, batch: _Batch) -> None:
         ex = self.driver.executor if self.driver is not None else None
         replies = _Replies()
-        for envelope, reply, pending in batch.replies:
+        for envelope, reply, pending, signed in batch.replies:
             if pending is not None:
                 msg_id, rank, result, park_s = pending
                 cmd = ex.command_for(rank) if ex is not None else None
                 if cmd is not None:  # the reply was encoded without it: once more, with it
                     reply = replies.encode(msg_id, result, cmd)
                 elif park_s > 0:  # a long poll with nothing to say yet
-                    self._park(rank, _Parked(envelope, msg_id, result, self.clock() + park_s))
+                    self._park(rank, _Parked(envelope, msg_id, result, self.clock() + park_s, signed))
                     continue
-            self._send(envelope, reply)
+            self._send(envelope, reply, signed)
 
-    def _send(self, envelope: list[bytes], reply: bytes) -> None:
+    def _send(self, envelope: list[bytes], reply: bytes, signed: tuple[str, int] | None = None) -> None:
+        if signed is not None and self.sealer is not None:
+            reply = self.sealer.seal(signed[0], signed[1], reply)
         if len(envelope) == 3 and envelope[1] == wire.RELAY_BUNDLE:  # [relay, mark, identity]
             self._bundles.setdefault(envelope[0], []).append((envelope[2], reply))
             return
@@ -689,7 +700,8 @@ class CoordinatorServer:
         """Answer ``rank``'s parked poll, if any: with ``cmd``, else as it would have been at once."""
         parked = self._parked.pop(rank, None)
         if parked is not None:
-            self._send(parked.envelope, (replies or _Replies()).encode(parked.msg_id, parked.result, cmd))
+            self._send(parked.envelope, (replies or _Replies()).encode(parked.msg_id, parked.result, cmd),
+                       parked.signed)
 
     def _answer_parked(self) -> None:
         """After every decision: parked polls whose rank now has a command get it at once (a

@@ -49,6 +49,14 @@ coordinator's ROUTER at TORCHPASS_COORDINATOR:
   loser exits 0 without touching the group). If the ranks of that resume do
   not all join within ``join_s``, each one says so in one line and exits 1:
   Slurm ends the job at once instead of at its time limit.
+* replies are the coordinator's only when they carry the job secret's MAC
+  for the try they answer (torchpass.jobauth, ``open_reply``): one without
+  it, or with a wrong one, is dropped with one line and the request waits on
+  for the real answer; training never stops for it. A pause's ``hold_file``
+  is taken only at the path the layout gives this rank
+  (STATE_DIR/jobs/J/hold/M.rankR under TORCHPASS_STATE_DIR): the hold file
+  can point a restored copy at another coordinator and secret, so a pause
+  naming any other path is refused as unprotected, in one line.
 * a link with no answer for ``lost_after_s`` (30 s) notes
   STATE_DIR/jobs/J/coordinator.lost once for the whole job
   (torchpass.coordinator_lost): tpassctl status and events show it.
@@ -223,6 +231,9 @@ class ControlLink(PauseListener):
         self.reply_hint_s = 0.0  # the coordinator's reply_within_s: a request's answer may take this long
         self.request_timeout_s = request_timeout_s
         self.auth = auth
+        self.replies_refused = 0  # replies dropped for a missing or wrong MAC
+        self.hold_refused: str | None = None  # why a pause's hold file was refused (unprotected since)
+        self._listen_refusals(auth)
         self._start_host = socket.gethostname()
         self._start_netns = _netns_inode()
         self._cv = threading.Condition()
@@ -450,8 +461,40 @@ class ControlLink(PauseListener):
 
     def _unprotected(self) -> dict:
         """``unprotected``: why this rank refuses pauses, in every report once it does."""
-        why = self.pg.unprotected or self.fell_back
+        why = self.pg.unprotected or self.fell_back or self.hold_refused
         return {"unprotected": why} if why else {}
+
+    # -- replies and hold files from the coordinator only ------------------------------
+    def _listen_refusals(self, auth) -> None:
+        if hasattr(auth, "on_refused"):  # a jobauth.JobSigner: it checks every reply's MAC
+            auth.on_refused = self._reply_refused
+
+    def _reply_refused(self, why: str) -> None:
+        """A reply without the job secret's MAC (control thread): dropped; said the 1st, 10th,
+        100th and every 1000th time, so that a flood of them cannot flood the job's log."""
+        self.replies_refused += 1
+        n = self.replies_refused
+        if n in (1, 10, 100) or n % 1000 == 0:
+            say(f"rank {self.rank}: dropped a reply from {self.endpoint} ({why}; {n} so far): not the job's "
+                "coordinator, or one with another secret; waiting for the real answer")
+
+    def _hold_allowed(self, hold: str) -> str | None:
+        """Why the pause's ``hold`` is refused (None: it is this rank's hold file in the layout,
+        STATE_DIR/jobs/J/hold/M.rankR with M a valid id). Its contents can name the coordinator
+        and secret a restored copy goes on with (_woken_from_snapshot), so it must lie where only
+        this job's coordinator and root write."""
+        if not self.state_dir:
+            return f"the pause names hold file {hold!r}, but TORCHPASS_STATE_DIR is not set"
+        p = os.path.normpath(hold) if isinstance(hold, str) and os.path.isabs(hold) else None
+        want = layout.job_dir(self.state_dir, self.job_id) / layout.HOLD
+        suffix = f".rank{self.rank}"
+        name = os.path.basename(p) if p else ""
+        if (p is None or p != hold or os.path.dirname(p) != str(want) or not name.endswith(suffix)
+                or not layout.valid_snapshot_id(name[:-len(suffix)])
+                or str(layout.hold_file(self.state_dir, self.job_id, name[:-len(suffix)], self.rank)) != p):
+            return (f"the pause names hold file {hold!r}, not this rank's under {want} "
+                    f"(M{suffix}): refused")
+        return None
 
     def _run(self) -> None:
         try:
@@ -653,6 +696,7 @@ class ControlLink(PauseListener):
 
             try:
                 self.auth = JobSigner(parse_secret(secret))
+                self._listen_refusals(self.auth)
                 self._client = None  # the next request's client signs with it
                 return
             except Exception as exc:  # noqa: BLE001 - a bad secret: say so, keep the old signer
@@ -800,10 +844,16 @@ class ControlLink(PauseListener):
             if kind == "pause":
                 at, gen = int(cmd["at"]), int(cmd["generation"])
                 hold = cmd.get("hold_file")
+                if hold and self.hold_refused is None:
+                    why = self._hold_allowed(hold)
+                    if why is not None:  # refused with the pause, as an unprotected rank refuses it
+                        self.hold_refused = f"{why}; the rank refuses pauses from now on"
+                        say(f"rank {self.rank}: {self.hold_refused}")
                 # Set before arming: the training thread may reach T (on_quiesced reads both) at once.
                 before = self._hold_file, self._pause
                 self._hold_file, self._pause = (str(hold) if hold else None), _pause_terms(cmd)
-                ok = self.fell_back is None and self.pg.arm(at, gen)  # after a fallback: unprotected
+                # after a fallback, or a hold file refused: unprotected
+                ok = self.fell_back is None and self.hold_refused is None and self.pg.arm(at, gen)
                 if not ok:
                     self._hold_file, self._pause = before
                 self._report_armed(at, gen, ok)

@@ -263,11 +263,23 @@ def arm_self(pg, pauses: list[int], ports: list[int], fields: tuple[str, ...] = 
     return log
 
 
+def hold_files(state_dir, job_id: int, migration: str, ranks) -> dict[int, str]:
+    """Each rank's hold file for pause ``migration`` where the layout puts it (a rank refuses a hold
+    file anywhere else), under ``state_dir`` (the ranks' TORCHPASS_STATE_DIR), its directory made."""
+    from torchpass import layout
+
+    out = {r: layout.hold_file(state_dir, job_id, migration, r) for r in ranks}
+    for p in out.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    return {r: str(p) for r, p in out.items()}
+
+
 def launch_ranks(argv: list[str], world: int, tmp, tag: str, *, runtime: bool, env: dict | None = None,
                  job_id: int = 4343, extra_path=(), coordinator: str | None = None) -> list:
     """Start ``argv`` as ``world`` ranks on 127.0.0.1 (env:// rendezvous), the runtime
     loaded through boot/sitecustomize.py as in a job (``runtime=False``: present but
-    switched off, TORCHPASS_RUNTIME=0); stdout/stderr to ``tmp/tag.R.out|err``."""
+    switched off, TORCHPASS_RUNTIME=0); stdout/stderr to ``tmp/tag.R.out|err``. Their
+    TORCHPASS_STATE_DIR is ``tmp`` unless ``env`` says (hold_files(tmp, ...) gives their hold files)."""
     import os
     import subprocess
     from pathlib import Path
@@ -282,7 +294,7 @@ def launch_ranks(argv: list[str], world: int, tmp, tag: str, *, runtime: bool, e
         e.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                  PYTHONPATH=os.pathsep.join([boot_dir(), *extra_path]), TORCHPASS_JOB_ID=str(job_id),
                  TORCHPASS_RUNTIME="1" if runtime else "0", TORCHPASS_PROGRESS_INTERVAL="0.05",
-                 **(env or {}))
+                 TORCHPASS_STATE_DIR=str(tmp), **(env or {}))
         if coordinator:
             e["TORCHPASS_COORDINATOR"] = coordinator
         with open(_log(tmp, tag, r, "out"), "w") as out, open(_log(tmp, tag, r, "err"), "w") as err:
