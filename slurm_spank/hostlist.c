@@ -5,6 +5,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -244,6 +245,10 @@ int tpass_tasks_per_node(const char *tpn, size_t nodes, unsigned long *counts,
 		else if (*p)
 			goto bad;
 		while (reps-- && covered < nodes) {
+			if (tasks > ULONG_MAX - sum) /* the sum would wrap */
+				return tpass_fail(err, errlen,
+					    "SLURM_TASKS_PER_NODE='%.64s' sums past %lu tasks",
+					    tpn, ULONG_MAX);
 			if (counts)
 				counts[covered] = tasks;
 			sum += tasks;

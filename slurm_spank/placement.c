@@ -124,11 +124,18 @@ long tpass_hostfile_order(const char *distribution, unsigned long plane_size,
 	unsigned long chunk, total = 0, *left;
 	size_t n = 0;
 
-	for (size_t i = 0; i < nodes; i++)
+	/*
+	 * Summed with a bound, never past norder: a sum that wraps (counts
+	 * of ULONG_MAX and 2 add up to 1) would pass the check and let the
+	 * loop below write one node's whole count into order[].
+	 */
+	for (size_t i = 0; i < nodes; i++) {
+		if (counts[i] > norder - total)
+			return tpass_fail(err, errlen,
+					  "more than %zu tasks (node %zu has %lu)",
+					  norder, i, counts[i]);
 		total += counts[i];
-	if (total > norder)
-		return tpass_fail(err, errlen, "%lu tasks: more than %zu", total,
-				  norder);
+	}
 	if (!len || (len == 5 && !strncmp(distribution, "block", 5)) ||
 	    (len == 1 && distribution[0] == '*'))
 		chunk = 0; /* every task of a node before the next node's */
@@ -144,14 +151,22 @@ long tpass_hostfile_order(const char *distribution, unsigned long plane_size,
 	if (!left)
 		return tpass_fail(err, errlen, "out of memory");
 	memcpy(left, counts, nodes * sizeof(*left));
-	while (n < total) {
+	/*
+	 * Every pass places at least one task while n < total (the counts
+	 * left add up to total - n), so at most total passes; each write is
+	 * checked against total (<= norder) all the same.
+	 */
+	for (unsigned long pass = 0; n < total && pass < total; pass++) {
 		for (size_t i = 0; i < nodes && n < total; i++) {
 			unsigned long take = chunk ? chunk : left[i];
 
-			for (; take && left[i]; take--, left[i]--)
+			for (; take && left[i] && n < total; take--, left[i]--)
 				order[n++] = i;
 		}
 	}
 	free(left);
+	if (n != total)
+		return tpass_fail(err, errlen, "placed %zu of %lu tasks", n,
+				  total);
 	return (long)n;
 }

@@ -19,6 +19,7 @@
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1037,7 +1038,39 @@ static void test_placement(void)
 					   sizeof(e)) < 0);
 		CHECK(tpass_hostfile_order("cyclic", 0, counts, 3, order, 4, e,
 					   sizeof(e)) < 0);
-		CHECK_CONTAINS(e, "5 tasks: more than 4");
+		CHECK_CONTAINS(e, "more than 4 tasks");
+	}
+	{
+		/*
+		 * Task counts whose sum wraps: ULONG_MAX + 2 is 1.  No user sets
+		 * SLURM_TASKS_PER_NODE of a batch step (slurmctld does), so the
+		 * functions are driven directly.  On 1df7b05 the wrapped sum
+		 * passed the "more tasks than order[] holds" check and the
+		 * block loop wrote node 0's ULONG_MAX tasks into a 1-entry
+		 * heap buffer (ASan: heap-buffer-overflow).
+		 */
+		const unsigned long wrap[] = { ULONG_MAX, 2 };
+		const unsigned long wrap3[] = { 3, ULONG_MAX - 1 };
+		size_t *order = calloc(1, sizeof(*order));
+		unsigned long c[2], t = 0;
+		char e[256];
+
+		CHECK(order != NULL);
+		CHECK(tpass_hostfile_order(NULL, 0, wrap, 2, order, 1, e,
+					   sizeof(e)) < 0);
+		CHECK_CONTAINS(e, "more than 1 tasks");
+		CHECK(tpass_hostfile_order("cyclic", 0, wrap3, 2, order, 1, e,
+					   sizeof(e)) < 0);
+		CHECK(tpass_hostfile_order("plane", 4, wrap3, 2, order, 1, e,
+					   sizeof(e)) < 0);
+		free(order);
+		CHECK(tpass_tasks_per_node("18446744073709551615,2", 2, c, &t,
+					   e, sizeof(e)) < 0);
+		CHECK_CONTAINS(e, "sums past");
+		CHECK(tpass_tasks_per_node("9223372036854775808(x2)", 2, c, &t,
+					   e, sizeof(e)) < 0);
+		CHECK(tpass_tasks_per_node("18446744073709551615,0", 2, c, &t,
+					   e, sizeof(e)) == 0 && t == ULONG_MAX);
 	}
 	for (size_t i = 0; tpass_hidden_alloc_vars[i]; i++)
 		CHECK(!strncmp(tpass_hidden_alloc_vars[i], "SLURM_", 6));
