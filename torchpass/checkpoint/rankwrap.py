@@ -699,7 +699,6 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     named after the agent's pid (a request of an earlier move's step is never taken); it runs
     criu restore -d as root and the restored tree (tpass-init and the rank) is reparented to us."""
     from torchpass.checkpoint import criu as criu_mod
-    from torchpass.checkpoint import restore_agent
 
     job = env.get(RESTORE_JOB_ENV) or env.get("SLURM_JOB_ID") or identity(env)[0]
     rank = env[RESTORE_RANK_ENV]
@@ -709,7 +708,9 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
             "is torchpass's SPANK plugin loaded on this node?")
         return 1
     agent = agents[0]
-    req, res = restore_agent.request_file(paths.dir, rank, agent), restore_agent.result_file(paths.dir, rank, agent)
+    # From the layout, as the agent names them: this side imports no root code (pyproject.toml's
+    # root-only import contract).
+    req, res = layout.restore_request_file(paths.dir, rank, agent), layout.restore_result_file(paths.dir, rank, agent)
     relays, fds = {}, {}
     for fd in (1, 2):
         r, w = os.pipe()
