@@ -9,7 +9,9 @@ poll parked, with the hints a rank.progress reply carries, and a pause command f
 (``Executor._do_PauseAt``: one command object for every rank that is not held; two ranks held).
 Measured: ``_answer_parked()``, which sends every reply, against the baseline in the same run: the
 same replies encoded one by one with ``wire.encode_ok`` and sent, as the server did before
-(b07b4a3). Median of ``--repeat`` runs each, interleaved. Results: bench/results/fanout.json.
+(b07b4a3), and ``sealed``: the same ``_answer_parked()`` with the job secret's MAC on every reply
+(a coordinator started with a secret, jobauth.ReplySealer; each poll parked with its request's
+sender and seq). Median of ``--repeat`` runs each, interleaved. Results: bench/results/fanout.json.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from torchpass import wire
+from torchpass import jobauth, wire
 from torchpass.coordinator import server as srv
 from torchpass.coordinator.state import JobState
 
@@ -56,7 +58,8 @@ def _park_all(server: srv.CoordinatorServer, envelopes: list[list[bytes]], ranks
     due = time.monotonic() + 600.0
     for r in range(ranks):
         result = {"wait_max_s": srv.PARK_MIN_S, **hint}  # as _with_command builds a progress reply
-        server._park(r, srv._Parked(envelopes[r % len(envelopes)], f"{r:08x}{r:024x}", result, due))
+        server._park(r, srv._Parked(envelopes[r % len(envelopes)], f"{r:08x}{r:024x}", result, due,
+                                    (f"{r:016x}", r + 1)))
 
 
 def _baseline(server: srv.CoordinatorServer, ex: _Executor) -> None:
@@ -103,13 +106,15 @@ def run_size(ranks: int, repeat: int, peers_n: int) -> dict[str, Any]:
         p.send_multipart([b"", b"hello"])
         peers.append(p)
     envelopes = [server.sock.recv_multipart()[:-1] for _ in peers]
-    times: dict[str, list[float]] = {"baseline": [], "server": []}
+    times: dict[str, list[float]] = {"baseline": [], "server": [], "sealed": []}
+    sealer = jobauth.ReplySealer(b"5" * 64)
     try:
         for _ in range(repeat):
-            for kind in ("baseline", "server"):
+            for kind in ("baseline", "server", "sealed"):
                 _park_all(server, envelopes, ranks)
+                server.sealer = sealer if kind == "sealed" else None
                 t = time.perf_counter()
-                if kind == "server":
+                if kind in ("server", "sealed"):
                     server._answer_parked()
                 else:
                     _baseline(server, ex)
@@ -123,8 +128,11 @@ def run_size(ranks: int, repeat: int, peers_n: int) -> dict[str, Any]:
         server.sock.close(linger=0)
         ctx.term()
     base, new = statistics.median(times["baseline"]), statistics.median(times["server"])
+    sealed = statistics.median(times["sealed"])
     return {"ranks": ranks, "repeat": repeat, "peers": peers_n,
             "baseline_ms": round(base * 1000, 1), "server_ms": round(new * 1000, 1),
+            "sealed_ms": round(sealed * 1000, 1), "sealed_us_per_reply": round(sealed / ranks * 1e6, 2),
+            "sealed_runs_ms": [round(x * 1000, 1) for x in times["sealed"]],
             "baseline_us_per_reply": round(base / ranks * 1e6, 2), "server_us_per_reply": round(new / ranks * 1e6, 2),
             "speedup": round(base / new, 2),
             "baseline_runs_ms": [round(x * 1000, 1) for x in times["baseline"]],
@@ -144,7 +152,8 @@ def main() -> int:
         rows.append(row)
         print(f"{n:>6} ranks: fan-out {row['server_ms']:.1f} ms ({row['server_us_per_reply']:.1f} us a reply), "
               f"baseline (each reply encoded by itself) {row['baseline_ms']:.1f} ms "
-              f"({row['baseline_us_per_reply']:.1f} us): {row['speedup']:.2f}x", flush=True)
+              f"({row['baseline_us_per_reply']:.1f} us): {row['speedup']:.2f}x; sealed {row['sealed_ms']:.1f} ms "
+              f"({row['sealed_us_per_reply']:.1f} us a reply)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "fanout",
                                     "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
