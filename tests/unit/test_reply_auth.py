@@ -180,6 +180,38 @@ def test_the_real_coordinator_seals_what_the_link_takes(tmp_path):
     assert link.replies_refused == 0 and link.errors == 0
 
 
+def test_sealed_replies_pass_the_node_relay_unchanged(tmp_path):
+    # Two ranks of one node behind the relay (rank 0 hosts it) and the real coordinator with the
+    # job's secret: the bundles carry the sealed replies through, and both ranks take them.
+    relay_dir = tmp_path / "relay"
+    relay_dir.mkdir(mode=0o700)
+    path = relay_dir / "job7.0-n1.sock"
+    server = CoordinatorServer(JobState(job_id=JOB), bind_address="127.0.0.1", job_secret=SECRET)
+    t = threading.Thread(target=server.serve, daemon=True)
+    t.start()
+    links = []
+    for rank in (0, 1):
+        ln = control.ControlLink(FakePG(size=2, rank=rank), endpoint=f"tcp://127.0.0.1:{server.port}", job_id=JOB,
+                                 rank=rank, node="n1", interval_s=0.02, paused_interval_s=0.02,
+                                 request_timeout_s=5.0, auth=jobauth.JobSigner(SECRET), state_dir=str(tmp_path),
+                                 relay_path=str(path), relay_host=rank == 0)
+        ln.start()
+        links.append(ln)
+    try:
+        end = time.monotonic() + 20
+        while not (all(ln.registered and ln._via_relay for ln in links) and links[0]._relay is not None
+                   and links[0]._relay.forwarded >= 20):
+            assert time.monotonic() < end, [(ln.registered, ln._via_relay, ln.errors) for ln in links]
+            time.sleep(0.02)
+    finally:
+        for ln in links:
+            ln.stop()
+        server.stop()
+        t.join(5)
+    assert [(ln.replies_refused, ln.errors) for ln in links] == [(0, 0), (0, 0)]
+    assert sorted(server.state.ranks) == [0, 1]
+
+
 def test_sealing_is_hmac_sha256_of_the_request_and_the_reply():
     sealer = jobauth.ReplySealer(SECRET)
     import hmac
