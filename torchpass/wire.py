@@ -9,6 +9,10 @@ Frames are UTF-8 JSON objects, at most MAX_FRAME_BYTES long. Two shapes:
 * reply  ``{"v": 1, "type": "reply", "id": ID, "ok": true, "result": {...}}``
   or ``{"v": 1, "type": "reply", "id": ID, "ok": false,
   "error": {"code": CODE, "message": MSG}}`` with a code from ERROR_CODES.
+  A coordinator's reply to a signed ``rank.*`` request ends with
+  ``"auth": "job1:<hmac>"``, added after encoding: the job secret's MAC
+  over the request's sender and seq and the reply's bytes before the field
+  (torchpass.jobauth.ReplySealer; the rank drops a reply without it).
 
 ``auth`` carries one of two credentials, both bound to the request they
 came with: a munge credential over ``auth.request_digest`` (tpassd's
