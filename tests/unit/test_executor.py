@@ -180,6 +180,10 @@ def test_restore_step_starts_at_the_pause_and_a_rollback_cancels_it(tmp_path):
     calls = (tmp_path / "srun.calls").read_text()
     assert "-w n4" in calls and "torchpass.checkpoint.restore_gate" in calls and "--restore" not in calls
     at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    # before its srun, the target's tpassd set up the restore: without that token the plugin
+    # starts no root restore agent for the step
+    assert [(n, t, b) for n, t, b in tp.calls if b["op"] == "prepare"] == [
+        ("n4", "tpassd.restore", {"job_id": 42, "rank": 1, "op": "prepare", "kind": "migration", "generation": gen})]
     for r in range(3):
         d.feed(mc.Quiesced(r, gen, at))
     _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
