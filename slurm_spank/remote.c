@@ -9,7 +9,11 @@
  * tasks) and hide the hot spares from a plain srun.  Every task of the
  * other steps: a new PID namespace for its children with a root-made init
  * (task_init_privileged, as root), then the rank wrapper (task_init); in a
- * restore step, the root restore agent (task_init_privileged).  A step that
+ * restore step, the root restore agent (task_init_privileged), but only once
+ * it took the restore token that the node's tpassd wrote for exactly that
+ * restore (token.h): the variables below and the stop marker are the user's
+ * to set, so without a token such a step fails with one line and nothing
+ * runs as root for it.  A step that
  * srun's exit hook started again from a whole-job snapshot (relaunch.h: its
  * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID) starts no program: each
  * task gets the root restore agent instead of a PID namespace, and runs
@@ -745,7 +749,8 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * (unprotected for an ordinary user).
  *
  * Restore steps (the coordinator's srun --torchpass=off carries
- * TORCHPASS_RESTORE_RANK=R): the task becomes a child subreaper (kept
+ * TORCHPASS_RESTORE_RANK=R, and tpassd wrote its migration token): the task
+ * becomes a child subreaper (kept
  * across setuid and execve) and forks a root restore agent (the rank
  * wrapper with --root-agent, clean environment, fds >= 3 closed) that
  * checks the user-side wrapper's request and runs criu restore -d
@@ -756,6 +761,7 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID, or the step of a stopped
  * job that the marker STATE_DIR/jobs/J/stopped names; user_init): no PID
  * namespace and no tpass-init (the snapshot's images hold the rank's own);
+ * once it took the node's snapshot (or stopped) token, bound to this step,
  * the task forks the same root restore agent, for rank S_TASK_GLOBAL_ID of
  * this job, and task_init runs 'rank_wrapper --restore-snapshot ID --',
  * which asks the agent to restore that rank from snapshot ID.  Unlike a
