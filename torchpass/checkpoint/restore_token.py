@@ -61,6 +61,8 @@ def _own_dir(dfd: int | None, path: Path, owner: int, *, create: bool) -> int:
     parent = -1
     try:
         if dfd is None:
+            if create and owner == 0:  # /run/torchpass on a node no rank has used yet; then checked
+                os.makedirs(path.parent, mode=0o755, exist_ok=True)
             parent = safeio.open_root_owned_dir(path.parent) if owner == 0 else os.open(
                 path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             dfd = parent
