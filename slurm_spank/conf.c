@@ -5,6 +5,7 @@
  * fills and what the allowed-values message says.  Keys are matched by name.
  */
 #include "conf.h"
+#include "layout.h"
 
 #include <ctype.h>
 #include <stdio.h>
@@ -37,6 +38,7 @@ void tpass_conf_defaults(struct tpass_conf *conf)
 	/* A periodic snapshot pauses every rank and writes every rank's memory to
 	 * the shared snapshot directory: more often than this is the admin's call. */
 	conf->snapshot_every_min = 600;
+	strcpy(conf->restore_tokens, TPASS_LAYOUT_RESTORE_TOKENS);
 }
 
 struct conf_key;
@@ -148,6 +150,8 @@ static const struct conf_key conf_keys[] = {
 	{ "snapshot_every_min", parse_unsigned, FIELD(snapshot_every_min),
 	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, "[snapshot_every_min=1..604800]",
 	  "seconds" },
+	{ "restore_tokens", parse_abs_path, FIELD(restore_tokens), false, 0, 0,
+	  "[restore_tokens=PATH]", NULL },
 };
 
 #define NKEYS (sizeof(conf_keys) / sizeof(conf_keys[0]))

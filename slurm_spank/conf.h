@@ -33,6 +33,8 @@ struct tpass_conf {
 	unsigned stop_timeout_s;              /* 1..300, default 5 */
 	char rank_wrapper[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
 	unsigned snapshot_every_min;          /* 1..604800 s, default 600 */
+	char restore_tokens[TPASS_PATH_MAXLEN]; /* absolute; default
+					       * TPASS_LAYOUT_RESTORE_TOKENS */
 };
 
 void tpass_conf_defaults(struct tpass_conf *conf);
@@ -40,7 +42,8 @@ void tpass_conf_defaults(struct tpass_conf *conf);
 /*
  * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
  * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
- * log_level, ready_timeout, stop_timeout, rank_wrapper, snapshot_every_min.
+ * log_level, ready_timeout, stop_timeout, rank_wrapper, snapshot_every_min,
+ * restore_tokens.
  * Unknown or
  * repeated keys, bad values and missing required keys are errors.  On error
  * *conf holds the defaults plus whatever was parsed before the error.

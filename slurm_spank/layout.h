@@ -20,6 +20,17 @@
  *                                        ahead of the batch script's output
  *                                        when the job runs again (stop.c,
  *                                        slurmstepd's task_init)
+ *
+ * Restore tokens (token.h): root-only and node-local, not in STATE_DIR.
+ *
+ *   TOKENS/NODE/                         0700 root; TOKENS is plugstack.conf's
+ *                                        restore_tokens= (tpassd.toml's
+ *                                        restore_token_dir), default
+ *                                        TPASS_LAYOUT_RESTORE_TOKENS
+ *   TOKENS/NODE/jobJ.rankR.token         a migration's restore of rank R
+ *   TOKENS/NODE/jobJ.snapshot.token      a relaunch from a whole-job snapshot
+ *   TOKENS/NODE/jobJ.stopped.token       the restore of a stopped job
+ *   TOKENS/NODE/jobJ.KIND.stepS.token    that token once step S took it
  */
 #ifndef TPASS_LAYOUT_H
 #define TPASS_LAYOUT_H
@@ -32,5 +43,10 @@
 #define TPASS_LAYOUT_STOPPED         "stopped"
 #define TPASS_LAYOUT_STOPPED_OUT     "stopped.out"
 #define TPASS_LAYOUT_STOPPED_ERR     "stopped.err"
+#define TPASS_LAYOUT_RESTORE_TOKENS  "/run/torchpass/restore-tokens"
+#define TPASS_LAYOUT_TOKEN_SUFFIX    ".token"
+/* A token older than this (seconds) is refused (tpassd writes it right
+ * before the step's srun; torchpass.layout.RESTORE_TOKEN_TTL_S) */
+#define TPASS_RESTORE_TOKEN_TTL_S    600
 
 #endif /* TPASS_LAYOUT_H */

@@ -9,7 +9,11 @@
  * tasks) and hide the hot spares from a plain srun.  Every task of the
  * other steps: a new PID namespace for its children with a root-made init
  * (task_init_privileged, as root), then the rank wrapper (task_init); in a
- * restore step, the root restore agent (task_init_privileged).  A step that
+ * restore step, the root restore agent (task_init_privileged), but only once
+ * it took the restore token that the node's tpassd wrote for exactly that
+ * restore (token.h): the variables below and the stop marker are the user's
+ * to set, so without a token such a step fails with one line and nothing
+ * runs as root for it.  A step that
  * srun's exit hook started again from a whole-job snapshot (relaunch.h: its
  * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID) starts no program: each
  * task gets the root restore agent instead of a PID namespace, and runs
@@ -37,6 +41,7 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 
 #include <slurm/slurm.h>
 
@@ -48,6 +53,7 @@
 #include "pythonpath.h"
 #include "relaunch.h"
 #include "stop.h"
+#include "token.h"
 #include "tpass.h"
 
 /* the PID namespace init, installed beside torchpass.so (tpass_init.c) */
@@ -65,6 +71,11 @@ static struct {
 	/* TORCHPASS_RESTORE_SNAPSHOT or the stop marker (user_init): ""
 	 * starts the program */
 	char snapshot[TPASS_SNAPSHOT_ID_MAX + 1];
+	/* which restore R.snapshot is: a relaunch (snapshot) or a stopped job's */
+	enum tpass_token_kind snapshot_kind;
+	/* a --torchpass=off step asked for a restore that no token allows
+	 * (task_init_privileged): task_init prints R.launch_err and fails it */
+	bool restore_refused;
 	bool coord_started;
 	struct tpass_coord coord;
 	char secret[TPASS_SECRET_HEX_LEN + 1];
@@ -568,6 +579,7 @@ static void restore_stopped(spank_t sp)
 	if (!found || step != R.step_id)
 		return;
 	snprintf(R.snapshot, sizeof(R.snapshot), "%s", snap);
+	R.snapshot_kind = TPASS_TOKEN_STOPPED;
 	tpass_info("job %u: step %u was stopped by tpassctl snapshot --stop: every rank restores from snapshot %s",
 		   R.job_id, (unsigned)R.step_id, R.snapshot);
 	rc = spank_setenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, R.snapshot, 1);
@@ -608,6 +620,7 @@ static void restore_snapshot_of(spank_t sp)
 		return;
 	}
 	snprintf(R.snapshot, sizeof(R.snapshot), "%s", val);
+	R.snapshot_kind = TPASS_TOKEN_SNAPSHOT;
 }
 
 /*
@@ -736,7 +749,8 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * (unprotected for an ordinary user).
  *
  * Restore steps (the coordinator's srun --torchpass=off carries
- * TORCHPASS_RESTORE_RANK=R): the task becomes a child subreaper (kept
+ * TORCHPASS_RESTORE_RANK=R, and tpassd wrote its migration token): the task
+ * becomes a child subreaper (kept
  * across setuid and execve) and forks a root restore agent (the rank
  * wrapper with --root-agent, clean environment, fds >= 3 closed) that
  * checks the user-side wrapper's request and runs criu restore -d
@@ -747,6 +761,7 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * environment holds TORCHPASS_RESTORE_SNAPSHOT=ID, or the step of a stopped
  * job that the marker STATE_DIR/jobs/J/stopped names; user_init): no PID
  * namespace and no tpass-init (the snapshot's images hold the rank's own);
+ * once it took the node's snapshot (or stopped) token, bound to this step,
  * the task forks the same root restore agent, for rank S_TASK_GLOBAL_ID of
  * this job, and task_init runs 'rank_wrapper --restore-snapshot ID --',
  * which asks the agent to restore that rank from snapshot ID.  Unlike a
@@ -756,18 +771,66 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * The first process the task forks becomes the namespace's PID 1: that is
  * tpass-init, so a TaskProlog no longer takes that place.
  */
-static void __attribute__((noreturn)) exec_agent(const char *job, const char *rank, pid_t task)
+static void __attribute__((noreturn)) exec_agent(const char *job, const char *rank, pid_t task,
+						  const struct tpass_token *tok)
 {
-	char tpid[32], uid[32];
+	char tpid[32], uid[32], which[TPASS_SNAPSHOT_ID_MAX + 16];
+	const char *flag = "--snapshot";
 	char *const envp[] = { "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
 
 	syscall(SYS_close_range, 3U, ~0U, 0);
 	snprintf(tpid, sizeof(tpid), "%d", (int)task);
 	snprintf(uid, sizeof(uid), "%u", (unsigned)R.uid);
+	/* the images the token allows: the agent refuses any others */
+	if (tok->kind == TPASS_TOKEN_MIGRATION) {
+		flag = "--generation";
+		snprintf(which, sizeof(which), "%u", tok->generation);
+	} else {
+		snprintf(which, sizeof(which), "%s", tok->snapshot);
+	}
 	execle(tpass.conf.rank_wrapper, tpass.conf.rank_wrapper, "--root-agent",
 	       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
-	       "--jobs-state-dir", tpass.conf.state_dir, (char *)NULL, envp);
+	       "--jobs-state-dir", tpass.conf.state_dir, flag, which,
+	       (char *)NULL, envp);
 	_exit(127);
+}
+
+/*
+ * Take the restore token for want (token.h) from this node's token
+ * directory: 0 with *tok filled in; -1 (and the one line a user sees, in
+ * err) if there is none or it does not match.  Logged either way: a
+ * refusal is something a site wants to know of.
+ */
+static int take_token(const struct tpass_token_want *want,
+		      struct tpass_token *tok, char *err, size_t errlen)
+{
+	char why[TPASS_ERR_MAXLEN + 512];
+	int rc;
+
+	rc = tpass_token_take(tpass.conf.restore_tokens, R.node, 0, want,
+			      (long long)time(NULL), tok, why, sizeof(why));
+	if (rc == 0) {
+		tpass_info("job %u: step %u: %s restore of job %u set up by tpassd on %s; starting the restore agent",
+			   R.job_id, (unsigned)R.step_id,
+			   tpass_token_kind_name(want->kind), want->job, R.node);
+		return 0;
+	}
+	if (rc == -2)
+		return tpass_fail(err, errlen,
+				  "job %u: step %u asks for a %s restore (%s) that tpassd on %s did not set up (%s); nothing ran. Only torchpass's coordinator starts restores: %s",
+				  R.job_id, (unsigned)R.step_id,
+				  tpass_token_kind_name(want->kind),
+				  want->kind == TPASS_TOKEN_MIGRATION ? "TORCHPASS_RESTORE_RANK" :
+				  want->kind == TPASS_TOKEN_SNAPSHOT ? "TORCHPASS_RESTORE_SNAPSHOT" :
+				  "the job's stop marker",
+				  R.node, why,
+				  want->kind == TPASS_TOKEN_STOPPED ?
+				  "remove the stop marker to start the step afresh, or run tpassctl resume again" :
+				  "unset TORCHPASS_RESTORE_RANK, TORCHPASS_RESTORE_JOB and TORCHPASS_RESTORE_SNAPSHOT to run a plain step");
+	return tpass_fail(err, errlen,
+			  "job %u: step %u: the %s restore on %s is refused: %s; nothing was restored",
+			  R.job_id, (unsigned)R.step_id,
+			  tpass_token_kind_name(want->kind), R.node, why);
 }
 
 static bool is_number(const char *s)
@@ -777,9 +840,11 @@ static bool is_number(const char *s)
 
 /*
  * Make this task a child subreaper and fork the root restore agent for rank
- * RANK of job JOB (decimal strings); -1 (and why, in err) if it cannot.
+ * RANK of job JOB (decimal strings), for the images tok allows; -1 (and
+ * why, in err) if it cannot.
  */
-static int fork_restore_agent(const char *job, const char *rank, char *err,
+static int fork_restore_agent(const char *job, const char *rank,
+			      const struct tpass_token *tok, char *err,
 			      size_t errlen)
 {
 	char why[TPASS_ERR_MAXLEN + 64];
@@ -793,61 +858,107 @@ static int fork_restore_agent(const char *job, const char *rank, char *err,
 				  R.job_id, strerror(errno));
 	pid = fork();
 	if (pid == 0)
-		exec_agent(job, rank, task);
+		exec_agent(job, rank, task, tok);
 	if (pid < 0)
 		return tpass_fail(err, errlen, "job %u: restore: cannot fork the restore agent: %s",
 				  R.job_id, strerror(errno));
 	return 0;
 }
 
+/* A --torchpass=off step whose restore is refused: task_init fails it. */
+static void refuse_restore(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void refuse_restore(const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(R.launch_err, sizeof(R.launch_err), fmt, ap);
+	va_end(ap);
+	R.restore_refused = true;
+	/* for the site (slurmd's log); the user's one line is task_init's */
+	tpass_info("refused: %s", R.launch_err);
+}
+
 /*
- * A restore step: the rank is TORCHPASS_RESTORE_RANK; its job is this
- * step's, or (a restore step in a companion allocation)
- * TORCHPASS_RESTORE_JOB: the agent then restores only a snapshot whose
- * manifest names this step's uid as the job's owner.
+ * A restore step (a --torchpass=off step with TORCHPASS_RESTORE_RANK or
+ * TORCHPASS_RESTORE_JOB): the rank is TORCHPASS_RESTORE_RANK; its job is
+ * this step's, or (a restore step in a companion allocation)
+ * TORCHPASS_RESTORE_JOB.  The agent starts only if tpassd wrote a
+ * migration token for exactly that job, rank, this step's job and owner; it
+ * is consumed.  Without one the step fails with one line, and nothing runs
+ * as root for it.
  */
 static void start_restore_agent(spank_t sp)
 {
-	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 64];
+	char rank[16] = "", job[16] = "", err[TPASS_ERR_MAXLEN + 512];
+	bool has_rank, has_job;
+	struct tpass_token_want want = { 0 };
+	struct tpass_token tok;
+	unsigned n;
 
-	if (get_env(sp, "TORCHPASS_RESTORE_RANK", rank, sizeof(rank)) < 0)
+	has_rank = get_env(sp, "TORCHPASS_RESTORE_RANK", rank, sizeof(rank)) == 0;
+	has_job = get_env(sp, "TORCHPASS_RESTORE_JOB", job, sizeof(job)) == 0;
+	if (!has_rank && !has_job)
 		return;
-	if (get_env(sp, "TORCHPASS_RESTORE_JOB", job, sizeof(job)) < 0)
+	if (!has_job)
 		snprintf(job, sizeof(job), "%u", R.job_id);
-	if (!is_number(rank) || !is_number(job)) {
-		tpass_error("job %u: TORCHPASS_RESTORE_RANK='%.15s' TORCHPASS_RESTORE_JOB='%.15s': not numbers; no restore agent",
-			    R.job_id, rank, job);
+	if (!has_rank || !is_number(rank) || !is_number(job)) {
+		refuse_restore("job %u: TORCHPASS_RESTORE_RANK='%.15s' TORCHPASS_RESTORE_JOB='%.15s': not a restore the coordinator starts; nothing was restored (unset both to run a plain step)",
+			       R.job_id, rank, job);
 		return;
 	}
-	if (fork_restore_agent(job, rank, err, sizeof(err)) < 0)
+	want.kind = TPASS_TOKEN_MIGRATION;
+	want.job = tpass_parse_uint(job, 0, 4294967294u, &n) == 0 ? n : 0;
+	want.rank = tpass_parse_uint(rank, 0, 4294967294u, &n) == 0 ? n : 0;
+	want.alloc = R.job_id;
+	want.uid = (unsigned)R.uid;
+	want.step = R.step_id;
+	if (take_token(&want, &tok, err, sizeof(err)) < 0) {
+		refuse_restore("%s", err);
+		return;
+	}
+	if (fork_restore_agent(job, rank, &tok, err, sizeof(err)) < 0)
 		tpass_error("%s", err);
 }
 
 /*
- * A step relaunched from snapshot R.snapshot: the rank is this task's
- * global id (its SLURM_PROCID), the job this step's.  Without the agent the
- * rank cannot be restored, so the task fails (task_init prints why) rather
- * than have the wrapper wait for an agent that never comes.
+ * A step relaunched from snapshot R.snapshot (or a stopped job's): the rank
+ * is this task's global id (its SLURM_PROCID), the job this step's.  The
+ * agent starts only if tpassd wrote a token of that kind for this job,
+ * owner and snapshot on this node (bound to this step by its first task).
+ * Without the agent the rank cannot be restored, so the task fails
+ * (task_init prints why) rather than have the wrapper wait for an agent
+ * that never comes, or start the program afresh.
  */
 static void start_snapshot_agent(spank_t sp)
 {
-	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 64];
+	char rank[16], job[16], err[TPASS_ERR_MAXLEN + 512];
+	struct tpass_token_want want = { 0 };
+	struct tpass_token tok;
 	uint32_t gtid;
 	spank_err_t rc;
 
+	want.kind = R.snapshot_kind;
+	want.job = want.alloc = R.job_id;
+	want.uid = (unsigned)R.uid;
+	want.step = R.step_id;
+	want.snapshot = R.snapshot;
 	rc = spank_get_item(sp, S_TASK_GLOBAL_ID, &gtid);
 	if (rc != ESPANK_SUCCESS) {
 		launch_fail("job %u: no restore agent: cannot tell the task's rank (%s); it cannot be restored from snapshot %s",
 			    R.job_id, spank_strerror(rc), R.snapshot);
+	} else if (take_token(&want, &tok, err, sizeof(err)) < 0) {
+		launch_fail("%s", err);
 	} else {
 		snprintf(rank, sizeof(rank), "%u", (unsigned)gtid);
 		snprintf(job, sizeof(job), "%u", R.job_id);
-		if (fork_restore_agent(job, rank, err, sizeof(err)) < 0)
+		if (fork_restore_agent(job, rank, &tok, err, sizeof(err)) < 0)
 			launch_fail("%s; rank %s cannot be restored from snapshot %s",
 				    err, rank, R.snapshot);
 	}
-	if (R.launch_failed)
-		tpass_error("%s", R.launch_err);
+	if (R.launch_failed) /* the user's one line is task_init's */
+		tpass_info("refused: %s", R.launch_err);
 }
 
 int tpass_remote_task_init_privileged(spank_t sp, int ac, char **av)
@@ -955,8 +1066,13 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 
 	(void)ac;
 	(void)av;
-	if (!tpass.opts.given || tpass.opts.off)
+	if (!tpass.opts.given)
 		return 0;
+	if (tpass.opts.off) {
+		if (!R.restore_refused)
+			return 0;
+		goto refuse; /* R.launch_err says why */
+	}
 	/* first: a launch error below is said after the job's earlier output */
 	if (R.is_batch)
 		put_stopped_output();
@@ -990,6 +1106,7 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 			    R.snapshot);
 		tpass_error("%s", R.launch_err);
 	}
+refuse:
 	snprintf(msg, sizeof(msg), "tpass: %s", R.launch_err);
 	rc = spank_prepend_task_argv(sp, 4, argv);
 	if (rc != ESPANK_SUCCESS)

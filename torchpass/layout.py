@@ -27,6 +27,14 @@ RANK_DIR/                         (the rank wrapper's --state-dir, $TORCHPASS_RA
     rankR.handoff                 handoff(): moving / moved / abort
     rankR.exit                    exit_file(): exit code of a moved rank
 
+TOKENS/                           (tpassd.toml restore_token_dir = plugstack.conf restore_tokens=;
+                                  default RESTORE_TOKENS; root's, 0700, node-local)
+  NODE/                           restore_token_dir(TOKENS, NODE): root's, 0700
+    jobJ.rankR.token              restore_token(..., "migration", rank=R): a migration's restore step
+    jobJ.snapshot.token           restore_token(..., "snapshot"): a relaunch from a whole-job snapshot
+    jobJ.stopped.token            restore_token(..., "stopped"): the restore of a stopped job
+    jobJ.KIND.stepS.token         the same once step S took it (the SPANK plugin renames it)
+
 SNAPSHOT_DIR/                     (tpassd --snapshot-dir, node-local)
   jobJ/                           snapshot_job_dir(snapshot_dir, J)
     rankR.genG/                   images_dir(snapshot_dir, J, R, G): CRIU images of one dump
@@ -202,6 +210,34 @@ def parse_images_dir(path: PathLike, job: int | str, rank: int | str) -> tuple[P
     return (root, int(gen)) if images_dir(root, job, rank, int(gen)) == p else None
 
 
+# --- Restore tokens (torchpass.checkpoint.restore_token; slurm_spank/token.h) ----------------
+# tpassd writes one before each restore it checked ('tpassd.restore' op=prepare); the SPANK plugin
+# starts the root restore agent only for a step whose token it takes. Root-only and node-local:
+# TOKENS/NODE, so nodes that share /run (the devcluster's) keep theirs apart.
+RESTORE_TOKENS = "/run/torchpass/restore-tokens"
+TOKEN_SUFFIX = ".token"
+TOKEN_KINDS = ("migration", "snapshot", STOPPED)  # slurm_spank/token.c spells STOPPED as layout.h does
+# A token older than this is refused: tpassd writes it right before the step's srun, and a step that
+# waits at its restore gate took its token at launch (slurm_spank/layout.h TPASS_RESTORE_TOKEN_TTL_S).
+RESTORE_TOKEN_TTL_S = 600
+
+
+def restore_token_dir(tokens: PathLike, node: str) -> Path:
+    """TOKENS/NODE: the node's restore tokens."""
+    if not node or "/" in node or node in (".", ".."):
+        raise ValueError(f"node name {node!r} cannot name a directory")
+    return Path(tokens) / node
+
+
+def restore_token(tokens: PathLike, node: str, job: int | str, kind: str, rank: int | str | None = None,
+                  step: int | str | None = None) -> Path:
+    """TOKENS/NODE/jobJ.rankR.token (migration), jobJ.KIND.token, or jobJ.KIND.stepS.token (bound)."""
+    if kind not in TOKEN_KINDS:
+        raise ValueError(f"restore token kind {kind!r} is not one of {', '.join(TOKEN_KINDS)}")
+    tag = _rank_name(rank) if kind == "migration" else kind if step is None else f"{kind}.step{step}"
+    return restore_token_dir(tokens, node) / f"{_job_name(job)}.{tag}{TOKEN_SUFFIX}"
+
+
 # --- Whole-job snapshots (issue 12, engineer F) ------------------------------------------------
 # SNAPSHOT_DIR/snapshots/jobJ/ID/rankR/   snapshot_images_dir(): CRIU images of rank R in job snapshot ID
 #                                         (root only; never under SNAPSHOT_DIR/jobJ, which the job's end sweeps)
@@ -260,4 +296,6 @@ __all__ = [
     # whole-job snapshots (issue 12)
     "SNAPSHOTS", "SNAPSHOT_MANIFEST_SUFFIX", "valid_snapshot_id", "snapshot_tree", "snapshot_images_dir",
     "parse_snapshot_images_dir", "snapshot_manifests_dir", "snapshot_manifest",
+    # restore tokens
+    "RESTORE_TOKENS", "TOKEN_SUFFIX", "TOKEN_KINDS", "RESTORE_TOKEN_TTL_S", "restore_token_dir", "restore_token",
 ]

@@ -351,15 +351,27 @@ BODIES: dict[str, dict[str, F]] = {
         "parts": _f(list, required=False),
         "tasks": _f(list, required=False),
     },
-    #   op "verify": the target can read `images` and its manifest matches `checksum`
-    #   op "abort":  kill what was restored from `images` on this node (best effort)
+    #   op "verify":  the target can read `images` and its manifest matches `checksum`
+    #   op "abort":   kill what was restored from `images` on this node (best effort)
+    #   op "prepare": write the restore token that lets the SPANK plugin start its root restore agent
+    #                 for one restore on this node (torchpass.checkpoint.restore_token), `kind`:
+    #                 "migration" (rank `rank` of a move, its dump `generation`; `alloc`: the job the
+    #                 restore step runs in when not job_id, a companion allocation of the same owner),
+    #                 "snapshot" (a step relaunched from whole-job snapshot `snapshot`) or "stopped"
+    #                 (step `step` of a stopped job, from `snapshot`); the snapshot must be committed
+    #                 (its manifest root's, of the job's owner). Result {node, kind, token, ttl_s}.
     "tpassd.restore": {
         "job_id": _f(int),
         "rank": _f(int),
         "op": _f(str),
-        "images": _f(str),
+        "images": _f(str, required=False),
         "checksum": _f(str, required=False),
         "rank_dir": _f(str, required=False),
+        "kind": _f(str, required=False),
+        "alloc": _f(int, required=False),
+        "generation": _f(int, required=False),
+        "snapshot": _f(str, required=False),
+        "step": _f(int, required=False),
     },
     # --- coordinator -> tpassd: drain this node (tpassd/daemon.py) -----------
     # slurmctld lets only root and SlurmUser drain, so a job's coordinator asks

@@ -1,5 +1,9 @@
 """tpassd's checkpoint request handlers: ``tpassd.snapshot`` and ``tpassd.restore``.
 
+``tpassd.restore`` op=prepare writes the restore token without which the SPANK plugin starts no
+root restore agent on this node (torchpass.checkpoint.restore_token), in tpassd.toml's
+restore_token_dir.
+
 The mechanism (dump, kill, abort, verify) is torchpass.checkpoint.service;
 this module only puts it on tpassd's control server. Who may ask: root or
 the job's owner, checked per job by the service (the server lets USER in).
@@ -25,7 +29,8 @@ def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None =
              kill_fault: Callable[[], bool] | None = None) -> CheckpointService:
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
     svc = CheckpointService(cfg.snapshot_dir, node, state_dir=job_state_dir(cfg),
-                            criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault)
+                            criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault,
+                            restore_tokens=cfg.restore_token_dir)
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchpass import config as tconfig
+from torchpass import layout
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG
@@ -50,6 +51,9 @@ class TpassdConfig:
     # The tpassd that committed a snapshot removes it this many hours after it was taken (at its
     # sweep); 0 = kept until deleted or replaced by retention.
     snapshot_max_age_h: float = 0.0
+    # Restore tokens (torchpass.checkpoint.restore_token): root's, node-local; the SPANK plugin's
+    # restore_tokens= in plugstack.conf must name the same directory.
+    restore_token_dir: Path = Path(layout.RESTORE_TOKENS)
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -74,6 +78,8 @@ class TpassdConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if self.snapshot_max_age_h > 0 and self.sweep_interval_s == 0:
             raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
+        if not Path(self.restore_token_dir).is_absolute():
+            raise ConfigError(f"restore_token_dir must be an absolute path, got {str(self.restore_token_dir)!r}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -1,7 +1,8 @@
 /*
  * test_args.c - unit tests for the pure parsers (no Slurm needed): conf.c,
  * opts.c, hostlist.c, pythonpath.c, util.c, relaunch.c, placement.c, stop.c
- * (its files in a temporary state directory) and the ready line of
+ * (its files in a temporary state directory), token.c (restore tokens, in a
+ * temporary token directory) and the ready line of
  * coordinator.c.
  * Build and run: make -C slurm_spank test
  * Prints one line per failed check and a summary "N checks, F failed".
@@ -14,6 +15,8 @@
 #include "../pythonpath.h"
 #include "../relaunch.h"
 #include "../stop.h"
+#include "../token.h"
+#include "../layout.h"
 #include "../util.h"
 
 #include <fcntl.h>
@@ -1076,6 +1079,194 @@ static void test_placement(void)
 		CHECK(!strncmp(tpass_hidden_alloc_vars[i], "SLURM_", 6));
 }
 
+/* ---- restore tokens (token.c) ---- */
+
+static char tok_dir[256], tok_node[300];
+
+static int put_token(const char *name, const char *text, mode_t mode)
+{
+	char path[600];
+	int fd;
+
+	snprintf(path, sizeof(path), "%s/%s", tok_node, name);
+	unlink(path);
+	fd = open(path, O_WRONLY | O_CREAT | O_EXCL, mode);
+	if (fd < 0)
+		return -1;
+	if (write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
+		close(fd);
+		return -1;
+	}
+	fchmod(fd, mode);
+	return close(fd);
+}
+
+static bool token_exists(const char *name)
+{
+	char path[600];
+
+	snprintf(path, sizeof(path), "%s/%s", tok_node, name);
+	return access(path, F_OK) == 0;
+}
+
+static int take(const struct tpass_token_want *w, long long now,
+		struct tpass_token *t)
+{
+	err[0] = '\0';
+	return tpass_token_take(tok_dir, "node1", geteuid(), w, now, t, err,
+				sizeof(err));
+}
+
+static void test_token(void)
+{
+	const long long now = 1765000000;
+	char text[512];
+	struct tpass_token t;
+	struct tpass_token_want mig = {
+		.kind = TPASS_TOKEN_MIGRATION, .job = 7, .alloc = 7,
+		.uid = 1001, .rank = 2, .step = 4,
+	}, w;
+	struct tpass_token_want snap = {
+		.kind = TPASS_TOKEN_SNAPSHOT, .job = 7, .alloc = 7, .uid = 1001,
+		.step = 5, .snapshot = "s1",
+	};
+
+	/* parse: strict */
+	CHECK(tpass_token_parse("kind=migration\njob=7\nalloc=7\nuid=1001\nrank=2\ngeneration=3\ncreated=5\n",
+				&t, err, sizeof(err)) == 0 &&
+	      t.kind == TPASS_TOKEN_MIGRATION && t.rank == 2 && t.generation == 3);
+	CHECK(tpass_token_parse("kind=migration\njob=7\nalloc=7\nuid=1001\nrank=2\ncreated=5\n",
+				&t, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "needs rank= and generation=");
+	CHECK(tpass_token_parse("kind=root\njob=7\n", &t, err, sizeof(err)) < 0);
+	CHECK(tpass_token_parse("kind=snapshot\njob=7\nalloc=7\nuid=1\nsnapshot=../x\ncreated=5\n",
+				&t, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "not a snapshot id");
+	CHECK(tpass_token_parse("kind=snapshot\njob=7\njob=8\n", &t, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "job= given twice");
+	CHECK(tpass_token_parse("kind=snapshot\nimages=/x\n", &t, err, sizeof(err)) < 0);
+	CHECK_CONTAINS(err, "unknown key 'images'");
+
+	snprintf(tok_dir, sizeof(tok_dir), "/tmp/tpass-tok-XXXXXX");
+	if (!mkdtemp(tok_dir)) {
+		CHECK(!"mkdtemp");
+		return;
+	}
+	chmod(tok_dir, 0700);
+	/* no node directory: no token */
+	CHECK(take(&mig, now, &t) == -2);
+	snprintf(tok_node, sizeof(tok_node), "%s/node1", tok_dir);
+	CHECK(mkdir(tok_node, 0700) == 0);
+	CHECK(take(&mig, now, &t) == -2);
+	CHECK_CONTAINS(err, "no token");
+
+	/* a migration token: taken once */
+	snprintf(text, sizeof(text), "kind=migration\njob=7\nalloc=7\nuid=1001\nrank=2\ngeneration=3\ncreated=%lld\n", now);
+	CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+	CHECK(take(&mig, now + 10, &t) == 0 && t.generation == 3);
+	CHECK(!token_exists("job7.rank2.token"));
+	CHECK(take(&mig, now + 10, &t) == -2);
+	/* another job, rank, kind, uid or step's job: refused, and gone */
+	for (int i = 0; i < 5; i++) {
+		w = mig;
+		if (i == 0)
+			w.uid = 1002;
+		else if (i == 1)
+			w.alloc = 8;
+		else if (i == 2)
+			w.job = 8;
+		else if (i == 3)
+			w.rank = 3;
+		CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+		if (i == 4) { /* a snapshot's token under a migration's name */
+			CHECK(put_token("job7.rank2.token",
+					"kind=snapshot\njob=7\nalloc=7\nuid=1001\nsnapshot=s1\ncreated=1765000000\n",
+					0600) == 0);
+		}
+		if (i == 2 || i == 3) { /* named for what it is: nothing there */
+			CHECK(take(&w, now, &t) == -2);
+			continue;
+		}
+		CHECK(take(&w, now, &t) == -1);
+		CHECK_CONTAINS(err, "refused");
+		CHECK(!token_exists("job7.rank2.token"));
+	}
+	/* expired, or from the future */
+	CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+	CHECK(take(&mig, now + TPASS_RESTORE_TOKEN_TTL_S + 1, &t) == -1);
+	CHECK_CONTAINS(err, "expired");
+	CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+	CHECK(take(&mig, now - 3600, &t) == -1);
+	CHECK_CONTAINS(err, "in the future");
+	/* a token others may read or write, a symbolic link, a hard link */
+	CHECK(put_token("job7.rank2.token", text, 0644) == 0);
+	CHECK(take(&mig, now, &t) == -1);
+	CHECK_CONTAINS(err, "not a regular file of root's with mode 0600");
+	{
+		char path[600], target[600];
+
+		CHECK(put_token("good", text, 0600) == 0);
+		snprintf(target, sizeof(target), "%s/good", tok_node);
+		snprintf(path, sizeof(path), "%s/job7.rank2.token", tok_node);
+		unlink(path);
+		CHECK(symlink(target, path) == 0);
+		CHECK(take(&mig, now, &t) == -1);
+		CHECK_CONTAINS(err, "symbolic link");
+		CHECK(link(target, path) == 0);
+		CHECK(take(&mig, now, &t) == -1);
+		CHECK_CONTAINS(err, "one link");
+		unlink(target);
+		/* a file of another uid (root's test only: chown) */
+		if (geteuid() == 0) {
+			CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+			CHECK(chown(path, 65534, 65534) == 0);
+			CHECK(take(&mig, now, &t) == -1);
+			CHECK_CONTAINS(err, "not a regular file of root's");
+		}
+	}
+	/* a token directory others may enter: nothing in it is trusted */
+	CHECK(put_token("job7.rank2.token", text, 0600) == 0);
+	chmod(tok_node, 0755);
+	CHECK(take(&mig, now, &t) == -1);
+	CHECK_CONTAINS(err, "not root's with mode 0700");
+	chmod(tok_node, 0700);
+	chmod(tok_dir, 0711);
+	CHECK(take(&mig, now, &t) == -1);
+	chmod(tok_dir, 0700);
+
+	/* a snapshot token: bound to the first step, serves its every task */
+	snprintf(text, sizeof(text), "kind=snapshot\njob=7\nalloc=7\nuid=1001\nsnapshot=s1\ncreated=%lld\n", now);
+	CHECK(put_token("job7.snapshot.token", text, 0600) == 0);
+	CHECK(take(&snap, now, &t) == 0 && !strcmp(t.snapshot, "s1"));
+	CHECK(token_exists("job7.snapshot.step5.token") && !token_exists("job7.snapshot.token"));
+	CHECK(take(&snap, now, &t) == 0);
+	w = snap;
+	w.step = 6; /* another step: none */
+	CHECK(take(&w, now, &t) == -2);
+	w = snap;
+	w.snapshot = "s2";
+	CHECK(take(&w, now, &t) == -1);
+	CHECK_CONTAINS(err, "names snapshot s1, not s2");
+	w = snap;
+	w.kind = TPASS_TOKEN_STOPPED; /* a relaunch's token does not restore a stopped job */
+	CHECK(take(&w, now, &t) == -2);
+	/* a stopped job's token names its step */
+	snprintf(text, sizeof(text), "kind=stopped\njob=7\nalloc=7\nuid=1001\nsnapshot=s1\nstep=3\ncreated=%lld\n", now);
+	CHECK(put_token("job7.stopped.token", text, 0600) == 0);
+	w.step = 4;
+	CHECK(take(&w, now, &t) == -1);
+	CHECK_CONTAINS(err, "names step 3, not step 4");
+	CHECK(put_token("job7.stopped.token", text, 0600) == 0);
+	w.step = 3;
+	CHECK(take(&w, now, &t) == 0 && t.has_step && t.step == 3);
+	{
+		char cmd[300];
+
+		snprintf(cmd, sizeof(cmd), "rm -rf %s", tok_dir);
+		CHECK(system(cmd) == 0);
+	}
+}
+
 int main(void)
 {
 	tpass_conf_defaults(&conf);
@@ -1095,6 +1286,7 @@ int main(void)
 	test_stopped_parse();
 	test_stopped_files();
 	test_placement();
+	test_token();
 	printf("%d checks, %d failed\n", checks, failed);
 	return failed ? 1 : 0;
 }

@@ -149,3 +149,44 @@ def test_the_moved_ranks_exit_status_is_the_jobs(cluster, plugin_built, job_dir,
         assert len(tj.steps(out.read_text())) == 3 * 150, diag()
     finally:
         _cleanup(job_id)
+
+
+# A step's program that shows what the plugin started beside it: the task's children are forked in
+# task_init_privileged, before the program is exec'd in the same process ($$).
+PROBE = """#!/bin/sh
+echo "PROBE-RAN $(id -u)"
+ps -o uid=,args= --ppid $$ | sed 's/^/PROBE-CHILD /'
+"""
+
+
+def test_a_users_own_restore_variables_start_nothing_as_root(cluster, plugin_built, job_dir, job_user):
+    """An ordinary user sets the variables of a restore step on an srun of their own: a migration's
+    (TORCHPASS_RESTORE_RANK on a --torchpass=off step) and a relaunch's (TORCHPASS_RESTORE_SNAPSHOT on
+    a --torchpass step), and writes a stop marker naming their next step. No tpassd set any up, so
+    each step fails with one line, its program does not run, and no root restore agent is forked."""
+    probe = job_dir / "probe.sh"
+    probe.write_text(PROBE)
+    probe.chmod(0o755)
+    os.chown(probe, job_user.uid, job_user.gid)
+    proc = sbatch(["-N1", "-n1", "--torchpass", "-o", str(job_dir / "attack.%j.out")],
+                  "#!/bin/bash\n"
+                  f"TORCHPASS_RESTORE_RANK=0 srun -N1 -n1 --torchpass=off {probe}; echo \"ATTACK-RANK rc=$?\"\n"
+                  f"TORCHPASS_RESTORE_SNAPSHOT=s1 srun -N1 -n1 {probe}; echo \"ATTACK-SNAPSHOT rc=$?\"\n"
+                  "printf 'snapshot=s1\\nstep=2\\n' > \"$TORCHPASS_STATE_DIR/jobs/$SLURM_JOB_ID/stopped\"\n"
+                  f"srun -N1 -n1 {probe}; echo \"ATTACK-MARKER rc=$?\"\n",
+                  cwd=job_dir, user=job_user.name, env=submit_env(job_user.name))
+    job_id = job_id_of(proc)
+    out = job_dir / f"attack.{job_id}.out"
+    try:
+        tj.wait_end(job_id, 120)
+        text = out.read_text()
+        assert "root-agent" not in text and "restore agent audit" not in text, text
+        assert "PROBE-RAN" not in text, text  # refused before the program: nothing of it ran
+        refusals = [ln for ln in text.splitlines() if "did not set up" in ln]
+        assert len(refusals) == 3 and all(ln.startswith("tpass: ") for ln in refusals), text
+        assert "a migration restore" in refusals[0] and "a snapshot restore" in refusals[1], text
+        assert "a stopped restore (the job's stop marker)" in refusals[2], text
+        for attack in ("RANK", "SNAPSHOT", "MARKER"):
+            assert f"ATTACK-{attack} rc=" in text and f"ATTACK-{attack} rc=0" not in text, text
+    finally:
+        _run(["scancel", str(job_id)])

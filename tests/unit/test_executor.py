@@ -180,6 +180,10 @@ def test_restore_step_starts_at_the_pause_and_a_rollback_cancels_it(tmp_path):
     calls = (tmp_path / "srun.calls").read_text()
     assert "-w n4" in calls and "torchpass.checkpoint.restore_gate" in calls and "--restore" not in calls
     at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    # before its srun, the target's tpassd set up the restore: without that token the plugin
+    # starts no root restore agent for the step
+    assert [(n, t, b) for n, t, b in tp.calls if b["op"] == "prepare"] == [
+        ("n4", "tpassd.restore", {"job_id": 42, "rank": 1, "op": "prepare", "kind": "migration", "generation": gen})]
     for r in range(3):
         d.feed(mc.Quiesced(r, gen, at))
     _pump_until(d, lambda: d.state.migration is not None and d.state.migration.phase.value == "rollback")
@@ -670,3 +674,30 @@ def test_the_jobs_output_file_given_at_the_start_is_not_asked_again(tmp_path):
     _open_executors.append(ex)
     argv = ex.restore_argv(ct.Restore("m1", 1, "n4", "/img/r1", "sha"))
     assert argv[argv.index("-o") + 1] == "/home/u/slurm-42.out" and CountingSlurm.asked == 0
+
+
+def test_a_relaunch_from_a_snapshot_is_prepared_on_every_node_before_its_verdict(tmp_path):
+    """Each node of the new host file gets its restore token (tpassd.restore op=prepare, kind snapshot)
+    before the verdict lets srun's exit hook start the step again: its tasks take the token at launch."""
+    seen: list[tuple[str, bool]] = []
+    verdict = layout.relaunch_file(tmp_path, 42)
+
+    class Tp(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            seen.append((node, verdict.exists()))
+            return super().request(node, type_, body, timeout_s)
+
+    tp = Tp(fail_dump=False)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    ex.slurm = None
+    layout.hostfile(tmp_path, 42).parent.mkdir(parents=True, exist_ok=True)
+    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
+    ex.perform(ct.Relaunch(1, (("n2", "n4"),), 0, "s1"), d.state)
+    end = time.monotonic() + 5
+    while not verdict.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert "snapshot=s1" in verdict.read_text()
+    assert sorted(seen) == [("n1", False), ("n3", False), ("n4", False)]
+    assert {(t, b["op"], b["kind"], b["snapshot"]) for _, t, b in tp.calls} == {
+        ("tpassd.restore", "prepare", "snapshot", "s1")}

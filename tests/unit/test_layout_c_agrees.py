@@ -46,3 +46,17 @@ def test_the_checks_see_a_spelled_name():
     """The literal scan finds a layout name inside a path and ignores comments."""
     assert string_literals('/* "jobs" */ x = "%s/jobs/%u";') == ["%s/jobs/%u"]
     assert "jobs" in "%s/jobs/%u".split("/")
+
+
+def test_the_restore_token_names_and_lifetime_agree():
+    """The plugin (token.c) and tpassd (torchpass.checkpoint.restore_token) meet in one directory."""
+    names = c_layout()
+    assert names["RESTORE_TOKENS"] == layout.RESTORE_TOKENS and names["TOKEN_SUFFIX"] == layout.TOKEN_SUFFIX
+    ttl = re.search(r"^#define\s+TPASS_RESTORE_TOKEN_TTL_S\s+(\d+)\s*$", (SPANK_DIR / "layout.h").read_text(), re.M)
+    assert ttl and int(ttl.group(1)) == layout.RESTORE_TOKEN_TTL_S
+    token_c = (SPANK_DIR / "token.c").read_text()
+    for kind in layout.TOKEN_KINDS:
+        assert f'"{kind}"' in token_c or kind == layout.STOPPED, kind
+    assert layout.restore_token("/t", "n", 7, "migration", rank=2).name == "job7.rank2.token"
+    assert '"job%u.rank%u" TPASS_LAYOUT_TOKEN_SUFFIX' in token_c
+    assert '"job%u.%s.step%u" TPASS_LAYOUT_TOKEN_SUFFIX' in token_c

@@ -244,7 +244,7 @@ def test_the_result_never_follows_a_planted_symlink(tmp_path):
 
 
 def test_the_agent_refuses_to_run_for_a_task_that_is_not_its_parent(tmp_path, capsys):
-    assert ra.main(JOB, RANK, os.getpid(), os.getuid(), str(tmp_path)) == 2
+    assert ra.main(JOB, RANK, os.getpid(), os.getuid(), str(tmp_path), 0) == 2
     assert "parent is not the task" in capsys.readouterr().err
 
 
@@ -263,3 +263,25 @@ def test_a_request_with_a_second_link_is_refused_on_the_descriptor_read(tmp_path
             ra.wait_request(str(tmp_path), JOB, RANK, user.pw_uid, pidfd)
     finally:
         os.close(pidfd)
+
+
+def test_the_agent_restores_only_the_images_its_token_names():
+    """The plugin passes what the token names (--generation G or --snapshot ID): a request for any
+    other images, however valid, is refused before anything is read."""
+    dump = str(layout.images_dir("/snap", JOB, RANK, 3))
+    part = str(layout.snapshot_images_dir("/snap", JOB, "s1", RANK))
+    ra.allowed_images(dump, JOB, RANK, 3, None)
+    ra.allowed_images(part, JOB, RANK, None, "s1")
+    for images, gen, snap in [(str(layout.images_dir("/snap", JOB, RANK, 2)), 3, None),  # another generation
+                              (part, 3, None),  # a snapshot for a migration's token
+                              (dump, None, "s1"),  # a dump for a snapshot's token
+                              (str(layout.snapshot_images_dir("/snap", JOB, "s2", RANK)), None, "s1"),
+                              (str(layout.images_dir("/snap", JOB, RANK + 1, 3)), 3, None),
+                              ("relative/rank0.gen3", 3, None)]:
+        with pytest.raises(ra.Refused):
+            ra.allowed_images(images, JOB, RANK, gen, snap)
+
+
+def test_the_agent_needs_the_images_its_token_names(tmp_path, capsys):
+    assert ra.main(JOB, RANK, os.getppid(), os.getuid(), str(tmp_path)) == 2
+    assert "one of --generation --snapshot" in capsys.readouterr().err

@@ -7,12 +7,18 @@ status lost. So the SPANK plugin, in the restore step's
 ``task_init_privileged`` (the coordinator's restore ``srun`` carries
 ``TORCHPASS_RESTORE_RANK=R``), makes the task a child subreaper and forks
 this agent as root: ``tpass-rankwrap --root-agent --job J --rank R
---task-pid TASK --uid UID --jobs-state-dir STATE_DIR`` with a clean
-environment and no fd above 2. UID (S_JOB_UID) and STATE_DIR come from
-Slurm and plugstack.conf; J is the step's job (S_JOB_ID), or the rank's job
-named by ``TORCHPASS_RESTORE_JOB`` when the step runs in a companion
-allocation: that one the user chooses, so the snapshot must also be of a job
-of UID's (below).
+--task-pid TASK --uid UID --jobs-state-dir STATE_DIR (--generation G |
+--snapshot ID)`` with a clean environment and no fd above 2 -- but only
+after it took the restore token that tpassd wrote on this node for exactly
+this restore (torchpass.checkpoint.restore_token, slurm_spank/token.h):
+the token names J, R, UID, the step's job and the images (G, the dump's
+generation, for a migration; ID, the whole-job snapshot, for a relaunch or a
+stopped job), and the agent refuses a request for any other images
+(``allowed_images``). UID (S_JOB_UID) and STATE_DIR come from Slurm and
+plugstack.conf; J is the step's job (S_JOB_ID), or the rank's job named by
+``TORCHPASS_RESTORE_JOB`` when the step runs in a companion allocation
+(its token names both jobs; the snapshot must also be of a job of UID's,
+below).
 
 The user-side restore wrapper (``rankwrap.restore_via_agent``, the task)
 writes ``rank{R}.restore-req.{AGENTPID}`` into the job's rank directory:
@@ -173,6 +179,23 @@ def check_images(images: Any, job: int, rank: int, uid: int) -> tuple[Path, dict
     return path, manifest
 
 
+def allowed_images(images: Any, job: int, rank: int, generation: int | None, snapshot: str | None) -> None:
+    """Refused unless ``images`` are the ones the plugin's token allows: rank ``rank`` of job ``job``'s
+    dump of ``generation`` (a migration), or its part of whole-job snapshot ``snapshot``."""
+    if not isinstance(images, str) or not os.path.isabs(images):
+        raise Refused(f"restore request: images {images!r} is not an absolute path; refused")
+    if generation is not None:
+        parsed = layout.parse_images_dir(images, job, rank)
+        if parsed is None or parsed[1] != generation:
+            raise Refused(f"{images} is not the dump of generation {generation} of rank {rank} of job {job}, "
+                          "the only images this restore step was set up for; refused")
+        return
+    whole = layout.parse_snapshot_images_dir(images, job, rank)
+    if whole is None or whole[1] != snapshot:
+        raise Refused(f"{images} is not rank {rank}'s part of snapshot {snapshot} of job {job}, the only images "
+                      "this step was set up to restore; refused")
+
+
 def task_pipes(task_pidfd: int, fds: Any, meta: dict[str, Any]) -> dict[int, str]:
     """Our fds on the task's pipes, for ``--inherit-fd`` (only where the manifest had a pipe).
 
@@ -266,9 +289,12 @@ def write_result(dfd: int, rank: int, uid: int, out: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def main(job: int | None, rank: int | None, task: int | None, uid: int | None, state_dir: str | None) -> int:
-    if None in (job, rank, task, uid, state_dir) or not os.path.isabs(state_dir or ""):
-        sys.stderr.write("torchpass: restore agent: needs --job --rank --task-pid --uid --jobs-state-dir\n")
+def main(job: int | None, rank: int | None, task: int | None, uid: int | None, state_dir: str | None,
+         generation: int | None = None, snapshot: str | None = None) -> int:
+    if None in (job, rank, task, uid, state_dir) or not os.path.isabs(state_dir or "") \
+            or (generation is None) == (snapshot is None):
+        sys.stderr.write("torchpass: restore agent: needs --job --rank --task-pid --uid --jobs-state-dir and one "
+                         "of --generation --snapshot\n")
         return 2
     if os.getppid() != task:
         sys.stderr.write(f"torchpass: restore agent: my parent is not the task {task}; exiting\n")
@@ -288,6 +314,7 @@ def main(job: int | None, rank: int | None, task: int | None, uid: int | None, s
             return 0  # the step ended at its gate: nothing to restore
         dfd, req = got
         try:
+            allowed_images(req.get("images"), job, rank, generation, snapshot)
             out = restore(task, req, job, rank, uid, pidfd)
             audit(**fields, pid=out["pid"], images=out["images"], outcome="ok")
         except (Refused, TorchpassError, OSError) as exc:

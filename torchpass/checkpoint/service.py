@@ -52,7 +52,7 @@ import structlog
 
 from torchpass import auth, layout, slurm, wire
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint import procs, safeio
+from torchpass.checkpoint import procs, restore_token, safeio
 from torchpass.checkpoint.cuda import CudaCheckpoint
 from torchpass.checkpoint.manifest import checksum_of, read_manifest_bytes
 from torchpass.errors import CheckpointError, RemoteError, TorchpassError
@@ -171,7 +171,8 @@ class CheckpointService:
                  gpu_in_use: Callable[[int], bool] | None = None, cuda_loader: Callable[[], Any] | None = None,
                  dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S,
                  image_estimate: Callable[[int], int] = criu_mod.image_estimate, keep_free_bytes: int = 0,
-                 wall: Callable[[], float] = time.time, owner_gid: Callable[[int], int] | None = None):
+                 wall: Callable[[], float] = time.time, owner_gid: Callable[[int], int] | None = None,
+                 restore_tokens: str | os.PathLike = layout.RESTORE_TOKENS, token_owner: int = 0):
         self.snapshot_dir = Path(snapshot_dir)
         # The job state directory (STATE_DIR, whose jobs/J/ranks is the job's rank
         # directory): the only place tpassd looks for rank records.
@@ -207,6 +208,9 @@ class CheckpointService:
         # The kill-fail drill: True once when armed; the next op=kill is refused.
         self.kill_fault = kill_fault or (lambda: False)
         self._discarding: list[threading.Thread] = []  # image removals running after their reply (_discard)
+        # Restore tokens (op=prepare): TOKENS/NODE, root's 0700 (token_owner: tests run unprivileged).
+        self.restore_tokens = Path(restore_tokens)
+        self.token_owner = token_owner
 
     # -- authorization ---------------------------------------------------------
     def owner_of(self, job_id: int) -> int:
@@ -944,6 +948,10 @@ class CheckpointService:
 
     def _restore(self, b: dict[str, Any], act: Audit) -> dict[str, Any]:
         job_id, rank, op = b["job_id"], b["rank"], b["op"]
+        if op == "prepare":
+            return self._prepare(b, act)
+        if op in ("verify", "abort") and not isinstance(b.get("images"), str):
+            raise RemoteError("bad_request", f"op {op} of tpassd.restore needs images (a path)")
         if op == "verify":
             images, dfd = self._open_images(job_id, rank, b["images"])
             try:
@@ -956,7 +964,62 @@ class CheckpointService:
                 raise RemoteError("forbidden", f"{b['images']} is not a snapshot directory of rank {rank} of job "
                                                f"{job_id}; refused")
             return self._abort_restored(job_id, rank, b["images"], act)
-        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort")
+        raise RemoteError("bad_request", f"unknown op {op!r} for tpassd.restore; allowed: verify, abort, prepare")
+
+    @staticmethod
+    def _count(b: dict[str, Any], key: str, required: bool) -> int | None:
+        v = b.get(key)
+        if v is None and not required:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2 ** 32 - 1:
+            raise RemoteError("bad_request", f"op prepare: {key} must be a non-negative integer, got {v!r}")
+        return v
+
+    def _prepare(self, b: dict[str, Any], act: Audit) -> dict[str, Any]:
+        """op=prepare: write the token that lets the SPANK plugin on this node start the root restore
+        agent for one restore (torchpass.checkpoint.restore_token). The requester owns the job (or is
+        root: _audited asked Slurm); a companion allocation the step runs in has the same owner; a
+        snapshot restore names a committed snapshot of the job (its manifest root's, of that owner)."""
+        job_id, rank, kind = b["job_id"], b["rank"], b.get("kind")
+        if kind not in layout.TOKEN_KINDS:
+            raise RemoteError("bad_request", f"op prepare: kind {kind!r} is not one of {', '.join(layout.TOKEN_KINDS)}")
+        act.fields["kind"] = kind
+        owner = act.owner if act.owner is not None else self.owner_of(job_id)
+        alloc = self._count(b, "alloc", False)
+        alloc = job_id if alloc is None else alloc
+        if alloc != job_id and self.owner_of(alloc) != owner:
+            raise RemoteError("forbidden", f"job {alloc} is not of job {job_id}'s owner (uid {owner}); no restore "
+                                           f"of job {job_id} runs in it")
+        step = self._count(b, "step", False)
+        generation, snap = None, None
+        if kind == "migration":
+            generation = self._count(b, "generation", True)
+            act.fields["generation"] = generation
+        else:
+            snap = b.get("snapshot")
+            if not isinstance(snap, str) or not layout.valid_snapshot_id(snap):
+                raise RemoteError("bad_request", f"op prepare: a {kind} restore needs a snapshot id, got {snap!r}")
+            act.fields["snapshot"] = snap
+            dfd = self._manifests_dir(job_id)
+            if dfd is None:
+                raise RemoteError("not_found", f"job {job_id} has no snapshots; nothing to restore")
+            try:
+                found = {m["snapshot"]: m for m in read_job_manifests(dfd, job_id)}
+            finally:
+                os.close(dfd)
+            if snap not in found:
+                raise RemoteError("not_found", f"job {job_id} has no committed snapshot {snap}; nothing to restore")
+            if found[snap].get("uid") != owner:
+                raise RemoteError("forbidden", f"snapshot {snap} of job {job_id} is of uid {found[snap].get('uid')}, "
+                                               f"not of the job's owner (uid {owner}); refused")
+        try:
+            path = restore_token.write_token(self.restore_tokens, self.node, kind=kind, job=job_id, alloc=alloc,
+                                             uid=owner, rank=rank, generation=generation, snapshot=snap,
+                                             step=step if kind == "stopped" else None, now=self.wall(),
+                                             owner=self.token_owner)
+        except (OSError, ValueError) as exc:
+            raise RemoteError("failed", f"{self.node} cannot write the restore token: {exc}") from None
+        return {"node": self.node, "kind": kind, "token": path.name, "ttl_s": layout.RESTORE_TOKEN_TTL_S}
 
     def _verify(self, job_id: int, rank: int, images: Path, dfd: int, want: str | None) -> dict[str, Any]:
         manifest, files = self._check_images(job_id, rank, images, dfd, want)

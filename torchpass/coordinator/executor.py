@@ -31,7 +31,11 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   (paused, holding) so that any later failure resumes it in place.
 * Transfer: ``tpassd.restore`` op verify on the target's tpassd (the image is
   on a shared filesystem: the target checks its manifest and checksum).
-* Restore: ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
+* Restore: first ``tpassd.restore`` op prepare (kind migration, the rank and the
+  dump's generation) to the target's tpassd, which writes the restore token
+  without which the SPANK plugin starts no root restore agent for the step
+  (torchpass.checkpoint.restore_token); then
+  ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
   <job output> --open-mode=append <python> -m torchpass.checkpoint.rankwrap
   --restore IMAGES`` (``torchpass.slurm.overlap_step_argv``), from the batch
   host; done when the restore wrapper has recorded the restored rank. The
@@ -66,7 +70,9 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   job's steps with a task on a lost node; then those steps are cancelled
   (``scancel J.S``: Slurm would end them only when it marks the node DOWN).
   srun's exit hook (the SPANK plugin) reads the verdict: the user's srun of a
-  listed step execs itself again. RelaunchPossible writes the same file with
+  listed step execs itself again. A relaunch from a whole-job snapshot is
+  first prepared (``tpassd.restore`` op prepare, kind snapshot) on every node
+  of the new host file, before the verdict is written. RelaunchPossible writes the same file with
   ``pending=1`` while a silent node may lead to a relaunch, so that a srun that
   ends meanwhile waits for the verdict.
 * Shrink and every other Slurm query or update: the torchpass.slurm
@@ -139,6 +145,10 @@ REQUEUE_RECORD_WAIT_S = 5.0
 # refuses steps ("Memory required by task is not available") until the job's nodes have registered
 # again, a few seconds: the restore step is launched again for up to this long, with backoff.
 STEP_NOT_CREATED = "Unable to create step for job"
+# A restore's prepare (tpassd.restore op=prepare: a token written on the target) is one request
+# that checks the job's owner with slurmctld; a tpassd that does not answer in this time fails
+# the restore (its step then fails at launch with the plugin's line why).
+PREPARE_TIMEOUT_S = 5.0
 STEP_CREATE_RETRY_S = 30.0
 
 
@@ -594,7 +604,7 @@ class Executor:
 
             def prelaunch() -> None:
                 for task in tasks:
-                    self._prelaunch(a.migration, task, target, st)
+                    self._prelaunch(a.migration, task, target, st, a.generation)
 
             if self.defer_prelaunch:
                 self._deferred.append(prelaunch)
@@ -681,9 +691,50 @@ class Executor:
     def gate_file(self, migration: str, rank: int) -> Path:
         return layout.restore_go_file(self.state_dir, self.job_id, migration, rank)
 
-    def _spawn_restore(self, a: ct.Restore, st: CoordState, gate: Path | None = None) -> subprocess.Popen:
+    def prepare(self, node: str, kind: str, *, rank: int = 0, timeout_s: float = PREPARE_TIMEOUT_S,
+                **fields: Any) -> str | None:
+        """Ask ``node``'s tpassd to set up one restore (``tpassd.restore`` op=prepare: it checks the
+        request and writes the restore token the SPANK plugin needs before it starts its root restore
+        agent). None when done, else why not (logged; the step then fails with the plugin's line)."""
+        if self.tpassd is None:
+            return "no tpassd client"
+        body = {"job_id": self.job_id, "rank": rank, "op": "prepare", "kind": kind,
+                **{k: v for k, v in fields.items() if v is not None}}
+        try:
+            self.tpassd.request(node, "tpassd.restore", body, timeout_s)
+        except TorchpassError as exc:
+            log.warning("cannot set up the restore on its node", node=node, kind=kind, rank=rank, error=str(exc))
+            return str(exc)
+        return None
+
+    def prepare_all(self, nodes: Collection[str], kind: str, **fields: Any) -> dict[str, str]:
+        """``prepare`` on each of ``nodes`` at once; node -> why it failed, for those that did."""
+        out: dict[str, str] = {}
+        lock = threading.Lock()
+
+        def one(node: str) -> None:
+            why = self.prepare(node, kind, **fields)
+            if why is not None:
+                with lock:
+                    out[node] = why
+
+        threads = [threading.Thread(target=one, args=(n,), name=f"prepare-{n}", daemon=True) for n in sorted(nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    def _spawn_restore(self, a: ct.Restore, st: CoordState, gate: Path | None = None,
+                       generation: int | None = None) -> subprocess.Popen:
         sp = st.spare(a.target)
-        argv = self.restore_argv(a, sp.allocation if sp is not None and sp.how == SpareHow.COMPANION else None, gate)
+        alloc = sp.allocation if sp is not None and sp.how == SpareHow.COMPANION else None
+        if generation is None:  # a restore step started with its images: their generation
+            parsed = layout.parse_images_dir(a.image, self.job_id, a.rank) if a.image else None
+            generation = parsed[1] if parsed is not None else None
+        # The token first: the step's plugin takes it at launch, before a gated step waits.
+        self.prepare(a.target, "migration", rank=a.rank, generation=generation, alloc=alloc)
+        argv = self.restore_argv(a, alloc, gate)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
                or k == "SLURM_CONF"}
         # The plugin starts its root restore agent for this step (torchpass.checkpoint.restore_agent).
@@ -695,7 +746,7 @@ class Executor:
         log.info("restore step launched", rank=a.rank, target=a.target, argv=argv, gated=gate is not None)
         return proc
 
-    def _prelaunch(self, migration: str, rank: int, target: str, st: CoordState) -> None:
+    def _prelaunch(self, migration: str, rank: int, target: str, st: CoordState, generation: int) -> None:
         """Start ``rank``'s restore step on ``target`` now; it waits at its gate for the images."""
         gates = self.move(migration).gates
         old = gates.get(rank)
@@ -709,7 +760,7 @@ class Executor:
             go.unlink()
         except FileNotFoundError:
             pass
-        proc = self._spawn_restore(ct.Restore(migration, rank, target, "", ""), st, gate=go)
+        proc = self._spawn_restore(ct.Restore(migration, rank, target, "", ""), st, gate=go, generation=generation)
         gates[rank] = Gate(target, proc, go, time.monotonic())
 
     def _stop_gate(self, gate: Gate) -> None:
@@ -1183,7 +1234,15 @@ class Executor:
             except TorchpassError as exc:
                 log.warning("cannot list the job's steps; any srun that ends is started again",
                             job_id=self.job_id, error=str(exc))
-            write_atomically(path, "".join(f"{swap.get(h, h)}\n" for h in lines))
+            hosts = [swap.get(h, h) for h in lines]
+            write_atomically(path, "".join(f"{h}\n" for h in hosts))
+            if a.snapshot:
+                # Each node the relaunched step may use gets its token before the verdict lets the
+                # srun start again: without one its tasks fail rather than restore.
+                failed = self.prepare_all(set(hosts), "snapshot", snapshot=a.snapshot)
+                if failed:
+                    log.warning("the relaunch from the snapshot is not set up on every node; the step's tasks "
+                                "there fail", snapshot=a.snapshot, failed=failed)
             self._write_relaunch(False, ",".join(swap), (a.count, ended, a.snapshot))
             for step in ended or ():
                 try:

@@ -87,9 +87,10 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
-def _resumed(job: JobState, state_dir, log):
+def _resumed(job: JobState, state_dir, log, marker: dict | None = None):
     """A job stopped with `tpassctl snapshot --stop` and now resumed: the decision state its
-    coordinator starts from (decide.resumed_from_stop), the earlier run's events kept; else None."""
+    coordinator starts from (decide.resumed_from_stop), the earlier run's events kept; else None.
+    ``marker``: filled in with the stop marker's fields."""
     try:
         stopped = read_stopped(state_dir, job.job_id)
     except TorchpassError as exc:
@@ -97,6 +98,8 @@ def _resumed(job: JobState, state_dir, log):
         return None
     if stopped is None:
         return None
+    if marker is not None:
+        marker.update(stopped)
     try:
         job.carry_on(json.loads(layout.events_json(state_dir, job.job_id).read_text()))
     except (OSError, ValueError):
@@ -159,7 +162,8 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
         health = HealthSubscriber(pubs, snapshot=snapshot, on_change=on_change).start()
     except (OSError, TorchpassError, zmq.ZMQError) as exc:
         log.warning("cannot follow node health; only operator migrations will run", error=str(exc))
-    driver = Driver(job, pol, health=health, spares=hot, initial=_resumed(job, state_dir, log))
+    stopped: dict = {}
+    driver = Driver(job, pol, health=health, spares=hot, initial=_resumed(job, state_dir, log, stopped))
     driver_box.append(driver)
     def follow(node: str) -> None:  # a spare obtained from slurmctld: follow its tpassd too
         if health is not None:
@@ -167,6 +171,13 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
 
     driver.executor = Executor(job, state_dir=state_dir, post=driver.post, policy=pol, tpassd=tp, slurm=slurm,
                                address_of=address_of, follow=follow, output=info.output if info is not None else "")
+    if stopped:
+        # Before the ready line, hence before the batch script's srun: the restoring step's tasks
+        # take these tokens at launch, and without one they fail rather than start afresh.
+        failed = driver.executor.prepare_all(nodes, "stopped", snapshot=stopped["snapshot"], step=stopped["step"])
+        if failed:
+            log.error("the stopped job's restore is not set up on every node; its step's tasks there fail",
+                      snapshot=stopped["snapshot"], step=stopped["step"], failed=failed)
     log.info("migration driver ready", job_id=job.job_id, nodes=nodes, hot_spares=list(hot), policy=policy_name,
              snapshot_every_s=pol.snapshot_every_s)
     return driver

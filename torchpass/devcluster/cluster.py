@@ -262,6 +262,12 @@ class Devcluster:
         return self.run_dir / "state"
 
     @property
+    def restore_tokens(self) -> Path:
+        """plugstack.conf's restore_tokens= and every tpassd's restore_token_dir: TOKENS/NODE keeps
+        the nodes apart (they share this host's /run), the cluster's name the clusters."""
+        return self.run_dir / "restore-tokens"
+
+    @property
     def snapshot_dir(self) -> Path:
         """Every node's tpassd snapshot_dir: one directory, as docs/admin.md asks of a real cluster
         (a rank of a node lost outright is restored elsewhere from its images)."""
@@ -542,6 +548,8 @@ class Devcluster:
         plug_line = (
             f"optional {plugin} coordinator={bindir / 'tpass-coordinator'} state_dir={self.state_dir}"
             f" runtime_path={runtime} rank_wrapper={bindir / 'tpass-rankwrap'}"
+            # the nodes share this host's /run: the cluster's own restore tokens (per node below it)
+            f" restore_tokens={self.restore_tokens}"
             # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
             " snapshot_every_min=1\n"
         )
@@ -664,6 +672,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         node_dir = rd / node / "tpassd"
         node_dir.mkdir(parents=True, exist_ok=True)
         argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
+                          restore_tokens=self.restore_tokens,
                           snapshot_dir=self.snapshot_dir)
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
