@@ -21,9 +21,11 @@ import re
 import shutil
 import stat
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,10 +179,38 @@ CAP_NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "ki
 SETPRIV = "/usr/bin/setpriv"
 
 
+# criu's capabilities when it acts for an ordinary user's job (``owner_creds``, ``restore_creds``):
+# never CAP_DAC_OVERRIDE or CAP_FOWNER, so it opens no file its owner could not. Measured with CRIU
+# 4.1.1 on Linux 6.18, tpass-init at the root of the tree:
+# - restore: CAP_SYS_ADMIN (the new PID namespace, tpass-init's capability), CAP_CHECKPOINT_RESTORE
+#   (pids, /proc/PID/map_files, the mm map), CAP_SETGID (each process's groups), CAP_SETPCAP (the
+#   bounding sets); CAP_SYS_RESOURCE where the bounding set has it (rlimits above criu's own).
+#   Not CAP_SETUID: with it CRIU's restore children call setuid(0) (cr-restore.c,
+#   prepare_userns_creds, taken whenever criu holds CAP_SETUID) and then reopen the image's files as
+#   uid 0, the owner of every root file, which gives root's access back without any DAC capability
+#   (measured: "Unable to reopen the pipe /proc/self/fd/1", and tty-info.img unreadable, as uid 0).
+#   Every process of the tree runs as the owner's uid, so none needs a setuid to restore.
+# - dump: the same, plus CAP_SYS_PTRACE (tpass-init is not dumpable: "Unable to interrupt task:
+#   Operation not permitted" without it) and CAP_DAC_READ_SEARCH (a non-dumpable process's
+#   /proc/PID/map_files is root's, mode 0500: "Can't open PID/map_files on procfs: Permission
+#   denied" without it). Read and search only, and the dump opens no path of the user's: its files
+#   are read through /proc/PID/fd and map_files, and it makes no link-remap file (no --link-remap).
+# Both run with the tree root's groups: tpass-init's include group root, which reaches its working
+# directory (root:root 0770, CRIU_PROC_DIR says why).
+RESTORE_CAPS = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
+DUMP_CAPS = (*RESTORE_CAPS, "sys_ptrace", "dac_read_search")
+OPTIONAL_CAPS = ("sys_resource",)
+NEVER_CAPS = ("dac_override", "fowner", "setuid")
+# An unlinked file a rank still holds is copied into the image up to this size (CRIU's ghost file,
+# recreated at the restore by the owner's criu in the file's directory); a larger one fails the dump.
+GHOST_LIMIT = 1 << 20
+CRIU_WORK_BASE = "/run/torchpass-criu"
+
+
 @dataclass(frozen=True)
 class Creds:
-    """Who criu runs as for an ordinary user's dump: the user's ids, with every capability this
-    process may hold (its bounding set) as inheritable and ambient ones."""
+    """Who criu runs as for an ordinary user's job: the tree root's ids, with ``caps`` (a minimal
+    list: ``DUMP_CAPS`` or ``RESTORE_CAPS``) as inheritable and ambient capabilities."""
     uid: int
     gid: int
     groups: tuple[int, ...]
@@ -193,25 +223,53 @@ def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
     return {k: v.split() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
 
 
-def owner_creds(pid: int, proc: str = "/proc") -> Creds:
-    """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(as_owner=...)``).
-
-    Why not as root: root may lack CAP_SYS_RESOURCE (this machine's bounding set
-    has it off), and then root's criu cannot read another uid's rlimits ("Can't
-    get rlimit"); with the owner's ids it can, given CAP_SYS_ADMIN, SYS_PTRACE,
-    DAC_OVERRIDE... as ambient capabilities and ``--unprivileged``."""
+def bounded_caps(wanted: Sequence[str], proc: str = "/proc") -> tuple[str, ...]:
+    """``wanted`` and those of OPTIONAL_CAPS that this process's bounding set has; CheckpointError
+    when it lacks one of ``wanted``."""
     try:
-        st, own = _status(pid, proc), _status("self", proc)
-        bnd = int(own["CapBnd"][0], 16)
+        bnd = int(_status("self", proc)["CapBnd"][0], 16)
     except (OSError, KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"cannot read this process's capabilities ({exc})") from None
+    missing = [c for c in wanted if not bnd >> CAP_NAMES.index(c) & 1]
+    if missing:
+        raise CheckpointError(f"criu needs cap_{', cap_'.join(missing)}, which this daemon's bounding set lacks; "
+                              "give it back (systemd CapabilityBoundingSet)")
+    return (*wanted, *(c for c in OPTIONAL_CAPS if bnd >> CAP_NAMES.index(c) & 1))
+
+
+def owner_creds(pid: int, proc: str = "/proc", caps: Sequence[str] = DUMP_CAPS) -> Creds:
+    """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(creds=...)``): the
+    ids of ``pid`` (the tree's root; procs.check_tree_creds checked them) and ``caps``."""
+    try:
+        st = _status(pid, proc)
+    except OSError as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
-    return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]), groups=tuple(int(g) for g in st.get("Groups", [])),
-                 caps=tuple(n for i, n in enumerate(CAP_NAMES) if bnd >> i & 1))
+    try:
+        return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]),
+                     groups=tuple(int(g) for g in st.get("Groups", [])), caps=bounded_caps(caps, proc))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
+
+
+def restore_creds(meta: dict) -> Creds | None:
+    """Who criu restores a snapshot as: the ids its dump ran with (the manifest's ``criu_creds``,
+    written by root), with RESTORE_CAPS; None for a snapshot dumped as root (a root job's)."""
+    rec = meta.get("criu_creds")
+    if not isinstance(rec, dict):
+        return None
+    try:
+        uid, gid, groups = int(rec["uid"]), int(rec["gid"]), tuple(int(g) for g in rec["groups"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("the snapshot's manifest names no usable criu credentials; take a new snapshot") from None
+    if uid == 0:
+        return None
+    return Creds(uid=uid, gid=gid, groups=groups, caps=bounded_caps(RESTORE_CAPS))
 
 
 def as_creds_argv(setpriv_fd: int, creds: Creds) -> list[str]:
     """setpriv (executed from ``setpriv_fd``, opened in this mount namespace) that runs what follows
-    with ``creds``."""
+    with ``creds``: exactly those capabilities (inheritable and ambient; no other survives the
+    change of uid and the exec)."""
     caps = ",".join(f"+{c}" for c in creds.caps)
     groups = ",".join(map(str, creds.groups))
     return [f"/proc/self/fd/{setpriv_fd}", f"--reuid={creds.uid}", f"--regid={creds.gid}",
@@ -256,6 +314,134 @@ def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then:
         os.close(fd)
         if helper is not None:
             os.close(helper)
+
+
+# -- criu as the owner: the directories it works in ------------------------------------------------
+# Images stay in root-only directories (SNAPSHOT_DIR/jobJ and SNAPSHOT_DIR/snapshots/jobJ/ID are
+# 0700 root), which criu running as the owner cannot enter: it gets the image directory as
+# /proc/self/fd/N, a descriptor opened here (the magic link reaches it without a search of its
+# parents; the directory's own mode still applies).
+def _open_dir(path: str | os.PathLike) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _each_image(dfd: int) -> Iterator[int]:
+    """A descriptor of each entry of ``dfd``: regular files of one link only (CheckpointError else)."""
+    for name in os.listdir(dfd):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise CheckpointError(f"image directory holds {name!r}, not a regular file of one link; "
+                                      "take a new snapshot")
+            yield fd
+        finally:
+            os.close(fd)
+
+
+def give_images_to(dfd: int, creds: Creds) -> None:
+    """The (empty, root-only-parented) image directory ``dfd``, the dump's criu's to write: its owner's."""
+    os.fchown(dfd, creds.uid, creds.gid)
+    os.fchmod(dfd, 0o700)
+
+
+def take_images_back(dfd: int) -> None:
+    """The image directory and every file in it root's again, 0700/0600 (after the owner's criu)."""
+    for fd in _each_image(dfd):
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o600)
+    os.fchown(dfd, 0, 0)
+    os.fchmod(dfd, 0o700)
+
+
+def _root_only_parent(d: Path) -> None:
+    st = os.stat(d.parent, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+        raise CheckpointError(f"snapshot {d}: its directory {d.parent} is not root-only (0700 root); "
+                              "not restoring as the job's owner")
+
+
+@contextmanager
+def owner_restore_dirs(d: Path, creds: Creds) -> Iterator[tuple[int, int, Path]]:
+    """(image dir fd, work dir fd, work dir) for a restore by ``creds``' criu: the image files
+    readable (0755/0644) while it runs, reached only through their root-only parent; a fresh
+    work directory of the owner's (log, pidfile) in root-only CRIU_WORK_BASE. Modes go back to
+    0700/0600 and the work directory is removed after."""
+    _root_only_parent(d)
+    parent = _root_owned_dir(os.path.dirname(CRIU_WORK_BASE))
+    if parent is None:
+        raise CheckpointError(f"{os.path.dirname(CRIU_WORK_BASE)} is not a root-owned directory")
+    try:
+        try:
+            os.mkdir(os.path.basename(CRIU_WORK_BASE), 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+    finally:
+        os.close(parent)
+    base = _root_owned_dir(CRIU_WORK_BASE)
+    if base is None:
+        raise CheckpointError(f"{CRIU_WORK_BASE} is not a root-owned directory; remove it")
+    os.fchmod(base, 0o700)
+    os.close(base)
+    work = Path(tempfile.mkdtemp(prefix="restore.", dir=CRIU_WORK_BASE))
+    dfd = wfd = -1
+    try:
+        wfd = _open_dir(work)
+        os.fchown(wfd, creds.uid, creds.gid)
+        dfd = _open_dir(d)
+        for fd in _each_image(dfd):
+            os.fchmod(fd, 0o644)
+        os.fchmod(dfd, 0o755)
+        yield dfd, wfd, work
+    finally:
+        if dfd >= 0:
+            for fd in _each_image(dfd):
+                os.fchmod(fd, 0o600)
+            os.fchmod(dfd, 0o700)
+            os.close(dfd)
+        if wfd >= 0:
+            os.close(wfd)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _copy_out(work: Path, name: str, dest: str | os.PathLike, cap: int = 1 << 20) -> None:
+    """``work``/``name`` (written by the owner's criu) copied to ``dest`` by root, neither followed
+    through a symlink; nothing when it is missing."""
+    try:
+        fd = os.open(work / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        data = os.read(fd, cap) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(out, data)
+    finally:
+        os.close(out)
+
+
+def restored_creds_differ(pid: int, tree: list[dict], proc: str = "/proc") -> str | None:
+    """Whether the restored tree under ``pid`` holds exactly the processes and credentials the dump
+    recorded (``tree``, procs.check_tree_creds); one line naming the first difference, else None."""
+    from torchpass.checkpoint import procs
+
+    want = {r["ns_pid"]: r for r in tree}
+    seen = 0
+    for p in tree_pids(pid, proc):
+        try:
+            got = procs.creds_of(p, proc)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # gone since: nothing of it runs
+        rec = want.get(got["ns_pid"])
+        if rec is None:
+            return f"restored process {p} (pid {got['ns_pid']} in its namespace) was not in the dumped tree"
+        for k in ("uid", "gid", "groups", "caps"):
+            if got[k] != rec[k]:
+                return f"restored process {p} has {k} {got[k]}, dumped with {rec[k]}"
+        seen += 1
+    return None if seen else f"restored tree {pid} is gone"
 
 
 # -- image size and free space -------------------------------------------------------------------
@@ -503,6 +689,37 @@ def dump(
         raise
 
 
+# No --link-remap: CRIU then makes no link in a user's directory for an unlinked file; such a file
+# (up to GHOST_LIMIT) is copied into the image, and recreated at the restore by the owner's criu.
+DUMP_FILES = (f"--ghost-limit={GHOST_LIMIT}",)
+
+
+def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
+    """For a dump as the owner: the tree's credentials checked (procs.check_tree_creds) and
+    recorded in ``info`` with criu's ids, which its restore runs with (``restore_creds``)."""
+    if creds is None:
+        return None
+    from torchpass.checkpoint import procs
+
+    tree = procs.check_tree_creds(pid, creds.uid, init=bool(info.get("init")))
+    info["tree"] = tree
+    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups)}
+    return tree
+
+
+def _owner_tree_after(pid: int, creds: Creds, info: dict, tree: list[dict], d: Path) -> None:
+    """After the dump: the tree is still the one checked (a process that changed its ids or was
+    born during the dump refuses it), and the owner of each file the image reopens is recorded
+    (criu_files: the restore compares them)."""
+    from torchpass.checkpoint import criu_files, procs
+
+    now = procs.check_tree_creds(pid, creds.uid, init=bool(info.get("init")))
+    if sorted(now, key=lambda c: c["ns_pid"]) != sorted(tree, key=lambda c: c["ns_pid"]):
+        raise CheckpointError(f"the tree of pid {pid} changed its processes or credentials during its dump; "
+                              "not dumped (the rank was left running)")
+    info["files"] = criu_files.owners(criu_files.reg_files(d))
+
+
 def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta: dict | None, timeout_s: float,
                net_of: int | None, fds_of: int | None, creds: Creds | None, who: str, space_root: str | os.PathLike,
                estimate: Callable[[int], int]) -> DumpResult:
@@ -521,20 +738,31 @@ def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta:
         info[f"fd{fd}"] = fd_target(fds_of or pid, fd)
     info["cwd"] = cwd_record(pid)
     clear_stale_proc_dir(pid)
+    tree = _owner_tree(pid, creds, info)
     t0 = time.monotonic()
-    with TailHasher(d) as hasher:
-        proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running",
-                               *CGROUPS],
-                        timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
-                        slice_=CRIU_SLICE, creds=creds)
-        t1 = time.monotonic()
-        seconds = t1 - t0
-        if proc.returncode != 0:
-            if _out_of_space(d / "dump.log"):
-                raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
-            raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
-                                  f"{_log_tail(d / 'dump.log')}; the rank was left running")
-        hashed = hasher.finish()
+    dfd = _open_dir(d)
+    try:
+        with TailHasher(d) as hasher:
+            if creds is not None:
+                give_images_to(dfd, creds)
+            proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d) if creds is None else f"/proc/self/fd/{dfd}",
+                                   "-o", "dump.log", "-v2", "--leave-running", *DUMP_FILES, *CGROUPS],
+                            timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
+                            slice_=CRIU_SLICE, creds=creds, pass_fds=(dfd,))
+            if creds is not None:
+                take_images_back(dfd)
+            t1 = time.monotonic()
+            seconds = t1 - t0
+            if proc.returncode != 0:
+                if _out_of_space(d / "dump.log"):
+                    raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
+                raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
+                                      f"{_log_tail(d / 'dump.log')}; the rank was left running")
+            hashed = hasher.finish()
+    finally:
+        os.close(dfd)
+    if tree is not None:
+        _owner_tree_after(pid, creds, info, tree, d)
     info["dump_s"] = round(seconds, 4)
     try:
         manifest = write_manifest(d, info, hashed)
@@ -591,7 +819,9 @@ def restore(
     d = Path(images)
     if verified is None and checked is None:
         verified = verify_manifest(d)
-    recreate_cwd(((verified if verified is not None else checked).get("meta") or {}).get("cwd"))
+    meta = (verified if verified is not None else checked).get("meta") or {}
+    recreate_cwd(meta.get("cwd"))
+    creds = owner_restore_check(d, meta)
     args = ["restore", "-D", str(d), "-d", "--pidfile", str(pidfile), "-o", "restore.log", "-v2", *CGROUPS]
     for fd, key in sorted((inherit or {}).items()):
         args += ["--inherit-fd", f"fd[{fd}]:{key}"]
@@ -608,8 +838,11 @@ def restore(
         hasher = threading.Thread(target=_hash, name="restore-verify", daemon=True)
         hasher.start()
     t0 = time.monotonic()
-    proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
-                    pass_fds=tuple((inherit or {}).keys()))
+    if creds is None:
+        proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
+                        pass_fds=tuple((inherit or {}).keys()))
+    else:
+        proc = run_owner_restore(criu, d, args, pidfile, creds, timeout_s, tuple((inherit or {}).keys()))
     seconds = time.monotonic() - t0
     if hasher is not None:
         hasher.join()
@@ -627,11 +860,48 @@ def restore(
         pid = None
         if corrupt is None:
             raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc})") from None
+    if corrupt is None and creds is not None and (why := restored_creds_differ(pid, meta.get("tree") or [])):
+        corrupt = CheckpointError(f"snapshot {d}: {why}; the restored tree was killed")
     if corrupt is not None:
         if pid is not None:
             _kill_restored(pid)
         raise corrupt
     return pid, seconds
+
+
+def owner_restore_check(d: Path, meta: dict) -> Creds | None:
+    """For a snapshot dumped as its owner: criu's credentials for the restore (``restore_creds``),
+    after each file the image reopens was found as dumped (criu_files.check, walked as the
+    owner); CheckpointError naming the file otherwise. None for a root job's snapshot."""
+    creds = restore_creds(meta)
+    if creds is None:
+        return None
+    from torchpass.checkpoint import criu_files
+
+    bad = criu_files.check(criu_files.reg_files(d), meta.get("files") or {}, creds.uid, creds.gid,
+                           list(creds.groups))
+    if bad:
+        raise CheckpointError(f"snapshot {d} not restored: {bad} (a file the rank held is not the one dumped; "
+                              "put it back as it was, or take a new snapshot)")
+    return creds
+
+
+def run_owner_restore(criu: Criu, d: Path, args: list[str], pidfile: str | os.PathLike, creds: Creds,
+                      timeout_s: float, pass_fds: tuple[int, ...]) -> subprocess.CompletedProcess:
+    """``criu restore ARGS`` as ``creds`` (``owner_restore_dirs``): the image directory and a work
+    directory (log, pidfile) by descriptor; the log is then copied to ``d``/restore.log and the
+    pid to ``pidfile`` by root. Executables are checked by build-id (CRIU's own check)."""
+    with owner_restore_dirs(d, creds) as (dfd, wfd, work):
+        args = list(args)
+        args[args.index("-D") + 1] = f"/proc/self/fd/{dfd}"
+        args[args.index("--pidfile") + 1] = "restored.pid"
+        args += ["-W", f"/proc/self/fd/{wfd}", "--file-validation=buildid"]
+        try:
+            return run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
+                            pass_fds=(*pass_fds, dfd, wfd), creds=creds)
+        finally:
+            _copy_out(work, "restore.log", d / "restore.log")
+            _copy_out(work, "restored.pid", pidfile, cap=64)
 
 
 def _kill_restored(pid: int) -> None:
