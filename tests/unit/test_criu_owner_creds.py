@@ -119,6 +119,7 @@ def userdir(user):  # noqa: F811
     standin = d / "criu"
     standin.write_text("#!/bin/bash\n"
                        f"while IFS= read -r l; do echo \"$l\"; done < /proc/$$/status > {rec}/$$.${{1:-none}}\n"
+                       f"echo \"$*\" > {rec}/$$.${{1:-none}}.argv\n"
                        f"exec {criu.find_criu(None).path} \"$@\"\n")
     standin.chmod(0o755)
     yield d
@@ -185,6 +186,7 @@ def test_criu_dumps_and_restores_as_the_owner_with_the_listed_capabilities_only(
                     assert not eff & _mask(("dac_read_search",)), st["CapEff"]
         # the restored tree: tpass-init with CAP_SYS_ADMIN alone, the rank with nothing; every
         # process's credentials what the dump recorded
+        assert "--file-validation=buildid" in _argv_of(userdir, "restore")
         assert criu.restored_creds_differ(pid, tree) is None
         now = {r["ns_pid"]: r for r in (procs.creds_of(p) for p in criu.tree_pids(pid))}
         assert now == {r["ns_pid"]: r for r in tree}
@@ -302,3 +304,41 @@ def test_a_process_with_capabilities_or_group_root_is_refused(user, userdir, ima
             procs.check_tree_creds(t.init, user.pw_uid + 1, init=True)
     finally:
         t.end()
+
+
+@pytest.mark.parametrize("size", [100, 2 << 20])
+def test_an_unlinked_held_file_is_copied_up_to_the_ghost_limit_and_recreated_by_the_owner(
+        user, userdir, images, init_program, size):  # noqa: F811
+    """No link-remap file is ever made: an unlinked file the rank holds is copied into the image
+    (CRIU's ghost file) up to criu.GHOST_LIMIT and recreated at the restore by the owner's criu;
+    a larger one fails the dump with one line, the rank left running."""
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x" * size)
+    os.chown(held, user.pw_uid, user.pw_gid)
+    c = criu.find_criu(str(userdir / "criu"))
+    t = Tree(init_program, user, userdir, held)
+    try:
+        held.unlink()
+        if size > criu.GHOST_LIMIT:
+            with pytest.raises(CheckpointError, match="criu dump of pid .* failed") as err:
+                _dump(c, t, images)
+            assert "\n" not in str(err.value) and procs.creds_of(t.rank)  # still running
+            return
+        _dump(c, t, images)
+        argv = _argv_of(userdir, "dump")
+        assert f"--ghost-limit={criu.GHOST_LIMIT}" in argv and not any("link-remap" in a for a in argv), argv
+        w = _kill_source(t)
+        pid, _ = criu.restore(c, images, pidfile=images.parent / "restored.pid",
+                              inherit={w: os.readlink(f"/proc/self/fd/{w}")})
+        os.close(w)
+        t.pidfds.append(os.pidfd_open(pid))
+        t.go.touch()
+        assert t.task.stdout.readline() == f"after {held} (deleted)\n".encode()
+        assert not held.exists() and not [p for p in held.parent.iterdir()]  # nothing left behind
+    finally:
+        t.end()
+
+
+def _argv_of(d: Path, verb: str) -> list[str]:
+    """Every argument the stand-in criu got for ``verb``."""
+    return [a for p in (d / "criu.status").glob(f"*.{verb}.argv") for a in p.read_text().split()]

@@ -701,7 +701,9 @@ def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
         return None
     from torchpass.checkpoint import procs
 
-    tree = procs.check_tree_creds(pid, creds.uid, init=bool(info.get("init")))
+    # "init": tpass-init at the root (tpassd says so; else a root that is PID 1 of its namespace)
+    info.setdefault("init", procs.ns_pid(pid) == 1)
+    tree = procs.check_tree_creds(pid, creds.uid, init=bool(info["init"]))
     info["tree"] = tree
     info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups)}
     return tree

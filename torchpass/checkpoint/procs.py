@@ -187,7 +187,7 @@ def check_tree_creds(root: int, owner: int, *, init: bool, proc: str = "/proc") 
     gid; supplementary groups a subset of the root's (Slurm gave them; no process of the user can
     add one), group root (0) for tpass-init alone (``init``: the root is the plugin's tpass-init),
     never an empty list (CRIU restores an empty one as criu's own, group root included). No
-    capability in any set, except tpass-init's CAP_SYS_ADMIN (permitted and effective). So a
+    capability in any set, except tpass-init's CAP_SYS_ADMIN (permitted and effective, its only one). So a
     setuid or setgid program run in the tree, or one that kept another saved id, is never dumped
     (its restore would run it with ids the dump's criu had no right to)."""
     out = []
@@ -211,9 +211,9 @@ def check_tree_creds(root: int, owner: int, *, init: bool, proc: str = "/proc") 
         elif not c["groups"] or not set(c["groups"]) - {0} <= allowed or (0 in c["groups"] and not is_init):
             why = f"holds groups {c['groups'] or 'none'}"
         else:
-            want = {"CapInh": 0, "CapPrm": 1 << CAP_SYS_ADMIN, "CapEff": 1 << CAP_SYS_ADMIN, "CapAmb": 0} \
+            allow = {"CapInh": 0, "CapPrm": 1 << CAP_SYS_ADMIN, "CapEff": 1 << CAP_SYS_ADMIN, "CapAmb": 0} \
                 if is_init else dict.fromkeys(CAP_KINDS, 0)
-            if c["caps"] != want:
+            if any(v & ~allow[k] for k, v in c["caps"].items()):
                 why = "holds capabilities " + " ".join(f"{k}={v:x}" for k, v in c["caps"].items() if v)
         if why:
             raise RemoteError("forbidden", f"process {p} of the tree of pid {root} {why}, not only job owner uid "
