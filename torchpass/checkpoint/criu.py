@@ -668,7 +668,12 @@ def dump(
 
     ``fds_of``: the process whose stdin/stdout/stderr the manifest records
     (the rank, when ``pid`` is its namespace's init, which holds only
-    /dev/null). ``creds``: run criu as that user (``owner_creds``). The
+    /dev/null). ``creds``: run criu as that user (``owner_creds``), after
+    every process of the tree was found to hold the owner's ids alone
+    (procs.check_tree_creds, before the dump and again after); the image
+    directory is the owner's while criu writes it, root's (0700/0600) after,
+    and the manifest records the tree's credentials, criu's ids and the owner
+    of each file the image reopens (for ``restore``). The
     manifest records ``pid``'s cwd too (``cwd_record``), which a restore
     elsewhere makes when missing; a stale ``proc.crtools`` there is removed first.
 
@@ -817,6 +822,12 @@ def restore(
     child subreaper (PR_SET_CHILD_SUBREAPER) to become the restored tree's
     parent and ``waitpid`` it: without ``-d`` criu's exit status says nothing
     about the restored tree.
+
+    A snapshot dumped as an ordinary user (its manifest's ``criu_creds``) is
+    restored by criu with those ids and RESTORE_CAPS alone, after each file
+    the image reopens was walked as the owner (``owner_restore_check``); the
+    restored tree's credentials must then equal the dump's record, else it
+    is killed (``restored_creds_differ``).
     """
     d = Path(images)
     if verified is None and checked is None:
