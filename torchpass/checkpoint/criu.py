@@ -699,6 +699,17 @@ def dump(
 DUMP_FILES = (f"--ghost-limit={GHOST_LIMIT}",)
 
 
+def _big_ghost(log: Path) -> str | None:
+    """The deleted file CRIU's log says was over --ghost-limit ("Can't dump ghost file PATH of N size")."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"Can't dump ghost file (.*) of (\d+) size", text)
+    return f"{m.group(1)}, {m.group(2)} bytes" if m else None
+
+
 def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
     """For a dump as the owner: the tree's credentials checked (procs.check_tree_creds) and
     recorded in ``info`` with criu's ids, which its restore runs with (``restore_creds``)."""
@@ -763,6 +774,10 @@ def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta:
             if proc.returncode != 0:
                 if _out_of_space(d / "dump.log"):
                     raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
+                if big := _big_ghost(d / "dump.log"):
+                    raise CheckpointError(f"{who} holds an unlinked file larger than {GHOST_LIMIT >> 20} MiB ({big}): "
+                                          "CRIU copies a deleted open file into the image up to that size only; "
+                                          "close it before a move or snapshot (the rank was left running)")
                 raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
                                       f"{_log_tail(d / 'dump.log')}; the rank was left running")
             hashed = hasher.finish()
