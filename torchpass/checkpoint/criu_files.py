@@ -16,6 +16,11 @@ on every other node.
 The image is root's (written by tpassd, its digests in the manifest), so its
 contents are trusted here; the decoder is still bounded and refuses what it
 cannot parse.
+
+What the walk does not close: it checks before criu opens. A user who swaps a
+path for a symlink in between reaches only what the owner's ids plus group
+root can open (criu's credentials: no DAC capability), and only a file of the
+dumped size and mode (CRIU's own check), e.g. a root-group file of mode 0660.
 """
 
 from __future__ import annotations
