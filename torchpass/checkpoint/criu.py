@@ -195,8 +195,9 @@ SETPRIV = "/usr/bin/setpriv"
 #   /proc/PID/map_files is root's, mode 0500: "Can't open PID/map_files on procfs: Permission
 #   denied" without it). Read and search only, and the dump opens no path of the user's: its files
 #   are read through /proc/PID/fd and map_files, and it makes no link-remap file (no --link-remap).
-# Both run with the tree root's groups: tpass-init's include group root, which reaches its working
-# directory (root:root 0770, CRIU_PROC_DIR says why).
+# The restore runs with the tree root's groups: tpass-init's include group root, which reaches its
+# working directory (root:root 0770, CRIU_PROC_DIR says why), reopened by path. The dump does not
+# need it (measured: it reads that directory through /proc/PID/cwd), and runs without group root.
 RESTORE_CAPS = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
 DUMP_CAPS = (*RESTORE_CAPS, "sys_ptrace", "dac_read_search")
 OPTIONAL_CAPS = ("sys_resource",)
@@ -239,21 +240,22 @@ def bounded_caps(wanted: Sequence[str], proc: str = "/proc") -> tuple[str, ...]:
 
 def owner_creds(pid: int, proc: str = "/proc", caps: Sequence[str] = DUMP_CAPS) -> Creds:
     """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(creds=...)``): the
-    ids of ``pid`` (the tree's root; procs.check_tree_creds checked them) and ``caps``."""
+    ids of ``pid`` (the tree's root; procs.check_tree_creds checks them) but group root, and ``caps``."""
     try:
         st = _status(pid, proc)
     except OSError as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
     try:
         return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]),
-                     groups=tuple(int(g) for g in st.get("Groups", [])), caps=bounded_caps(caps, proc))
+                     groups=tuple(int(g) for g in st.get("Groups", []) if g != "0"), caps=bounded_caps(caps, proc))
     except (KeyError, IndexError, ValueError) as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
 
 
 def restore_creds(meta: dict) -> Creds | None:
-    """Who criu restores a snapshot as: the ids its dump ran with (the manifest's ``criu_creds``,
-    written by root), with RESTORE_CAPS; None for a snapshot dumped as root (a root job's)."""
+    """Who criu restores a snapshot as: the dumped tree root's ids (the manifest's ``criu_creds``,
+    written by root; tpass-init's groups include group root), with RESTORE_CAPS; None for a
+    snapshot dumped as root (a root job's)."""
     rec = meta.get("criu_creds")
     if not isinstance(rec, dict):
         return None
@@ -721,7 +723,7 @@ def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
     info.setdefault("init", procs.ns_pid(pid) == 1)
     tree = procs.check_tree_creds(pid, creds.uid, init=bool(info["init"]))
     info["tree"] = tree
-    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": list(creds.groups)}
+    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": tree[0]["groups"]}  # the root's, for the restore
     return tree
 
 

@@ -39,8 +39,8 @@ then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` with a
 timeout (``criu.RESTORE_TIMEOUT_S``), as the job's owner with criu.RESTORE_CAPS
 (never DAC_OVERRIDE, DAC_READ_SEARCH or FOWNER), after every file the image
 reopens was walked as the owner and found as dumped (criu_files); the
-manifest must name the owner's ids as the dump's criu's (``criu_creds``). The restored tree keeps the
-credentials in its image (the user's uid, gids and groups; tpass-init's
+manifest must name the owner's ids for it (``criu_creds``). The restored
+tree keeps the credentials in its image (the user's uid, gids and groups; tpass-init's
 CAP_SYS_ADMIN, the rank none), is reparented to the task (the subreaper),
 hence stays in the restore step, and its exit status reaches Slurm through
 the task. The result ``rank{R}.restore-res.{AGENTPID}`` (``{"pid", "rank_pid",
