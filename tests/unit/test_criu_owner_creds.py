@@ -27,7 +27,7 @@ import pytest
 
 from torchpass.checkpoint import criu, procs
 from torchpass.errors import CheckpointError, RemoteError
-from test_privilege_boundary import user  # noqa: F401
+from test_privilege_boundary import _dump as _svc_dump, _record, _refused, _service, user  # noqa: F401
 from test_tpass_init import init_program  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root dumps and restores a user's tree here")
@@ -276,7 +276,8 @@ def test_a_held_file_changed_since_the_dump_refuses_the_restore_naming_it(
         t.end()
 
 
-def test_a_tree_with_a_setgid_process_is_refused_before_criu_runs(user, userdir, images, init_program):  # noqa: F811
+def test_a_tree_with_a_setgid_process_is_refused_before_criu_runs(user, userdir, images, init_program,  # noqa: F811
+                                                                   tmp_path):
     """The rank runs a root-owned setgid program (its effective and saved gid become root's)."""
     prog = userdir / "sgid-sleep"
     shutil.copy("/usr/bin/sleep", prog)
@@ -293,6 +294,12 @@ def test_a_tree_with_a_setgid_process_is_refused_before_criu_runs(user, userdir,
         while Path(f"/proc/{kid}/status").read_text().split("Gid:")[1].split()[1] != "0":  # until the exec
             assert time.monotonic() < end
             time.sleep(0.01)
+        # through a tpassd request (tpassd.snapshot op=dump), the way a user reaches a dump
+        _record(tmp_path, {"pid": t.init, "rank_pid": t.rank, "wrapper_pid": t.task.pid})
+        svc = _service(tmp_path, lambda: {t.task.pid, t.init, t.rank, kid}, owner=user.pw_uid,
+                       criu_binary=str(userdir / "criu"))
+        _refused(lambda: _svc_dump(svc), f"process {kid} of the tree of pid {t.init} runs as gid "
+                                         f"{user.pw_gid}/0/0/0, not {user.pw_gid}")
         with pytest.raises(RemoteError, match=f"process {kid} of the tree of pid {t.init} runs as gid"):
             _dump(c, t, images)
         assert not _statuses(userdir, "dump"), "criu ran"
