@@ -272,6 +272,8 @@ def as_creds_argv(setpriv_fd: int, creds: Creds) -> list[str]:
     """setpriv (executed from ``setpriv_fd``, opened in this mount namespace) that runs what follows
     with ``creds``: exactly those capabilities (inheritable and ambient; no other survives the
     change of uid and the exec)."""
+    if set(creds.caps) & set(NEVER_CAPS):
+        raise CheckpointError(f"criu must not run with cap_{', cap_'.join(set(creds.caps) & set(NEVER_CAPS))}")
     caps = ",".join(f"+{c}" for c in creds.caps)
     groups = ",".join(map(str, creds.groups))
     return [f"/proc/self/fd/{setpriv_fd}", f"--reuid={creds.uid}", f"--regid={creds.gid}",
@@ -728,15 +730,19 @@ def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
 
 
 def _owner_tree_after(pid: int, creds: Creds, info: dict, tree: list[dict], d: Path) -> None:
-    """After the dump: the tree is still the one checked (a process that changed its ids or was
-    born during the dump refuses it), and the owner of each file the image reopens is recorded
-    (criu_files: the restore compares them)."""
+    """After the dump: every process of the image was checked before it, and none has other
+    credentials now (one that exited since is fine: it is not restored, or gone from the image);
+    the owner of each file the image reopens is recorded (criu_files: the restore compares them)."""
     from torchpass.checkpoint import criu_files, procs
 
+    checked = {c["ns_pid"]: c for c in tree}
     now = procs.check_tree_creds(pid, creds.uid, init=bool(info.get("init")))
-    if sorted(now, key=lambda c: c["ns_pid"]) != sorted(tree, key=lambda c: c["ns_pid"]):
-        raise CheckpointError(f"the tree of pid {pid} changed its processes or credentials during its dump; "
-                              "not dumped (the rank was left running)")
+    changed = [c["ns_pid"] for c in now if c["ns_pid"] in checked and c != checked[c["ns_pid"]]]
+    unchecked = sorted(set(criu_files.image_pids(d)) - set(checked))
+    if changed or unchecked:
+        raise CheckpointError(f"the tree of pid {pid} changed during its dump (pids {changed or unchecked} in its "
+                              "namespace: new credentials, or born after the check); not dumped, the rank was left "
+                              "running")
     info["files"] = criu_files.owners(criu_files.reg_files(d))
 
 

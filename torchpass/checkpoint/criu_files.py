@@ -36,6 +36,7 @@ from torchpass.errors import CheckpointError
 IMG_COMMON_MAGIC = 0x54564319
 FILES_MAGIC = 0x56303138
 REMAP_FPATH_MAGIC = 0x59133954
+PSTREE_MAGIC = 0x50273030
 FD_TYPE_REG = 1
 MAX_IMAGE_BYTES = 64 << 20
 # Where tpass-init's working directory lies (criu.TPASS_INIT_BASE): root's, made by recreate_cwd.
@@ -121,6 +122,16 @@ def reg_files(images: str | os.PathLike) -> list[dict]:
     except (OSError, ValueError, struct.error) as exc:
         raise CheckpointError(f"snapshot {d}: cannot read the files CRIU reopens from files.img ({exc}); "
                               "take a new snapshot") from None
+
+
+def image_pids(images: str | os.PathLike) -> list[int]:
+    """The pid of every process in ``images``/pstree.img, as its PID namespace numbers it."""
+    d = Path(images)
+    try:
+        return [v for e in _entries(d / "pstree.img", PSTREE_MAGIC) for n, v in _fields(e) if n == 1
+                and isinstance(v, int)]
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"snapshot {d}: cannot read pstree.img ({exc}); take a new snapshot") from None
 
 
 def _walk(path: str) -> os.stat_result:
@@ -231,4 +242,4 @@ def _first_bad(files: list[dict], owned: dict, root: bool = False) -> str | None
     return None
 
 
-__all__ = ["reg_files", "owners", "check"]
+__all__ = ["reg_files", "image_pids", "owners", "check"]
