@@ -47,7 +47,7 @@ class Trees:
         self.go = tmp / "go"
         rank = [sys.executable, "-c", TASK, str(self.go)]
         if uid:  # the rank is the user's too (a tree of one owner, as in a job)
-            rank = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *rank]
+            rank = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}", *rank]  # as initgroups gives
         self.tasks, self.roots, self.pidfds = [], [], []
         for i in range(n):
             state = tmp / f"task{i}"

@@ -3,8 +3,8 @@
 The rank record names the tree's root (``pid``: tpass-init, the wrapper's
 child) and the rank (``rank_pid``: tpass-init's child). tpassd checks both
 against Slurm's and the kernel's view, and runs criu as the job's owner with
-its own bounding set as ambient capabilities and ``--unprivileged`` (root
-may lack CAP_SYS_RESOURCE: its criu then cannot read another uid's rlimits).
+a minimal capability list as ambient capabilities (criu.DUMP_CAPS: no
+DAC_OVERRIDE, no FOWNER) and ``--unprivileged``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tpassd runs as root")
 
 def _tree(uid: int | None = None) -> tuple[subprocess.Popen, int, int]:
     """wrapper -> init -> rank, as ``uid``: (wrapper, init pid, rank pid)."""
-    w = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60; :' & wait"], user=uid, stdin=subprocess.DEVNULL)
+    gid = {"group": uid, "extra_groups": [uid]} if uid is not None else {}  # a job's groups (initgroups)
+    w = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60; :' & wait"], user=uid, stdin=subprocess.DEVNULL, **gid)
     end = time.monotonic() + 10
     while time.monotonic() < end:
         init = children(w.pid)
@@ -60,7 +61,7 @@ def test_a_rank_pid_that_is_not_the_inits_child_is_refused(tmp_path):
         _stop(w, other)
 
 
-def test_a_users_tree_is_dumped_by_criu_as_the_user_with_the_bounding_set_as_ambient_caps(
+def test_a_users_tree_is_dumped_by_criu_as_the_user_with_the_minimal_capability_list(
         tmp_path, shared_tmp, user):  # noqa: F811
     w, init, rank = _tree(user.pw_uid)
     criu, calls = _recording_criu(shared_tmp)
@@ -70,16 +71,23 @@ def test_a_users_tree_is_dumped_by_criu_as_the_user_with_the_bounding_set_as_amb
         with pytest.raises(Exception, match="criu dump of pid"):
             _dump(svc)
         line = calls.read_text().split()
-        bnd = int(next(ln for ln in open("/proc/self/status") if ln.startswith("CapBnd:")).split()[1], 16)
-        assert line[0] == str(user.pw_uid) and int(line[2], 16) == bnd, line
+        assert line[0] == str(user.pw_uid) and int(line[2], 16) == _minimal(criu_mod.DUMP_CAPS), line
         assert "--unprivileged" in line and line[line.index("-t") + 1] == str(init), line
     finally:
         _stop(w)
 
 
-def test_owner_creds_names_only_the_capabilities_this_process_may_hold(tmp_path):
-    creds = criu_mod.owner_creds(os.getpid())
+def _minimal(caps) -> int:
+    """``caps`` and CAP_SYS_RESOURCE where this process's bounding set has it, as a mask."""
     bnd = int(next(ln for ln in open("/proc/self/status") if ln.startswith("CapBnd:")).split()[1], 16)
-    assert creds.uid == os.getuid() and sum(1 << criu_mod.CAP_NAMES.index(c) for c in creds.caps) == bnd
+    res = 1 << criu_mod.CAP_NAMES.index("sys_resource")
+    return sum(1 << criu_mod.CAP_NAMES.index(c) for c in caps) | (bnd & res)
+
+
+def test_owner_creds_names_the_minimal_list_never_dac_override_or_fowner(tmp_path):
+    creds = criu_mod.owner_creds(os.getpid())
+    assert creds.uid == os.getuid() and sum(1 << criu_mod.CAP_NAMES.index(c) for c in creds.caps) == \
+        _minimal(criu_mod.DUMP_CAPS)
+    assert not {"dac_override", "fowner", "setuid"} & set(creds.caps)
     argv = criu_mod.as_creds_argv(9, creds)
     assert argv[0] == "/proc/self/fd/9" and argv[-1] == "--"

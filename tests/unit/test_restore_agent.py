@@ -36,7 +36,8 @@ def _snapshot(root: Path, job: int = JOB, rank: int = RANK, meta_job: int = JOB,
     d = layout.images_dir(root, job, rank, GEN)
     d.mkdir(parents=True, mode=0o700)
     (d / "pages-1.img").write_bytes(b"x" * 100)
-    mf.write_manifest(d, {"job": meta_job, "rank": meta_rank, "uid": owner, "fd1": "pipe:[1]", "fd2": "/dev/null"})
+    mf.write_manifest(d, {"job": meta_job, "rank": meta_rank, "uid": owner, "fd1": "pipe:[1]", "fd2": "/dev/null",
+                          "criu_creds": {"uid": owner, "gid": owner, "groups": [0, owner]}})
     return d
 
 
@@ -54,7 +55,8 @@ def test_a_rank_of_a_whole_job_snapshot_is_accepted_and_another_ranks_refused(tm
     d = layout.snapshot_images_dir(root, JOB, "snap-7", RANK)
     d.mkdir(parents=True, mode=0o700)
     (d / "pages-1.img").write_bytes(b"x" * 100)
-    mf.write_manifest(d, {"job": JOB, "rank": RANK, "uid": OWNER, "snapshot": "snap-7"})
+    mf.write_manifest(d, {"job": JOB, "rank": RANK, "uid": OWNER, "snapshot": "snap-7",
+                          "criu_creds": {"uid": OWNER, "gid": OWNER, "groups": [OWNER]}})
     path, manifest = ra.check_images(str(d), JOB, RANK, OWNER)
     assert path == d and manifest["meta"]["snapshot"] == "snap-7"
     for other in (layout.snapshot_images_dir(root, JOB, "snap-7", 2), layout.snapshot_images_dir(root, 8, "snap-7", RANK),
@@ -285,3 +287,17 @@ def test_the_agent_restores_only_the_images_its_token_names():
 def test_the_agent_needs_the_images_its_token_names(tmp_path, capsys):
     assert ra.main(JOB, RANK, os.getppid(), os.getuid(), str(tmp_path)) == 2
     assert "one of --generation --snapshot" in capsys.readouterr().err
+
+
+@root_only
+def test_a_users_snapshot_not_dumped_as_the_user_is_refused(tmp_path):
+    """A manifest without the dump's criu credentials (or with root's) would have criu restore an
+    ordinary user's tree as root: refused before criu runs."""
+    d = layout.images_dir(tmp_path / "snap", JOB, RANK, GEN)
+    d.mkdir(parents=True, mode=0o700)
+    (d / "pages-1.img").write_bytes(b"x" * 100)
+    for creds in (None, {"uid": 0, "gid": 0, "groups": [0]}):
+        meta = {"job": JOB, "rank": RANK, "uid": OWNER, **({"criu_creds": creds} if creds else {})}
+        mf.write_manifest(d, meta)
+        with pytest.raises(ra.Refused, match=f"was not dumped as uid {OWNER}"):
+            ra.check_images(str(d), JOB, RANK, OWNER)

@@ -22,9 +22,11 @@ import secrets
 import shutil
 import stat
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,10 +186,39 @@ CAP_NAMES = ("chown", "dac_override", "dac_read_search", "fowner", "fsetid", "ki
 SETPRIV = "/usr/bin/setpriv"
 
 
+# criu's capabilities when it acts for an ordinary user's job (``owner_creds``, ``restore_creds``):
+# never CAP_DAC_OVERRIDE or CAP_FOWNER, so it opens no file its owner could not. Measured with CRIU
+# 4.1.1 on Linux 6.18, tpass-init at the root of the tree:
+# - restore: CAP_SYS_ADMIN (the new PID namespace, tpass-init's capability), CAP_CHECKPOINT_RESTORE
+#   (pids, /proc/PID/map_files, the mm map), CAP_SETGID (each process's groups), CAP_SETPCAP (the
+#   bounding sets); CAP_SYS_RESOURCE where the bounding set has it (rlimits above criu's own).
+#   Not CAP_SETUID: with it CRIU's restore children call setuid(0) (cr-restore.c,
+#   prepare_userns_creds, taken whenever criu holds CAP_SETUID) and then reopen the image's files as
+#   uid 0, the owner of every root file, which gives root's access back without any DAC capability
+#   (measured: "Unable to reopen the pipe /proc/self/fd/1", and tty-info.img unreadable, as uid 0).
+#   Every process of the tree runs as the owner's uid, so none needs a setuid to restore.
+# - dump: the same, plus CAP_SYS_PTRACE (tpass-init is not dumpable: "Unable to interrupt task:
+#   Operation not permitted" without it) and CAP_DAC_READ_SEARCH (a non-dumpable process's
+#   /proc/PID/map_files is root's, mode 0500: "Can't open PID/map_files on procfs: Permission
+#   denied" without it). Read and search only, and the dump opens no path of the user's: its files
+#   are read through /proc/PID/fd and map_files, and it makes no link-remap file (no --link-remap).
+# The restore runs with the tree root's groups: tpass-init's include group root, which reaches its
+# working directory (root:root 0770, CRIU_PROC_DIR says why), reopened by path. The dump does not
+# need it (measured: it reads that directory through /proc/PID/cwd), and runs without group root.
+RESTORE_CAPS = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
+DUMP_CAPS = (*RESTORE_CAPS, "sys_ptrace", "dac_read_search")
+OPTIONAL_CAPS = ("sys_resource",)
+NEVER_CAPS = ("dac_override", "fowner", "setuid")
+# An unlinked file a rank still holds is copied into the image up to this size (CRIU's ghost file,
+# recreated at the restore by the owner's criu in the file's directory); a larger one fails the dump.
+GHOST_LIMIT = 1 << 20
+CRIU_WORK_BASE = "/run/torchpass-criu"
+
+
 @dataclass(frozen=True)
 class Creds:
-    """Who criu runs as for an ordinary user's dump: the user's ids, with every capability this
-    process may hold (its bounding set) as inheritable and ambient ones."""
+    """Who criu runs as for an ordinary user's job: the tree root's ids, with ``caps`` (a minimal
+    list: ``DUMP_CAPS`` or ``RESTORE_CAPS``) as inheritable and ambient capabilities."""
     uid: int
     gid: int
     groups: tuple[int, ...]
@@ -200,25 +231,56 @@ def _status(pid: int | str, proc: str = "/proc") -> dict[str, list[str]]:
     return {k: v.split() for k, _, v in (ln.partition(":") for ln in text.splitlines())}
 
 
-def owner_creds(pid: int, proc: str = "/proc") -> Creds:
-    """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(as_owner=...)``).
-
-    Why not as root: root may lack CAP_SYS_RESOURCE (this machine's bounding set
-    has it off), and then root's criu cannot read another uid's rlimits ("Can't
-    get rlimit"); with the owner's ids it can, given CAP_SYS_ADMIN, SYS_PTRACE,
-    DAC_OVERRIDE... as ambient capabilities and ``--unprivileged``."""
+def bounded_caps(wanted: Sequence[str], proc: str = "/proc") -> tuple[str, ...]:
+    """``wanted`` and those of OPTIONAL_CAPS that this process's bounding set has; CheckpointError
+    when it lacks one of ``wanted``."""
     try:
-        st, own = _status(pid, proc), _status("self", proc)
-        bnd = int(own["CapBnd"][0], 16)
+        bnd = int(_status("self", proc)["CapBnd"][0], 16)
     except (OSError, KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"cannot read this process's capabilities ({exc})") from None
+    missing = [c for c in wanted if not bnd >> CAP_NAMES.index(c) & 1]
+    if missing:
+        raise CheckpointError(f"criu needs cap_{', cap_'.join(missing)}, which this daemon's bounding set lacks; "
+                              "give it back (systemd CapabilityBoundingSet)")
+    return (*wanted, *(c for c in OPTIONAL_CAPS if bnd >> CAP_NAMES.index(c) & 1))
+
+
+def owner_creds(pid: int, proc: str = "/proc", caps: Sequence[str] = DUMP_CAPS) -> Creds:
+    """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(creds=...)``): the
+    ids of ``pid`` (the tree's root; procs.check_tree_creds checks them) but group root, and ``caps``."""
+    try:
+        st = _status(pid, proc)
+    except OSError as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
-    return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]), groups=tuple(int(g) for g in st.get("Groups", [])),
-                 caps=tuple(n for i, n in enumerate(CAP_NAMES) if bnd >> i & 1))
+    try:
+        return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]),
+                     groups=tuple(int(g) for g in st.get("Groups", []) if g != "0"), caps=bounded_caps(caps, proc))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
+
+
+def restore_creds(meta: dict) -> Creds | None:
+    """Who criu restores a snapshot as: the dumped tree root's ids (the manifest's ``criu_creds``,
+    written by root; tpass-init's groups include group root), with RESTORE_CAPS; None for a
+    snapshot dumped as root (a root job's)."""
+    rec = meta.get("criu_creds")
+    if not isinstance(rec, dict):
+        return None
+    try:
+        uid, gid, groups = int(rec["uid"]), int(rec["gid"]), tuple(int(g) for g in rec["groups"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError("the snapshot's manifest names no usable criu credentials; take a new snapshot") from None
+    if uid == 0:
+        return None
+    return Creds(uid=uid, gid=gid, groups=groups, caps=bounded_caps(RESTORE_CAPS))
 
 
 def as_creds_argv(setpriv_fd: int, creds: Creds) -> list[str]:
     """setpriv (executed from ``setpriv_fd``, opened in this mount namespace) that runs what follows
-    with ``creds``."""
+    with ``creds``: exactly those capabilities (inheritable and ambient; no other survives the
+    change of uid and the exec)."""
+    if set(creds.caps) & set(NEVER_CAPS):
+        raise CheckpointError(f"criu must not run with cap_{', cap_'.join(set(creds.caps) & set(NEVER_CAPS))}")
     caps = ",".join(f"+{c}" for c in creds.caps)
     groups = ",".join(map(str, creds.groups))
     return [f"/proc/self/fd/{setpriv_fd}", f"--reuid={creds.uid}", f"--regid={creds.gid}",
@@ -263,6 +325,143 @@ def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then:
         os.close(fd)
         if helper is not None:
             os.close(helper)
+
+
+# -- criu as the owner: the directories it works in ------------------------------------------------
+# Images stay in root-only directories (SNAPSHOT_DIR/jobJ and SNAPSHOT_DIR/snapshots/jobJ/ID are
+# 0700 root), which criu running as the owner cannot enter: it gets the image directory as
+# /proc/self/fd/N, a descriptor opened here (the magic link reaches it without a search of its
+# parents; the directory's own mode still applies).
+def _open_dir(path: str | os.PathLike) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _each_image(dfd: int) -> Iterator[int]:
+    """A descriptor of each entry of ``dfd``: regular files of one link only (CheckpointError else)."""
+    for name in os.listdir(dfd):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise CheckpointError(f"image directory holds {name!r}, not a regular file of one link; "
+                                      "take a new snapshot")
+            yield fd
+        finally:
+            os.close(fd)
+
+
+def give_images_to(dfd: int, creds: Creds) -> None:
+    """The (empty, root-only-parented) image directory ``dfd``, the dump's criu's to write: its owner's."""
+    os.fchown(dfd, creds.uid, creds.gid)
+    os.fchmod(dfd, 0o700)
+
+
+def take_images_back(dfd: int) -> None:
+    """The image directory and every file in it root's again, 0700/0600 (after the owner's criu)."""
+    for fd in _each_image(dfd):
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o600)
+    os.fchown(dfd, 0, 0)
+    os.fchmod(dfd, 0o700)
+
+
+def _root_only_parent(d: Path) -> None:
+    st = os.stat(d.parent, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
+        raise CheckpointError(f"snapshot {d}: its directory {d.parent} is not root-only (0700 root); "
+                              "not restoring as the job's owner")
+
+
+def _root_owned_dir(path: str) -> int | None:
+    """A directory fd of ``path`` when every directory on it is root's and writable by root alone
+    (``safeio.open_root_owned_dir``, no symlink followed); None otherwise."""
+    try:
+        return safeio.open_root_owned_dir(path)
+    except OSError:
+        return None
+
+
+@contextmanager
+def owner_restore_dirs(d: Path, creds: Creds) -> Iterator[tuple[int, int, Path]]:
+    """(image dir fd, work dir fd, work dir) for a restore by ``creds``' criu: the image files
+    readable (0755/0644) while it runs, reached only through their root-only parent; a fresh
+    work directory of the owner's (log, pidfile) in root-only CRIU_WORK_BASE. Modes go back to
+    0700/0600 and the work directory is removed after."""
+    _root_only_parent(d)
+    parent = _root_owned_dir(os.path.dirname(CRIU_WORK_BASE))
+    if parent is None:
+        raise CheckpointError(f"{os.path.dirname(CRIU_WORK_BASE)} is not a root-owned directory")
+    try:
+        try:
+            os.mkdir(os.path.basename(CRIU_WORK_BASE), 0o700, dir_fd=parent)
+        except FileExistsError:
+            pass
+    finally:
+        os.close(parent)
+    base = _root_owned_dir(CRIU_WORK_BASE)
+    if base is None:
+        raise CheckpointError(f"{CRIU_WORK_BASE} is not a root-owned directory; remove it")
+    os.fchmod(base, 0o700)
+    os.close(base)
+    work = Path(tempfile.mkdtemp(prefix="restore.", dir=CRIU_WORK_BASE))
+    dfd = wfd = -1
+    try:
+        wfd = _open_dir(work)
+        os.fchown(wfd, creds.uid, creds.gid)
+        dfd = _open_dir(d)
+        for fd in _each_image(dfd):
+            os.fchmod(fd, 0o644)
+        os.fchmod(dfd, 0o755)
+        yield dfd, wfd, work
+    finally:
+        if dfd >= 0:
+            for fd in _each_image(dfd):
+                os.fchmod(fd, 0o600)
+            os.fchmod(dfd, 0o700)
+            os.close(dfd)
+        if wfd >= 0:
+            os.close(wfd)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _copy_out(work: Path, name: str, dest: str | os.PathLike, cap: int = 1 << 20) -> None:
+    """``work``/``name`` (written by the owner's criu) copied to ``dest`` by root, neither followed
+    through a symlink; nothing when it is missing."""
+    try:
+        fd = os.open(work / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        data = os.read(fd, cap) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(out, data)
+    finally:
+        os.close(out)
+
+
+def restored_creds_differ(pid: int, tree: list[dict], proc: str = "/proc") -> str | None:
+    """Whether the restored tree under ``pid`` holds exactly the processes and credentials the dump
+    recorded (``tree``, procs.check_tree_creds); one line naming the first difference, else None."""
+    from torchpass.checkpoint import procs
+
+    want = {r["ns_pid"]: r for r in tree}
+    seen = 0
+    for p in tree_pids(pid, proc):
+        try:
+            got = procs.creds_of(p, proc)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # gone since: nothing of it runs
+        rec = want.get(got["ns_pid"])
+        if rec is None:
+            return f"restored process {p} (pid {got['ns_pid']} in its namespace) was not in the dumped tree"
+        for k in ("uid", "gid", "groups", "caps"):
+            if got[k] != rec[k]:
+                return f"restored process {p} has {k} {got[k]}, dumped with {rec[k]}"
+        seen += 1
+    return None if seen else f"restored tree {pid} is gone"
 
 
 # -- image size and free space -------------------------------------------------------------------
@@ -498,7 +697,12 @@ def dump(
 
     ``fds_of``: the process whose stdin/stdout/stderr the manifest records
     (the rank, when ``pid`` is its namespace's init, which holds only
-    /dev/null). ``creds``: run criu as that user (``owner_creds``). The
+    /dev/null). ``creds``: run criu as that user (``owner_creds``), after
+    every process of the tree was found to hold the owner's ids alone
+    (procs.check_tree_creds, before the dump and again after); the image
+    directory is the owner's while criu writes it, root's (0700/0600) after,
+    and the manifest records the tree's credentials, criu's ids and the owner
+    of each file the image reopens (for ``restore``). The
     manifest records ``pid``'s cwd too (``cwd_record``), which a restore
     elsewhere makes when missing; a stale ``proc.crtools`` there is removed first.
 
@@ -519,6 +723,54 @@ def dump(
         raise
 
 
+# No --link-remap: CRIU then makes no link in a user's directory for an unlinked file; such a file
+# (up to GHOST_LIMIT) is copied into the image, and recreated at the restore by the owner's criu.
+DUMP_FILES = (f"--ghost-limit={GHOST_LIMIT}",)
+
+
+def _big_ghost(log: Path) -> str | None:
+    """The deleted file CRIU's log says was over --ghost-limit ("Can't dump ghost file PATH of N size")."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"Can't dump ghost file (.*) of (\d+) size", text)
+    return f"{m.group(1)}, {m.group(2)} bytes" if m else None
+
+
+def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
+    """For a dump as the owner: the tree's credentials checked (procs.check_tree_creds) and
+    recorded in ``info`` with criu's ids, which its restore runs with (``restore_creds``)."""
+    if creds is None:
+        return None
+    from torchpass.checkpoint import procs
+
+    # "init": tpass-init at the root (tpassd says so; else a root that is PID 1 of its namespace)
+    info.setdefault("init", procs.ns_pid(pid) == 1)
+    tree = procs.check_tree_creds(pid, creds.uid, init=bool(info["init"]))
+    info["tree"] = tree
+    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": tree[0]["groups"]}  # the root's, for the restore
+    return tree
+
+
+def _owner_tree_after(pid: int, creds: Creds, info: dict, tree: list[dict], d: Path) -> None:
+    """After the dump: every process of the image was checked before it, and none has other
+    credentials now (one that exited since is fine: it is not restored, or gone from the image);
+    the owner of each file the image reopens is recorded (criu_files: the restore compares them)."""
+    from torchpass.checkpoint import criu_files, procs
+
+    checked = {c["ns_pid"]: c for c in tree}
+    now = procs.check_tree_creds(pid, creds.uid, init=bool(info.get("init")))
+    changed = [c["ns_pid"] for c in now if c["ns_pid"] in checked and c != checked[c["ns_pid"]]]
+    unchecked = sorted(set(criu_files.image_pids(d)) - set(checked))
+    if changed or unchecked:
+        raise CheckpointError(f"the tree of pid {pid} changed during its dump (pids {changed or unchecked} in its "
+                              "namespace: new credentials, or born after the check); not dumped, the rank was left "
+                              "running")
+    info["files"] = criu_files.owners(criu_files.reg_files(d))
+
+
 def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta: dict | None, timeout_s: float,
                net_of: int | None, fds_of: int | None, creds: Creds | None, who: str, space_root: str | os.PathLike,
                estimate: Callable[[int], int]) -> DumpResult:
@@ -537,20 +789,35 @@ def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta:
         info[f"fd{fd}"] = fd_target(fds_of or pid, fd)
     info["cwd"] = cwd_record(pid)
     clear_stale_proc_dir(pid)
+    tree = _owner_tree(pid, creds, info)
     t0 = time.monotonic()
-    with TailHasher(d) as hasher:
-        proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d), "-o", "dump.log", "-v2", "--leave-running",
-                               *CGROUPS],
-                        timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
-                        slice_=CRIU_SLICE, creds=creds)
-        t1 = time.monotonic()
-        seconds = t1 - t0
-        if proc.returncode != 0:
-            if _out_of_space(d / "dump.log"):
-                raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
-            raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
-                                  f"{_log_tail(d / 'dump.log')}; the rank was left running")
-        hashed = hasher.finish()
+    dfd = _open_dir(d)
+    try:
+        with TailHasher(d) as hasher:
+            if creds is not None:
+                give_images_to(dfd, creds)
+            proc = run_criu(criu, ["dump", "-t", str(pid), "-D", str(d) if creds is None else f"/proc/self/fd/{dfd}",
+                                   "-o", "dump.log", "-v2", "--leave-running", *DUMP_FILES, *CGROUPS],
+                            timeout_s, f"criu dump of pid {pid}", "the rank was left running", net_of=net_of,
+                            slice_=CRIU_SLICE, creds=creds, pass_fds=(dfd,))
+            if creds is not None:
+                take_images_back(dfd)
+            t1 = time.monotonic()
+            seconds = t1 - t0
+            if proc.returncode != 0:
+                if _out_of_space(d / "dump.log"):
+                    raise no_space(who, space_root, max(need, _dir_bytes(d)), free, during=True)
+                if big := _big_ghost(d / "dump.log"):
+                    raise CheckpointError(f"{who} holds an unlinked file larger than {GHOST_LIMIT >> 20} MiB ({big}): "
+                                          "CRIU copies a deleted open file into the image up to that size only; "
+                                          "close it before a move or snapshot (the rank was left running)")
+                raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
+                                      f"{_log_tail(d / 'dump.log')}; the rank was left running")
+            hashed = hasher.finish()
+    finally:
+        os.close(dfd)
+    if tree is not None:
+        _owner_tree_after(pid, creds, info, tree, d)
     info["dump_s"] = round(seconds, 4)
     try:
         manifest = write_manifest(d, info, hashed)
@@ -672,6 +939,12 @@ def restore(
     must be a child of it, or this refuses (``pidfds.child_pidfd``); it is
     killed, if at all, through a pidfd. Without ``-d`` criu's exit status
     says nothing about the restored tree.
+
+    A snapshot dumped as an ordinary user (its manifest's ``criu_creds``) is
+    restored by criu with those ids and RESTORE_CAPS alone, after each file
+    the image reopens was walked as the owner (``owner_restore_check``); the
+    restored tree's credentials must then equal the dump's record, else it
+    is killed (``restored_creds_differ``).
     """
     d = Path(images)
     if verified is None and checked is None:
@@ -700,6 +973,8 @@ def restore(
 
 def _restore_with(criu: Criu, d: Path, inherit: dict[int, str] | None, verified: dict | None, checked: dict | None,
                   timeout_s: float, pfd: int, reaper: int, reaper_pidfd: int) -> tuple[int, float]:
+    meta = (verified if verified is not None else checked).get("meta") or {}
+    creds = owner_restore_check(d, meta)
     args = ["restore", "-D", str(d), "-d", "--pidfile", f"/proc/self/fd/{pfd}/{PIDFILE}", "-o", "restore.log",
             "-v2", *CGROUPS]
     for fd, key in sorted((inherit or {}).items()):
@@ -717,8 +992,15 @@ def _restore_with(criu: Criu, d: Path, inherit: dict[int, str] | None, verified:
         hasher = threading.Thread(target=_hash, name="restore-verify", daemon=True)
         hasher.start()
     t0 = time.monotonic()
-    proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
-                    pass_fds=(*(inherit or {}).keys(), pfd))
+    fds = (*(inherit or {}).keys(), pfd)
+    if creds is not None:
+        # the owner's criu writes the pidfile: this restore's own directory becomes the owner's
+        # (group root, 0770), reachable only through pfd, as the root-only RESTORE_PID_DIR holds it
+        os.fchown(pfd, creds.uid, 0)
+    if creds is None:
+        proc = run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot", pass_fds=fds)
+    else:
+        proc = run_owner_restore(criu, d, args, creds, timeout_s, fds)
     seconds = time.monotonic() - t0
     if hasher is not None:
         hasher.join()
@@ -738,6 +1020,9 @@ def _restore_with(criu: Criu, d: Path, inherit: dict[int, str] | None, verified:
         if corrupt is None:
             raise CheckpointError(f"criu restore from {d} wrote no usable pidfile ({exc}); "
                                   "the restored tree is left to its reaper") from None
+    if corrupt is None and creds is not None and pidfd is not None \
+            and (why := restored_creds_differ(pid, meta.get("tree") or [])):
+        corrupt = CheckpointError(f"snapshot {d}: {why}; the restored tree was killed")
     try:
         if corrupt is not None:
             if pidfd is not None:
@@ -755,3 +1040,35 @@ def _kill_restored(pidfd: int) -> None:
     Not our child (the root restore agent's tree goes to the restore task, its subreaper): wait
     until it has exited, and its reaper collects it."""
     pidfds.kill_and_wait(pidfd)
+def owner_restore_check(d: Path, meta: dict) -> Creds | None:
+    """For a snapshot dumped as its owner: criu's credentials for the restore (``restore_creds``),
+    after each file the image reopens was found as dumped (criu_files.check, walked as the
+    owner); CheckpointError naming the file otherwise. None for a root job's snapshot."""
+    creds = restore_creds(meta)
+    if creds is None:
+        return None
+    from torchpass.checkpoint import criu_files
+
+    bad = criu_files.check(criu_files.reg_files(d), meta.get("files") or {}, creds.uid, creds.gid,
+                           list(creds.groups))
+    if bad:
+        raise CheckpointError(f"snapshot {d} not restored: {bad} (a file the rank held is not the one dumped; "
+                              "put it back as it was, or take a new snapshot)")
+    return creds
+
+
+def run_owner_restore(criu: Criu, d: Path, args: list[str], creds: Creds, timeout_s: float,
+                      pass_fds: tuple[int, ...]) -> subprocess.CompletedProcess:
+    """``criu restore ARGS`` as ``creds`` (``owner_restore_dirs``): the image directory and a work
+    directory (its log) by descriptor; the log is then copied to ``d``/restore.log by root. The
+    pidfile goes to the restore's own directory (``RESTORE_PID_DIR``, among ``pass_fds``): criu
+    keeps tpass-init's group root, which may write there. Executables are checked by build-id (CRIU's own check)."""
+    with owner_restore_dirs(d, creds) as (dfd, wfd, work):
+        args = list(args)
+        args[args.index("-D") + 1] = f"/proc/self/fd/{dfd}"
+        args += ["-W", f"/proc/self/fd/{wfd}", "--file-validation=buildid"]
+        try:
+            return run_criu(criu, args, timeout_s, f"criu restore from {d}", "take a new snapshot",
+                            pass_fds=(*pass_fds, dfd, wfd), creds=creds)
+        finally:
+            _copy_out(work, "restore.log", d / "restore.log")

@@ -149,6 +149,79 @@ def foreign_namespaces(pid: int, proc: str = "/proc", kinds: tuple[str, ...] = S
     return out
 
 
+CAP_SYS_ADMIN = 21
+CAP_KINDS = ("CapInh", "CapPrm", "CapEff", "CapAmb")
+
+
+def _tree(root: int, proc: str = "/proc") -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"{proc}/{p}/task"):
+                with open(f"{proc}/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def creds_of(pid: int, proc: str = "/proc") -> dict:
+    """The credentials of ``pid`` as /proc shows them: its pid in its innermost namespace, real,
+    effective, saved and fs uids and gids, supplementary groups (sorted) and capability sets."""
+    with open(f"{proc}/{pid}/status", "rb") as f:
+        st = {k: v.split() for k, _, v in (ln.partition(":") for ln in f.read(1 << 16).decode(errors="replace")
+                                           .splitlines())}
+    return {"ns_pid": int(st["NSpid"][-1]) if st.get("NSpid") else pid,
+            "uid": [int(x) for x in st["Uid"]], "gid": [int(x) for x in st["Gid"]],
+            "groups": sorted(int(g) for g in st.get("Groups", [])),
+            "caps": {k: int(st[k][0], 16) for k in CAP_KINDS}}
+
+
+def check_tree_creds(root: int, owner: int, *, init: bool, proc: str = "/proc") -> list[dict]:
+    """The credentials of every process of ``root``'s tree (``creds_of``), when each is the job
+    owner's; RemoteError ``forbidden`` (one line naming the process) otherwise.
+
+    The owner's ids: real, effective, saved and fs uid ``owner``, and all four gids the root's
+    gid; supplementary groups a subset of the root's (Slurm gave them; no process of the user can
+    add one), group root (0) for tpass-init alone (``init``: the root is the plugin's tpass-init),
+    never an empty list (CRIU restores an empty one as criu's own, group root included). No
+    capability in any set, except tpass-init's CAP_SYS_ADMIN (permitted and effective, its only one). So a
+    setuid or setgid program run in the tree, or one that kept another saved id, is never dumped
+    (its restore would run it with ids the dump's criu had no right to)."""
+    out = []
+    try:
+        top = creds_of(root, proc)
+    except (OSError, ValueError, KeyError, IndexError):
+        raise RemoteError("not_found", f"pid {root} exited before its dump") from None
+    gid = top["gid"][0]
+    allowed = set(top["groups"]) - {0}
+    for p in _tree(root, proc):
+        try:
+            c = creds_of(p, proc)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # gone: nothing of it is dumped
+        is_init = init and p == root
+        why = None
+        if c["uid"] != [owner] * 4:
+            why = f"runs as uid {'/'.join(map(str, c['uid']))}"
+        elif c["gid"] != [gid] * 4:
+            why = f"runs as gid {'/'.join(map(str, c['gid']))}, not {gid}"
+        elif not c["groups"] or not set(c["groups"]) - {0} <= allowed or (0 in c["groups"] and not is_init):
+            why = f"holds groups {c['groups'] or 'none'}"
+        else:
+            allow = {"CapInh": 0, "CapPrm": 1 << CAP_SYS_ADMIN, "CapEff": 1 << CAP_SYS_ADMIN, "CapAmb": 0} \
+                if is_init else dict.fromkeys(CAP_KINDS, 0)
+            if any(v & ~allow[k] for k, v in c["caps"].items()):
+                why = "holds capabilities " + " ".join(f"{k}={v:x}" for k, v in c["caps"].items() if v)
+        if why:
+            raise RemoteError("forbidden", f"process {p} of the tree of pid {root} {why}, not only job owner uid "
+                                           f"{owner}'s ids (a setuid or setgid program?); not dumping")
+        out.append(c)
+    return out
+
+
 class Pinned:
     """A process checked and held by a pidfd. Close it (or use ``with``)."""
 
@@ -218,5 +291,5 @@ def pin(pid: int, *, job_id: int, job_pids: set[int], owner: int, parent: int | 
         raise
 
 
-__all__ = ["SCONTROL_TIMEOUT_S", "SHARED_NAMESPACES", "ENTERED_NAMESPACES", "slurm_job_pids", "Stat", "read_stat", "read_uids",
+__all__ = ["creds_of", "check_tree_creds", "SCONTROL_TIMEOUT_S", "SHARED_NAMESPACES", "ENTERED_NAMESPACES", "slurm_job_pids", "Stat", "read_stat", "read_uids",
            "foreign_namespaces", "Pinned", "pin"]

@@ -43,13 +43,17 @@ trusts nothing in it that it does not check itself:
 * the agent moves itself into the task's cgroups (``cgroup_join``: under
   proctrack/cgroup what task_init_privileged forks is not in the step's);
 
-then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` as root, with
-a timeout (``criu.RESTORE_TIMEOUT_S``). The pidfile is this restore's own,
-in a root-only node-local directory (``criu.RESTORE_PID_DIR``), and the pid
-in it must be a child of the task; the agent acts on it through a pidfd alone
-(``pidfds.child_pidfd``), and reads ``/proc/TASK`` only while the task's
-pidfd, checked live afterwards, pins that number. The restored tree keeps the
-credentials in its image (the user's uid, gids and groups; tpass-init's
+then it runs ``criu restore -d --pidfile ... --inherit-fd ...`` with a
+timeout (``criu.RESTORE_TIMEOUT_S``), as the job's owner with criu.RESTORE_CAPS
+(never DAC_OVERRIDE, DAC_READ_SEARCH or FOWNER), after every file the image
+reopens was walked as the owner and found as dumped (criu_files); the
+manifest must name the owner's ids for it (``criu_creds``). The pidfile is
+this restore's own, in a root-only node-local directory
+(``criu.RESTORE_PID_DIR``), and the pid in it must be a child of the task;
+the agent acts on it through a pidfd alone (``pidfds.child_pidfd``), and
+reads ``/proc/TASK`` only while the task's pidfd, checked live afterwards,
+pins that number. The restored tree keeps the credentials in its image (the
+user's uid, gids and groups; tpass-init's
 CAP_SYS_ADMIN, the rank none), is reparented to the task (the subreaper),
 hence stays in the restore step, and its exit status reaches Slurm through
 the task. The result ``rank{R}.restore-res.{AGENTPID}`` (``{"pid", "rank_pid",
@@ -176,6 +180,12 @@ def check_images(images: Any, job: int, rank: int, uid: int) -> tuple[Path, dict
                       f"rank {rank}; refused")
     if meta.get("uid") != uid:
         raise Refused(f"snapshot {path} is of a job of uid {meta.get('uid')}, not of uid {uid}; refused")
+    # criu restores as the ids its dump ran with (criu.restore_creds): an ordinary user's snapshot
+    # must have been dumped as that user, else criu would restore it as root.
+    creds = meta.get("criu_creds")
+    if uid != 0 and (not isinstance(creds, dict) or creds.get("uid") != uid):
+        raise Refused(f"snapshot {path} was not dumped as uid {uid} (its manifest names no criu credentials of "
+                      "the job's owner: an older tpassd's?); take a new snapshot; refused")
     return path, manifest
 
 

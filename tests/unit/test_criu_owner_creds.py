@@ -1,0 +1,371 @@
+"""CRIU never runs with root's power over an ordinary user's files.
+
+A real tree as the plugin makes it (a PID namespace, tpass-init as its PID 1
+with the job's uid, gid and groups plus group root and CAP_SYS_ADMIN alone,
+the rank as the user under it) is dumped and restored by real CRIU through
+``criu.dump(creds=owner_creds(...))`` and ``criu.restore`` (what tpassd's
+dump and the root restore agent run; the agent itself is started by the
+SPANK plugin in a Slurm step, which this machine's unit tests do not have).
+The criu binary is a stand-in (``criu_binary``): a shell that records its own
+/proc/self/status with builtins, before anything else, then execs the real
+criu.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpass.checkpoint import criu, procs
+from torchpass.errors import CheckpointError, RemoteError
+from test_privilege_boundary import _dump as _svc_dump, _record, _refused, _service, user  # noqa: F401
+from test_tpass_init import init_program  # noqa: F401
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root dumps and restores a user's tree here")
+
+# root: a PID namespace with tpass-init as PID 1 (what the plugin's task_init_privileged does),
+# then the task becomes the user (uid, gid and the gid as its one group, as Slurm's initgroups
+# gives) and double-forks the rank under tpass-init, relaying its output to our stdout.
+TREE = """
+import ctypes, os, sys
+init, uid, gid, script = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+assert ctypes.CDLL(None, use_errno=True).unshare(0x20000000) == 0
+task = os.getpid()
+if os.fork() == 0:
+    os.execv(init, [init, str(uid), str(gid), str(task)])
+os.setgroups([gid]); os.setresgid(gid, gid, gid); os.setresuid(uid, uid, uid)
+r, w = os.pipe()
+if os.fork() == 0:
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid(); os.dup2(w, 1); os.dup2(w, 2)
+    os.execv("/usr/bin/python3", ["python3", "-c", script])
+os.wait(); os.close(w)
+while (b := os.read(r, 4096)):
+    os.write(1, b)
+"""
+RANK = """
+import os, sys, time
+fd = os.open({path!r}, os.O_RDWR)
+if {spawn!r}:
+    import subprocess
+    subprocess.Popen({spawn!r})
+print("ready", flush=True)
+while not os.path.exists({go!r}):
+    time.sleep(0.02)
+print("after", os.readlink(f"/proc/self/fd/{{fd}}"), flush=True)
+time.sleep(30)
+"""
+CAP_BIT = {n: i for i, n in enumerate(criu.CAP_NAMES)}
+
+
+def _mask(names) -> int:
+    return sum(1 << CAP_BIT[n] for n in names)
+
+
+class Tree:
+    def __init__(self, init: Path, u, work: Path, held: Path, spawn: list[str] | None = None):
+        self.go = work / "go"
+        self.task = subprocess.Popen([sys.executable, "-c", TREE, str(init), str(u.pw_uid), str(u.pw_gid),
+                                      RANK.format(path=str(held), go=str(self.go), spawn=spawn)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.task.stdout.readline() == b"ready\n"
+        self.init = next(c for c in _children(self.task.pid) if procs.ns_pid(c) == 1)
+        self.rank = _children(self.init)[0]
+        self.pidfds = [os.pidfd_open(self.init)]
+
+    def end(self) -> None:
+        self.go.touch()
+        for fd in self.pidfds:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            select.select([fd], [], [], 10)
+            os.close(fd)
+        self.pidfds = []
+        self.task.kill()
+        self.task.wait()
+
+
+def _children(pid: int) -> list[int]:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        out = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+               for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+        if out:
+            return out
+        time.sleep(0.01)
+    raise AssertionError(f"no child of {pid}")
+
+
+@pytest.fixture(autouse=True)
+def subreaper():
+    """criu.restore takes only a restored root that is the caller's child: as the restore task is
+    for the restore agent, this test process is the child subreaper criu's detached root goes to."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    yield
+    libc.prctl(36, 0, 0, 0, 0)
+
+
+@pytest.fixture
+def userdir(user):  # noqa: F811
+    """A directory of the user's, and a stand-in criu that records its status there."""
+    d = Path(tempfile.mkdtemp(prefix="tpass-criucreds-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    mine = d / "u"
+    mine.mkdir()
+    os.chown(mine, user.pw_uid, user.pw_gid)
+    rec = d / "criu.status"
+    rec.mkdir()
+    os.chmod(rec, 0o777)
+    standin = d / "criu"
+    standin.write_text("#!/bin/bash\n"
+                       f"while IFS= read -r l; do echo \"$l\"; done < /proc/$$/status > {rec}/$$.${{1:-none}}\n"
+                       f"echo \"$*\" > {rec}/$$.${{1:-none}}.argv\n"
+                       f"exec {criu.find_criu(None).path} \"$@\"\n")
+    standin.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# What criu may hold (measured; criu.py says why): restore needs these four, and CAP_SYS_RESOURCE
+# where the bounding set has it; the dump also CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH.
+RESTORE = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
+DUMP = (*RESTORE, "sys_ptrace", "dac_read_search")
+
+
+def _check_criu_creds(d: Path, u, verb: str) -> None:
+    """The stand-in's record: the owner's ids and groups, exactly the listed capabilities."""
+    bnd = int(open("/proc/self/status").read().split("CapBnd:")[1].split()[0], 16)
+    want = _mask(DUMP if verb == "dump" else RESTORE) | (_mask(("sys_resource",)) & bnd)
+    seen = _statuses(d, verb)
+    assert seen, f"the stand-in criu did not run for {verb}"
+    for st in seen:
+        assert st["Uid"] == [str(u.pw_uid)] * 4 and st["Gid"] == [str(u.pw_gid)] * 4, (verb, st["Uid"], st["Gid"])
+        # group root (tpass-init's, for its working directory) for the restore only
+        assert sorted(map(int, st["Groups"])) == sorted({u.pw_gid} | ({0} if verb == "restore" else set())), \
+            (verb, st["Groups"])
+        for k in ("CapPrm", "CapEff", "CapAmb"):
+            assert int(st[k][0], 16) == want, (verb, k, st[k])
+        assert not int(st["CapEff"][0], 16) & _mask(("dac_override", "fowner", "setuid")), (verb, st["CapEff"])
+
+
+def _statuses(d: Path, verb: str) -> list[dict[str, list[str]]]:
+    out = []
+    for p in sorted((d / "criu.status").glob(f"*.{verb}")):  # (not the .argv files)
+        out.append({k: v.split() for k, _, v in (ln.partition(":") for ln in p.read_text().splitlines())})
+    return out
+
+
+@pytest.fixture
+def images(tmp_path):
+    base = criu.make_private_dir(tmp_path / "snap" / "job1")  # root-only, as tpassd's
+    return base / "rank0.gen1"
+
+
+def _dump(c, t: Tree, images: Path) -> criu.DumpResult:
+    return criu.dump(c, t.init, images, fds_of=t.rank, creds=criu.owner_creds(t.init), who="rank 0",
+                     meta={"init": True, "uid": os.stat(f"/proc/{t.rank}").st_uid})
+
+
+def _kill_source(t: Tree) -> int:
+    """Our fd on the rank's stdout pipe (for --inherit-fd), then the source tree killed."""
+    w = os.open(f"/proc/{t.rank}/fd/1", os.O_WRONLY | os.O_CLOEXEC)
+    fd = t.pidfds.pop()
+    signal.pidfd_send_signal(fd, signal.SIGKILL)
+    select.select([fd], [], [], 10)
+    os.close(fd)
+    return w
+
+
+def test_criu_dumps_and_restores_as_the_owner_with_the_listed_capabilities_only(
+        user, userdir, images, init_program):  # noqa: F811
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x" * 100)
+    os.chown(held, user.pw_uid, user.pw_gid)
+    c = criu.find_criu(str(userdir / "criu"))
+    t = Tree(init_program, user, userdir, held)
+    try:
+        res = _dump(c, t, images)
+        _check_criu_creds(userdir, user, "dump")
+        tree = res.manifest["meta"]["tree"]
+        assert [r["ns_pid"] for r in tree] == [1, procs.ns_pid(t.rank)]
+        w = _kill_source(t)
+        pid, _ = criu.restore(c, images, inherit={w: os.readlink(f"/proc/self/fd/{w}")})
+        os.close(w)
+        t.pidfds.append(os.pidfd_open(pid))
+        _check_criu_creds(userdir, user, "restore")
+        # the restored tree: tpass-init with CAP_SYS_ADMIN alone, the rank with nothing; every
+        # process's credentials what the dump recorded
+        assert "--file-validation=buildid" in _argv_of(userdir, "restore")
+        assert criu.restored_creds_differ(pid, tree) is None
+        now = {r["ns_pid"]: r for r in (procs.creds_of(p) for p in criu.tree_pids(pid))}
+        assert now == {r["ns_pid"]: r for r in tree}
+        assert now[1]["caps"]["CapEff"] == 1 << 21 and all(v == 0 for v in now[tree[1]["ns_pid"]]["caps"].values())
+        t.go.touch()
+        assert t.task.stdout.readline() == f"after {held}\n".encode()
+        # at rest the images are root's alone again
+        assert {(os.stat(p).st_uid, os.stat(p).st_mode & 0o777) for p in images.iterdir()} == {(0, 0o600)}
+        assert (os.stat(images).st_uid, os.stat(images).st_mode & 0o777) == (0, 0o700)
+    finally:
+        t.end()
+
+
+def test_a_held_file_swapped_for_a_symlink_to_a_root_only_file_refuses_the_restore(
+        user, userdir, images, init_program):  # noqa: F811
+    """The user's rank holds its own file open for writing, is dumped, then the user replaces the
+    file by a symlink to a root-only 0600 file of the same size. Before: criu restored as root
+    and the restored rank held the root-only file open for writing."""
+    secret_dir = Path(tempfile.mkdtemp(prefix="tpass-secret-", dir="/var/tmp"))
+    os.chmod(secret_dir, 0o755)
+    secret = secret_dir / "shadow"
+    secret.write_bytes(b"s" * 100)
+    os.chmod(secret, 0o600)
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x" * 100)
+    os.chown(held, user.pw_uid, user.pw_gid)
+    os.chmod(held, 0o600)  # the target's size and mode: CRIU's own check compares only those
+    c = criu.find_criu(None)
+    t = Tree(init_program, user, userdir, held)
+    try:
+        _dump(c, t, images)
+        w = _kill_source(t)
+        # the user's own move: their file becomes a symlink to the root-only one
+        subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+                        "sh", "-c", f"rm {held} && ln -s {secret} {held}"], check=True, timeout=10)
+        pid = None
+        try:
+            pid, _ = criu.restore(c, images, inherit={w: os.readlink(f"/proc/self/fd/{w}")})
+        except CheckpointError as exc:
+            assert str(exc).count("\n") == 0 and f"{held} is a symlink" in str(exc), exc
+        finally:
+            os.close(w)
+        if pid is not None:
+            t.pidfds.append(os.pidfd_open(pid))
+            t.go.touch()
+            line = t.task.stdout.readline()
+            pytest.fail(f"restored, and the rank holds {line!r} open for writing")
+        assert secret.read_bytes() == b"s" * 100
+    finally:
+        t.end()
+        shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("change", ["size", "owner", "mode"])
+def test_a_held_file_changed_since_the_dump_refuses_the_restore_naming_it(
+        user, userdir, images, init_program, change):  # noqa: F811
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x" * 100)
+    os.chown(held, user.pw_uid, user.pw_gid)
+    c = criu.find_criu(None)
+    t = Tree(init_program, user, userdir, held)
+    try:
+        _dump(c, t, images)
+        w = _kill_source(t)
+        if change == "size":
+            held.write_bytes(b"x" * 101)
+        elif change == "owner":
+            os.chown(held, user.pw_uid, 0)
+        else:
+            os.chmod(held, 0o666)
+        with pytest.raises(CheckpointError, match=f"{held}: {change}"):
+            criu.restore(c, images, inherit={w: os.readlink(f"/proc/self/fd/{w}")})
+        os.close(w)
+    finally:
+        t.end()
+
+
+def test_a_tree_with_a_setgid_process_is_refused_before_criu_runs(user, userdir, images, init_program,  # noqa: F811
+                                                                   tmp_path):
+    """The rank runs a root-owned setgid program (its effective and saved gid become root's)."""
+    prog = userdir / "sgid-sleep"
+    shutil.copy("/usr/bin/sleep", prog)
+    os.chown(prog, 0, 0)
+    os.chmod(prog, 0o2755)
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x")
+    os.chown(held, user.pw_uid, user.pw_gid)
+    c = criu.find_criu(str(userdir / "criu"))
+    t = Tree(init_program, user, userdir, held, spawn=[str(prog), "30"])
+    try:
+        kid = _children(t.rank)[0]
+        end = time.monotonic() + 10
+        while Path(f"/proc/{kid}/status").read_text().split("Gid:")[1].split()[1] != "0":  # until the exec
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        # through a tpassd request (tpassd.snapshot op=dump), the way a user reaches a dump
+        _record(tmp_path, {"pid": t.init, "rank_pid": t.rank, "wrapper_pid": t.task.pid})
+        svc = _service(tmp_path, lambda: {t.task.pid, t.init, t.rank, kid}, owner=user.pw_uid,
+                       criu_binary=str(userdir / "criu"))
+        _refused(lambda: _svc_dump(svc), f"process {kid} of the tree of pid {t.init} runs as gid "
+                                         f"{user.pw_gid}/0/0/0, not {user.pw_gid}")
+        with pytest.raises(RemoteError, match=f"process {kid} of the tree of pid {t.init} runs as gid"):
+            _dump(c, t, images)
+        assert not _statuses(userdir, "dump"), "criu ran"
+    finally:
+        t.end()
+
+
+def test_a_process_with_capabilities_or_group_root_is_refused(user, userdir, images, init_program):  # noqa: F811
+    """Only tpass-init may hold CAP_SYS_ADMIN and group root: the same tree whose root is not
+    tpass-init (``init`` false) is refused for both."""
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x")
+    os.chown(held, user.pw_uid, user.pw_gid)
+    t = Tree(init_program, user, userdir, held)
+    try:
+        with pytest.raises(RemoteError, match=f"process {t.init} .* holds groups"):
+            procs.check_tree_creds(t.init, user.pw_uid, init=False)
+        assert len(procs.check_tree_creds(t.init, user.pw_uid, init=True)) == 2
+        with pytest.raises(RemoteError, match="runs as uid"):
+            procs.check_tree_creds(t.init, user.pw_uid + 1, init=True)
+    finally:
+        t.end()
+
+
+@pytest.mark.parametrize("size", [100, 2 << 20])
+def test_an_unlinked_held_file_is_copied_up_to_the_ghost_limit_and_recreated_by_the_owner(
+        user, userdir, images, init_program, size):  # noqa: F811
+    """No link-remap file is ever made: an unlinked file the rank holds is copied into the image
+    (CRIU's ghost file) up to criu.GHOST_LIMIT and recreated at the restore by the owner's criu;
+    a larger one fails the dump with one line, the rank left running."""
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x" * size)
+    os.chown(held, user.pw_uid, user.pw_gid)
+    c = criu.find_criu(str(userdir / "criu"))
+    t = Tree(init_program, user, userdir, held)
+    try:
+        held.unlink()
+        if size > criu.GHOST_LIMIT:
+            with pytest.raises(CheckpointError, match=f"rank .* holds an unlinked file larger than 1 MiB \\({held}, "
+                                                      f"{size} bytes\\).*close it before a move") as err:
+                _dump(c, t, images)
+            assert "\n" not in str(err.value) and procs.creds_of(t.rank)  # still running
+            return
+        _dump(c, t, images)
+        argv = _argv_of(userdir, "dump")
+        assert f"--ghost-limit={criu.GHOST_LIMIT}" in argv and not any("link-remap" in a for a in argv), argv
+        w = _kill_source(t)
+        pid, _ = criu.restore(c, images, inherit={w: os.readlink(f"/proc/self/fd/{w}")})
+        os.close(w)
+        t.pidfds.append(os.pidfd_open(pid))
+        t.go.touch()
+        assert t.task.stdout.readline() == f"after {held} (deleted)\n".encode()
+        assert not held.exists() and not [p for p in held.parent.iterdir()]  # nothing left behind
+    finally:
+        t.end()
+
+
+def _argv_of(d: Path, verb: str) -> list[str]:
+    """Every argument the stand-in criu got for ``verb``."""
+    return [a for p in (d / "criu.status").glob(f"*.{verb}.argv") for a in p.read_text().split()]
