@@ -147,6 +147,8 @@ static const struct conf_key conf_keys[] = {
 	  "[stop_timeout=1..300]", "seconds" },
 	{ "rank_wrapper", parse_abs_path, FIELD(rank_wrapper), false, 0, 0,
 	  "[rank_wrapper=PATH]", NULL },
+	{ "restore_agent", parse_abs_path, FIELD(restore_agent), false, 0, 0,
+	  "[restore_agent=PATH]", NULL },
 	{ "snapshot_every_min", parse_unsigned, FIELD(snapshot_every_min),
 	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, "[snapshot_every_min=1..604800]",
 	  "seconds" },
@@ -175,6 +177,27 @@ static const struct conf_key *find_key(const char *name, size_t len)
 		    !strncmp(conf_keys[i].name, name, len))
 			return &conf_keys[i];
 	return NULL;
+}
+
+/*
+ * The restore agent's default: tpass-restore-agent in rank_wrapper's
+ * directory (pip installs both console scripts there).
+ */
+static int default_restore_agent(struct tpass_conf *conf, char *err,
+				 size_t errlen)
+{
+	const char *slash = strrchr(conf->rank_wrapper, '/');
+	size_t dir = (size_t)(slash - conf->rank_wrapper) + 1;
+	int n = snprintf(conf->restore_agent, sizeof(conf->restore_agent),
+			 "%.*s" TPASS_RESTORE_AGENT_NAME, (int)dir,
+			 conf->rank_wrapper);
+
+	if (n < 0 || (size_t)n >= sizeof(conf->restore_agent)) {
+		conf->restore_agent[0] = '\0';
+		return tpass_fail(err, errlen,
+				  "plugstack.conf: rank_wrapper's directory is too long for the restore agent beside it; give restore_agent=PATH");
+	}
+	return 0;
 }
 
 int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
@@ -220,5 +243,7 @@ int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
 			return tpass_fail(err, errlen,
 					  "plugstack.conf: missing required argument %s",
 					  conf_keys[k].usage);
+	if (!conf->restore_agent[0] && conf->rank_wrapper[0])
+		return default_restore_agent(conf, err, errlen);
 	return 0;
 }

@@ -22,6 +22,9 @@ enum tpass_log_level {
 };
 
 /* Parsed plugstack.conf arguments. */
+/* the restore agent's program name, beside rank_wrapper by default */
+#define TPASS_RESTORE_AGENT_NAME "tpass-restore-agent"
+
 struct tpass_conf {
 	char coordinator[TPASS_PATH_MAXLEN];  /* required, absolute */
 	char state_dir[TPASS_PATH_MAXLEN];    /* required, absolute */
@@ -32,6 +35,9 @@ struct tpass_conf {
 	unsigned ready_timeout_s;             /* 1..300, default 10 */
 	unsigned stop_timeout_s;              /* 1..300, default 5 */
 	char rank_wrapper[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = none */
+	char restore_agent[TPASS_PATH_MAXLEN]; /* absolute; default
+						* tpass-restore-agent beside
+						* rank_wrapper */
 	unsigned snapshot_every_min;          /* 1..604800 s, default 600 */
 	char restore_tokens[TPASS_PATH_MAXLEN]; /* absolute; default
 					       * TPASS_LAYOUT_RESTORE_TOKENS */
@@ -42,8 +48,8 @@ void tpass_conf_defaults(struct tpass_conf *conf);
 /*
  * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
  * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
- * log_level, ready_timeout, stop_timeout, rank_wrapper, snapshot_every_min,
- * restore_tokens.
+ * log_level, ready_timeout, stop_timeout, rank_wrapper, restore_agent,
+ * snapshot_every_min, restore_tokens.
  * Unknown or
  * repeated keys, bad values and missing required keys are errors.  On error
  * *conf holds the defaults plus whatever was parsed before the error.

@@ -752,7 +752,7 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
  * TORCHPASS_RESTORE_RANK=R, and tpassd wrote its migration token): the task
  * becomes a child subreaper (kept
  * across setuid and execve) and forks a root restore agent (the rank
- * wrapper with --root-agent, clean environment, fds >= 3 closed) that
+ * program restore_agent, clean environment, fds >= 3 closed) that
  * checks the user-side wrapper's request and runs criu restore -d
  * (torchpass.checkpoint.restore_agent); the restored tree is reparented to
  * the task, in the restore step, and its exit status is the step's.
@@ -788,7 +788,7 @@ static void __attribute__((noreturn)) exec_agent(const char *job, const char *ra
 	} else {
 		snprintf(which, sizeof(which), "%s", tok->snapshot);
 	}
-	execle(tpass.conf.rank_wrapper, tpass.conf.rank_wrapper, "--root-agent",
+	execle(tpass.conf.restore_agent, tpass.conf.restore_agent,
 	       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
 	       "--jobs-state-dir", tpass.conf.state_dir, flag, which,
 	       (char *)NULL, envp);
@@ -850,8 +850,8 @@ static int fork_restore_agent(const char *job, const char *rank,
 	char why[TPASS_ERR_MAXLEN + 64];
 	pid_t task = getpid(), pid;
 
-	if (root_program(tpass.conf.rank_wrapper, why, sizeof(why)) < 0)
-		return tpass_fail(err, errlen, "job %u: no restore agent: rank_wrapper %s",
+	if (root_program(tpass.conf.restore_agent, why, sizeof(why)) < 0)
+		return tpass_fail(err, errlen, "job %u: no restore agent: restore_agent %s",
 				  R.job_id, why);
 	if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
 		return tpass_fail(err, errlen, "job %u: restore: cannot become a child subreaper: %s",

@@ -325,11 +325,27 @@ static void test_conf(void)
 			       "rank_wrapper=/opt/tp/bin/tpass-rankwrap" };
 		CHECK(conf_parse(3, av, &c) == 0);
 		CHECK(!strcmp(c.rank_wrapper, "/opt/tp/bin/tpass-rankwrap"));
+		/* the root restore agent is a program of its own, beside it */
+		CHECK(!strcmp(c.restore_agent, "/opt/tp/bin/tpass-restore-agent"));
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "rank_wrapper=/opt/tp/bin/tpass-rankwrap",
+			       "restore_agent=/usr/sbin/tpass-restore-agent" };
+		CHECK(conf_parse(4, av, &c) == 0);
+		CHECK(!strcmp(c.restore_agent, "/usr/sbin/tpass-restore-agent"));
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "restore_agent=tpass-restore-agent" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "restore_agent='tpass-restore-agent' must be an absolute path");
 	}
 	{
 		char *av[] = { "coordinator=/c", "state_dir=/s" };
 		CHECK(conf_parse(2, av, &c) == 0);
 		CHECK(c.rank_wrapper[0] == '\0');
+		CHECK(c.restore_agent[0] == '\0');
 	}
 	{
 		char *av[] = { "coordinator=/c", "state_dir=/s",

@@ -180,7 +180,7 @@ def test_a_users_own_restore_variables_start_nothing_as_root(cluster, plugin_bui
     try:
         tj.wait_end(job_id, 120)
         text = out.read_text()
-        assert "root-agent" not in text and "restore agent audit" not in text, text
+        assert "tpass-restore-agent" not in text and "restore agent audit" not in text, text
         assert "PROBE-RAN" not in text, text  # refused before the program: nothing of it ran
         refusals = [ln for ln in text.splitlines() if "did not set up" in ln]
         assert len(refusals) == 3 and all(ln.startswith("tpass: ") for ln in refusals), text

@@ -301,3 +301,17 @@ def test_a_users_snapshot_not_dumped_as_the_user_is_refused(tmp_path):
         mf.write_manifest(d, meta)
         with pytest.raises(ra.Refused, match=f"was not dumped as uid {OWNER}"):
             ra.check_images(str(d), JOB, RANK, OWNER)
+
+
+def test_the_agent_is_a_program_of_its_own_that_takes_only_the_plugins_arguments(capsys):
+    """tpass-restore-agent (not a mode of the user-side rank wrapper): the job, rank, task, uid and
+    state directory, and exactly one of the token's generation or snapshot."""
+    base = ["--job", str(JOB), "--rank", str(RANK), "--task-pid", "1", "--uid", "0", "--jobs-state-dir", "/s"]
+    for argv in ([], base, [*base, "--generation", "3", "--snapshot", "s1"]):
+        with pytest.raises(SystemExit) as exc:
+            ra.cli(argv)
+        assert exc.value.code == 2
+    assert "one of the arguments --generation --snapshot is required" in capsys.readouterr().err
+    # its parent is not task 1: the agent exits at once, before it reads anything
+    assert ra.cli([*base, "--generation", "3"]) == 2
+    assert "my parent is not the task 1" in capsys.readouterr().err

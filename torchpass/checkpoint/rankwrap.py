@@ -872,21 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--criu")
     ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
     ap.add_argument("--error-file", help="restore: also append why a restore failed to this file")
-    ap.add_argument("--root-agent", action="store_true",
-                    help="the SPANK plugin's root restore agent (torchpass.checkpoint.restore_agent)")
-    ap.add_argument("--job", type=int)
-    ap.add_argument("--rank", type=int)
-    ap.add_argument("--task-pid", type=int)
-    ap.add_argument("--uid", type=int)
-    ap.add_argument("--jobs-state-dir")
-    ap.add_argument("--generation", type=int, help="root agent: restore only the dump of this generation")
-    ap.add_argument("--snapshot", help="root agent: restore only from this whole-job snapshot")
     args = ap.parse_args(own)
-    if args.root_agent:
-        from torchpass.checkpoint import restore_agent
-
-        return restore_agent.main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir,
-                                  args.generation, args.snapshot)
     if args.restore_snapshot is not None:
         return restore_snapshot(args.restore_snapshot, args.state_dir)
     if args.restore:

@@ -6,7 +6,7 @@ by tpassd would descend from tpassd, outside the restore step, with its exit
 status lost. So the SPANK plugin, in the restore step's
 ``task_init_privileged`` (the coordinator's restore ``srun`` carries
 ``TORCHPASS_RESTORE_RANK=R``), makes the task a child subreaper and forks
-this agent as root: ``tpass-rankwrap --root-agent --job J --rank R
+this agent as root: ``tpass-restore-agent --job J --rank R
 --task-pid TASK --uid UID --jobs-state-dir STATE_DIR (--generation G |
 --snapshot ID)`` with a clean environment and no fd above 2 -- but only
 after it took the restore token that tpassd wrote on this node for exactly
@@ -340,3 +340,28 @@ def main(job: int | None, rank: int | None, task: int | None, uid: int | None, s
         os.close(pidfd)
         if dfd >= 0:
             os.close(dfd)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``tpass-restore-agent``: the plugin's root restore agent, a program of its own (the user-side
+    rank wrapper never imports it). Its arguments come from the plugin alone (Slurm's job and
+    uid, plugstack.conf's state_dir, the restore token's generation or snapshot)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="tpass-restore-agent",
+                                 description="torchpass's root restore agent; the SPANK plugin starts it in a "
+                                             "restore step for which it took a restore token")
+    ap.add_argument("--job", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--task-pid", type=int, required=True)
+    ap.add_argument("--uid", type=int, required=True)
+    ap.add_argument("--jobs-state-dir", required=True)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--generation", type=int, help="restore only the dump of this generation (a migration)")
+    which.add_argument("--snapshot", help="restore only from this whole-job snapshot")
+    args = ap.parse_args(argv)
+    return main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir, args.generation, args.snapshot)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
