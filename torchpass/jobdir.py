@@ -19,9 +19,12 @@ No torch, no zmq: tpassctl and the coordinator import it.
 from __future__ import annotations
 
 import errno
+import grp
 import json
 import os
+import pwd
 import stat
+import struct
 from typing import Any
 
 from torchpass import layout
@@ -98,5 +101,54 @@ def registration(dfd: int, job_id: int, owner: int) -> dict[str, Any] | None:
     return {**info, "job_id": job_id, "uid": owner}
 
 
-__all__ = ["MAX_REGISTRATION_BYTES", "open_jobs_dir", "is_job_name", "open_job_dir", "job_names", "read_file",
+# --- what root writes there for the owner alone (snapshot manifests) ------------------------------
+
+def private_group(uid: int) -> int | None:
+    """``uid``'s primary group if it is a user-private group (named as the user, no other member
+    listed), else None: a shared primary group ("users") must not read what is the owner's alone."""
+    try:
+        pw = pwd.getpwuid(uid)
+        gr = grp.getgrgid(pw.pw_gid)
+    except KeyError:
+        return None
+    if gr.gr_name != pw.pw_name or set(gr.gr_mem) - {pw.pw_name}:
+        return None
+    return pw.pw_gid
+
+
+# A POSIX access ACL as the kernel takes it in system.posix_acl_access (linux/posix_acl_xattr.h):
+# version 2, then (tag, perm, id) entries sorted by tag.
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+
+
+def _owner_acl(uid: int, perm: int) -> bytes:
+    entries = [(_ACL_USER_OBJ, 7 if perm & 1 else 6, _ACL_UNDEFINED_ID), (_ACL_USER, perm, uid),
+               (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID), (_ACL_MASK, perm, _ACL_UNDEFINED_ID),
+               (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+def share_with_owner(fd: int, uid: int, gid: int | None, *, directory: bool) -> str | None:
+    """Make root's file (or directory) ``fd`` readable by ``uid`` and root alone: through ``gid``
+    when it is given (``uid``'s private group, see private_group), else through a POSIX ACL entry
+    for ``uid`` (owner root, group root, no group or other bits). Why the owner cannot read it
+    (the filesystem has no ACLs), or None."""
+    mode = 0o750 if directory else 0o640
+    if gid is not None:
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, mode)
+        return None
+    os.fchown(fd, 0, 0)
+    os.fchmod(fd, mode & 0o700)
+    try:
+        os.setxattr(fd, "system.posix_acl_access", _owner_acl(uid, 5 if directory else 4))
+    except OSError as exc:
+        return (f"uid {uid} has no private group and this filesystem takes no ACL ({exc.strerror}): "
+                "only root reads it")
+    return None
+
+
+__all__ = ["MAX_REGISTRATION_BYTES", "private_group", "share_with_owner", "open_jobs_dir", "is_job_name", "open_job_dir", "job_names", "read_file",
            "read_json", "registration"]

@@ -300,3 +300,55 @@ def test_resume_reads_the_output_with_the_job_users_rights(state, owner, monkeyp
     (note,) = json.loads(res.output)["notes"]
     assert "Permission denied" in note, note
     assert not (d / layout.STOPPED_OUT).exists() and slurm.released == [JOB]
+
+
+# --- snapshot manifests (tpassd, root) -----------------------------------------------------------
+
+def _user_in_group(name: str, group: str) -> pwd.struct_passwd:
+    """A user whose primary group is the shared ``group`` (no user-private group)."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "-N", "-g", group, "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                       check=True, timeout=30)
+        return pwd.getpwnam(name)
+
+
+def test_a_manifest_is_the_owners_alone_when_their_primary_group_is_shared(state):
+    """tpassd commits a whole-job snapshot of a user whose primary group is "users": another member
+    of "users" cannot read its manifest (even where jobs/J is 0755, as an older plugin left it); the
+    owner can (an ACL entry), through the same tpassctl snapshots listing."""
+    from torchpass import auth, wire
+    from torchpass.checkpoint import manifest as mf
+    from torchpass.checkpoint.service import CheckpointService
+
+    a, b = _user_in_group("tpshared1", "users"), _user_in_group("tpshared2", "users")
+    _job_dir(state, 5, a)
+    snap_dir = state / "snap"
+    svc = CheckpointService(snap_dir, "n1", state_dir=state, job_owner=lambda j: a.pw_uid, wall=lambda: 1000.0)
+    parts = []
+    for rank in range(2):
+        d = layout.snapshot_images_dir(snap_dir, 5, "s1", rank)
+        d.mkdir(parents=True)
+        (d / "pages-1.img").write_bytes(b"x" * 10)
+        mf.write_manifest(d, {"job": 5, "rank": rank, "snapshot": "s1", "node": "n1"})
+        parts.append({"rank": rank, "node": "n1", "images": str(d), "checksum": mf.checksum(d)})
+    body = {"job_id": 5, "rank": 0, "op": "commit", "snapshot": "s1", "step": 1, "generation": 1, "collectives": 1,
+            "keep": 2, "parts": parts}
+    svc.snapshot(wire.Message("tpassd.snapshot", body), auth.Identity(uid=a.pw_uid, gid=a.pw_gid))
+    path = str(layout.snapshot_manifest(state, 5, "s1"))
+
+    def read():
+        class R:  # the shape _as_user reports
+            exit_code, output = 0, ""
+        try:
+            R.output = open(path).read()
+        except OSError as exc:
+            R.exit_code, R.output = 1, exc.strerror
+        return R
+
+    assert _as_user(b, read) == (1, "Permission denied")
+    code, text = _as_user(a, read)
+    assert code == 0 and json.loads(text)["snapshot"] == "s1", text
+    code, out = _as_user(a, lambda: _tpassctl(state, "snapshots", "5", "--json"))
+    assert code == 0 and [r["snapshot"] for r in json.loads(out)["snapshots"]] == ["s1"], out
