@@ -36,6 +36,7 @@ from torchpass.tpassd_ports import tpassd_ports
 from tpassctl.events_cmd import registration, saved_events
 from tpassctl.migrate_cmd import auth_target
 from tpassctl.nodes_cmd import discover
+from tpassctl.status_cmd import visible_job
 
 SNAPSHOT_EVENTS = ("snapshot.completed", "snapshot.failed")
 # --stop: the snapshot is complete and the job being held (job.stopping), or it went on (the others)
@@ -320,6 +321,7 @@ def resume(obj, job_id, as_json):
     from torchpass.coordinator.stopped import read_stopped
     from torchpass.slurm import client
 
+    os.close(visible_job(obj.state_dir, job_id)[0])  # the owner's or an admin's: else the one refusal line
     try:
         stopped = read_stopped(obj.state_dir, job_id)
     except TorchpassError as exc:
