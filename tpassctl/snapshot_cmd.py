@@ -316,7 +316,8 @@ def resume(obj, job_id, as_json):
     Slurm starts it again under the same job id; its batch script runs from the top
     and the srun that was stopped restores every rank from the snapshot, which goes
     on at the step it stopped at. What the job printed before the stop stays in its
-    output file. Only the job's owner or an admin (Slurm checks the release).
+    output file (copied as the job's user, also when an admin resumes it). Only the
+    job's owner or an admin (Slurm checks the release).
     """
     from torchpass.coordinator.stopped import read_stopped
     from torchpass.slurm import client
