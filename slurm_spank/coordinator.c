@@ -98,22 +98,24 @@ int tpass_coord_stop(pid_t pid, unsigned long long start_time, uid_t uid,
 
 /*
  * slurm.conf as slurmstepd holds it (libslurm's global, filled from what
- * slurmd sent).  Weak: srun, sbatch and the C unit tests have none, or an
- * empty one.  No call into Slurm is made.
+ * slurmd sent: slurmstepd_init.c packs slurm_user_id, not slurm_user_name,
+ * which is NULL there).  Weak: the C unit tests have none.  No call into
+ * Slurm is made.
  */
 extern slurm_conf_t slurm_conf __attribute__((weak));
 
 /*
  * SlurmUser's primary group: the group of STATE_DIR/jobs/JOB, so that
- * SlurmUser reads a job's state whatever user runs it.  Without slurm.conf
- * (or SlurmUser unknown here): root's group, so that no one else does.
+ * SlurmUser reads a job's state whatever user runs it.  Without slurm.conf,
+ * or a SlurmUser this node cannot name: root's group, so that no one else
+ * does.
  */
 static gid_t slurm_user_gid(void)
 {
 	struct passwd pw, *res = NULL;
 	char buf[4096];
 
-	if (&slurm_conf == NULL || !slurm_conf.slurm_user_name)
+	if (&slurm_conf == NULL)
 		return 0;
 	if (getpwuid_r(slurm_conf.slurm_user_id, &pw, buf, sizeof(buf), &res) != 0 ||
 	    !res)
