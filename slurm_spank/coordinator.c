@@ -15,6 +15,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <poll.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <slurm/slurm.h>
 
 #include "layout.h"
 #include "proc.h"
@@ -94,6 +96,33 @@ int tpass_coord_stop(pid_t pid, unsigned long long start_time, uid_t uid,
 
 /* ------------------------------------------------------------ directories */
 
+/*
+ * slurm.conf as slurmstepd holds it (libslurm's global, filled from what
+ * slurmd sent: slurmstepd_init.c packs slurm_user_id, not slurm_user_name,
+ * which is NULL there).  Weak: the C unit tests have none.  No call into
+ * Slurm is made.
+ */
+extern slurm_conf_t slurm_conf __attribute__((weak));
+
+/*
+ * SlurmUser's primary group: the group of STATE_DIR/jobs/JOB, so that
+ * SlurmUser reads a job's state whatever user runs it.  Without slurm.conf,
+ * or a SlurmUser this node cannot name: root's group, so that no one else
+ * does.
+ */
+static gid_t slurm_user_gid(void)
+{
+	struct passwd pw, *res = NULL;
+	char buf[4096];
+
+	if (&slurm_conf == NULL)
+		return 0;
+	if (getpwuid_r(slurm_conf.slurm_user_id, &pw, buf, sizeof(buf), &res) != 0 ||
+	    !res)
+		return 0;
+	return res->pw_gid;
+}
+
 static int check_root_dir(int fd, const char *path, char *err, size_t errlen)
 {
 	struct stat st;
@@ -113,8 +142,30 @@ static int check_root_dir(int fd, const char *path, char *err, size_t errlen)
 }
 
 /*
+ * STATE_DIR/jobs: root's, and writable by root alone (no sticky exception):
+ * whoever owns jobs/JOB is taken for the job's owner (tpassctl), so only root
+ * may make one.
+ */
+static int check_jobs_dir(int fd, const char *path, char *err, size_t errlen)
+{
+	struct stat st;
+
+	if (fstat(fd, &st) < 0)
+		return tpass_fail(err, errlen, "cannot stat %s: %s", path,
+			    strerror(errno));
+	if (st.st_uid != 0 || (st.st_mode & (S_IWOTH | S_IWGRP)))
+		return tpass_fail(err, errlen,
+			    "%s must be owned by root and writable by root alone (it is uid %u, mode %04o); run chown root: %s; chmod %04o %s",
+			    path, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777),
+			    path, TPASS_LAYOUT_JOBS_DIR_MODE, path);
+	return 0;
+}
+
+/*
  * Open STATE_DIR/jobs/JOB, creating what is missing, and make sure the job
- * directory belongs to the job user.  Returns a directory fd.
+ * directory belongs to the job user, group SlurmUser's, mode
+ * TPASS_LAYOUT_JOB_DIR_MODE (private to them and root; setgid, so what the
+ * job makes inside gets SlurmUser's group).  Returns a directory fd.
  */
 static int open_job_dir(const struct tpass_conf *conf,
 			const struct tpass_job *job, char *err, size_t errlen)
@@ -131,7 +182,7 @@ static int open_job_dir(const struct tpass_conf *conf,
 	if (check_root_dir(sfd, conf->state_dir, err, errlen) < 0)
 		goto out;
 	snprintf(jobs_path, sizeof(jobs_path), "%s/" TPASS_LAYOUT_JOBS, conf->state_dir);
-	if (mkdirat(sfd, TPASS_LAYOUT_JOBS, 0755) < 0 && errno != EEXIST) {
+	if (mkdirat(sfd, TPASS_LAYOUT_JOBS, TPASS_LAYOUT_JOBS_DIR_MODE) < 0 && errno != EEXIST) {
 		tpass_fail(err, errlen, "cannot create %s: %s", jobs_path,
 		     strerror(errno));
 		goto out;
@@ -142,11 +193,12 @@ static int open_job_dir(const struct tpass_conf *conf,
 		     strerror(errno));
 		goto out;
 	}
-	if (check_root_dir(jfd, jobs_path, err, errlen) < 0)
+	if (check_jobs_dir(jfd, jobs_path, err, errlen) < 0)
 		goto out;
 
 	snprintf(name, sizeof(name), "%u", job->job_id);
-	if (mkdirat(jfd, name, 0755) < 0 && errno != EEXIST) {
+	/* 0700 until it has its owner and group */
+	if (mkdirat(jfd, name, 0700) < 0 && errno != EEXIST) {
 		tpass_fail(err, errlen, "cannot create %s/%s: %s", jobs_path, name,
 		     strerror(errno));
 		goto out;
@@ -162,16 +214,17 @@ static int open_job_dir(const struct tpass_conf *conf,
 		     strerror(errno));
 		goto bad;
 	}
-	if (st.st_uid == 0 && job->uid != 0) {
-		if (fchown(dfd, job->uid, job->gid) < 0) {
-			tpass_fail(err, errlen, "cannot chown %s/%s: %s", jobs_path,
-			     name, strerror(errno));
-			goto bad;
-		}
-	} else if (st.st_uid != job->uid) {
+	if (st.st_uid != 0 && st.st_uid != job->uid) {
 		tpass_fail(err, errlen,
 		     "%s/%s belongs to uid %u, not to the job user %u",
 		     jobs_path, name, (unsigned)st.st_uid, (unsigned)job->uid);
+		goto bad;
+	}
+	/* also on a requeue: a directory left with other modes by an older torchpass */
+	if (fchown(dfd, job->uid, slurm_user_gid()) < 0 ||
+	    fchmod(dfd, TPASS_LAYOUT_JOB_DIR_MODE) < 0) {
+		tpass_fail(err, errlen, "cannot give %s/%s to uid %u: %s", jobs_path,
+		     name, (unsigned)job->uid, strerror(errno));
 		goto bad;
 	}
 	goto out;
@@ -187,6 +240,19 @@ out:
 
 /* --------------------------------------------------------------- pid file */
 
+/*
+ * A regular file of uid with one link: the job's user can put a FIFO, a
+ * device or a hard link to a file they cannot read in their directory; root
+ * reads none of them.
+ */
+static bool is_plain_file_of(int fd, uid_t uid)
+{
+	struct stat st;
+
+	return fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+	       st.st_uid == uid;
+}
+
 static int read_pidfile(int dfd, pid_t *pid, unsigned long long *start,
 			char *node, size_t nodelen)
 {
@@ -198,6 +264,11 @@ static int read_pidfile(int dfd, pid_t *pid, unsigned long long *start,
 	fd = openat(dfd, PIDFILE, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
+	/* root wrote it (write_pidfile): one the job's user put there is not read */
+	if (!is_plain_file_of(fd, 0)) {
+		close(fd);
+		return -1;
+	}
 	n = read(fd, buf, sizeof(buf) - 1);
 	close(fd);
 	if (n <= 0)
@@ -221,7 +292,8 @@ static int write_pidfile(int dfd, const struct tpass_coord *c,
 		     c->start_time, node);
 	unlinkat(dfd, PIDFILE ".tmp", 0);
 	fd = openat(dfd, PIDFILE ".tmp",
-		    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+		    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+		    TPASS_LAYOUT_JOB_FILE_MODE);
 	if (fd < 0)
 		return tpass_fail(err, errlen, "cannot write %s: %s", PIDFILE,
 			    strerror(errno));
@@ -237,8 +309,11 @@ static int write_pidfile(int dfd, const struct tpass_coord *c,
 	return 0;
 }
 
-/* Last non-empty line of the coordinator log, for error messages. */
-static void log_tail(int dfd, char *out, size_t len)
+/*
+ * Last non-empty line of the coordinator log, for error messages: only from
+ * a regular file of the job's user (the coordinator made it as that user).
+ */
+static void log_tail(int dfd, uid_t uid, char *out, size_t len)
 {
 	char buf[4096];
 	ssize_t n;
@@ -250,6 +325,10 @@ static void log_tail(int dfd, char *out, size_t len)
 	fd = openat(dfd, LOGFILE, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
 	if (fd < 0)
 		return;
+	if (!is_plain_file_of(fd, uid)) {
+		close(fd);
+		return;
+	}
 	size = lseek(fd, 0, SEEK_END);
 	if (size > (off_t)sizeof(buf) - 1)
 		lseek(fd, size - (off_t)sizeof(buf) + 1, SEEK_SET);
@@ -368,14 +447,17 @@ static void exec_coordinator(const struct tpass_conf *conf,
 	if (job->uid != 0 && (setuid(0) == 0 || geteuid() == 0))
 		child_fail(ready_w, "dropping root privileges", EPERM);
 
-	umask(022);
+	umask(TPASS_LAYOUT_JOB_UMASK);
 	if (fchdir(dfd) < 0)
 		child_fail(ready_w, "chdir to the job directory", errno);
 	logfd = openat(dfd, LOGFILE,
 		       O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
-		       0644);
+		       TPASS_LAYOUT_JOB_FILE_MODE);
 	if (logfd < 0)
 		child_fail(ready_w, "open " LOGFILE, errno);
+	/* a log an earlier run left with wider modes */
+	if (fchmod(logfd, TPASS_LAYOUT_JOB_FILE_MODE) < 0)
+		child_fail(ready_w, "chmod " LOGFILE, errno);
 	logfd = move_high(logfd);
 	nullfd = move_high(open("/dev/null", O_RDONLY | O_CLOEXEC));
 	if (logfd < 0 || nullfd < 0)
@@ -527,7 +609,7 @@ int tpass_coord_start(const struct tpass_conf *conf, const struct tpass_job *job
 		goto out;
 	}
 	if (rc != 1) {
-		log_tail(dfd, tail, sizeof(tail));
+		log_tail(dfd, job->uid, tail, sizeof(tail));
 		if (out->start_time)
 			tpass_coord_stop(pid, out->start_time, job->uid, 1,
 					 line, sizeof(line));

@@ -49,4 +49,14 @@
  * before the step's srun; torchpass.layout.RESTORE_TOKEN_TTL_S) */
 #define TPASS_RESTORE_TOKEN_TTL_S    600
 
+/*
+ * Modes (torchpass/layout.py explains them): jobs/ is root's alone; jobs/JOB
+ * is the job user's, group SlurmUser's, setgid so what is made inside gets
+ * that group; the coordinator runs with TPASS_LAYOUT_JOB_UMASK.
+ */
+#define TPASS_LAYOUT_JOBS_DIR_MODE   0755
+#define TPASS_LAYOUT_JOB_DIR_MODE    02750
+#define TPASS_LAYOUT_JOB_FILE_MODE   0640
+#define TPASS_LAYOUT_JOB_UMASK       027
+
 #endif /* TPASS_LAYOUT_H */

@@ -86,7 +86,8 @@ int tpass_stopped_parse(const char *text, char *snap, size_t snaplen,
  * regular file owned by uid: its fd, with its size in *size; -2 if there is
  * no such file; -1 with err otherwise.  O_NOFOLLOW and the owner check keep
  * a link to someone else's file from being read (and echoed in an error
- * line) with slurmstepd's rights; O_NONBLOCK keeps a FIFO from hanging it.
+ * line) with slurmstepd's rights, and so does the one-link check for a hard
+ * link; O_NONBLOCK keeps a FIFO from hanging it.
  */
 static int open_user_file(const char *state_dir, unsigned job_id,
 			  const char *name, uid_t uid, char *path,
@@ -121,6 +122,12 @@ static int open_user_file(const char *state_dir, unsigned job_id,
 		tpass_fail(err, errlen,
 			   "%s is owned by uid %u, not by the job's user (uid %u); not read",
 			   path, (unsigned)st.st_uid, (unsigned)uid);
+		goto bad;
+	}
+	/* a hard link to a file the user cannot read would be read as root */
+	if (st.st_nlink != 1) {
+		tpass_fail(err, errlen, "%s has %lu links; not read", path,
+			   (unsigned long)st.st_nlink);
 		goto bad;
 	}
 	*size = st.st_size;

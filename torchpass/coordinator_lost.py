@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +50,17 @@ def create(state_dir: layout.PathLike, job: int | str, record: dict[str, Any]) -
 def read_job_file(state_dir: layout.PathLike, job: int | str, p: Path, max_bytes: int = MAX_BYTES) -> Any:
     """The JSON in ``p``, a file of STATE_DIR/jobs/J; None unless it is trustworthy.
 
-    Trusted only if it is a regular file (not a link, FIFO or device: read
-    without following and capped in size) owned by the owner of jobs/J (made
-    by the root plugin for the job's user): the state directory is shared.
+    Trusted only if it is a regular file with one link (not a link, FIFO or
+    device: read without following and capped in size) owned by the owner of
+    jobs/J (made by the root plugin for the job's user): the state directory
+    is shared.
     """
+    from torchpass.checkpoint import safeio  # stdlib only: no torch, no zmq
+
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        owner = os.stat(layout.job_dir(state_dir, job), follow_symlinks=False).st_uid
+        data = safeio.read_regular(p, max_bytes, owner=owner)  # one link, too: root (an admin's tpassctl) reads it
     except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != layout.job_dir(state_dir, job).stat().st_uid:
-            return None
-        data = os.read(fd, max_bytes + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
         return None
     try:
         return json.loads(data)

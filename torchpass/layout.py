@@ -4,7 +4,9 @@ Two trees, both on a filesystem every node of a job shares:
 
 ```
 STATE_DIR/                        (tpassd/coordinator --state-dir, /var/lib/torchpass)
-  jobs/J/                         job_dir(state_dir, J); made by the SPANK plugin, owned by the job user
+  jobs/                           root's alone (JOBS_DIR_MODE): no user can make a jobs/J
+  jobs/J/                         job_dir(state_dir, J); made by the SPANK plugin (root) at the job's start,
+                                  owner the job's user, group SlurmUser's, JOB_DIR_MODE: private to them and root
     coordinator.json              coordinator_json(): registration (endpoint, auth) for tpassctl
     coordinator.pid               coordinator_pid(): "PID STARTTIME NODE" (written by the C plugin)
     coordinator.log               coordinator_log(): the coordinator's stdout/stderr (C plugin)
@@ -67,6 +69,17 @@ EVENTS_JSON = "events.json"
 RANKS = "ranks"
 HOLD = "hold"
 RESTORED_RANKS_OUT = "restored-ranks.out"
+
+# Who may read STATE_DIR/jobs/J (slurm_spank/layout.h spells the same modes). jobs/ is root's and
+# writable by root alone, so the owner of jobs/J, made by the plugin as root and given to the job's
+# user, is the job's owner. jobs/J's group is SlurmUser's primary group, and its setgid bit gives
+# that group to every file and directory made inside: the owner, root and SlurmUser read a job's
+# events, log and rank records, whether it runs or has ended, and no other user does, whatever
+# Slurm's PrivateData says. The coordinator runs with JOB_UMASK.
+JOBS_DIR_MODE = 0o755
+JOB_DIR_MODE = 0o2750
+JOB_FILE_MODE = 0o640
+JOB_UMASK = 0o027
 
 # Suffixes of the per-rank files in RANK_DIR/jobJ.
 RECORD_SUFFIX = ".json"
@@ -288,7 +301,7 @@ def snapshot_manifest(state_dir: PathLike, job: int | str, snap: str) -> Path:
 __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_WAKE", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
-    "DEFAULT_RANK_DIR",
+    "DEFAULT_RANK_DIR", "JOBS_DIR_MODE", "JOB_DIR_MODE", "JOB_FILE_MODE", "JOB_UMASK",
     "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file", "stopped_file", "stopped_out", "stopped_err", "STOPPED", "STOPPED_OUT", "STOPPED_ERR",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from torchpass import auth, coordinator_lost, layout, zmqio
+from torchpass import auth, coordinator_lost, jobdir, layout, zmqio
 from torchpass.errors import RemoteError, TorchpassError, UnreachableError
-from tpassctl.status_cmd import discover_coordinators, exit_if_refused
+from tpassctl.status_cmd import discover_coordinators, exit_if_refused, job_registration, visible_job
 
 # The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
 # The saved log holds at most 10,000 events (state.EVENTS_KEPT; per-rank ones go first).
@@ -21,14 +22,9 @@ PHASE_ORDER = ("detect", "spare", "pause", "dump", "transfer", "restore", "kill_
 
 
 def registration(state_dir: Path, job_id: int) -> dict[str, Any]:
-    """The coordinator registration of ``job_id``; a one-line ClickException if there is none."""
-    regs = discover_coordinators(state_dir)
-    if job_id not in regs:
-        raise click.ClickException(
-            f"job {job_id} has no torchpass coordinator registered in {state_dir}"
-            " (not a --torchpass job, not running, or a different --state-dir)"
-        )
-    return regs[job_id]
+    """The coordinator registration of ``job_id`` if the caller may see the job; a one-line
+    ClickException otherwise (status_cmd.job_registration)."""
+    return job_registration(state_dir, job_id)
 
 
 def format_durations(durations: dict[str, Any]) -> str:
@@ -57,14 +53,20 @@ def fetch(job_id: int, info: dict[str, Any], since_seq: int, timeout_s: float) -
 def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
     """The event log a finished job's coordinator left in STATE_DIR/jobs/J/events.json.
 
-    Trusted only if the file belongs to the owner of jobs/J (created by the
-    root plugin for the job's user), like registrations in discover_coordinators.
+    Trusted only if the file belongs to the owner of jobs/J (made by the root plugin for the
+    job's user) and is a plain file of one link, read without following a link (torchpass.jobdir).
     """
-    path = layout.events_json(state_dir, job_id)
-    events = coordinator_lost.read_job_file(state_dir, job_id, path, max_bytes=SAVED_EVENTS_MAX_BYTES)
+    try:
+        fd, owner = jobdir.open_job_dir(state_dir, job_id)
+    except OSError:
+        return None
+    try:
+        events = jobdir.read_json(fd, layout.EVENTS_JSON, owner, SAVED_EVENTS_MAX_BYTES)
+    finally:
+        os.close(fd)
     if not isinstance(events, list):
         return None
-    return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(path),
+    return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(layout.events_json(state_dir, job_id)),
             "events": [e for e in events if isinstance(e, dict)]}
 
 
@@ -93,23 +95,30 @@ def _when(t: Any) -> str:
               help="Seconds to wait for each coordinator.")
 @click.pass_obj
 def events(obj, job_id, as_json, since_seq, timeout_s):
-    """Show the event log of JOB_ID's coordinator (or of every registered job).
+    """Show the event log of JOB_ID's coordinator (or of every registered job you may see).
 
     A job whose coordinator has ended is read from the event log it saved
-    in the state directory. One line per event: time, kind, message; migrations also show how long
-    each phase took (detect, spare, pause, dump, transfer, restore,
+    in the state directory. Only the job's owner, root and SlurmUser see it,
+    running or ended; anyone else gets one line, the same as for a job id
+    with no torchpass job. One line per event: time, kind, message;
+    migrations also show how long each phase took (detect, spare, pause, dump, transfer, restore,
     kill_source, rebuild, drain, shrink). "pause" runs from the pause
     command until the last rank reached the pause point T: the ranks train
     on meanwhile. "paused" is the time training stood still: from the last
     rank reaching T to the end of the rebuild (or rollback).
     """
     if job_id is not None:
+        # Only the job's owner or an admin: anyone else gets the one refusal line (status_cmd).
+        fd, owner = visible_job(obj.state_dir, job_id)
+        try:
+            info = jobdir.registration(fd, job_id, owner)
+        finally:
+            os.close(fd)
         # A running job answers through its coordinator; a finished one (or one
         # whose coordinator is gone) from the log its coordinator saved.
         saved = saved_events(obj.state_dir, job_id)
-        regs = discover_coordinators(obj.state_dir)
-        if job_id in regs:
-            rows = [fetch(job_id, regs[job_id], since_seq, timeout_s)]
+        if info is not None:
+            rows = [fetch(job_id, info, since_seq, timeout_s)]
             if not rows[0]["reachable"]:
                 if saved is None and coordinator_lost.read(obj.state_dir, job_id) is None:
                     raise click.ClickException(f"job {job_id}: {rows[0]['error']}")
@@ -117,8 +126,9 @@ def events(obj, job_id, as_json, since_seq, timeout_s):
         elif saved is not None:
             rows = [saved]
         else:
-            registration(obj.state_dir, job_id)  # raises the one-line "no coordinator" error
-            rows = []
+            raise click.ClickException(
+                f"job {job_id} has no torchpass coordinator registered in {obj.state_dir} and no saved "
+                "event log (not a --torchpass job, or a different --state-dir)")
         for row in rows:
             with_lost_note(obj.state_dir, row)
             if row.get("saved") or since_seq:

@@ -15,21 +15,28 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import secrets
+import select
+import signal
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from torchpass import auth, layout, zmqio
+from torchpass import auth, jobdir, layout, zmqio
+from torchpass.checkpoint import safeio
 from torchpass.checkpoint.service import read_job_manifests
 from torchpass.errors import AuthError, DependencyError, RemoteError, TorchpassError, UnreachableError
 from torchpass.slurm.conf import job_privacy
 from torchpass.tpassd_ports import tpassd_ports
-from tpassctl.events_cmd import registration
+from tpassctl.events_cmd import registration, saved_events
 from tpassctl.migrate_cmd import auth_target
 from tpassctl.nodes_cmd import discover
+from tpassctl.status_cmd import visible_job
 
 SNAPSHOT_EVENTS = ("snapshot.completed", "snapshot.failed")
 # --stop: the snapshot is complete and the job being held (job.stopping), or it went on (the others)
@@ -97,12 +104,9 @@ def _wait_for(state_dir: Path, job_id: int, sid: str, wait_s: float,
               kinds: tuple[str, ...] = SNAPSHOT_EVENTS) -> dict[str, Any] | None:
     """The snapshot's final event from the job's event log (events.json), or None after ``wait_s``."""
     deadline = time.monotonic() + wait_s
-    path = layout.events_json(state_dir, job_id)
     while True:
-        try:
-            events = json.loads(path.read_text())
-        except (OSError, ValueError):
-            events = []
+        saved = saved_events(state_dir, job_id)  # a plain file of the job's owner (an admin may be root)
+        events = saved["events"] if saved else []
         for ev in events:
             if ev.get("kind") in kinds and (ev.get("data") or {}).get("snapshot") == sid:
                 return ev
@@ -117,12 +121,14 @@ def list_snapshots(state_dir: Path, job_id: int | None = None, uid: int | None =
     uid = os.getuid() if uid is None else uid
     admin = uid in job_privacy()[1]
     now = time.time() if now is None else now
-    jobs = [job_id] if job_id is not None else sorted(
-        int(p.name) for p in layout.jobs_dir(state_dir).glob("*") if p.name.isdigit())
+    try:
+        jobs = [job_id] if job_id is not None else jobdir.job_names(state_dir)
+    except OSError as exc:
+        raise click.ClickException(str(exc)) from None
     rows = []
     for j in jobs:
-        try:
-            dfd = os.open(layout.snapshot_manifests_dir(state_dir, j), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:  # jobs/J is its owner's: no symlink followed below it
+            dfd = safeio.open_dir(state_dir, layout.snapshot_manifests_dir(".", j).parts)
         except OSError:
             continue  # none, or not ours to read
         try:
@@ -197,10 +203,13 @@ def snapshots(obj, job_id, delete_id, endpoints, as_json, timeout_s):
                    f"{r['ranks']}")
 
 
-def _keep_output(src: str, dest: Path, uid: int) -> str | None:
-    """Copy the job's output file ``src`` to ``dest`` (the plugin writes it back when the resumed
-    batch step starts: Slurm truncates the file then). Only a regular file of the job's owner,
-    never through a link (an admin runs this as root). Why not, or None when copied."""
+KEEP_OUTPUT_TIMEOUT_S = 300.0  # copying the job's output file; a NFS server that stopped answering ends it
+
+
+def _copy_output(src: str, state_dir: Path, job_id: int, name: str, uid: int) -> str | None:
+    """Copy ``src``, a regular file of ``uid``, to STATE_DIR/jobs/J/``name`` through a fresh
+    O_EXCL|O_NOFOLLOW file of a random name, renamed over ``name``: a FIFO, a symlink or a
+    file planted at any name in the job's directory is never opened. Why not, or None."""
     try:
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -209,23 +218,92 @@ def _keep_output(src: str, dest: Path, uid: int) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
             return f"{src} is not a regular file of the job's owner (uid {uid})"
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        dfd = safeio.open_dir(state_dir, (layout.JOBS, str(job_id)))
         try:
-            while chunk := os.read(fd, 1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view):]
-            if os.geteuid() == 0:
-                os.fchown(out, uid, -1)
+            tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          layout.JOB_FILE_MODE, dir_fd=dfd)
+            try:
+                try:
+                    while chunk := os.read(fd, 1 << 20):
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(out, view):]
+                finally:
+                    os.close(out)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
         finally:
-            os.close(out)
-        os.replace(tmp, dest)
+            os.close(dfd)
         return None
     except OSError as exc:
-        return f"cannot copy {src} to {dest}: {exc}"
+        return f"cannot copy {src} to {layout.job_dir(state_dir, job_id) / name}: {exc}"
     finally:
         os.close(fd)
+
+
+def _as_user(uid: int, fn: Callable[[], str | None], timeout_s: float) -> str | None:
+    """``fn()`` in a child that is ``uid`` alone (its groups, its gid: setgroups, setresgid,
+    setresuid), so that root touches nothing of a user's with root's rights. Its result, or why not."""
+    try:
+        pw = pwd.getpwuid(uid)
+        groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
+    except (KeyError, OSError) as exc:
+        return f"cannot find the job's owner (uid {uid}) to copy as: {exc}"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setresgid(pw.pw_gid, pw.pw_gid, pw.pw_gid)
+            os.setresuid(uid, uid, uid)
+            why = fn()
+            os.write(w, json.dumps({"why": why}).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, never raised past fork
+            try:
+                os.write(w, json.dumps({"why": f"as uid {uid}: {exc}"}).encode())
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        deadline = time.monotonic() + timeout_s
+        data = b""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return f"copying as uid {uid} took more than {timeout_s:g}s; stopped"
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    try:
+        return json.loads(data)["why"]
+    except (ValueError, KeyError, TypeError):
+        return f"copying as uid {uid} ended without an answer"
+
+
+def keep_output(src: str, state_dir: Path, job_id: int, name: str, uid: int,
+                timeout_s: float = KEEP_OUTPUT_TIMEOUT_S) -> str | None:
+    """Copy the job's output file ``src`` to STATE_DIR/jobs/J/``name`` (the plugin writes it back when
+    the resumed batch step starts: Slurm truncates the file then), as the job's user ``uid``: root
+    (an admin's resume) drops to the user in a child first. Why not, or None when copied."""
+    if os.geteuid() == 0 and uid != 0:
+        return _as_user(uid, lambda: _copy_output(src, state_dir, job_id, name, uid), timeout_s)
+    return _copy_output(src, state_dir, job_id, name, uid)
 
 
 @click.command()
@@ -238,11 +316,13 @@ def resume(obj, job_id, as_json):
     Slurm starts it again under the same job id; its batch script runs from the top
     and the srun that was stopped restores every rank from the snapshot, which goes
     on at the step it stopped at. What the job printed before the stop stays in its
-    output file. Only the job's owner or an admin (Slurm checks the release).
+    output file (copied as the job's user, also when an admin resumes it). Only the
+    job's owner or an admin (Slurm checks the release).
     """
     from torchpass.coordinator.stopped import read_stopped
     from torchpass.slurm import client
 
+    os.close(visible_job(obj.state_dir, job_id)[0])  # the owner's or an admin's: else the one refusal line
     try:
         stopped = read_stopped(obj.state_dir, job_id)
     except TorchpassError as exc:
@@ -266,10 +346,9 @@ def resume(obj, job_id, as_json):
         raise click.ClickException(f"job {job_id}: snapshot {stopped['snapshot']} it was stopped with is gone "
                                    "(deleted, or past the age limit); it cannot be restored")
     notes = []
-    for src, dest in ((job.output, layout.stopped_out(obj.state_dir, job_id)),
-                      (job.error if job.error and job.error != job.output else "",
-                       layout.stopped_err(obj.state_dir, job_id))):
-        why = _keep_output(src, dest, job.user_id) if src else None
+    for src, name in ((job.output, layout.STOPPED_OUT),
+                      (job.error if job.error and job.error != job.output else "", layout.STOPPED_ERR)):
+        why = keep_output(src, obj.state_dir, job_id, name, job.user_id) if src else None
         if why:
             notes.append(f"its output before the stop is not kept: {why}")
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -9,40 +10,116 @@ from typing import Any
 
 import click
 
-from torchpass import auth, coordinator_lost, layout, zmqio
+from torchpass import auth, coordinator_lost, jobdir, layout, zmqio
 from torchpass.errors import DependencyError, RemoteError, SlurmError, TorchpassError, UnreachableError
 from torchpass.slurm import client
+from torchpass.slurm.conf import job_privacy
 
 
-def discover_coordinators(state_dir: Path) -> dict[int, dict[str, Any]]:
-    """Registrations under STATE_DIR/jobs/*/coordinator.json, by job id.
+def no_state_dir(state_dir: Path) -> click.ClickException:
+    return click.ClickException(
+        f"no torchpass state directory at {state_dir}; pass --state-dir or set TORCHPASS_STATE_DIR "
+        "(for the devcluster: eval \"$(tpassctl devcluster env)\")"
+    )
 
-    A registration counts only if the file belongs to the uid it claims: the
-    state directory is shared and world-writable, so anyone could drop a file.
-    """
-    jobs_dir = layout.jobs_dir(state_dir)
+
+def not_visible(state_dir: Path, job_id: int) -> click.ClickException:
+    """The one refusal for a job the caller may not see: the same line whether the job is another
+    user's, running or ended, or does not exist, so the answer tells nothing about other users' jobs."""
+    return click.ClickException(
+        f"job {job_id}: no torchpass job of yours with this id in {state_dir} (only its owner or an "
+        "admin can see a job; check the id and --state-dir)"
+    )
+
+
+def _slurm_owner(job_id: int) -> int | None:
+    """The uid Slurm records for ``job_id``; None when Slurm does not know it (or cannot say)."""
+    try:
+        job = client().job(job_id)
+    except (SlurmError, DependencyError, TorchpassError):
+        return None
+    return None if job is None else job.user_id
+
+
+def visible_job(state_dir: Path, job_id: int, uid: int | None = None) -> tuple[int, int]:
+    """(directory fd, owner uid) of STATE_DIR/jobs/JOB_ID when the caller may see the job: its
+    owner (the owner of the directory, which only root makes) or an admin (root, SlurmUser).
+    While Slurm knows the job, its owner there must be the directory's. Otherwise the one
+    not_visible line. Close the fd."""
     if not state_dir.is_dir():
+        raise no_state_dir(state_dir)
+    uid = os.getuid() if uid is None else uid
+    try:
+        fd, owner = jobdir.open_job_dir(state_dir, job_id)
+    except (FileNotFoundError, PermissionError, NotADirectoryError):
+        raise not_visible(state_dir, job_id) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise not_visible(state_dir, job_id) from None
+        raise click.ClickException(str(exc)) from None
+    if uid != owner and uid not in job_privacy()[1]:
+        os.close(fd)
+        raise not_visible(state_dir, job_id)
+    slurm_owner = _slurm_owner(job_id)
+    if slurm_owner is not None and slurm_owner != owner:
+        os.close(fd)
         raise click.ClickException(
-            f"no torchpass state directory at {state_dir}; pass --state-dir or set TORCHPASS_STATE_DIR "
-            "(for the devcluster: eval \"$(tpassctl devcluster env)\")"
-        )
+            f"job {job_id}: {layout.job_dir(state_dir, job_id)} belongs to uid {owner} but Slurm says the job "
+            f"is uid {slurm_owner}'s (a directory left by an earlier job {job_id}?); refused")
+    return fd, owner
+
+
+def discover_coordinators(state_dir: Path, uid: int | None = None) -> dict[int, dict[str, Any]]:
+    """The registrations (STATE_DIR/jobs/J/coordinator.json) of the jobs the caller may see, by job id.
+
+    A registration is keyed by the name of its directory and belongs to the directory's owner:
+    jobs/ is root's alone and the SPANK plugin (root) makes jobs/J for job J's user. A file that
+    names another job or another uid changes nothing. Slurm's agreement is checked by the caller.
+    """
+    if not state_dir.is_dir():
+        raise no_state_dir(state_dir)
+    uid = os.getuid() if uid is None else uid
+    admin = uid in job_privacy()[1]
+    try:
+        names = jobdir.job_names(state_dir)
+    except OSError as exc:
+        raise click.ClickException(str(exc)) from None
     found: dict[int, dict[str, Any]] = {}
-    if not jobs_dir.is_dir():
-        return found
-    for path in jobs_dir.glob(f"*/{layout.COORDINATOR_JSON}"):
+    for jid in names:
         try:
-            info = json.loads(path.read_text())
-            owner = path.stat().st_uid
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(info, dict) or info.get("uid") != owner or not isinstance(info.get("job_id"), int):
-            continue
-        found[info["job_id"]] = info
+            fd, owner = jobdir.open_job_dir(state_dir, jid)
+        except OSError:
+            continue  # not ours to read, or gone meanwhile
+        try:
+            if owner != uid and not admin:
+                continue
+            info = jobdir.registration(fd, jid, owner)
+        finally:
+            os.close(fd)
+        if info is not None:
+            found[jid] = info
     return found
 
 
+def job_registration(state_dir: Path, job_id: int) -> dict[str, Any]:
+    """The coordinator registration of ``job_id``, a job the caller may see (visible_job); a
+    one-line ClickException when it has none (ended, or not a --torchpass job)."""
+    fd, owner = visible_job(state_dir, job_id)
+    try:
+        info = jobdir.registration(fd, job_id, owner)
+    finally:
+        os.close(fd)
+    if info is None:
+        raise click.ClickException(
+            f"job {job_id} has no torchpass coordinator registered in {state_dir}"
+            " (not a --torchpass job, not running, or a different --state-dir)"
+        )
+    return info
+
+
 def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[str, Any]]:
-    registrations = discover_coordinators(state_dir)
+    registrations = ({job_id: job_registration(state_dir, job_id)} if job_id is not None
+                     else discover_coordinators(state_dir))
     slurm_jobs: dict[int, Any] = {}
     slurm_error = None
     try:
@@ -50,21 +127,14 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             slurm_jobs[j.job_id] = j
     except (SlurmError, DependencyError) as exc:
         slurm_error = str(exc)
-    if job_id is not None:
-        if job_id not in registrations:
-            raise click.ClickException(
-                f"job {job_id} has no torchpass coordinator registered in {state_dir}"
-                " (not a --torchpass job, not running, or a different state dir)"
-            )
-        registrations = {job_id: registrations[job_id]}
     rows = []
     for jid in sorted(registrations):
         info = registrations[jid]
         sj = slurm_jobs.get(jid)
         if slurm_error is None and sj is None and job_id is None:
             continue  # a leftover registration of a job that has ended
-        if sj is not None and sj.user_id != info["uid"] and info["uid"] != 0:
-            continue  # registered by someone who does not own the job
+        if sj is not None and sj.user_id != info["uid"]:
+            continue  # a directory left by an earlier job of this id: Slurm says whose job it is
         row: dict[str, Any] = {
             "job_id": jid,
             "slurm_state": sj.state if sj else None,
@@ -144,7 +214,9 @@ def status(obj, job_id, as_json, timeout_s):
     """Show running torchpass jobs: coordinator, ranks, node and last step of each.
 
     Lists every job with a registered coordinator that Slurm reports running
-    (or only JOB_ID), and for each rank the time since its last report. A job
+    (or only JOB_ID), and for each rank the time since its last report. You see
+    your own jobs; root and SlurmUser see every job. Another user's job, or a
+    job id with no torchpass job, gets one and the same line. A job
     the runtime cannot protect shows UNPROTECTED and why; a running job whose
     coordinator does not answer shows "coordinator LOST" (nothing migrates it).
     A migration or whole-job snapshot in flight shows its phase and for how

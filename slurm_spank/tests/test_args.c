@@ -10,8 +10,10 @@
 #include "../conf.h"
 #include "../coordinator.h"
 #include "../hostlist.h"
+#include "../layout.h"
 #include "../opts.h"
 #include "../placement.h"
+#include "../proc.h"
 #include "../pythonpath.h"
 #include "../relaunch.h"
 #include "../stop.h"
@@ -895,6 +897,17 @@ static void test_stopped_files(void)
 	CHECK(read_marker(me, snap, &step, &found) < 0 && !found);
 	CHECK_CONTAINS(err, "/jobs/5/stopped is a symbolic link");
 	unlink(path);
+	/* a hard link to a file of the user's (a user makes one to a file they cannot read where
+	 * fs.protected_hardlinks is off; the owner check alone would not see it then) */
+	{
+		char good[256];
+
+		snprintf(good, sizeof(good), "%s/good", job_dir);
+		CHECK(link(good, path) == 0);
+		CHECK(read_marker(me, snap, &step, &found) < 0 && !found);
+		CHECK_CONTAINS(err, "/jobs/5/stopped has 2 links");
+		unlink(path);
+	}
 	/* a directory or a FIFO (not opened blocking) */
 	CHECK(mkdir(path, 0755) == 0);
 	CHECK(read_marker(me, snap, &step, &found) < 0);
@@ -1283,6 +1296,52 @@ static void test_token(void)
 	}
 }
 
+/*
+ * Only a pid file root wrote, a plain file with one link, names the
+ * coordinator (the epilog stops what it names, as root): one the job's user
+ * put in their directory, a hard link or a FIFO names nothing.
+ */
+static void test_coord_pidfile(void)
+{
+	char dir[64] = "/tmp/tpass-pid-XXXXXX", path[256], other[256], line[128];
+	unsigned long long start = tpass_proc_start_time(getpid());
+	int fd, n;
+
+	if (geteuid() != 0)
+		return; /* files of root and of another user: needs root */
+	if (!mkdtemp(dir)) {
+		CHECK(!"mkdtemp");
+		return;
+	}
+	snprintf(path, sizeof(path), "%s/jobs", dir);
+	CHECK(mkdir(path, 0755) == 0);
+	snprintf(path, sizeof(path), "%s/jobs/7", dir);
+	CHECK(mkdir(path, 0755) == 0);
+	snprintf(path, sizeof(path), "%s/jobs/7/" TPASS_LAYOUT_COORDINATOR_PID, dir);
+	snprintf(other, sizeof(other), "%s/other", dir);
+	n = snprintf(line, sizeof(line), "%d %llu n1\n", (int)getpid(), start);
+	fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0640);
+	CHECK(fd >= 0 && write(fd, line, (size_t)n) == n);
+	close(fd);
+	CHECK(tpass_coord_running(dir, 7, 0, "n1")); /* root's, one link: this process */
+	CHECK(chown(path, 65534, 65534) == 0);
+	CHECK(!tpass_coord_running(dir, 7, 0, "n1")); /* the user's file */
+	CHECK(chown(path, 0, 0) == 0);
+	CHECK(link(path, other) == 0);
+	CHECK(!tpass_coord_running(dir, 7, 0, "n1")); /* two links */
+	unlink(other);
+	CHECK(tpass_coord_running(dir, 7, 0, "n1"));
+	unlink(path);
+	CHECK(mkfifo(path, 0640) == 0);
+	CHECK(!tpass_coord_running(dir, 7, 0, "n1")); /* a FIFO, not waited on */
+	unlink(path);
+	snprintf(path, sizeof(path), "%s/jobs/7", dir);
+	rmdir(path);
+	snprintf(path, sizeof(path), "%s/jobs", dir);
+	rmdir(path);
+	rmdir(dir);
+}
+
 int main(void)
 {
 	tpass_conf_defaults(&conf);
@@ -1301,6 +1360,7 @@ int main(void)
 	test_env_set();
 	test_stopped_parse();
 	test_stopped_files();
+	test_coord_pidfile();
 	test_placement();
 	test_token();
 	printf("%d checks, %d failed\n", checks, failed);

@@ -129,7 +129,7 @@ def test_migrate_twice_is_a_conflict(served):
 def test_migrate_unknown_job_and_unreachable_coordinator(served, tmp_path):
     _, sd = served
     res = run(sd, "migrate", "99", "--node", "node1")
-    assert res.exit_code == 1 and "job 99 has no torchpass coordinator registered in" in res.output
+    assert res.exit_code == 1 and "job 99: no torchpass job of yours with this id in" in res.output
     write_registration(sd, 13, {"job_id": 13, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
                                 "uid": os.getuid()})
     res = run(sd, "migrate", "13", "--node", "node1", "--timeout", "0.2")
@@ -186,7 +186,7 @@ def test_events_of_every_job_and_errors(served):
     res = run(sd, "events", "13", "--timeout", "0.1")
     assert res.exit_code == 1 and res.output.startswith("Error: job 13: coordinator unreachable: no reply from")
     res = run(sd, "events", "14")
-    assert res.exit_code == 1 and "job 14 has no torchpass coordinator registered" in res.output
+    assert res.exit_code == 1 and "job 14: no torchpass job of yours with this id in" in res.output
 
 
 def test_events_of_a_finished_job_come_from_its_saved_log(tmp_path):

@@ -31,6 +31,17 @@ def test_every_c_layout_name_equals_the_python_one():
             f"TPASS_LAYOUT_{name} is {value!r} in layout.h but torchpass.layout.{name} is {getattr(layout, name)!r}")
 
 
+MODE = re.compile(r'^#define\s+TPASS_LAYOUT_([A-Z0-9_]+)\s+(0[0-7]*)\s*$', re.M)
+
+
+def test_every_c_layout_mode_equals_the_python_one():
+    modes = dict(MODE.findall((SPANK_DIR / "layout.h").read_text()))
+    assert {"JOBS_DIR_MODE", "JOB_DIR_MODE", "JOB_FILE_MODE", "JOB_UMASK"} <= modes.keys(), modes
+    for name, value in modes.items():
+        assert getattr(layout, name) == int(value, 8), (
+            f"TPASS_LAYOUT_{name} is {value} in layout.h but torchpass.layout.{name} is {getattr(layout, name):o}")
+
+
 def test_no_c_file_spells_a_layout_name():
     values = set(c_layout().values())
     offenders = []

@@ -65,6 +65,7 @@ def world(tmp_path, munge, monkeypatch):
     t.start()
     state = tmp_path / "shared"
     reg = write_registration(state, JOB, {"job_id": JOB, "endpoint": f"tcp://127.0.0.1:{port}", "uid": USER})
+    os.chown(reg.parent, USER, USER)  # jobs/J: the plugin (root) gave it to the job's owner
     os.chown(reg, USER, USER)  # the coordinator runs as the job's owner and wrote it
     yield state, node, slurm, f"node1=tcp://127.0.0.1:{node.ports()['control_port']}"
     stop.set()
@@ -104,8 +105,9 @@ def test_no_drain_leaves_it_in_service(world):
 def test_the_owners_own_request_does_not_drain(world):
     state, _, slurm, ep = world
     reg = layout.coordinator_json(state, JOB)
-    write_registration(state, JOB, {**json.loads(reg.read_text()), "uid": 0})  # root's own job: its
-    res = run(state, "--endpoint", ep)                                          # coordinator drains as today
+    os.chown(reg.parent, 0, 0)  # root's own job: jobs/J is root's, and so is its registration;
+    write_registration(state, JOB, {**json.loads(reg.read_text()), "uid": 0})  # its coordinator drains as today
+    res = run(state, "--endpoint", ep)
     assert res.exit_code == 0 and "drained" not in res.output, res.output
     assert slurm.drained == []
     assert not admin_moves_others_job({"uid": 0}, uid=USER)  # an ordinary user is never an admin

@@ -58,7 +58,11 @@ def test_registration_claiming_another_uid_is_ignored(tmp_path, no_slurm):
 def test_unknown_job_and_missing_state_dir_give_one_line_errors(tmp_path, no_slurm):
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "77"])
     assert res.exit_code == 1
-    assert "job 77 has no torchpass coordinator registered" in res.output
+    assert res.output == (f"Error: job 77: no torchpass job of yours with this id in {tmp_path} (only its owner "
+                          "or an admin can see a job; check the id and --state-dir)\n")
+    (tmp_path / "jobs" / "77").mkdir(parents=True)  # a job of ours whose coordinator has gone
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "77"])
+    assert res.exit_code == 1 and "job 77 has no torchpass coordinator registered" in res.output
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path / "nope"), "status"])
     assert res.exit_code == 1 and "no torchpass state directory at" in res.output
 

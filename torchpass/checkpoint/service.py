@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
@@ -50,7 +49,7 @@ from typing import Any
 
 import structlog
 
-from torchpass import auth, layout, slurm, wire
+from torchpass import auth, jobdir, layout, slurm, wire
 from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint import procs, restore_token, safeio
 from torchpass.checkpoint.cuda import CudaCheckpoint
@@ -201,8 +200,9 @@ class CheckpointService:
         self.snapshot_quota_bytes = 0
         self.snapshot_max_age_s = 0.0
         self.wall = wall  # the job manifest's created time
-        # The group that may read a job's manifests: the owner's primary group (a user private group).
-        self.owner_gid = owner_gid or (lambda uid: pwd.getpwuid(uid).pw_gid)
+        # The group that may read a job's manifests: the owner's primary group if it is a user-private
+        # group; None: no group, the owner reads them through an ACL entry (jobdir.share_with_owner).
+        self.owner_gid = owner_gid or jobdir.private_group
         # The restore-fail fault drill (tpassd/drills.py): True once when armed.
         self.restore_fault = restore_fault or (lambda: False)
         # The kill-fail drill: True once when armed; the next op=kill is refused.
@@ -755,11 +755,17 @@ class CheckpointService:
                 raise RemoteError("forbidden", f"{layout.snapshot_manifests_dir(self.state_dir, job_id)} is not "
                                                "root's (someone else made it); remove it")
             if create_for is not None:
-                os.fchown(fd, 0, self.owner_gid(create_for))
-                os.fchmod(fd, 0o750)
+                self._share_with_owner(fd, create_for, directory=True)
             return fd
         finally:
             os.close(jfd)
+
+    def _share_with_owner(self, fd: int, uid: int, *, directory: bool) -> None:
+        """The manifests (and their directory) are readable by the job's owner only: a group reads
+        them only when it is the owner's private group."""
+        why = jobdir.share_with_owner(fd, uid, self.owner_gid(uid), directory=directory)
+        if why:
+            log.warning("a job manifest its owner cannot read", uid=uid, why=why)
 
     def _commit(self, job_id: int, snap: str, b: dict[str, Any], owner: int | None = None) -> dict[str, Any]:
         owner = self.owner_of(job_id) if owner is None else owner
@@ -781,8 +787,12 @@ class CheckpointService:
         assert dfd is not None
         try:
             name = layout.snapshot_manifest(".", job_id, snap).name
-            safeio.write_at(dfd, name, json.dumps(manifest, indent=1).encode(), mode=0o640)
-            os.chown(name, 0, self.owner_gid(owner), dir_fd=dfd, follow_symlinks=False)
+            safeio.write_at(dfd, name, json.dumps(manifest, indent=1).encode(), mode=0o600)
+            mfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                self._share_with_owner(mfd, owner, directory=False)
+            finally:
+                os.close(mfd)
             removed = self._retain(job_id, dfd, keep, snap)
         finally:
             os.close(dfd)

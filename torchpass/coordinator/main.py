@@ -246,6 +246,10 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
     finally:
         if driver is not None and driver.health is not None:
             driver.health.close()
+        if driver is not None and driver.executor is not None:
+            # The log outlives the coordinator, also of a job that never had an event worth saving
+            # at once (tpassctl events of an ended job; readable by its owner, root and SlurmUser only).
+            driver.executor.save_events()
     try:
         layout.coordinator_json(state_dir, job_id).unlink()
     except OSError:

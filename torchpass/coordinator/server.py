@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import secrets
 import queue
 import threading
 import time
@@ -805,7 +806,12 @@ def write_registration(state_dir: Path, job_id: int, info: dict[str, Any]) -> Pa
     """Record where this job's coordinator listens, for tpassctl on login nodes."""
     path = layout.coordinator_json(state_dir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
+    # tpassctl finds it by the directory's name and owner (torchpass.jobdir), never by what it says;
+    # readable by the job's owner and jobs/J's group (SlurmUser) only, whatever the umask.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, layout.JOB_FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), layout.JOB_FILE_MODE)
+        f.write(json.dumps(info, indent=1))
     os.replace(tmp, path)
     return path
