@@ -36,6 +36,9 @@ class TpassdConfig:
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
     state_dir: Path = Path("/var/lib/torchpass")
     snapshot_dir: Path = Path("/var/lib/torchpass/snapshots")
+    # More node-local directories whose free space is health (besides snapshot_dir); one that a
+    # user other than root can write is left out with a log line (tpassd/collectors/host.py).
+    disk_paths: tuple[Path, ...] = ()
     criu_binary: str = ""  # "" = criu on PATH, else /usr/sbin/criu; must be >= 4.0
     policy: Path | None = None  # health policy TOML; None = the documented defaults
     munge_socket: str = ""  # "" = $MUNGE_SOCKET or munge's default socket

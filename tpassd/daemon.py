@@ -150,9 +150,9 @@ def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
     def owners() -> set[int]:
         try:
             jobs = slurm.client().jobs(states=("RUNNING",))
-        except Exception as exc:  # noqa: BLE001 - no Slurm answer: only root is allowed
+        except Exception as exc:  # noqa: BLE001 - no Slurm answer: the caller refuses all but root
             log.warning("cannot ask Slurm for job owners; only root may do this", error=str(exc))
-            return set()
+            raise RemoteError("unavailable", f"cannot ask Slurm which jobs run on {node} ({exc})") from None
         return {j.user_id for j in jobs if node in j.nodes}
 
     return owners
@@ -204,7 +204,8 @@ class Tpassd:
             if self.provider is not None:
                 collectors.append(NvmlCollector(self.provider, clock=clock))
             collectors.append(IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports))
-            collectors.append(HostCollector([cfg.state_dir, cfg.snapshot_dir]))
+            # Never state_dir: users write there (jobs/J), so its free space is theirs to steer.
+            collectors.append(HostCollector([cfg.snapshot_dir, *cfg.disk_paths]))
         self.collectors = collectors
         self.engine = RuleEngine(self.policy)
         self.drills = Drills(self.provider, cfg.sysfs_root, self.policy, cfg.drills)
@@ -568,6 +569,16 @@ class Tpassd:
         if health not in DRAINABLE:
             raise RemoteError("conflict", f"{self.node} is {health} in tpassd's health view; only root or "
                                           "SlurmUser may drain a node that is not degraded or failed")
+        if health == State.FAILED.value:
+            return reason, health  # tpassd's own evidence: the node is lost to every job on it anyway
+        # A degraded node still serves the jobs on it: one user's word may not take it from another's.
+        try:
+            others = sorted(self._job_owner_uids() - {ident.uid})
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"cannot ask Slurm which jobs run on {self.node} ({exc})") from None
+        if others:
+            raise AuthFailure("forbidden", f"jobs of other users (uids {others}) run on {self.node}, which is "
+                                           f"{health}, not failed; only root or SlurmUser may drain it")
         return reason, health
 
 
