@@ -54,3 +54,60 @@ def test_a_configured_disk_path_users_can_write_is_ignored_with_one_log_line(tmp
     assert paths == {str(mine)}
     ignored = [e for e in logs if e["event"].startswith("disk free space not watched")]
     assert sorted(e["path"] for e in ignored) == sorted([str(theirs), str(owned)])  # once each, not per sample
+
+
+def test_a_criu_its_owner_stops_is_killed_within_seconds(tmp_path):
+    """A user's dump runs criu as the user, who may SIGSTOP it: that must cost a tpassd worker
+    seconds, not the dump's 600 s timeout. run_criu is called directly with a stand-in criu (a real
+    process, run with the owner's ids through setpriv as for a dump): a real rank and CRIU add
+    nothing to what is tested, how a stopped child of run_criu is noticed."""
+    import subprocess
+    import tempfile
+    import threading
+    import time
+
+    import psutil
+    import pytest
+
+    from torchpass.checkpoint import criu as criu_mod
+    from torchpass.errors import CheckpointError
+
+    d = tempfile.mkdtemp(prefix="tpass-stopped-criu-", dir="/tmp")
+    try:
+        os.chmod(d, 0o755)
+        stand_in = os.path.join(d, "criu")
+        with open(stand_in, "w") as f:
+            f.write("#!/bin/sh\nexec sleep 120\n")
+        os.chmod(stand_in, 0o755)
+        creds = criu_mod.Creds(uid=1001, gid=1001, groups=(), caps=("kill",))
+        got: dict = {}
+
+        def dump():
+            t0 = time.monotonic()
+            try:
+                criu_mod.run_criu(criu_mod.Criu(stand_in, (4, 0)), ["dump"], 120.0, "criu dump of rank 0",
+                                  "the rank keeps running", creds=creds)
+            except BaseException as exc:  # noqa: BLE001 - examined below
+                got["error"] = exc
+            got["took"] = time.monotonic() - t0
+
+        t = threading.Thread(target=dump, daemon=True)
+        t.start()
+        me = psutil.Process()
+
+        def child():
+            return next((c for c in me.children() if c.uids().real == 1001 and c.name() == "sleep"), None)
+
+        assert wait_for(lambda: child() is not None, timeout=10)
+        pid = child().pid
+        # the owner stops their own criu, as any user may signal their own processes
+        subprocess.run(["runuser", "-u", "tpuser1", "--", "kill", "-STOP", str(pid)], check=True, timeout=10)
+        t.join(timeout=20)
+        assert not t.is_alive(), "run_criu still waits for a stopped criu after 20 s"
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert isinstance(got["error"], CheckpointError) and got["took"] < 15
+        msg = str(got["error"])
+        assert "criu dump of rank 0 was stopped" in msg and "killed" in msg and "\n" not in msg
+    finally:
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
