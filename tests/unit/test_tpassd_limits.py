@@ -111,3 +111,48 @@ def test_a_criu_its_owner_stops_is_killed_within_seconds(tmp_path):
     finally:
         import shutil
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_idle_metrics_connections_neither_grow_threads_nor_block_a_scrape(tmp_path, munge):
+    """Connections that send nothing used to cost a thread each (200 gave 202). Now: no new
+    thread at all, at most the cap open at once, each closed after its time limit; a normal
+    scrape among them is answered."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    d = Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15),
+               job_owner_uids=lambda: set(), admin_uids=lambda: frozenset({0}))
+    with d:
+        assert wait_for(lambda: d.last_sample is not None)
+        port = d.ports()["metrics_port"]
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert "tpassd_" in urllib.request.urlopen(url, timeout=5).read().decode()
+        before = threading.active_count()
+        idle = []
+        try:
+            for _ in range(200):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                idle.append(s)
+            time.sleep(0.5)
+            assert threading.active_count() <= before, (before, threading.active_count())
+            assert d.metrics.open_connections() <= d.metrics.max_connections
+            t0 = time.monotonic()
+            assert "tpassd_" in urllib.request.urlopen(url, timeout=5).read().decode()
+            assert time.monotonic() - t0 < 2
+            print(f"\nmetrics: 200 idle connections: threads {before} -> {threading.active_count()}, "
+                  f"open {d.metrics.open_connections()} (cap {d.metrics.max_connections})")
+        finally:
+            for s in idle:
+                s.close()
+    # a connection idle past the time limit is closed by tpassd
+    from tpassd.metrics import MetricsServer
+    d2 = MetricsServer("127.0.0.1", 0, lambda: "x 1\n", timeout_s=0.5)
+    d2.start()
+    try:
+        s = socket.create_connection(("127.0.0.1", d2.port), timeout=5)
+        assert s.recv(1) == b""  # closed by the server after 0.5 s
+        s.close()
+    finally:
+        d2.close()
