@@ -2,7 +2,8 @@
 
 The mechanism (dump, kill, abort, verify) is torchpass.checkpoint.service;
 this module only puts it on tpassd's control server. Who may ask: root or
-the job's owner, checked per job by the service (the server lets USER in).
+the job's owner, checked per job by the control server before a request is
+queued (tpassd/control.py, "Admission") and again by the service.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None =
              kill_fault: Callable[[], bool] | None = None) -> CheckpointService:
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
     svc = CheckpointService(cfg.snapshot_dir, node, state_dir=job_state_dir(cfg),
-                            criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault)
+                            criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault,
+                            job_owner=control.job_owner)  # the owner the admission looked up (cached)
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc

@@ -53,6 +53,15 @@ class TpassdConfig:
     # The tpassd that committed a snapshot removes it this many hours after it was taken (at its
     # sweep); 0 = kept until deleted or replaced by retention.
     snapshot_max_age_h: float = 0.0
+    # Requests of at most this many jobs per uid in flight on this tpassd (waiting, queued or running;
+    # a job's requests for all its ranks count as one); root is not limited (tpassd/control.py).
+    max_jobs_per_uid: int = 2
+    # TCP connections to the control port at once; each new one beyond closes the oldest that never
+    # authenticated (a client reconnects by itself). Under attack each may hold 2 MiB (tpassd/control.py).
+    control_max_peers: int = 16
+    # Remove STATE_DIR/jobs/J of a job Slurm no longer lists this many hours after it ended (at the
+    # sweep); 0 = kept (then remove them yourself).
+    job_dir_retention_h: float = 168.0
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -77,6 +86,12 @@ class TpassdConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if self.snapshot_max_age_h > 0 and self.sweep_interval_s == 0:
             raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
+        if not 1 <= self.max_jobs_per_uid <= 1024:
+            raise ConfigError(f"max_jobs_per_uid must be 1..1024, got {self.max_jobs_per_uid}")
+        if not 4 <= self.control_max_peers <= 4096:
+            raise ConfigError(f"control_max_peers must be 4..4096, got {self.control_max_peers}")
+        if self.job_dir_retention_h < 0:
+            raise ConfigError(f"job_dir_retention_h must be >= 0 (0: kept), got {self.job_dir_retention_h}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

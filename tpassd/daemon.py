@@ -240,13 +240,16 @@ class Tpassd:
         self.publisher = Publisher(self.ctx, cfg.bind_address, cfg.pub_port, self.node, self.incarnation,
                                    cfg.interval_s)
         self.control = ControlServer(self.ctx, cfg.bind_address, cfg.control_port, self._authenticator,
-                                     self._job_owner_uids)
+                                     self._job_owner_uids, job_owner=self._slurm_job_owner,
+                                     max_jobs_per_uid=cfg.max_jobs_per_uid, max_peers=cfg.control_max_peers,
+                                     is_admin=self._slurm_admin)
         # health and status read memory only: answered by the control front thread itself;
         # every other request runs on a worker with its own deadline (tpassd/control.py).
         self.control.register("tpassd.health", self._h_health, USER, inline=True)
         self.control.register("tpassd.status", self._h_status, USER, inline=True)
         self.control.register("tpassd.drill", self._h_drill, OWNER)
-        self.control.register("tpassd.drain", self._h_drain, USER)  # who may: checked per request
+        # the job's owner (or root, SlurmUser) is checked before it is queued; the rest per request
+        self.control.register("tpassd.drain", self._h_drain, USER, admin_ok=True)
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
@@ -545,6 +548,11 @@ class Tpassd:
             raise RemoteError("bad_request", f"tpassd.drain: reason must be one printable line starting with "
                                              f"{DRAIN_PREFIX!r}, at most {DRAIN_REASON_MAX} characters")
         return reason
+
+    def _slurm_job_owner(self, job_id: int) -> int | None:
+        """The owner slurmctld records for the job (None: it does not know the job)."""
+        info = self._slurm_client().job(job_id)
+        return None if info is None else info.user_id
 
     def _slurm_client(self) -> SlurmClient:
         if self._slurm is None:

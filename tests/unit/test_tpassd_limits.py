@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple
+from pathlib import Path
 
 from structlog.testing import capture_logs
 
@@ -156,3 +157,193 @@ def test_idle_metrics_connections_neither_grow_threads_nor_block_a_scrape(tmp_pa
         s.close()
     finally:
         d2.close()
+
+
+def _rss_kb(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+
+
+def test_1000_unauthenticated_peers_sending_maximum_frames_keep_tpassd_under_its_memory_max(tmp_path, munge):
+    """A real tpassd process on 127.0.0.1; 1,000 peers that never authenticate each send 1 MiB
+    frames (the frame-size limit) for a bounded time. tpassd's peak RSS must stay under the unit's
+    MemoryMax (contrib/systemd/tpassd.service: 256M), and it still answers afterwards. Before:
+    ZeroMQ queued 1,000 frames per peer, and the peak was 1.8 GB."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tpassd.testing import call, flood
+
+    unit = (Path(__file__).resolve().parents[2] / "contrib" / "systemd" / "tpassd.service").read_text()
+    memory_max_kb = int(next(line for line in unit.splitlines() if line.startswith("MemoryMax=")
+                             ).split("=")[1].rstrip("M")) * 1024
+    for d in ("state", "snap"):
+        (tmp_path / d).mkdir()
+    ports = tmp_path / "ports.json"
+    (tmp_path / "tpassd.toml").write_text(
+        f'node_name = "memnode"\nbind_address = "127.0.0.1"\npub_port = 0\ncontrol_port = 0\nmetrics_port = -1\n'
+        f'nvml_provider = "fake"\nstate_dir = "{tmp_path}/state"\nsnapshot_dir = "{tmp_path}/snap"\n'
+        f'sweep_interval_s = 0\nports_file = "{ports}"\nmunge_socket = "{munge.socket}"\n')
+    p = subprocess.Popen([sys.executable, "-m", "tpassd.main", "--config", str(tmp_path / "tpassd.toml")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: ports.exists(), timeout=30)
+        ctl = f"tcp://127.0.0.1:{json.loads(ports.read_text())['control_port']}"
+        assert call(ctl, "memnode", "tpassd.health", munge_socket=munge.socket, timeout_s=5)["node"] == "memnode"
+        before = _rss_kb(p.pid)["VmRSS"]
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_kb(p.pid)["VmRSS"])
+                time.sleep(0.05)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        sent = flood(ctl, 1000, 8.0)
+        done.set()
+        t.join(2)
+        hwm = _rss_kb(p.pid)["VmHWM"]
+        print(f"\nflood: 1000 peers, {sent} frames of 1 MiB sent in 8 s; tpassd RSS {before} kB before, "
+              f"peak {max(peak[0], hwm)} kB (VmHWM {hwm} kB), MemoryMax {memory_max_kb} kB")
+        assert max(peak[0], hwm) < memory_max_kb
+        assert call(ctl, "memnode", "tpassd.health", munge_socket=munge.socket, timeout_s=5, retries=3)
+        assert p.poll() is None
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+class _Slurm:
+    """slurmctld's word on job owners, counted; the drain itself is never reached here."""
+
+    def __init__(self, owners: dict[int, int]):
+        import threading
+
+        self.owners = owners
+        self.asked: list[int] = []
+        self.lock = threading.Lock()
+
+    def job(self, job_id):
+        from torchpass.slurm import JobInfo
+
+        with self.lock:
+            self.asked.append(job_id)
+        uid = self.owners.get(job_id)
+        return None if uid is None else JobInfo(job_id, "train", f"u{uid}", uid, "RUNNING", ("node1",))
+
+
+def _node(tmp_path, munge, slurm, **over):
+    return Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15, **over),
+                  job_owner_uids=lambda: set(), slurm_client=slurm, admin_uids=lambda: frozenset({0}))
+
+
+def _as(uid, type_, body, munge):
+    from torchpass import auth
+    from tpassd.testing import credential_as
+
+    return credential_as(uid, uid, auth.request_digest(type_, body, "node1"), munge.socket)
+
+
+def test_refused_and_unauthenticated_requests_cost_no_slurm_work_and_leave_one_audit_line(tmp_path, munge):
+    """A request with no valid credential is refused before any Slurm call; one for another user's
+    job costs one owner lookup, cached per job (a flood of them asks slurmctld once), and never a
+    scontrol listpids; each refusal leaves one tpassd.audit line naming uid, job and action."""
+    import pytest
+
+    from torchpass import zmqio
+    from torchpass.errors import RemoteError
+
+    slurm = _Slurm({7: 1001})
+    d = _node(tmp_path, munge, slurm)
+    listed: list[int] = []
+    with d:
+        d.checkpoint.job_pids = lambda j: listed.append(j) or set()
+        ctl = f"tcp://127.0.0.1:{d.ports()['control_port']}"
+        body = {"job_id": 7, "rank": 0, "op": "kill", "pid": 1}
+        with capture_logs() as logs:
+            for cred in (None, "MUNGE:forged:"):
+                with pytest.raises(RemoteError) as ei:
+                    zmqio.request(ctl, "tpassd.snapshot", body, auth=cred, timeout_s=5, retries=0)
+                assert ei.value.code == "unauthenticated"
+            for _ in range(20):
+                with pytest.raises(RemoteError) as ei:
+                    zmqio.request(ctl, "tpassd.snapshot", body, auth=_as(1002, "tpassd.snapshot", body, munge),
+                                  timeout_s=5, retries=0)
+                assert ei.value.code == "forbidden" and "uid 1002 does not own job 7" in ei.value.remote_message
+    assert slurm.asked == [7], slurm.asked  # asked once for 20 requests: cached per job
+    assert listed == []
+    audit = [e for e in logs if e["event"] == "privileged action"]
+    assert [(a["requester_uid"], a["job_id"], a["action"], a["outcome"]) for a in audit] == (
+        [(None, 7, "snapshot.kill", "unauthenticated")] * 2 + [(1002, 7, "snapshot.kill", "forbidden")] * 20)
+
+
+def test_a_uid_may_have_requests_of_two_jobs_in_flight_and_a_jobs_ranks_count_as_one(tmp_path, munge):
+    """User 1001 holds requests of two jobs (ranks 0..3 of job 7, all running side by side: one
+    job) and job 8; a request for a third job is refused at once with one line, while another
+    user's request still runs. Every refusal is audited."""
+    import threading
+
+    import pytest
+
+    from torchpass import zmqio
+    from torchpass.errors import RemoteError
+    from tpassd.control import USER
+
+    slurm = _Slurm({7: 1001, 8: 1001, 9: 1001, 10: 1002})
+    d = _node(tmp_path, munge, slurm)
+    release = threading.Event()
+    running: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def slow(msg, ident):
+        with lock:
+            running.append((msg.body["job_id"], msg.body["rank"]))
+        release.wait(20)
+        return {"job": msg.body["job_id"]}
+
+    with d:
+        d.control.register("tpassd.snapshot", slow, USER)
+        ctl = f"tcp://127.0.0.1:{d.ports()['control_port']}"
+
+        def ask(uid, job, rank, box):
+            body = {"job_id": job, "rank": rank, "op": "dump"}
+            try:
+                box.append(zmqio.request(ctl, "tpassd.snapshot", body, timeout_s=25, retries=0,
+                                         auth=_as(uid, "tpassd.snapshot", body, munge)))
+            except RemoteError as exc:
+                box.append(exc)
+
+        boxes, threads = [], []
+        for job, rank in [(7, 0), (7, 1), (7, 2), (7, 3), (8, 0)]:
+            box: list = []
+            t = threading.Thread(target=ask, args=(1001, job, rank, box), daemon=True)
+            t.start()
+            boxes.append(box)
+            threads.append(t)
+        assert wait_for(lambda: len(running) == 5, timeout=10), running  # a node's ranks dump in parallel
+        with capture_logs() as logs:
+            body = {"job_id": 9, "rank": 0, "op": "dump"}
+            with pytest.raises(RemoteError) as ei:
+                zmqio.request(ctl, "tpassd.snapshot", body, auth=_as(1001, "tpassd.snapshot", body, munge),
+                              timeout_s=5, retries=0)
+        assert ei.value.code == "unavailable" and "max_jobs_per_uid" in ei.value.remote_message
+        assert "\n" not in ei.value.remote_message
+        audit = [e for e in logs if e["event"] == "privileged action"]
+        assert [(a["requester_uid"], a["job_id"], a["outcome"]) for a in audit] == [(1001, 9, "unavailable")]
+        other: list = []
+        t = threading.Thread(target=ask, args=(1002, 10, 0, other), daemon=True)
+        t.start()
+        assert wait_for(lambda: (10, 0) in running, timeout=10)  # the other user is not starved
+        release.set()
+        for t in [*threads, t]:
+            t.join(10)
+        assert all(b and isinstance(b[0], dict) for b in [*boxes, other]), boxes
+        # the limit is of jobs in flight: once answered, a third job is served
+        body = {"job_id": 9, "rank": 0, "op": "dump"}
+        assert zmqio.request(ctl, "tpassd.snapshot", body, auth=_as(1001, "tpassd.snapshot", body, munge),
+                             timeout_s=5, retries=0) == {"job": 9}

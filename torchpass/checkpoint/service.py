@@ -150,7 +150,7 @@ class Audit:
         # What Slurm said of the job in this request. Each question takes 6-14 ms while a migrating
         # job stands still, so a request asks each once: the owner (slurmctld) as its authorization
         # heard it (None: not asked, root's request), and, for a request that pins a process, the
-        # job's pids on this node (slurmd), asked as it arrives, while the owner is asked.
+        # job's pids on this node (slurmd), asked once the request is authorized.
         self.owner: int | None = None
         self.pids: Asking | None = None
 
@@ -298,12 +298,14 @@ class CheckpointService:
             if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
                        for k in ("job_id", "rank")):
                 raise RemoteError("bad_request", f"{kind}: job_id and rank must be non-negative integers")
-            if (kind, b.get("op")) in PINNING_OPS:
-                act.pids = Asking(self.job_pids, b["job_id"])
             if kind == "snapshot" and b.get("op") in JOB_SNAPSHOT_OPS:
                 act.owner = self.authorize_snapshot(ident, b["job_id"], b["op"])
             else:
                 act.owner = self.authorize(ident, b["job_id"])
+            # slurmd is asked for the job's pids only for an authorized request: a refused one costs
+            # no scontrol listpids (the owner comes from tpassd's admission cache, no second call)
+            if (kind, b.get("op")) in PINNING_OPS:
+                act.pids = Asking(self.job_pids, b["job_id"])
             return handler(b, act)
 
     def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
