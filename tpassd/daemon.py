@@ -270,7 +270,8 @@ class Tpassd:
         self._thread = threading.Thread(target=self._loop, name="tpassd-sampler", daemon=True)
         self._thread.start()
         self.sweeper = Sweeper(cfg.snapshot_dir, job_state_dir(cfg), self._slurm_client,
-                               busy_jobs=self.control.busy_jobs)
+                               busy_jobs=self.control.busy_jobs,
+                               job_dir_retention_s=cfg.job_dir_retention_h * 3600.0)
         if cfg.sweep_interval_s > 0:
             self._sweep_thread = threading.Thread(target=self._sweep_loop, name="tpassd-sweep", daemon=True)
             self._sweep_thread.start()
@@ -327,11 +328,14 @@ class Tpassd:
         while not self._stop.is_set():
             try:
                 res = self.sweeper.sweep()
-                if res.removed or res.aborted or res.kept_busy:
+                if res.removed or res.aborted or res.kept_busy or res.failed:
                     log.info("sweep done", **res.as_dict())
-                self.checkpoint.expire_snapshots()
-            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps
+            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps, nor the expiry
                 log.exception("sweep failed")
+            try:
+                self.checkpoint.expire_snapshots()
+            except Exception:  # noqa: BLE001
+                log.exception("snapshot expiry failed")
             # +-10 %: the tpassds of a cluster started together do not all ask slurmctld at once
             self._stop.wait(self.cfg.sweep_interval_s * random.uniform(0.9, 1.1))
 

@@ -849,15 +849,19 @@ class CheckpointService:
             old = [m for m in found if m.get("written_by") == self.node and float(m.get("created") or 0) < cutoff]
             if not old:
                 continue
-            dfd = self._manifests_dir(job_id)
-            if dfd is None:
-                continue
-            try:
-                for m in old:
-                    self._remove_snapshot(job_id, m, dfd)
-                    gone.append(f"{job_id}/{m['snapshot']}")
-            finally:
-                os.close(dfd)
+            try:  # one job's trouble must not stop the others' expiry
+                dfd = self._manifests_dir(job_id)
+                if dfd is None:
+                    continue
+                try:
+                    for m in old:
+                        self._remove_snapshot(job_id, m, dfd)
+                        gone.append(f"{job_id}/{m['snapshot']}")
+                finally:
+                    os.close(dfd)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("expiry of one job's snapshots failed; the others go on", job_id=job_id,
+                              error=str(exc))
         if gone:
             log.info("expired snapshots removed", snapshots=gone, max_age_h=round(self.snapshot_max_age_s / 3600, 2))
         return gone
