@@ -10,7 +10,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from tpassd.collectors.base import run_collector
-from tpassd.collectors.host import HostCollector, user_writable
+from tpassd.collectors.host import HostCollector
 from tpassd.daemon import Tpassd
 from tpassd.testing import fake_node_config, wait_for
 
@@ -35,6 +35,8 @@ def test_disk_health_never_watches_a_directory_users_can_write(tmp_path, munge):
 
 
 def test_a_configured_disk_path_users_can_write_is_ignored_with_one_log_line(tmp_path):
+    from tpassd.collectors.host import user_writable
+
     mine = tmp_path / "root-only"
     mine.mkdir(mode=0o755)
     theirs = tmp_path / "users"
@@ -263,6 +265,8 @@ def test_refused_and_unauthenticated_requests_cost_no_slurm_work_and_leave_one_a
     listed: list[int] = []
     with d:
         d.checkpoint.job_pids = lambda j: listed.append(j) or set()
+        # the handlers' own owner question goes to the same counted Slurm
+        d.checkpoint.job_owner = lambda j: (lambda info: None if info is None else info.user_id)(slurm.job(j))
         ctl = f"tcp://127.0.0.1:{d.ports()['control_port']}"
         body = {"job_id": 7, "rank": 0, "op": "kill", "pid": 1}
         with capture_logs() as logs:
