@@ -260,7 +260,7 @@ def _peer_name(fd: int) -> Any:
         return None
 
 
-def _audit_refusal(ident: auth.Identity | None, msg: wire.Message, code: str, error: str,
+def audit_refusal(ident: auth.Identity | None, msg: wire.Message, code: str, error: str,
                    node: str | None = None) -> None:
     """The one audit line of a request refused before a handler saw it (the fields of the handlers'
     own lines: tpassd.checkpoint.service.Audit, the drain's)."""
@@ -398,7 +398,7 @@ class ControlServer:
                 ident = self._auth.identify(msg)
             except AuthError as exc:
                 log.warning("unauthenticated request refused", type=msg.type, id=msg.id, error=str(exc))
-                _audit_refusal(None, msg, getattr(exc, "code", "unauthenticated"), str(exc), self.node)
+                audit_refusal(None, msg, getattr(exc, "code", "unauthenticated"), str(exc), self.node)
                 raise
             if threading.current_thread() is self._thread:
                 self._guard.authenticated(self._guard_src)
@@ -420,7 +420,7 @@ class ControlServer:
                 log.warning("cannot ask Slurm for job owners; only root may do this", error=str(exc))
         who = "root" if access == ROOT else "root or the owner of a job on this node"
         log.warning("forbidden request refused", type=msg.type, uid=ident.uid, gid=ident.gid)
-        _audit_refusal(ident, msg, "forbidden", f"{msg.type} needs {who}", self.node)
+        audit_refusal(ident, msg, "forbidden", f"{msg.type} needs {who}", self.node)
         raise auth.AuthFailure("forbidden", f"{msg.type} needs {who}; uid {ident.uid} is neither")
 
     def job_owner(self, job_id: int) -> int | None:
@@ -505,7 +505,7 @@ class ControlServer:
     # -- admission: authenticate, limit, authorize; then queue -------------------------
     def _refuse(self, envelope: list[bytes], msg: wire.Message, ident: auth.Identity | None, code: str,
                 message: str) -> None:
-        _audit_refusal(ident, msg, code, message, self.node)
+        audit_refusal(ident, msg, code, message, self.node)
         self._send(envelope, wire.encode_error(msg.id, code, message))
 
     def _admit(self, envelope: list[bytes], frame: bytes, msg: wire.Message, route: _Route, srcfd) -> None:

@@ -56,7 +56,7 @@ from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
 from tpassd.collectors.nvml import NvmlCollector
 from tpassd.config import TpassdConfig
-from tpassd.control import OWNER, USER, Authenticator, ControlServer
+from tpassd.control import OWNER, USER, Authenticator, ControlServer, audit_refusal
 from tpassd.drills import Drills
 from tpassd.metrics import MetricsServer, render
 from tpassd.nvml_provider import select_provider
@@ -466,6 +466,7 @@ class Tpassd:
                    if others else None)
             if why:
                 log.warning("forbidden request refused", type=msg.type, kind=b["kind"], uid=ident.uid, gid=ident.gid)
+                audit_refusal(ident, msg, "forbidden", why, self.node)
                 raise AuthFailure("forbidden", why)
         res = self.drills.apply(b["kind"], b.get("gpu"), b.get("port"), b.get("count"))
         if b["kind"] == "clear":

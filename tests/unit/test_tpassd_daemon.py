@@ -153,8 +153,10 @@ def as_uid(uid, type_, b, munge):
 def test_a_user_may_drill_only_a_node_no_other_user_runs_jobs_on(node, munge):
     body = {"kind": "ecc-sbe-storm", "gpu": 0}
     node.job_owners.update({65534, 1002})  # a shared node: a drill would move user 1002's ranks too
-    with pytest.raises(RemoteError) as ei:
+    with capture_logs() as logs, pytest.raises(RemoteError) as ei:
         zmqio.request(node.ctl, "tpassd.drill", body, auth=as_uid(65534, "tpassd.drill", body, munge), retries=0)
+    audit = [e for e in logs if e["event"] == "privileged action"]  # every refusal: one audit line
+    assert [(a["requester_uid"], a["action"], a["outcome"]) for a in audit] == [(65534, "drill", "forbidden")]
     assert ei.value.code == "forbidden" and "other users (uids [1002])" in ei.value.remote_message
     assert call(node.ctl, "node1", "tpassd.drill", body, munge.socket)["kind"] == body["kind"]  # root may
 
