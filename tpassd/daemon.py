@@ -12,8 +12,12 @@ Threads (each with a stop path; ``stop()`` joins them all):
               front thread answers health and status itself and hands
               drill, drain (``_h_drain``) and snapshot/restore
               (tpassd/checkpoint_handlers.py) to a bounded pool of
-              workers ("tpassd-op-N"), each request with its own deadline.
-  metrics     the Prometheus HTTP endpoint (tpassd/metrics.py).
+              workers ("tpassd-op-N"), each request with its own deadline,
+              once authenticated and authorized: two "tpassd-owner-N"
+              threads ask Slurm for job owners (cached), "tpassd-peers"
+              caps the control socket's connections.
+  metrics     the Prometheus HTTP endpoint (tpassd/metrics.py): one
+              thread for every connection, capped, each time-limited.
   sweep       at start and every ``sweep_interval_s``: removes the images and
               hold files of jobs Slurm no longer lists (tpassd/sweep.py).
 
