@@ -92,7 +92,8 @@ DEFAULT_MAX_JOBS_PER_UID = 2
 # TCP connections to the control socket (tpassd.toml control_max_peers). Each may hold RCVHWM frames
 # plus one in ZeroMQ's decoder, 1 MiB each, and a closed one's queued frame until it is read. Under
 # 1,000 peers that never authenticate, sending 1 MiB frames for 8 s (tests/unit/test_tpassd_limits.py,
-# 2 shared cores): peak RSS 139-157 MB with 16, 138-238 MB with 32, 340 MB with 64; MemoryMax=256M.
+# 2 shared cores): peak RSS 139-305 MB with 16 when each new connection closed the oldest at once;
+# 93-106 MB with 16 and MIN_AGE_S (PeerGuard._close_one); MemoryMax=256M.
 # Honest peers: a coordinator per job with ranks here and tpassctl: fewer; a closed one reconnects.
 DEFAULT_MAX_PEERS = 16
 # Owner lookups: a job's owner never changes while Slurm knows the job, but a job id may be reused
@@ -101,6 +102,7 @@ OWNER_TTL_S = 10.0
 UNKNOWN_TTL_S = 2.0
 OWNER_CACHE_ENTRIES = 4096
 LOOKUP_THREADS = 2
+MIN_AGE_S = 1.0  # a connection is not closed for a newer one before it had this long to authenticate
 RECEIVE_BATCH = 32
 # The requests that name a job whose owner (or root, or for a drain SlurmUser) may ask.
 JOB_OWNED = frozenset({"tpassd.snapshot", "tpassd.restore", "tpassd.drain"})
@@ -176,7 +178,7 @@ class PeerGuard:
     """At most ``max_peers`` TCP connections on a ROUTER socket, seen through its monitor socket.
     Beyond that, each new connection closes the oldest one that never sent an authenticated
     request, else the one whose last authenticated request is the oldest (a client that reconnects
-    by itself). Its own thread reads the monitor: a connection is closed within microseconds of
+    by itself), each open MIN_AGE_S at least; none such: the new one is closed. Its own thread reads the monitor: a connection is closed within microseconds of
     its accept, not when the front thread is done with a 1 MiB frame (ZeroMQ's I/O thread reads
     every accepted peer meanwhile: 300 MB under 1,000 peers when the front thread closed them)."""
 
@@ -231,9 +233,19 @@ class PeerGuard:
                 p[1] = self._clock()
 
     def _close_one(self, keep: int) -> None:
-        others = [(fd, p) for fd, p in self.peers.items() if fd != keep]
+        """Close the oldest connection that never authenticated and had MIN_AGE_S to do so, else the
+        one idle longest that has been open MIN_AGE_S, else the new one (``keep``) itself: a flood
+        of connections then churns each place at most once per MIN_AGE_S, and the new ones closed
+        at once have sent nothing (what a closed peer had sent stays queued until it is read)."""
+        now = self._clock()
+        others = [(fd, p) for fd, p in self.peers.items() if fd != keep and now - p[0] >= MIN_AGE_S]
         never = [(p[0], fd) for fd, p in others if p[1] is None]
-        fd = min(never)[1] if never else min((p[1], fd) for fd, p in others)[1]
+        if never:
+            fd = min(never)[1]
+        elif others:
+            fd = min((p[1], fd) for fd, p in others)[1]
+        else:
+            fd = keep
         addr = self.peers.pop(fd)[2]
         # Only the connection accepted on this fd: ZeroMQ may have closed it and the fd number be
         # another socket's by now; then its peer differs (an ephemeral port is not reused at once).
