@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 # glibc serves an allocation of this size or more with its own mmap, returned at free. By default
 # the threshold rises to the largest block freed (up to 32 MiB), and then every 1 MiB frame that
 # ZeroMQ's I/O thread reads comes from a heap arena that keeps it after the free: under 1,000 peers
-# sending 1 MiB frames, tpassd's RSS stayed at 217 MB after the flood with 16 peers allowed; with the
+# sending 1 MiB frames, tpassd's RSS stayed at 210 MB after the flood with 16 peers allowed; with the
 # threshold fixed it fell back to 65 MB (tests/unit/test_tpassd_limits.py measures the peak).
 MMAP_THRESHOLD = 128 << 10
 M_MMAP_THRESHOLD = -3  # malloc.h
