@@ -15,8 +15,8 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
   address 127.77.x.y) and ``{"steps": []}``; ``srun`` (the gated restore
   step launched at the pause) waits for its gate file; a private munged;
 * simulated tpassds (one process): per node the real ``tpassd.publisher``
-  PUB on ADDR:7717 with heartbeats every 1 s (tpassd's default interval)
-  and a ROUTER on ADDR:7718 answering ``tpassd.health`` (the snapshot) and
+  PUB on ADDR:717 with heartbeats every 1 s (tpassd's default interval)
+  and a ROUTER on ADDR:718 answering ``tpassd.health`` (the snapshot) and
   ``tpassd.snapshot`` (``op=dump`` is refused: there is nothing to dump, so
   every fault ends in the coordinator's rollback, a resume in place on the
   source, which exercises the same pause and resume fan-out); munge
@@ -99,7 +99,7 @@ HEARTBEAT_S = 1.0  # tpassd's default interval_s
 COLLECTIVES_PER_S = 40.0
 COLLECTIVES_PER_STEP = 10
 SYNC_S = 0.005  # how often a load generator looks at the other ranks (the barrier at T: a store round trip)
-PUB_PORT = 7717  # torchpass.ports (imported in the children; the addresses differ per node)
+PUB_PORT = 717  # torchpass.ports (imported in the children; the addresses differ per node)
 
 
 def node_name(i: int) -> str:

@@ -290,6 +290,11 @@ class Client:
         )
 
 
+def error_code(exc: TorchpassError) -> str:
+    """The stable wire error code of a TorchpassError."""
+    return _error_code(exc)
+
+
 def _error_code(exc: TorchpassError) -> str:
     if isinstance(exc, RemoteError):
         return exc.code if exc.code in wire.ERROR_CODES else "failed"
@@ -324,10 +329,20 @@ def handle_frame(
     handler = handlers.get(msg.type)
     if handler is None:
         return wire.encode_error(msg.id, "unknown_type", f"this server does not serve {msg.type!r}")
-    try:
+
+    def run() -> dict[str, Any] | None:
         if authenticate is not None:
             authenticate(msg)
-        result = handler(msg) or {}
+        return handler(msg)
+
+    return reply_for(msg, run, counters=counters)
+
+
+def reply_for(msg: wire.Message, run: Callable[[], dict[str, Any] | None], *,
+              counters: dict[str, int] | None = None) -> bytes:
+    """The reply frame to ``msg``: ``run()``'s result, or its error with a stable code; never raises."""
+    try:
+        result = run() or {}
         return wire.encode_ok(msg.id, result)
     except TorchpassError as exc:
         if counters is not None and isinstance(exc, AuthError):
@@ -388,11 +403,16 @@ def serve_one(sock: zmq.Socket, handlers: dict[str, Handler], *, bundles: bool =
     sock.send_multipart(parts[:-1] + [reply])
 
 
-def bind_router(ctx: zmq.Context, address: str, port: int = 0) -> tuple[zmq.Socket, int]:
-    """Bind a ROUTER socket to ``tcp://address:port`` (0 = ephemeral); return it and its port."""
+def bind_router(ctx: zmq.Context, address: str, port: int = 0, *, rcvhwm: int | None = None
+                ) -> tuple[zmq.Socket, int]:
+    """Bind a ROUTER socket to ``tcp://address:port`` (0 = ephemeral); return it and its port.
+    ``rcvhwm``: frames queued per peer before ZeroMQ stops reading that peer (ZeroMQ's default
+    is 1,000; each may be MAX_FRAME_BYTES)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES + 4096)
+    if rcvhwm is not None:
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
     if port:
         sock.bind(f"tcp://{address}:{port}")
         return sock, port

@@ -1,6 +1,6 @@
 """`tpassctl nodes` and `tpassctl inject`: node health from every tpassd, and fault drills.
 
-Nodes come from Slurm (name and NodeAddr; the tpassd control port is 7718
+Nodes come from Slurm (name and NodeAddr; the tpassd control port is 718
 unless --control-port says otherwise) or from --endpoint NODE=tcp://HOST:PORT.
 Every request is munge-authenticated (socket: --munge-socket,
 TORCHPASS_MUNGE_SOCKET, MUNGE_SOCKET, or munge's default).

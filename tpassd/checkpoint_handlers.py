@@ -6,7 +6,8 @@ restore_token_dir.
 
 The mechanism (dump, kill, abort, verify) is torchpass.checkpoint.service;
 this module only puts it on tpassd's control server. Who may ask: root or
-the job's owner, checked per job by the service (the server lets USER in).
+the job's owner, checked per job by the control server before a request is
+queued (tpassd/control.py, "Admission") and again by the service.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None =
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
     svc = CheckpointService(cfg.snapshot_dir, node, state_dir=job_state_dir(cfg),
                             criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault,
-                            restore_tokens=cfg.restore_token_dir)
+                            restore_tokens=cfg.restore_token_dir,
+                            job_owner=control.job_owner)  # the owner the admission looked up (cached)
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc

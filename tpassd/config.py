@@ -37,6 +37,9 @@ class TpassdConfig:
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
     state_dir: Path = Path("/var/lib/torchpass")
     snapshot_dir: Path = Path("/var/lib/torchpass/snapshots")
+    # More node-local directories whose free space is health (besides snapshot_dir); one that a
+    # user other than root can write is left out with a log line (tpassd/collectors/host.py).
+    disk_paths: tuple[Path, ...] = ()
     criu_binary: str = ""  # "" = criu on PATH, else /usr/sbin/criu; must be >= 4.0
     policy: Path | None = None  # health policy TOML; None = the documented defaults
     munge_socket: str = ""  # "" = $MUNGE_SOCKET or munge's default socket
@@ -54,6 +57,15 @@ class TpassdConfig:
     # Restore tokens (torchpass.checkpoint.restore_token): root's, node-local; the SPANK plugin's
     # restore_tokens= in plugstack.conf must name the same directory.
     restore_token_dir: Path = Path(layout.RESTORE_TOKENS)
+    # Requests of at most this many jobs per uid in flight on this tpassd (waiting, queued or running;
+    # a job's requests for all its ranks count as one); root is not limited (tpassd/control.py).
+    max_jobs_per_uid: int = 2
+    # TCP connections to the control port at once; each new one beyond closes the oldest that never
+    # authenticated (a client reconnects by itself). Under attack each may hold 2 MiB (tpassd/control.py).
+    control_max_peers: int = 16
+    # Remove STATE_DIR/jobs/J of a job Slurm no longer lists this many hours after it ended (at the
+    # sweep); 0 = kept (then remove them yourself).
+    job_dir_retention_h: float = 168.0
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -80,6 +92,12 @@ class TpassdConfig:
             raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
         if not Path(self.restore_token_dir).is_absolute():
             raise ConfigError(f"restore_token_dir must be an absolute path, got {str(self.restore_token_dir)!r}")
+        if not 1 <= self.max_jobs_per_uid <= 1024:
+            raise ConfigError(f"max_jobs_per_uid must be 1..1024, got {self.max_jobs_per_uid}")
+        if not 4 <= self.control_max_peers <= 4096:
+            raise ConfigError(f"control_max_peers must be 4..4096, got {self.control_max_peers}")
+        if self.job_dir_retention_h < 0:
+            raise ConfigError(f"job_dir_retention_h must be >= 0 (0: kept), got {self.job_dir_retention_h}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

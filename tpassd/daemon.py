@@ -12,8 +12,12 @@ Threads (each with a stop path; ``stop()`` joins them all):
               front thread answers health and status itself and hands
               drill, drain (``_h_drain``) and snapshot/restore
               (tpassd/checkpoint_handlers.py) to a bounded pool of
-              workers ("tpassd-op-N"), each request with its own deadline.
-  metrics     the Prometheus HTTP endpoint (tpassd/metrics.py).
+              workers ("tpassd-op-N"), each request with its own deadline,
+              once authenticated and authorized: two "tpassd-owner-N"
+              threads ask Slurm for job owners (cached), "tpassd-peers"
+              caps the control socket's connections.
+  metrics     the Prometheus HTTP endpoint (tpassd/metrics.py): one
+              thread for every connection, capped, each time-limited.
   sweep       at start and every ``sweep_interval_s``: removes the images and
               hold files of jobs Slurm no longer lists (tpassd/sweep.py).
 
@@ -56,7 +60,7 @@ from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
 from tpassd.collectors.nvml import NvmlCollector
 from tpassd.config import TpassdConfig
-from tpassd.control import OWNER, USER, Authenticator, ControlServer
+from tpassd.control import OWNER, USER, Authenticator, ControlServer, audit_refusal
 from tpassd.drills import Drills
 from tpassd.metrics import MetricsServer, render
 from tpassd.nvml_provider import select_provider
@@ -150,9 +154,9 @@ def slurm_job_owner_uids(node: str) -> Callable[[], set[int]]:
     def owners() -> set[int]:
         try:
             jobs = slurm.client().jobs(states=("RUNNING",))
-        except Exception as exc:  # noqa: BLE001 - no Slurm answer: only root is allowed
+        except Exception as exc:  # noqa: BLE001 - no Slurm answer: the caller refuses all but root
             log.warning("cannot ask Slurm for job owners; only root may do this", error=str(exc))
-            return set()
+            raise RemoteError("unavailable", f"cannot ask Slurm which jobs run on {node} ({exc})") from None
         return {j.user_id for j in jobs if node in j.nodes}
 
     return owners
@@ -204,7 +208,8 @@ class Tpassd:
             if self.provider is not None:
                 collectors.append(NvmlCollector(self.provider, clock=clock))
             collectors.append(IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports))
-            collectors.append(HostCollector([cfg.state_dir, cfg.snapshot_dir]))
+            # Never state_dir: users write there (jobs/J), so its free space is theirs to steer.
+            collectors.append(HostCollector([cfg.snapshot_dir, *cfg.disk_paths]))
         self.collectors = collectors
         self.engine = RuleEngine(self.policy)
         self.drills = Drills(self.provider, cfg.sysfs_root, self.policy, cfg.drills)
@@ -239,13 +244,16 @@ class Tpassd:
         self.publisher = Publisher(self.ctx, cfg.bind_address, cfg.pub_port, self.node, self.incarnation,
                                    cfg.interval_s)
         self.control = ControlServer(self.ctx, cfg.bind_address, cfg.control_port, self._authenticator,
-                                     self._job_owner_uids)
+                                     self._job_owner_uids, job_owner=self._slurm_job_owner,
+                                     max_jobs_per_uid=cfg.max_jobs_per_uid, max_peers=cfg.control_max_peers,
+                                     is_admin=self._slurm_admin)
         # health and status read memory only: answered by the control front thread itself;
         # every other request runs on a worker with its own deadline (tpassd/control.py).
         self.control.register("tpassd.health", self._h_health, USER, inline=True)
         self.control.register("tpassd.status", self._h_status, USER, inline=True)
         self.control.register("tpassd.drill", self._h_drill, OWNER)
-        self.control.register("tpassd.drain", self._h_drain, USER)  # who may: checked per request
+        # the job's owner (or root, SlurmUser) is checked before it is queued; the rest per request
+        self.control.register("tpassd.drain", self._h_drain, USER, admin_ok=True)
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
@@ -266,7 +274,8 @@ class Tpassd:
         self._thread = threading.Thread(target=self._loop, name="tpassd-sampler", daemon=True)
         self._thread.start()
         self.sweeper = Sweeper(cfg.snapshot_dir, job_state_dir(cfg), self._slurm_client,
-                               busy_jobs=self.control.busy_jobs)
+                               busy_jobs=self.control.busy_jobs,
+                               job_dir_retention_s=cfg.job_dir_retention_h * 3600.0)
         if cfg.sweep_interval_s > 0:
             self._sweep_thread = threading.Thread(target=self._sweep_loop, name="tpassd-sweep", daemon=True)
             self._sweep_thread.start()
@@ -323,11 +332,14 @@ class Tpassd:
         while not self._stop.is_set():
             try:
                 res = self.sweeper.sweep()
-                if res.removed or res.aborted or res.kept_busy:
+                if res.removed or res.aborted or res.kept_busy or res.failed:
                     log.info("sweep done", **res.as_dict())
-                self.checkpoint.expire_snapshots()
-            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps
+            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps, nor the expiry
                 log.exception("sweep failed")
+            try:
+                self.checkpoint.expire_snapshots()
+            except Exception:  # noqa: BLE001
+                log.exception("snapshot expiry failed")
             # +-10 %: the tpassds of a cluster started together do not all ask slurmctld at once
             self._stop.wait(self.cfg.sweep_interval_s * random.uniform(0.9, 1.1))
 
@@ -458,6 +470,7 @@ class Tpassd:
                    if others else None)
             if why:
                 log.warning("forbidden request refused", type=msg.type, kind=b["kind"], uid=ident.uid, gid=ident.gid)
+                audit_refusal(ident, msg, "forbidden", why, self.node)
                 raise AuthFailure("forbidden", why)
         res = self.drills.apply(b["kind"], b.get("gpu"), b.get("port"), b.get("count"))
         if b["kind"] == "clear":
@@ -545,6 +558,11 @@ class Tpassd:
                                              f"{DRAIN_PREFIX!r}, at most {DRAIN_REASON_MAX} characters")
         return reason
 
+    def _slurm_job_owner(self, job_id: int) -> int | None:
+        """The owner slurmctld records for the job (None: it does not know the job)."""
+        info = self._slurm_client().job(job_id)
+        return None if info is None else info.user_id
+
     def _slurm_client(self) -> SlurmClient:
         if self._slurm is None:
             self._slurm = slurm.client()
@@ -568,6 +586,16 @@ class Tpassd:
         if health not in DRAINABLE:
             raise RemoteError("conflict", f"{self.node} is {health} in tpassd's health view; only root or "
                                           "SlurmUser may drain a node that is not degraded or failed")
+        if health == State.FAILED.value:
+            return reason, health  # tpassd's own evidence: the node is lost to every job on it anyway
+        # A degraded node still serves the jobs on it: one user's word may not take it from another's.
+        try:
+            others = sorted(self._job_owner_uids() - {ident.uid})
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"cannot ask Slurm which jobs run on {self.node} ({exc})") from None
+        if others:
+            raise AuthFailure("forbidden", f"jobs of other users (uids {others}) run on {self.node}, which is "
+                                           f"{health}, not failed; only root or SlurmUser may drain it")
         return reason, health
 
 

@@ -1,15 +1,22 @@
 """Prometheus text exposition of tpassd's last sample (node_exporter-style
 names: ``tpassd_<subsystem>_<name>_<unit>``, ``_total`` for counters, one
-HELP and TYPE line per family). Served by a small HTTP server thread."""
+HELP and TYPE line per family). Served over HTTP by one thread (``MetricsServer``), with a cap
+on open connections and a time limit on each."""
 
 from __future__ import annotations
 
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import structlog
+
 from torchpass.health_state import State
+
+log = structlog.get_logger("tpassd.metrics")
 
 # (metric key in the sample, family, type, help, extra labels)
 GPU_METRICS: list[tuple[str, str, str, str, dict[str, str]]] = [
@@ -143,40 +150,157 @@ def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]], x
     return f.render()
 
 
+# The HTTP endpoint. One thread serves every connection (a selector loop): a thread per connection
+# let 200 idle connections make 200 threads. A connection has REQUEST_TIMEOUT_S to send its request
+# and take the answer; past MAX_CONNECTIONS open ones, the oldest is closed for the new one (a
+# scraper's request is answered within milliseconds of its connect, so it is never the oldest for
+# long). Rendering reads tpassd's last sample from memory: fast enough for the loop thread.
+MAX_CONNECTIONS = 64
+REQUEST_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 8192
+
+
+class _Conn:
+    __slots__ = ("sock", "since", "buf", "out")
+
+    def __init__(self, sock: socket.socket, since: float):
+        self.sock, self.since, self.buf, self.out = sock, since, bytearray(), b""
+
+
+def _response(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8") -> bytes:
+    head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    return head.encode() + body
+
+
 class MetricsServer:
-    def __init__(self, address: str, port: int, render_fn: Callable[[], str]):
-        render_ref = render_fn
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server API
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics here")
-                    return
-                try:
-                    body = render_ref().encode()
-                except Exception:  # noqa: BLE001
-                    self.send_error(500, "metrics rendering failed; see the tpassd log")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *_a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer((address, port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="tpassd-metrics", daemon=True)
+    def __init__(self, address: str, port: int, render_fn: Callable[[], str], *,
+                 max_connections: int = MAX_CONNECTIONS, timeout_s: float = REQUEST_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._render = render_fn
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._clock = clock
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._lsock = socket.socket(family, socket.SOCK_STREAM)
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._lsock.bind((address, port))
+        self._lsock.listen(128)
+        self._lsock.setblocking(False)
+        self.port = self._lsock.getsockname()[1]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        self._conns: dict[int, _Conn] = {}
+        self.counters = {"connections": 0, "evicted": 0, "timed_out": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tpassd-metrics", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for key, mask in self._sel.select(timeout=0.2):
+                    if key.data is None:
+                        self._accept()
+                    elif mask & selectors.EVENT_READ:
+                        self._read(key.data)
+                    else:
+                        self._write(key.data)
+                self._expire()
+            except Exception:  # noqa: BLE001 - never let the metrics thread die
+                log.exception("metrics loop error")
+
+    def _accept(self) -> None:
+        for _ in range(self.max_connections):
+            try:
+                sock, _addr = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                oldest = min(self._conns.values(), key=lambda c: c.since)
+                self.counters["evicted"] += 1
+                self._drop(oldest)
+            c = _Conn(sock, self._clock())
+            self._conns[sock.fileno()] = c
+            self.counters["connections"] += 1
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c)
+            return
+        c.buf += data
+        if b"\r\n\r\n" not in c.buf and b"\n\n" not in c.buf:
+            if len(c.buf) > MAX_REQUEST_BYTES:
+                self._answer(c, _response("431 Request Header Fields Too Large", b"request too large\n"))
+            return
+        line = bytes(c.buf.split(b"\n", 1)[0]).strip().split()
+        if len(line) < 2 or line[0] not in (b"GET", b"HEAD"):
+            self._answer(c, _response("405 Method Not Allowed", b"only GET /metrics here\n"))
+        elif line[1].split(b"?")[0] != b"/metrics":
+            self._answer(c, _response("404 Not Found", b"only /metrics here\n"))
+        else:
+            try:
+                body = self._render().encode()
+            except Exception:  # noqa: BLE001
+                log.exception("metrics rendering failed")
+                self._answer(c, _response("500 Internal Server Error", b"metrics rendering failed; see the tpassd log\n"))
+                return
+            resp = _response("200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
+            if line[0] == b"HEAD":
+                resp = resp[:resp.index(b"\r\n\r\n") + 4]
+            self._answer(c, resp)
+
+    def _answer(self, c: _Conn, resp: bytes) -> None:
+        c.out = resp
+        self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
+        self._write(c)
+
+    def _write(self, c: _Conn) -> None:
+        try:
+            n = c.sock.send(c.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(c)
+            return
+        c.out = c.out[n:]
+        if not c.out:
+            self._drop(c)
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self.timeout_s
+        for c in [c for c in self._conns.values() if c.since <= cutoff]:
+            self.counters["timed_out"] += 1
+            self._drop(c)
+
+    def _drop(self, c: _Conn) -> None:
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
     def close(self) -> None:
+        self._stop.set()
         if self._thread.is_alive():
-            self.httpd.shutdown()
             self._thread.join(timeout=5)
-        self.httpd.server_close()
+        for c in list(self._conns.values()):
+            self._drop(c)
+        self._sel.close()
+        self._lsock.close()

@@ -17,13 +17,18 @@ every ``sweep_interval_s``:
    this tpassd is aborted (its criu killed); the job's files go once no op
    of this tpassd works on the job any more.
 
+Each job is swept on its own: one whose removal fails is logged and the
+others go on. ``STATE_DIR/jobs/J`` of a job Slurm no longer lists is removed
+``job_dir_retention_h`` after its last change (unless it holds the job's
+snapshot manifests).
+
 Removal never follows a link a user planted. ``STATE_DIR/jobs/J`` and its
 ``hold`` belong to the job user: each directory is opened below root's
 trusted STATE_DIR with ``O_NOFOLLOW`` (torchpass.checkpoint.safeio), and the
-tree is removed with ``shutil.rmtree(name, dir_fd=...)``, which works with
-``openat``/``unlinkat`` on directory fds, so a symlink anywhere in it is
-unlinked, never followed. A directory that is a symlink is unlinked, its
-target left alone.
+tree is removed with ``openat``/``unlinkat`` on directory fds (O_NOFOLLOW),
+iteratively with a bounded stack of fds (``_rmtree_at``, MAX_DEPTH), so a
+symlink anywhere in it is unlinked, never followed, and no depth makes it
+recurse. A directory that is a symlink is unlinked, its target left alone.
 
 ``tpassd --sweep-job J`` (a node ``Epilog=`` helper, contrib/epilog.d) does
 the same for one job Slurm reports ended, right when it ends.
@@ -34,7 +39,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import signal
 import stat
 import time
@@ -62,15 +66,24 @@ class SweepResult:
     aborted: list[int] = field(default_factory=list)  # pids of criu dumps killed
     kept_busy: list[int] = field(default_factory=list)  # ended jobs whose op still runs here
     skipped: str = ""  # why nothing was swept ("" = it ran)
+    failed: list[int] = field(default_factory=list)  # jobs whose sweep raised (logged; the rest went on)
 
     def as_dict(self) -> dict:
         return {"removed": self.removed, "aborted": self.aborted, "kept_busy": self.kept_busy,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "failed": self.failed}
 
 
-def _rmtree_at(dfd: int, name: str, where: Path) -> bool:
+# How deep the removal walks with open directory fds; a directory below that is moved up to the
+# tree's parent and removed from there, so any depth (a user's 1,500-deep hold made shutil.rmtree,
+# which recurses, raise RecursionError) costs at most this many fds and no recursion.
+MAX_DEPTH = 32
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _rmtree_at(dfd: int, name: str, where: Path, max_depth: int = MAX_DEPTH) -> bool:
     """Remove ``name`` below the directory fd ``dfd`` without following any link in it; True if
-    something was removed. A symlink (or a file) at ``name`` is unlinked, never followed."""
+    something was removed. A symlink (or a file) at ``name`` is unlinked, never followed.
+    Iterative: no recursion, at most ``max_depth`` fds open (see MAX_DEPTH)."""
     try:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
@@ -82,13 +95,82 @@ def _rmtree_at(dfd: int, name: str, where: Path) -> bool:
             return False
         log.warning("not a directory: unlinked, not followed", path=str(where))
         return True
-
-    def gone_already(_fn, _path, exc_info) -> None:  # another tpassd swept the shared dir first
-        if not (isinstance(exc_info[1], OSError) and exc_info[1].errno == errno.ENOENT):
-            raise exc_info[1]
-
-    shutil.rmtree(name, dir_fd=dfd, onerror=gone_already)  # the fd-based, symlink-safe walk
+    todo = [name]
+    moved = 0
+    while todo:
+        top = todo.pop()
+        moved += _rm_dir(dfd, top, todo, max_depth)
+    if moved:
+        log.warning("tree deeper than the sweep walks at once: removed in parts", path=str(where),
+                    max_depth=max_depth, parts=moved + 1)
     return True
+
+
+def _unlink_entry(fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:  # became a directory since: the next scan finds it
+        pass
+
+
+def _rm_dir(dfd: int, name: str, todo: list[str], max_depth: int) -> int:
+    """Remove the directory ``name`` in ``dfd`` depth-first with a stack of fds; a directory at
+    ``max_depth`` is renamed into ``dfd`` and appended to ``todo``. The number so moved."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # swapped for a link or a file: unlinked
+            _unlink_entry(dfd, name)
+            return 0
+        raise
+    stack = [(dfd, name, fd)]
+    moved = 0
+    try:
+        while stack:
+            pfd, nm, fd = stack[-1]
+            child = None
+            with os.scandir(fd) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        child = e.name
+                        break
+                    _unlink_entry(fd, e.name)
+            if child is None:
+                try:
+                    os.rmdir(nm, dir_fd=pfd)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    if exc.errno != errno.ENOTEMPTY:
+                        raise
+                    continue  # something appeared since the scan: scan again
+                stack.pop()
+                os.close(fd)
+                continue
+            if len(stack) >= max_depth:
+                up = f".tpassd-sweep-{os.getpid()}-{time.monotonic_ns()}"
+                os.rename(child, up, src_dir_fd=fd, dst_dir_fd=dfd)
+                todo.append(up)
+                moved += 1
+                continue
+            try:
+                cfd = os.open(child, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    _unlink_entry(fd, child)
+                    continue
+                raise
+            stack.append((fd, child, cfd))
+    finally:
+        for _pfd, _nm, fd in stack:
+            os.close(fd)
+    return moved
 
 
 def _job_ids(dfd: int, pattern: re.Pattern[str]) -> set[int]:
@@ -127,8 +209,13 @@ def dump_processes(snapshot_dir: Path, job_id: int, parent: int | None = None) -
 
 class Sweeper:
     def __init__(self, snapshot_dir: Path, state_dir: Path, slurm: Callable[[], SlurmClient], *,
-                 busy_jobs: Callable[[], set[int]] = set, busy_wait_s: float = 10.0):
+                 busy_jobs: Callable[[], set[int]] = set, busy_wait_s: float = 10.0,
+                 job_dir_retention_s: float = 0.0, wall: Callable[[], float] = time.time):
         self.snapshot_dir = Path(snapshot_dir)
+        # STATE_DIR/jobs/J of a job Slurm no longer lists goes this long after its last change
+        # (tpassd.toml job_dir_retention_h); 0: kept. One with snapshot manifests is kept.
+        self.job_dir_retention_s = job_dir_retention_s
+        self._wall = wall
         self.state_dir = Path(state_dir)
         self._slurm = slurm
         self._busy_jobs = busy_jobs
@@ -159,7 +246,7 @@ class Sweeper:
         """One sweep of every ended job's files (see the module docstring)."""
         res = SweepResult()
         cands = self.candidates()
-        if not cands:
+        if not cands and self.job_dir_retention_s <= 0:
             return res
         try:
             alive = self.active_jobs()
@@ -168,7 +255,12 @@ class Sweeper:
             log.warning("sweep skipped", reason=res.skipped)
             return res
         for job in sorted(cands - alive):
-            self.sweep_job(job, res)
+            try:
+                self.sweep_job(job, res)
+            except Exception as exc:  # noqa: BLE001 - one job's tree must not stop the others' sweep
+                res.failed.append(job)
+                log.exception("sweep of one ended job failed; the others go on", job_id=job, error=str(exc))
+        self.expire_job_dirs(alive, res)
         return res
 
     def sweep_job(self, job: int, res: SweepResult | None = None) -> SweepResult:
@@ -193,6 +285,37 @@ class Sweeper:
         self._remove(self.snapshot_dir, (), layout.snapshot_job_dir(self.snapshot_dir, job).name, res)
         self._remove(self.state_dir, (layout.JOBS, str(job)), layout.HOLD, res)
         return res
+
+    def expire_job_dirs(self, alive: set[int], res: SweepResult) -> None:
+        """Remove STATE_DIR/jobs/J of the jobs Slurm no longer lists (``alive`` is its list) whose
+        directory has not changed for job_dir_retention_s, except one that holds the job's snapshot
+        manifests (a relaunch needs them; tpassctl snapshots --delete removes them). Per job: one
+        that fails is logged and the others go on."""
+        if self.job_dir_retention_s <= 0:
+            return
+        dfd = _open(self.state_dir, (layout.JOBS,))
+        if dfd is None:
+            return
+        try:
+            jobs = _job_ids(dfd, _JOB)
+            cutoff = self._wall() - self.job_dir_retention_s
+            for job in sorted(jobs - alive - set(self._busy_jobs())):
+                name = str(job)
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if st.st_mtime > cutoff:
+                        continue
+                    if os.path.lexists(layout.snapshot_manifests_dir(self.state_dir, job)):
+                        continue
+                    if _rmtree_at(dfd, name, layout.job_dir(self.state_dir, job)):
+                        res.removed.append(str(layout.job_dir(self.state_dir, job)))
+                        log.info("ended job's state directory removed after its retention",
+                                 job_id=job, retention_h=round(self.job_dir_retention_s / 3600, 2))
+                except Exception as exc:  # noqa: BLE001 - one job's tree must not stop the others'
+                    res.failed.append(job)
+                    log.warning("could not remove an ended job's state directory", job_id=job, error=str(exc))
+        finally:
+            os.close(dfd)
 
     def _remove(self, base: Path, parts: tuple[str, ...], name: str, res: SweepResult) -> None:
         dfd = _open(base, parts)

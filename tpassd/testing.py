@@ -120,3 +120,56 @@ def credential_as(uid: int, gid: int, payload: bytes, socket: str) -> str:
                           shutil.which("munge") or "munge", "--socket", socket, "-s", payload.decode()],
                          capture_output=True, text=True, check=True, timeout=10)
     return out.stdout.strip()
+
+
+def flood_frames() -> list[bytes]:
+    """Two maximum-size frames (wire.MAX_FRAME_BYTES): a well-formed request with a forged
+    credential, and garbage."""
+    from torchpass import wire
+
+    pad = "x" * (wire.MAX_FRAME_BYTES - 4096)
+    forged = wire.encode("tpassd.snapshot", {"op": "dump", "job_id": 1, "rank": 0, "rank_dir": pad},
+                         auth="MUNGE:forged:")
+    return [forged[:wire.MAX_FRAME_BYTES], b"{" + b"9" * (wire.MAX_FRAME_BYTES - 1)]
+
+
+def flood(endpoint: str, peers: int, seconds: float) -> int:
+    """A bounded flood of a control socket: ``peers`` DEALER sockets on their own context, each
+    sending flood_frames() without reading a reply, for ``seconds``; none authenticates. The
+    number of frames sent."""
+    import zmq
+
+    ctx = zmq.Context(io_threads=2)
+    ctx.setsockopt(zmq.MAX_SOCKETS, peers + 16)
+    socks = []
+    try:
+        for _ in range(peers):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 4)
+            s.connect(endpoint)
+            socks.append(s)
+        frames = flood_frames()
+        sent = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            progress = False
+            for i, s in enumerate(socks):
+                try:
+                    s.send_multipart([b"", frames[i % 2]], zmq.NOBLOCK, copy=False)
+                    sent += 1
+                    progress = True
+                except zmq.Again:
+                    pass
+                try:
+                    while s.poll(0):
+                        s.recv_multipart(zmq.NOBLOCK)  # replies dropped unread
+                except zmq.ZMQError:
+                    pass
+            if not progress:
+                time.sleep(0.01)
+        return sent
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()

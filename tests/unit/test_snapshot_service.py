@@ -242,3 +242,27 @@ def test_a_rank_that_alone_would_pass_the_quota_is_refused_before_anything_is_wr
         assert proc.poll() is None
         out = svc.snapshot(wire.Message("tpassd.snapshot", {**body, "keep": 1}), ROOT)  # s0 would go: fits
         assert out["images"] == str(images) and out["bytes"] > 0 and proc.poll() is None
+
+
+def test_renaming_the_jobs_snapshots_directory_hides_nothing_from_the_quota_or_the_expiry(tmp_path):
+    """STATE_DIR/jobs/J belongs to the job's owner, who may rename jobs/J/snapshots (done here as
+    root, in the owner's place: the same rename(2)). The quota and the expiry count the root-only
+    records beside the images in SNAPSHOT_DIR, which no user can rename."""
+    now = [10_000.0]
+    svc = _service(tmp_path)
+    svc.wall = lambda: now[0]
+    svc.snapshot_quota_bytes = 600  # each commit is 300 bytes
+    _commit(svc, tmp_path, "s1", keep=5)
+    _commit(svc, tmp_path, "s2", keep=5)
+    hidden = layout.job_dir(tmp_path / "state", 5) / "not-snapshots"
+    os.rename(layout.snapshot_manifests_dir(tmp_path / "state", 5), hidden)
+    with pytest.raises(RemoteError, match="over this cluster's quota") as exc:
+        _commit(svc, tmp_path, "s3", keep=5)
+    assert exc.value.code == "conflict"
+    records = layout.snapshot_tree(tmp_path / "snap", 5)
+    st = os.stat(records / f"s1{layout.SNAPSHOT_MANIFEST_SUFFIX}")
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o600
+    svc.snapshot_max_age_s = 3600.0
+    now[0] += 7200
+    assert sorted(svc.expire_snapshots()) == ["5/s1", "5/s2"]
+    assert not (records / "s1").exists() and not (records / "s2").exists()

@@ -153,8 +153,10 @@ def as_uid(uid, type_, b, munge):
 def test_a_user_may_drill_only_a_node_no_other_user_runs_jobs_on(node, munge):
     body = {"kind": "ecc-sbe-storm", "gpu": 0}
     node.job_owners.update({65534, 1002})  # a shared node: a drill would move user 1002's ranks too
-    with pytest.raises(RemoteError) as ei:
+    with capture_logs() as logs, pytest.raises(RemoteError) as ei:
         zmqio.request(node.ctl, "tpassd.drill", body, auth=as_uid(65534, "tpassd.drill", body, munge), retries=0)
+    audit = [e for e in logs if e["event"] == "privileged action"]  # every refusal: one audit line
+    assert [(a["requester_uid"], a["action"], a["outcome"]) for a in audit] == [(65534, "drill", "forbidden")]
     assert ei.value.code == "forbidden" and "other users (uids [1002])" in ei.value.remote_message
     assert call(node.ctl, "node1", "tpassd.drill", body, munge.socket)["kind"] == body["kind"]  # root may
 
@@ -420,3 +422,23 @@ def test_subscriber_socket_closes(tmp_path):
     s = HealthSubscriber({"n1": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")}, snapshot=None, context=ctx).start()
     s.close()
     ctx.term()  # would hang if a socket were left open
+
+
+def test_a_user_may_not_drain_a_degraded_node_that_runs_another_users_job(node, munge):
+    """A degraded node still serves the jobs on it: user 1001's drain request must not take it from
+    user 1002's job. A node that tpassd itself sees failed is drained on tpassd's own evidence."""
+    node.slurm.run(7, 1001, ("node1",))
+    node.slurm.run(8, 1002, ("node1",))
+    node.job_owners.update({1001, 1002})  # Slurm's view: both users' jobs run on node1
+    call(node.ctl, "node1", "tpassd.drill", {"kind": "ecc-sbe-storm", "gpu": 0}, munge.socket)
+    assert wait_for(lambda: (node.last_sample or {}).get("state") == "degraded")
+    with capture_logs() as logs:
+        e = drain_refused(node, 1001, 7, munge)
+    assert e.code == "forbidden" and "uids [1002]" in e.remote_message and "not failed" in e.remote_message
+    assert node.slurm.drained == []
+    audit = [x for x in logs if x["event"] == "privileged action" and x["action"] == "drain"]
+    assert [(a["requester_uid"], a["job_id"], a["outcome"]) for a in audit] == [(1001, 7, "forbidden")]
+    call(node.ctl, "node1", "tpassd.drill", {"kind": "xid79", "gpu": 1}, munge.socket)
+    assert wait_for(lambda: (node.last_sample or {}).get("state") == "failed")
+    assert drain(node, 1001, 7, munge)["health"] == "failed"
+    assert node.slurm.drained == [("node1", "torchpass: gpu0: SBE ECC storm")]

@@ -68,3 +68,20 @@ def test_a_tpassd_on_non_default_ports_is_reached_by_a_caller_that_reads_its_con
         assert call(f"tcp://127.0.0.1:{p.control_port}", "node1", "tpassd.health", munge_socket=munge.socket)
     finally:
         node.stop()
+
+
+def test_default_ports_are_below_1024_so_no_user_can_take_them_while_tpassd_restarts():
+    """While tpassd restarts, a user who binds its port answers the coordinators (or the scrape) in
+    its place. Below 1024 only root may bind: tried here as tpuser1, for each default port."""
+    import subprocess
+    import sys
+
+    from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
+
+    for port in (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT):
+        assert 0 < port < 1024, port
+        squat = subprocess.run(
+            ["runuser", "-u", "tpuser1", "--", sys.executable, "-I", "-c",
+             f"import socket; s = socket.socket(); s.bind(('127.0.0.1', {port})); print('bound')"],
+            capture_output=True, text=True, timeout=30)
+        assert squat.returncode != 0 and "Permission denied" in squat.stderr, (port, squat.stdout, squat.stderr)

@@ -209,3 +209,74 @@ def test_the_epilog_script_sweeps_the_job_and_always_exits_0(tree):
     assert not d.exists() and not h.exists()
     env["TPASSD_CONFIG_FILE"] = str(snap.parent / "missing.toml")  # tpassd fails: still 0
     assert subprocess.run([str(script)], env=env, timeout=60).returncode == 0
+
+
+def _deep(top, depth: int, owner: int = 1001) -> None:
+    """``depth`` nested directories below ``top`` (made with directory fds: the path is longer than
+    PATH_MAX), as a user may make in their own hold directory."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            os.chown("d", owner, owner, dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        with open(os.open("last", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("x")
+    finally:
+        os.close(fd)
+
+
+def test_a_1500_deep_hold_directory_is_removed_and_other_jobs_are_still_swept(tmp_path):
+    """A user's 1,500-deep hold tree made shutil.rmtree (recursive) raise RecursionError, which
+    stopped the sweep of every job (and snapshot expiry after it) on every node."""
+    snap, state = tmp_path / "snap", tmp_path / "state"
+    snap.mkdir()
+    h5, h7 = hold(state, 5), hold(state, 7)
+    _deep(h5.parent, 1500)
+    d7 = images(snap, 7, 0)
+    try:
+        res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+        assert res.failed == [] and not h5.parent.exists() and not h7.parent.exists() and not d7.exists()
+        assert str(h5.parent) in res.removed
+    finally:  # pytest's own clean-up of tmp_path recurses too: never leave the deep tree to it
+        subprocess.run(["rm", "-rf", "--one-file-system", str(state)], timeout=60)
+
+
+def test_one_jobs_failing_sweep_does_not_stop_the_others(tmp_path, monkeypatch):
+    import tpassd.sweep as sweep_mod
+
+    snap, state = tmp_path / "snap", tmp_path / "state"
+    snap.mkdir()
+    h5, h6 = hold(state, 5), hold(state, 6)
+    real = sweep_mod.Sweeper.sweep_job
+
+    def failing(self, job, res=None):
+        if job == 5:
+            raise RuntimeError("job 5's tree is broken")
+        return real(self, job, res)
+
+    monkeypatch.setattr(sweep_mod.Sweeper, "sweep_job", failing)
+    res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+    assert res.failed == [5] and h5.exists() and not h6.exists()
+
+
+def test_ended_jobs_state_directories_go_after_their_retention(tmp_path):
+    snap, state = tmp_path / "snap", tmp_path / "state"
+    snap.mkdir()
+    now = 1_000_000.0
+    dirs = {}
+    for job in (5, 6, 7, 8):
+        d = layout.job_dir(state, job)
+        (d / "ranks").mkdir(parents=True)
+        (d / "events.json").write_text("[]")
+        dirs[job] = d
+    layout.snapshot_manifests_dir(state, 8).mkdir()  # a snapshot to relaunch from: kept
+    for job, age_h in ((5, 200), (6, 1), (7, 200), (8, 200)):
+        os.utime(dirs[job], (now - age_h * 3600, now - age_h * 3600))
+    res = Sweeper(snap, state, lambda: FakeSlurm({7: "RUNNING"}), job_dir_retention_s=168 * 3600,
+                  wall=lambda: now).sweep()
+    assert not dirs[5].exists()  # ended a week+ ago
+    assert dirs[6].exists() and dirs[7].exists() and dirs[8].exists()  # recent, running, has snapshots
+    assert res.removed == [str(dirs[5])]

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchpass.checkpoint import pidfds, safeio
+from torchpass.checkpoint import pidfds, safeio, watchdog
 from torchpass.checkpoint.manifest import TailHasher, check_hashes, verify_manifest, write_manifest
 from torchpass.errors import CheckpointError, DependencyError
 
@@ -317,8 +317,8 @@ def run_criu(criu: Criu, args: Sequence[str], timeout_s: float, what: str, then:
             argv = ["nsenter", "-t", str(net_of), "--net", "--uts", "--", *argv]
         argv = scoped(argv, slice_)
         try:
-            return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                                  timeout=timeout_s, pass_fds=(fd, *pass_fds))
+            # a criu its user stopped is killed within seconds, not at timeout_s (watchdog.py)
+            return watchdog.run(argv, timeout_s=timeout_s, pass_fds=(fd, *pass_fds), what=what, then=then)
         except subprocess.TimeoutExpired:
             raise CheckpointError(f"{what} did not finish in {timeout_s:g} s and was killed; {then}") from None
     finally:

@@ -149,7 +149,7 @@ class Audit:
         # What Slurm said of the job in this request. Each question takes 6-14 ms while a migrating
         # job stands still, so a request asks each once: the owner (slurmctld) as its authorization
         # heard it (None: not asked, root's request), and, for a request that pins a process, the
-        # job's pids on this node (slurmd), asked as it arrives, while the owner is asked.
+        # job's pids on this node (slurmd), asked once the request is authorized.
         self.owner: int | None = None
         self.pids: Asking | None = None
 
@@ -302,12 +302,14 @@ class CheckpointService:
             if not all(isinstance(b.get(k), int) and not isinstance(b[k], bool) and b[k] >= 0
                        for k in ("job_id", "rank")):
                 raise RemoteError("bad_request", f"{kind}: job_id and rank must be non-negative integers")
-            if (kind, b.get("op")) in PINNING_OPS:
-                act.pids = Asking(self.job_pids, b["job_id"])
             if kind == "snapshot" and b.get("op") in JOB_SNAPSHOT_OPS:
                 act.owner = self.authorize_snapshot(ident, b["job_id"], b["op"])
             else:
                 act.owner = self.authorize(ident, b["job_id"])
+            # slurmd is asked for the job's pids only for an authorized request: a refused one costs
+            # no scontrol listpids (the owner comes from tpassd's admission cache, no second call)
+            if (kind, b.get("op")) in PINNING_OPS:
+                act.pids = Asking(self.job_pids, b["job_id"])
             return handler(b, act)
 
     def snapshot(self, msg: wire.Message, ident: auth.Identity) -> dict[str, Any]:
@@ -793,6 +795,7 @@ class CheckpointService:
                 self._share_with_owner(mfd, owner, directory=False)
             finally:
                 os.close(mfd)
+            self._write_record(job_id, snap, manifest)
             removed = self._retain(job_id, dfd, keep, snap)
         finally:
             os.close(dfd)
@@ -802,7 +805,102 @@ class CheckpointService:
         return {"node": self.node, "snapshot": snap, "manifest": str(path), "bytes": manifest["bytes"],
                 "removed": removed}
 
+    # -- the root-only records of committed snapshots ------------------------------------
+    # STATE_DIR/jobs/J belongs to the job's owner, who may rename jobs/J/snapshots and so hide their
+    # snapshots from the quota and the expiry. The committing tpassd also keeps a copy of each job
+    # manifest in SNAPSHOT_DIR/snapshots/jobJ/ID.json (root's alone, beside the images); the quota and
+    # the expiry count those, and the manifests in STATE_DIR only where no copy exists (older commits).
+    def _records_dir(self, job_id: int, create: bool = False) -> int | None:
+        parts = layout.snapshot_tree(self.snapshot_dir, job_id).relative_to(self.snapshot_dir).parts
+        try:
+            if create:
+                base = safeio.open_dir(self.snapshot_dir, ())
+                try:
+                    for i, part in enumerate(parts):
+                        try:
+                            os.mkdir(part, 0o700, dir_fd=base)
+                        except FileExistsError:
+                            pass
+                        nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base)
+                        os.close(base)
+                        base = nxt
+                    return base
+                except BaseException:
+                    os.close(base)
+                    raise
+            return safeio.open_dir(self.snapshot_dir, parts)
+        except FileNotFoundError:
+            return None
+
+    def _write_record(self, job_id: int, snap: str, manifest: dict[str, Any]) -> None:
+        dfd = self._records_dir(job_id, create=True)
+        try:
+            safeio.write_at(dfd, layout.snapshot_manifest(".", job_id, snap).name,
+                            json.dumps(manifest, indent=1).encode(), mode=0o600)
+        finally:
+            os.close(dfd)
+
+    def _remove_record(self, job_id: int, snap: str) -> None:
+        try:
+            dfd = self._records_dir(job_id)
+        except OSError:
+            return
+        if dfd is None:
+            return
+        try:
+            os.unlink(layout.snapshot_manifest(".", job_id, snap).name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dfd)
+        try:  # the job's tree, once nothing of it is left
+            os.rmdir(layout.snapshot_tree(self.snapshot_dir, job_id))
+        except OSError:
+            pass
+
+    def _each_jobs_records(self) -> dict[int, list[dict[str, Any]]]:
+        """The root-only records under this tpassd's SNAPSHOT_DIR/snapshots, job by job."""
+        top = Path(self.snapshot_dir) / layout.SNAPSHOTS
+        try:
+            names = os.listdir(top)
+        except OSError:
+            return {}
+        out: dict[int, list[dict[str, Any]]] = {}
+        for name in names:
+            m = re.fullmatch(r"job([0-9]{1,12})", name)
+            if m is None:
+                continue
+            job_id = int(m.group(1))
+            try:
+                dfd = self._records_dir(job_id)
+            except OSError:
+                continue
+            if dfd is None:
+                continue
+            try:
+                found = read_job_manifests(dfd, job_id)
+            except OSError:
+                continue
+            finally:
+                os.close(dfd)
+            if found:
+                out[job_id] = found
+        return out
+
     def _each_jobs_manifests(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Every job's complete snapshots, job by job: the root-only records in SNAPSHOT_DIR, and the
+        root-written manifests under STATE_DIR that have no record (committed before the records)."""
+        records = self._each_jobs_records()
+        merged = {j: list(found) for j, found in records.items()}
+        for job_id, found in self._each_state_dir_manifests():
+            have = {m["snapshot"] for m in merged.get(job_id, [])}
+            extra = [m for m in found if m["snapshot"] not in have]
+            if extra:
+                merged[job_id] = sorted(merged.get(job_id, []) + extra,
+                                        key=lambda m: (float(m.get("created") or 0), str(m["snapshot"])))
+        return sorted(merged.items())
+
+    def _each_state_dir_manifests(self) -> list[tuple[int, list[dict[str, Any]]]]:
         """Every job's complete snapshots under STATE_DIR (root-written manifests only), job by job."""
         if self.state_dir is None:
             return []
@@ -861,15 +959,21 @@ class CheckpointService:
             old = [m for m in found if m.get("written_by") == self.node and float(m.get("created") or 0) < cutoff]
             if not old:
                 continue
-            dfd = self._manifests_dir(job_id)
-            if dfd is None:
-                continue
-            try:
-                for m in old:
-                    self._remove_snapshot(job_id, m, dfd)
-                    gone.append(f"{job_id}/{m['snapshot']}")
-            finally:
-                os.close(dfd)
+            try:  # one job's trouble must not stop the others' expiry
+                try:
+                    dfd = self._manifests_dir(job_id)
+                except RemoteError:
+                    dfd = None  # not root's any more: the record and the images still go
+                try:
+                    for m in old:
+                        self._remove_snapshot(job_id, m, dfd)
+                        gone.append(f"{job_id}/{m['snapshot']}")
+                finally:
+                    if dfd is not None:
+                        os.close(dfd)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("expiry of one job's snapshots failed; the others go on", job_id=job_id,
+                              error=str(exc))
         if gone:
             log.info("expired snapshots removed", snapshots=gone, max_age_h=round(self.snapshot_max_age_s / 3600, 2))
         return gone
@@ -882,7 +986,7 @@ class CheckpointService:
             self._remove_snapshot(job_id, m, dfd)
         return [m["snapshot"] for m in old]
 
-    def _remove_snapshot(self, job_id: int, manifest: dict[str, Any], dfd: int) -> int:
+    def _remove_snapshot(self, job_id: int, manifest: dict[str, Any], dfd: int | None) -> int:
         """Remove one committed snapshot: every rank's images (each where the manifest says, checked
         against the layout), then the manifest itself. Bytes freed."""
         snap = manifest["snapshot"]
@@ -894,10 +998,12 @@ class CheckpointService:
                 roots.add(parsed[0])
         for root in sorted(roots):
             freed += self._remove_snapshot_images(root, job_id, snap)
-        try:
-            os.unlink(layout.snapshot_manifest(".", job_id, snap).name, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
+        self._remove_record(job_id, snap)
+        if dfd is not None:
+            try:
+                os.unlink(layout.snapshot_manifest(".", job_id, snap).name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
         log.info("job snapshot removed", job_id=job_id, snapshot=snap, mb=round(freed / 1e6, 1))
         return freed
 
