@@ -29,7 +29,7 @@ import click
 
 from torchpass import auth, jobdir, layout, zmqio
 from torchpass.checkpoint import safeio
-from torchpass.checkpoint.service import read_job_manifests
+from torchpass.checkpoint import job_manifest
 from torchpass.errors import AuthError, DependencyError, RemoteError, TorchpassError, UnreachableError
 from torchpass.slurm.conf import job_privacy
 from torchpass.tpassd_ports import tpassd_ports
@@ -132,7 +132,7 @@ def list_snapshots(state_dir: Path, job_id: int | None = None, uid: int | None =
         except OSError:
             continue  # none, or not ours to read
         try:
-            found = read_job_manifests(dfd, j)
+            found = job_manifest.read_all(dfd, j)
         except OSError:
             found = []
         finally:

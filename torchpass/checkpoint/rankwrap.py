@@ -751,22 +751,21 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
 
 def snapshot_images(jobs_state_dir: str, job: str, snap: str, rank: str) -> str:
     """Rank ``rank``'s images in whole-job snapshot ``snap``, from the job manifest tpassd wrote
-    (root's, readable by the job owner's group). The root agent checks the path itself."""
-    from torchpass.checkpoint import safeio
+    (root's, readable by the job's owner). The root agent checks the path itself."""
+    from torchpass.checkpoint import job_manifest, safeio
 
     path = layout.snapshot_manifest(jobs_state_dir, job, snap)
     try:
-        manifest = json.loads(safeio.read_regular(str(path), 64 << 20))
+        manifest = job_manifest.parse(safeio.read_regular(str(path), job_manifest.MAX_BYTES))
     except FileNotFoundError:
         raise LookupError(f"snapshot {snap} of job {job} has no manifest ({path}): it was never completed or was "
                           "removed") from None
     except (OSError, ValueError) as exc:
         raise LookupError(f"cannot read the manifest of snapshot {snap} of job {job} ({path}: {exc})") from None
-    parts = manifest.get("ranks") if isinstance(manifest, dict) else None
-    for part in parts or []:
-        if isinstance(part, dict) and str(part.get("rank")) == rank and isinstance(part.get("images"), str):
-            return part["images"]
-    raise LookupError(f"snapshot {snap} of job {job} has no rank {rank} ({path})")
+    images = job_manifest.rank_images(manifest, rank)
+    if images is None:
+        raise LookupError(f"snapshot {snap} of job {job} has no rank {rank} ({path})")
+    return images
 
 
 def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:

@@ -51,7 +51,7 @@ import structlog
 
 from torchpass import auth, jobdir, layout, slurm, wire
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint import procs, restore_token, safeio
+from torchpass.checkpoint import job_manifest, procs, restore_token, safeio
 from torchpass.checkpoint.cuda import CudaCheckpoint
 from torchpass.checkpoint.manifest import checksum_of, read_manifest_bytes
 from torchpass.errors import CheckpointError, RemoteError, TorchpassError
@@ -82,32 +82,9 @@ def maps_nvidia_device(pid: int, proc: str = "/proc") -> bool:
 
 # tpassd.snapshot ops of whole-job snapshots (issue 12; CheckpointService._job_snapshot).
 JOB_SNAPSHOT_OPS = ("snap", "commit", "discard", "delete")
-MAX_JOB_MANIFEST_BYTES = 4 << 20
 
 
 _JOB_ID = re.compile(r"[0-9]{1,12}")  # layout.job_dir's name
-
-
-def read_job_manifests(dfd: int, job_id: int) -> list[dict[str, Any]]:
-    """The job manifests in the directory ``dfd`` (STATE_DIR/jobs/J/snapshots), oldest first: only
-    regular files owned by root with one link (root wrote them; a user cannot forge one there), of
-    this job, whose name is their snapshot id. Unreadable or foreign entries are skipped."""
-    out = []
-    suffix = layout.SNAPSHOT_MANIFEST_SUFFIX
-    for name in os.listdir(dfd):
-        if not name.endswith(suffix) or name.startswith("."):
-            continue
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_nlink != 1:
-                continue
-            m = json.loads(safeio.read_regular(name, MAX_JOB_MANIFEST_BYTES, dir_fd=dfd))
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("job_id") == job_id and f"{m.get('snapshot')}{suffix}" == name:
-            out.append(m)
-    out.sort(key=lambda m: (float(m.get("created") or 0), str(m["snapshot"])))
-    return out
 
 
 class Asking:
@@ -779,17 +756,14 @@ class CheckpointService:
             raise RemoteError("bad_request", f"commit of snapshot {snap}: a rank is named twice")
         keep = _keep(b)
         self._check_quota(owner, job_id, snap, sum(p["bytes"] for p in checked), keep)
-        manifest = {
-            "version": 1, "job_id": job_id, "snapshot": snap, "uid": owner, "created": round(self.wall(), 3),
-            "step": b.get("step"), "generation": b.get("generation"), "collectives": b.get("collectives"),
-            "world_size": len(checked), "nodes": sorted({p["node"] for p in checked}), "ranks": checked,
-            "bytes": sum(p["bytes"] for p in checked), "written_by": self.node,
-        }
+        manifest = job_manifest.build(job_id=job_id, snapshot=snap, uid=owner, created=self.wall(),
+                                      step=b.get("step"), generation=b.get("generation"),
+                                      collectives=b.get("collectives"), parts=checked, written_by=self.node)
         dfd = self._manifests_dir(job_id, create_for=owner)
         assert dfd is not None
         try:
             name = layout.snapshot_manifest(".", job_id, snap).name
-            safeio.write_at(dfd, name, json.dumps(manifest, indent=1).encode(), mode=0o600)
+            safeio.write_at(dfd, name, job_manifest.encode(manifest), mode=0o600)
             mfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
                 self._share_with_owner(mfd, owner, directory=False)
@@ -835,8 +809,8 @@ class CheckpointService:
     def _write_record(self, job_id: int, snap: str, manifest: dict[str, Any]) -> None:
         dfd = self._records_dir(job_id, create=True)
         try:
-            safeio.write_at(dfd, layout.snapshot_manifest(".", job_id, snap).name,
-                            json.dumps(manifest, indent=1).encode(), mode=0o600)
+            safeio.write_at(dfd, layout.snapshot_manifest(".", job_id, snap).name, job_manifest.encode(manifest),
+                            mode=0o600)
         finally:
             os.close(dfd)
 
@@ -878,7 +852,7 @@ class CheckpointService:
             if dfd is None:
                 continue
             try:
-                found = read_job_manifests(dfd, job_id)
+                found = job_manifest.read_all(dfd, job_id)
             except OSError:
                 continue
             finally:
@@ -920,7 +894,7 @@ class CheckpointService:
             if dfd is None:
                 continue
             try:
-                out.append((job_id, read_job_manifests(dfd, job_id)))
+                out.append((job_id, job_manifest.read_all(dfd, job_id)))
             finally:
                 os.close(dfd)
         return out
@@ -980,7 +954,7 @@ class CheckpointService:
 
     def _retain(self, job_id: int, dfd: int, keep: int, newest: str) -> list[str]:
         """Remove all but the newest ``keep`` complete snapshots of the job (oldest first); their ids."""
-        found = read_job_manifests(dfd, job_id)
+        found = job_manifest.read_all(dfd, job_id)
         old = [m for m in found if m["snapshot"] != newest][:max(0, len(found) - keep)]
         for m in old:
             self._remove_snapshot(job_id, m, dfd)
@@ -1030,7 +1004,7 @@ class CheckpointService:
         if dfd is None:
             raise RemoteError("not_found", f"job {job_id} has no snapshots")
         try:
-            found = {m["snapshot"]: m for m in read_job_manifests(dfd, job_id)}
+            found = {m["snapshot"]: m for m in job_manifest.read_all(dfd, job_id)}
             if snap not in found:
                 have = ", ".join(found) or "none"
                 raise RemoteError("not_found", f"job {job_id} has no snapshot {snap} (its snapshots: {have})")
@@ -1049,7 +1023,7 @@ class CheckpointService:
             dfd = self._manifests_dir(job_id)
             if dfd is not None:
                 try:
-                    uids = {m.get("uid") for m in read_job_manifests(dfd, job_id)}
+                    uids = {m.get("uid") for m in job_manifest.read_all(dfd, job_id)}
                 finally:
                     os.close(dfd)
                 if uids and uids <= {ident.uid}:
@@ -1120,7 +1094,7 @@ class CheckpointService:
             if dfd is None:
                 raise RemoteError("not_found", f"job {job_id} has no snapshots; nothing to restore")
             try:
-                found = {m["snapshot"]: m for m in read_job_manifests(dfd, job_id)}
+                found = {m["snapshot"]: m for m in job_manifest.read_all(dfd, job_id)}
             finally:
                 os.close(dfd)
             if snap not in found:
@@ -1212,4 +1186,4 @@ class CheckpointService:
             os.close(dfd)
 
 
-__all__ = ["CheckpointService", "JOB_SNAPSHOT_OPS", "maps_nvidia_device", "read_job_manifests"]
+__all__ = ["CheckpointService", "JOB_SNAPSHOT_OPS", "maps_nvidia_device"]
