@@ -13,13 +13,13 @@ of HMAC, so the wire format is checked against a second implementation.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 from test_never_left_paused import FakePG
+from test_runtime_control import StandInPeer
 
 from torchpass import jobauth, layout
 from torchpass.coordinator.server import CoordinatorServer
@@ -69,32 +69,16 @@ while True:
 """
 
 
-class Peer:
+class Peer(StandInPeer):
     def __init__(self, plan: dict[int, list]):
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, SECRET.decode(), json.dumps(plan)],
-                                     stdout=subprocess.PIPE, text=True)
-        self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
-        self.seen: list[tuple[str, dict]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__([PEER, SECRET.decode(), json.dumps(plan)])
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.seen.append(tuple(json.loads(line)))
+    @staticmethod
+    def parse(line: str) -> tuple[str, dict]:
+        return tuple(json.loads(line))
 
     def of(self, type_: str) -> list[dict]:
         return [b for t, b in list(self.seen) if t == type_]
-
-    def wait(self, cond, what: str, timeout_s: float = 20.0) -> None:
-        end = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < end, f"{what}: not within {timeout_s} s (seen {self.seen[-5:]})"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._reader.join(5)
 
 
 @pytest.fixture

@@ -57,22 +57,24 @@ while True:
 """
 
 
-class Peer:
-    def __init__(self, pause: dict | None = None, at: int = -1, *flags: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(pause), str(at), *flags],
-                                     stdout=subprocess.PIPE, text=True)
+class StandInPeer:
+    """A stand-in coordinator in a process of its own (the program ``argv[0]``, run with ``-c``):
+    its port on the first stdout line, then one line per thing it saw (``parse``)."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen([sys.executable, "-c", *argv], stdout=subprocess.PIPE, text=True)
         self.endpoint = f"tcp://127.0.0.1:{int(self.proc.stdout.readline())}"
-        self.seen: list[tuple[str, str]] = []  # (connection identity, message type)
+        self.seen: list[tuple] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
+    @staticmethod
+    def parse(line: str) -> tuple:
+        raise NotImplementedError
+
     def _read(self) -> None:
         for line in self.proc.stdout:
-            ident, type_ = line.split()
-            self.seen.append((ident, type_))
-
-    def identities(self) -> list[str]:
-        return list(dict.fromkeys(i for i, _ in list(self.seen)))
+            self.seen.append(self.parse(line))
 
     def wait(self, cond, what: str, timeout_s: float = 20.0) -> None:
         end = time.monotonic() + timeout_s
@@ -84,6 +86,19 @@ class Peer:
         self.proc.kill()
         self.proc.wait()
         self._reader.join(5)
+
+
+class Peer(StandInPeer):
+    def __init__(self, pause: dict | None = None, at: int = -1, *flags: str):
+        super().__init__([PEER, json.dumps(pause), str(at), *flags])
+
+    @staticmethod
+    def parse(line: str) -> tuple[str, str]:
+        ident, type_ = line.split()  # (connection identity, message type)
+        return ident, type_
+
+    def identities(self) -> list[str]:
+        return list(dict.fromkeys(i for i, _ in list(self.seen)))
 
 
 @pytest.fixture

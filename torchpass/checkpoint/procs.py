@@ -153,20 +153,6 @@ CAP_SYS_ADMIN = 21
 CAP_KINDS = ("CapInh", "CapPrm", "CapEff", "CapAmb")
 
 
-def _tree(root: int, proc: str = "/proc") -> list[int]:
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for tid in os.listdir(f"{proc}/{p}/task"):
-                with open(f"{proc}/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
-
-
 def creds_of(pid: int, proc: str = "/proc") -> dict:
     """The credentials of ``pid`` as /proc shows them: its pid in its innermost namespace, real,
     effective, saved and fs uids and gids, supplementary groups (sorted) and capability sets."""
@@ -197,7 +183,9 @@ def check_tree_creds(root: int, owner: int, *, init: bool, proc: str = "/proc") 
         raise RemoteError("not_found", f"pid {root} exited before its dump") from None
     gid = top["gid"][0]
     allowed = set(top["groups"]) - {0}
-    for p in _tree(root, proc):
+    from torchpass.checkpoint.criu import tree_pids  # criu imports this module
+
+    for p in tree_pids(root, proc):
         try:
             c = creds_of(p, proc)
         except (OSError, ValueError, KeyError, IndexError):
