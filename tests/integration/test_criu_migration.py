@@ -93,11 +93,14 @@ def net():
         n.down()
 
 
-def rank_env(rank: int, port: int, runtime: bool, coordinator: str | None, master: str) -> dict:
+def rank_env(rank: int, port: int, runtime: bool, coordinator: str | None, master: str,
+             state_dir: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON"))}
     env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=master, MASTER_PORT=str(port),
                PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID=str(JOB), TORCHPASS_PROGRESS_INTERVAL="0.05",
                TORCHPASS_DEBUG="1")
+    if state_dir is not None:  # a rank takes a hold file only where the layout puts it in STATE_DIR
+        env["TORCHPASS_STATE_DIR"] = str(state_dir)
     if not runtime:
         env["TORCHPASS_RUNTIME"] = "0"
     if coordinator:
@@ -121,7 +124,7 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
     ref = reference(tmp_path)
     state = layout.rank_records_dir(tmp_path / "state", JOB)  # where tpassd looks: STATE_DIR/jobs/J/ranks
     images = layout.images_dir(tmp_path / "images", JOB, 1, 1)
-    wake = tmp_path / "wake" / "rank1.gen1"
+    wake = layout.hold_file(tmp_path / "state", JOB, "m1", 1)
     master = f"{SUBNET}.10"
     port = 29000 + os.getpid() % 1000
     procs: list[subprocess.Popen] = []
@@ -138,10 +141,10 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
     with MiniCoordinator(2, JOB, address=f"{SUBNET}.1") as coord:
         try:
             start("rank0", [sys.executable, str(TRAIN), *ARGS], "n0",
-                  rank_env(0, port, True, coord.endpoint, master))
+                  rank_env(0, port, True, coord.endpoint, master, tmp_path / "state"))
             src = start("rank1", [sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--state-dir", str(state),
                                   *(["--timens"] if timens else []), "--", sys.executable, str(TRAIN), *ARGS], "a",
-                        rank_env(1, port, True, coord.endpoint, master))
+                        rank_env(1, port, True, coord.endpoint, master, tmp_path / "state"))
             coord.wait_registered(timeout=120)
             coord.wait_collectives(40, timeout=120)
             t0 = time.monotonic()
@@ -171,7 +174,7 @@ def test_rank_migrates_between_namespaces_bit_identical(net, tmp_path, timens):
             # the restore step on the target node (here: inside namespace B), as the executor starts it
             dst = start("rank1.restored", [sys.executable, "-m", "torchpass.checkpoint.rankwrap", "--restore",
                                            dumped["images"], "--state-dir", str(state)],
-                        "b", rank_env(1, port, True, None, master))
+                        "b", rank_env(1, port, True, None, master, tmp_path / "state"))
             deadline = time.monotonic() + 120
             while json.loads(layout.rank_record(state, JOB, 1).read_text()).get("restored_from") != dumped["images"]:
                 assert dst.poll() is None and time.monotonic() < deadline, "the restore wrapper's record"
