@@ -99,17 +99,23 @@ def open_root_owned_dir(path: str | os.PathLike) -> int:
     raise AssertionError("unreachable")
 
 
+def _open_nofollow(name: str | os.PathLike, dir_fd: int | None) -> int:
+    """``name`` opened read-only without following a symlink (one line saying so) and without
+    blocking on a FIFO or device."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, f"{name} is a symlink; refused") from None
+        raise
+
+
 def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None, owner: int | None = None) -> bytes:
     """The content of the regular file ``name`` (not followed if a symlink), at most ``cap``
     bytes. A FIFO or device is refused without blocking; a larger file without reading it.
     ``owner``: the file must be that uid's, with one link (checked on the descriptor read, so a
     file swapped after a check by name, or a hard link to another's file, is refused)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(exc.errno, f"{name} is a symlink; refused") from None
-        raise
+    fd = _open_nofollow(name, dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -136,12 +142,7 @@ def read_regular(name: str | os.PathLike, cap: int, *, dir_fd: int | None = None
 def read_tail(path: str | os.PathLike, cap: int) -> bytes:
     """The last ``cap`` bytes (or fewer) of the regular file ``path`` (not followed if a symlink;
     a FIFO or device refused without blocking): a log that may be long, read bounded."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(exc.errno, f"{path} is a symlink; refused") from None
-        raise
+    fd = _open_nofollow(path, None)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
