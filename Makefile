@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 JOB_VENV ?= /opt/torchpass-dev/jobvenv
 export TORCHPASS_JOB_VENV := $(JOB_VENV)
 
-.PHONY: all deps venv jobvenv spank lint-imports test unit integration demo bench clean
+.PHONY: all deps venv jobvenv spank lint lint-imports test unit integration demo bench clean
 
 all: venv spank
 
@@ -42,6 +42,10 @@ unit: venv
 
 integration: deps venv jobvenv spank
 	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
+
+# pyflakes, pycodestyle, import order and the `noqa`s' rules: pyproject.toml [tool.ruff].
+lint: venv
+	$(VENV)/bin/ruff check .
 
 # Which package may import which: the contracts in pyproject.toml [tool.importlinter].
 lint-imports: venv

@@ -613,7 +613,8 @@ class LoadGen:
     def stats(self, rtts: bool = False) -> dict[str, Any]:
         return {"totals": dict(self.totals), "window": dict(self.window), "late_s": list(self.late_s),
                 "late_types": dict(self.late_types),
-                "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks), "rtts": list(self.rtts) if rtts else [],
+                "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks),
+                "rtts": list(self.rtts) if rtts else [],
                 "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
                 "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
 

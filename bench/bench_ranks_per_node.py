@@ -31,7 +31,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from drill import Drill, leave_clean, migrate  # noqa: E402
-
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
 PHASES = ("pause", "dump", "transfer", "restore", "kill_source", "paused", "total")

@@ -39,7 +39,6 @@ sys.path.insert(0, str(BENCH))
 
 from bench_migration import first_arrivals, machine, per_step  # noqa: E402
 from bench_overhead import devcluster, one_run, user_workdir  # noqa: E402
-
 from torchpass import layout  # noqa: E402
 from torchpass.devcluster import Devcluster  # noqa: E402
 

@@ -248,7 +248,7 @@ class HealthSubscriber:
         while not self._stop.is_set():
             try:
                 self.poll_once(100)
-            except Exception:  # noqa: BLE001 - keep following; log the bug
+            except Exception:  # keep following; log the bug
                 log.exception("health subscriber loop error")
                 self._stop.wait(0.1)
 

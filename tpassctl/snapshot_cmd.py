@@ -28,8 +28,7 @@ from typing import Any
 import click
 
 from torchpass import auth, jobdir, layout, zmqio
-from torchpass.checkpoint import safeio
-from torchpass.checkpoint import job_manifest
+from torchpass.checkpoint import job_manifest, safeio
 from torchpass.errors import AuthError, DependencyError, RemoteError, TorchpassError, UnreachableError
 from torchpass.slurm.conf import job_privacy
 from torchpass.tpassd_ports import tpassd_ports

@@ -24,9 +24,9 @@ from torchpass.coordinator.state import JobState
 from torchpass.coordinator.stopped import read_stopped
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
-from torchpass.tpassd_ports import tpassd_ports
 from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy, slurm_munge_socket
+from torchpass.tpassd_ports import tpassd_ports
 
 MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and headroom above it
 # Open files: every rank keeps a connection (torchpass.zmqio.Client), and a rank whose request
@@ -187,7 +187,8 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
 @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Shared torchpass state directory; registration goes to STATE_DIR/jobs/JOBID/.")
-@click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True, help="Hot spare nodes in the allocation.")
+@click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Hot spare nodes in the allocation.")
 @click.option("--policy", default="default", show_default=True, help="Policy name (from --torchpass=policy=).")
 @click.option("--snapshot-every", "snapshot_every", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Seconds between periodic whole-job snapshots (--torchpass=snapshot_every=); "

@@ -172,7 +172,8 @@ class CoordinatorPolicy:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.rendezvous_port_range()
         if self.snapshot_every_s < 0:
-            raise ConfigError(f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
+            raise ConfigError(
+                f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
         if self.snapshot_keep < 1:
             raise ConfigError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
         if self.max_pause_rearms < 0:
@@ -210,6 +211,7 @@ def load_policy(
     if name != "default" and not path.exists():
         have = sorted(p.stem for p in Path(policies_dir).glob("*.toml")) if Path(policies_dir).is_dir() else []
         raise ConfigError(
-            f"policy {name!r} not found: no {path}; available: {', '.join(['default', *[h for h in have if h != 'default']])}"
+            f"policy {name!r} not found: no {path}; available: "
+            f"{', '.join(['default', *[h for h in have if h != 'default']])}"
         )
     return tconfig.load(CoordinatorPolicy, path=path, flags=flags)

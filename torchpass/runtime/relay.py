@@ -383,5 +383,5 @@ class NodeRelay:
                     self.dropped += 1
 
 
-__all__ = ["NodeRelay", "available", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled",
-           "relay_path"]
+__all__ = ["NodeRelay", "available", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir",
+           "relay_enabled", "relay_path"]
