@@ -1,4 +1,4 @@
-"""How long training stands still for one application checkpoint (issue 12, deliver 4).
+"""How long training stands still for one application checkpoint.
 
     .venv/bin/python bench/bench_app_checkpoint.py [--sizes 10M,100M] [--reps 3] [--world 2]
 

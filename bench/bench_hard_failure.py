@@ -1,4 +1,4 @@
-"""What a node lost outright costs a job (issue 12): torchpass's relaunch inside the allocation, from
+"""What a node lost outright costs a job: torchpass's relaunch inside the allocation, from
 an application checkpoint or from a whole-job snapshot, against checkpoint-restart through Slurm's
 requeue, side by side in the same run.
 

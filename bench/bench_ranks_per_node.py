@@ -1,4 +1,4 @@
-"""The stall of a migration at 1, 2 and 4 ranks per node, on the devcluster (issue 11, deliver 4).
+"""The stall of a migration at 1, 2 and 4 ranks per node, on the devcluster.
 
     .venv/bin/python bench/bench_ranks_per_node.py [--per-node 1,2,4] [--steps 100] [--params 100K]
 

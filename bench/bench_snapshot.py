@@ -1,4 +1,4 @@
-"""The cost of periodic whole-job snapshots (issue 12): the same job with and without
+"""The cost of periodic whole-job snapshots: the same job with and without
 ``snapshot_every``, interleaved A/B pairs, per model size.
 
     .venv/bin/python bench/bench_snapshot.py [--sizes 10M,100M] [--pairs 2] [--every 10]

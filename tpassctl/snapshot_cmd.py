@@ -1,4 +1,4 @@
-"""`tpassctl snapshot JOBID` and `tpassctl snapshots [JOBID] [--delete ID]`: whole-job snapshots (issue 12).
+"""`tpassctl snapshot JOBID` and `tpassctl snapshots [JOBID] [--delete ID]`: whole-job snapshots.
 
 ``snapshot`` asks the job's coordinator (munge: the job's owner or an
 admin) to save every rank and leave the job running; it prints the

@@ -1,4 +1,4 @@
-"""A move rolled back after its restore succeeded (issue 4, second move of a rank).
+"""A move rolled back after its restore succeeded (the second move of a rank).
 
 The rank moved node2 -> node3 once (its first task wrapper, the one Slurm
 tracks, waits for the moved rank's exit code); it is moved again node3 ->

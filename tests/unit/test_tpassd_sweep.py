@@ -1,7 +1,7 @@
 """tpassd removes an ended job's migration images and hold files, and follows no link a user
-planted (tpassd/sweep.py; issue 9, "Migration images are removed when the job ends, whatever way it
-ends"). Slurm's job list comes from a fake client (the Tpassd/Sweeper seam for the Slurm client);
-every path and process is real. On 5ac7044 nothing removed them (there was no tpassd/sweep.py)."""
+planted (tpassd/sweep.py: migration images are removed when the job ends, whatever way it ends).
+Slurm's job list comes from a fake client (the Tpassd/Sweeper seam for the Slurm client);
+every path and process is real. Without tpassd/sweep.py nothing removes them."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-# --- whole-job snapshots (tpassctl snapshot; issue 12) -------------------------------
+# --- whole-job snapshots (tpassctl snapshot) ----------------------------------------
 @dataclass(frozen=True)
 class DumpRank:
     """tpassd on ``node``: CRIU dump of the quiesced, held ``rank`` into job snapshot ``snapshot``
@@ -510,7 +510,7 @@ class SlurmReachability:
     why: str = ""
 
 
-# --- whole-job snapshots (issue 12) ------------------------------------------------------
+# --- whole-job snapshots ---------------------------------------------------------------
 @dataclass(frozen=True)
 class OperatorSnapshot:
     """`tpassctl snapshot JOBID`: take snapshot ``snapshot`` (its id, chosen when accepted)."""

@@ -122,7 +122,7 @@ class CoordinatorPolicy:
     # can still run `tpassctl migrate`).
     max_attempts_per_node: int = 3
 
-    # --- whole-job snapshots (tpassctl snapshot; issue 12) ------------------------
+    # --- whole-job snapshots (tpassctl snapshot) ---------------------------------
     # Complete snapshots kept per job: when one more completes, root (tpassd) removes the older ones.
     snapshot_keep: int = 2
     # Seconds of training between the end of one whole-job snapshot and the start of the next
