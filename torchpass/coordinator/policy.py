@@ -79,7 +79,7 @@ class CoordinatorPolicy:
     # the pause leaves in the reply at once (milliseconds), so only the
     # decision and the reply's way to the rank are left to cover. T nearer by
     # (0.5 - 0.1) s x the job's rate: at 10M on the devcluster about one step
-    # (docs/benchmarks.md, "Decision to standstill").
+    # (docs/benchmark-history.md, "Decision to standstill").
     pause_slack_listening_s: float = 0.1
     # The pause to every long-polling rank leaves as one batch of replies; the
     # last rank of a large job hears it this much later per 1,000 ranks
