@@ -101,6 +101,19 @@ from torchpass.coordinator.phases import (
     strict_default,
 )
 from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator import relaunch_phases, snapshot_phases
+from torchpass.coordinator.relaunch_phases import (
+    IllegalRelaunchTransition,
+    RelaunchKind,
+    RelaunchPhase,
+    RelaunchResult,
+)
+from torchpass.coordinator.snapshot_phases import (
+    PAUSED_SNAP_PHASES,
+    IllegalSnapshotTransition,
+    SnapPhase,
+    SnapResult,
+)
 from torchpass.health_state import State
 
 
@@ -959,6 +972,7 @@ def _end_snapshot_for_relaunch(out: _Out, st: CoordState, lost: set[str]) -> Coo
     s = st.snapshot
     if s is None:
         return st
+    snapshot_phases.check_result(s.id, s.phase, SnapResult.RELAUNCHED)
     st = _committed(st)
     if st.last_snapshot is not None and st.last_snapshot.id == s.id:
         out.event("snapshot.completed", f"snapshot {s.id} of job {st.job_id} at step {s.step}: complete (its manifest "
@@ -1053,12 +1067,15 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
     if snap is not None:
         # The restored ranks keep their own step counts (in their images) and resume as the
         # snapshot's generation.
+        relaunch_phases.check_transition(f"relaunch{count}", None, RelaunchPhase.RESTORING)
         resumes = {"generation": snap.generation, "step_offset": snap.step_offset,
                    "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last, snapshot=snap.id,
-                                           generation=snap.generation)}
+                                           phase=RelaunchPhase.RESTORING, generation=snap.generation)}
     else:  # fresh processes, generation 0; steps numbered from the checkpoint until rank 0 says what it loaded
+        relaunch_phases.check_transition(f"relaunch{count}", None, RelaunchPhase.REGISTERING)
         resumes = {"generation": 0, "step_offset": step,
-                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last)}
+                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last,
+                                           phase=RelaunchPhase.REGISTERING)}
     return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, relaunches=count,
                    relaunch_pending="", snapshot_clock=None,
                    operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)), **resumes)
@@ -1066,7 +1083,13 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
 
 def _relaunch_id(r: RelaunchRun) -> str:
     """The name the restored ranks' resume goes under (the executor's commands for it)."""
-    return f"relaunch{r.count}" if r.count else f"resume-{r.snapshot}"
+    return f"resume-{r.snapshot}" if r.kind == RelaunchKind.RESUMED_STOP else f"relaunch{r.count}"
+
+
+def _relaunch_end(st: CoordState, r: RelaunchRun, result: RelaunchResult, **changes: Any) -> CoordState:
+    """``st`` with the relaunch ended with ``result`` (every end goes through here and the table)."""
+    relaunch_phases.check_result(_relaunch_id(r), r.phase, result)
+    return replace(st, relaunch=None, **changes)
 
 
 def resumed_from_stop(job_id: int, now: float, snapshot: str, snapshot_step: int, generation: int,
@@ -1075,9 +1098,11 @@ def resumed_from_stop(job_id: int, now: float, snapshot: str, snapshot_step: int
     resumed: every rank comes back restored from ``snapshot`` (the plugin restores the step the
     stop marker names) and is resumed once all are back, as after a relaunch from a snapshot."""
     point = SnapshotPoint(snapshot, snapshot_step, generation, step_offset, world_size)
+    relaunch_phases.check_transition(f"resume-{snapshot}", None, RelaunchPhase.RESTORING)
     return CoordState(job_id=job_id, world_size=world_size, generation=generation, step_offset=step_offset,
                       last_snapshot=point,
                       relaunch=RelaunchRun(0, "", "", now, snapshot_step, snapshot_step - 1, snapshot=snapshot,
+                                           kind=RelaunchKind.RESUMED_STOP, phase=RelaunchPhase.RESTORING,
                                            generation=generation))
 
 
@@ -1087,10 +1112,10 @@ def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: Coord
     r = st.relaunch
     assert r is not None and r.snapshot
     world = st.world_size or 0
-    # count 0: the resumed run of a job stopped with `tpassctl snapshot --stop` (no node was lost)
-    what = f"relaunch {r.count}" if r.count else f"resume of job {st.job_id}"
-    since = f"after {r.lost} was found lost" if r.count else "after this coordinator started"
-    if r.resume_sent is None:
+    after_loss = r.kind == RelaunchKind.LOST_NODE  # else the resumed run of a job stopped with --stop
+    what = f"relaunch {r.count}" if after_loss else f"resume of job {st.job_id}"
+    since = f"after {r.lost} was found lost" if after_loss else "after this coordinator started"
+    if r.phase == RelaunchPhase.RESTORING:
         if st.all_registered() and len(r.back) < world and set(st.ranks) - r.back:
             # Ranks registered that are not copies of the snapshot: the step was started afresh
             # (its id was not the one the stop marker named). They train on: nothing to resume.
@@ -1098,9 +1123,9 @@ def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: Coord
             out.event("job.restore_missed", f"{what}: ranks {fresh} registered as fresh processes, not restored "
                       f"from snapshot {r.snapshot}: the job's step started again from its beginning",
                       relaunch=r.count, snapshot=r.snapshot, fresh=fresh)
-            if not r.count:
+            if not after_loss:
                 out.add(ForgetStopped(r.snapshot))
-            return replace(st, relaunch=None, snapshot_clock=now)
+            return _relaunch_end(st, r, RelaunchResult.RESTORE_MISSED, snapshot_clock=now)
         if world and len(r.back) >= world and st.all_registered():
             master = in_place_master(st)
             out.add(ResumeInPlace(_relaunch_id(r), r.generation, master,
@@ -1110,10 +1135,12 @@ def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: Coord
                       f"resuming them as generation {r.generation} (rendezvous on {master})",
                       relaunch=r.count, snapshot=r.snapshot, decision_to_restored_s=_r(now - r.decided),
                       generation=r.generation)
-            return replace(st, relaunch=replace(r, resume_sent=now, resume_attempts=1))
+            relaunch_phases.check_transition(_relaunch_id(r), r.phase, RelaunchPhase.RESUMING)
+            return replace(st, relaunch=replace(r, phase=RelaunchPhase.RESUMING, resume_sent=now,
+                                                resume_attempts=1))
         return st
     if world and len(r.resumed) >= world:
-        if r.count:
+        if after_loss:
             out.event("job.relaunched", f"{what}: every rank restored from snapshot {r.snapshot} resumed "
                       f"{now - r.decided:.1f} s {since}; training goes on from step "
                       f"{r.checkpoint_step} (steps {r.checkpoint_step}..{r.last_step} are computed again)",
@@ -1126,8 +1153,8 @@ def _snapshot_relaunch_step(out: _Out, st: CoordState, now: float, policy: Coord
                       f"{now - r.decided:.1f} s {since}; training goes on from step {r.checkpoint_step}, "
                       "where it stopped", snapshot=r.snapshot, decision_to_resumed_s=_r(now - r.decided),
                       snapshot_step=r.checkpoint_step)
-        return replace(st, relaunch=None, snapshot_clock=now)
-    if now - r.resume_sent >= policy.rebuild_timeout_s and r.resume_attempts < policy.max_resume_attempts:
+        return _relaunch_end(st, r, RelaunchResult.RELAUNCHED, snapshot_clock=now)
+    if now - (r.resume_sent or now) >= policy.rebuild_timeout_s and r.resume_attempts < policy.max_resume_attempts:
         missing = sorted(set(range(world)) - r.resumed)
         out.add(ResumeInPlace(_relaunch_id(r), r.generation, in_place_master(st),
                               f"{what}: resume again"))
@@ -1148,7 +1175,7 @@ def _relaunch_watch(out: _Out, st: CoordState, now: float, policy: CoordinatorPo
                   f"{now - r.decided:.1f} s after {r.lost} was found lost; it goes on from its checkpoint of step "
                   f"{r.checkpoint_step}", relaunch=r.count, decision_to_registered_s=_r(now - r.decided),
                   checkpoint=r.checkpoint_step)
-        st = replace(st, relaunch=None)
+        st = _relaunch_end(st, r, RelaunchResult.RELAUNCHED)
     pending = ""
     if st.restore_point is not None or st.last_snapshot is not None:  # none: no relaunch, nothing to tell srun
         nodes = st.rank_nodes()  # a pass over the health reports (few silent), no sort of every node
@@ -1316,7 +1343,9 @@ def snapshot_phase_complete(st: CoordState, s: SnapshotRun) -> bool:
     return False
 
 
-def _snap_enter(s: SnapshotRun, phase: str, now: float, deadline: float, **changes: Any) -> SnapshotRun:
+def _snap_enter(s: SnapshotRun, phase: SnapPhase, now: float, deadline: float, **changes: Any) -> SnapshotRun:
+    """``s`` in ``phase`` from ``now``: every phase change goes through here and the table."""
+    snapshot_phases.check_transition(s.id, s.phase, phase)
     d = dict(s.phase_durations)
     if s.phase != SNAP_QUEUED:
         end = s.ready_at if s.ready_at is not None else now
@@ -1361,6 +1390,8 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
         data["tool_durations"] = dict(s.dump_durations)
     why = s.failure or s.commit_failed
     last = st.last_snapshot
+    snapshot_phases.check_result(s.id, s.phase, SnapResult.COMPLETED if why is None and s.committed is not None
+                                 else SnapResult.FAILED)
     if why is None and s.committed is not None:
         c = s.committed
         last = _snapshot_point(st, s)
@@ -1386,6 +1417,7 @@ def _snapshot_step(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
     if s.phase == SNAP_QUEUED:
         why = check_snapshot_request(replace(st, snapshot=None))
         if why is not None:
+            snapshot_phases.check_result(s.id, s.phase, SnapResult.NOT_TAKEN)
             out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} not taken: {why[1]}",
                       snapshot=s.id, why=why[1])
             return replace(st, snapshot=None)
@@ -1607,8 +1639,19 @@ def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -
 
 def _recover(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy, exc: IllegalTransition
              ) -> CoordState:
-    """Production answer to a bug in the core: drop what this call decided, end the migration
-    in flight (rolled back to where the ranks can still resume), and resume every rank."""
+    """Production answer to a bug in the core: drop what this call decided and end the machine
+    whose table refused the edge, the way that machine can end safely."""
+    if isinstance(exc, IllegalSnapshotTransition):
+        return _recover_snapshot(out, st, now, exc)
+    if isinstance(exc, IllegalRelaunchTransition):
+        return _recover_relaunch(out, st, exc)
+    return _recover_migration(out, st, now, policy, exc)
+
+
+def _recover_migration(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy, exc: IllegalTransition
+                       ) -> CoordState:
+    """End the migration in flight (rolled back to where the ranks can still resume), and resume
+    every rank."""
     m = st.migration
     out.event("migration.illegal_transition", f"torchpass bug: {exc}; "
               + ("no migration in flight" if m is None else f"abandoning {m.id} and resuming every rank"),
@@ -1628,10 +1671,52 @@ def _recover(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy, e
                    "migration.aborted", checked=False)
 
 
+def _recover_snapshot(out: _Out, st: CoordState, now: float, exc: IllegalTransition) -> CoordState:
+    """Roll the snapshot in flight back: every rank resumes in place, what was written is removed,
+    and it ends as failed (snapshot.failed names the bug). No rank is left paused."""
+    s = st.snapshot
+    why = f"torchpass bug: {exc}"
+    if s is None:
+        out.event("snapshot.failed", f"{why}; no snapshot in flight", why=why, outcome=SnapResult.ABORTED)
+        return st
+    if s.phase in PAUSED_SNAP_PHASES:
+        out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id} aborted: {why}"))
+        nodes = tuple(sorted({n for _, n in s.ranks}))
+        if nodes:
+            out.add(DiscardSnapshot(s.id, nodes))
+        st = replace(st, generation=max(st.generation, s.generation))
+    out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} failed: {why}; every rank resumes in place "
+              "and what was written is removed", snapshot=s.id, trigger=s.trigger, why=why, step=s.step,
+              outcome=SnapResult.ABORTED, phase=s.phase.value)
+    return replace(st, snapshot=None, snapshot_clock=now)
+
+
+def _recover_relaunch(out: _Out, st: CoordState, exc: IllegalTransition) -> CoordState:
+    """A relaunch cannot be undone: it ends as failed and the job goes on as it would without
+    torchpass. Restored copies already back (paused, waiting for their resume) are resumed; srun's
+    exit hook is told that no relaunch is pending."""
+    r = st.relaunch
+    why = f"torchpass bug: {exc}"
+    if r is not None and r.snapshot and r.back:
+        out.add(ResumeInPlace(_relaunch_id(r), r.generation, in_place_master(st), f"relaunch failed: {why}"))
+    if r is not None and r.kind == RelaunchKind.RESUMED_STOP:
+        out.add(ForgetStopped(r.snapshot))
+    what = "no relaunch in flight" if r is None else (
+        f"torchpass stops following {_relaunch_id(r)}; the job goes on as it would without torchpass")
+    out.event("job.relaunch_failed", f"{why}; {what}", relaunch=None if r is None else r.count,
+              relaunch_kind=None if r is None else r.kind.value, snapshot=None if r is None else (r.snapshot or None),
+              src=None if exc.src is None else exc.src.value, dst=None if exc.dst is None else exc.dst.value,
+              outcome=RelaunchResult.FAILED)
+    if st.relaunch_pending:
+        out.add(RelaunchPossible(False, ""))
+    return replace(st, relaunch=None, relaunch_pending="")
+
+
 def decide(now: float, state: CoordState, policy: CoordinatorPolicy, *, strict: bool | None = None) -> Decision:
     """What to do now. Pure: reads nothing but its arguments (and, with ``strict`` None,
-    phases.strict_default()). An illegal phase transition raises ``IllegalTransition`` in
-    strict mode; otherwise the migration in flight is abandoned with every rank resumed."""
+    phases.strict_default()). An illegal phase transition of any machine raises
+    ``IllegalTransition`` (or its snapshot or relaunch subclass) in strict mode; otherwise the
+    machine that tried it ends the way it safely can (``_recover``)."""
     out = _Out()
     try:
         st = _step(out, state, now, policy)

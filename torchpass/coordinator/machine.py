@@ -88,6 +88,9 @@ from torchpass.coordinator.model import (
     SpareView,
 )
 from torchpass.coordinator.phases import Phase
+from torchpass.coordinator.relaunch_phases import RelaunchPhase
+from torchpass.coordinator.snapshot_phases import SnapPhase
+from torchpass.coordinator import snapshot_phases
 from torchpass.errors import TorchpassError
 from torchpass.health_state import State
 
@@ -124,6 +127,7 @@ def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str =
         # another id than the same srun gets when the script runs again.
         raise OperatorRejected("conflict", f"job {state.job_id} was relaunched after a lost node: its training step "
                                "would not be found again when it resumes; snapshot it without --stop")
+    snapshot_phases.check_transition(snapshot, None, SnapPhase.QUEUED)
     return replace(state, snapshot=SnapshotRun(snapshot, now, trigger=trigger, stop=stop))
 
 
@@ -392,7 +396,7 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
                                                 generation=ev.generation, last_report=now, rate_base=None,
                                                 listening_until=None, **said), owned)
         r = st.relaunch
-        if r is not None and r.resume_sent is not None and ev.generation == r.generation:
+        if r is not None and r.phase == RelaunchPhase.RESUMING and ev.generation == r.generation:
             return replace(st, relaunch=replace(r, resumed=r.resumed | {ev.rank}))
         if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
             ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
