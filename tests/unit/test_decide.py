@@ -1028,7 +1028,7 @@ def test_a_rollback_before_every_rank_stopped_counts_from_the_first_one():
 # ============================================================================
 # The transition table (torchpass.coordinator.phases)
 # ============================================================================
-from torchpass.coordinator import decide as decide_mod  # noqa: E402
+from torchpass.coordinator import decide_migration as decide_mod  # noqa: E402 - the migration machine checks its edges there
 from torchpass.coordinator import phases  # noqa: E402
 from torchpass.coordinator.phases import RESULTS, TRANSITIONS, IllegalTransition, Result  # noqa: E402
 

@@ -268,3 +268,26 @@ def test_an_illegal_relaunch_edge_in_production_ends_it_as_failed_and_resumes_th
     # The job goes on: the next decision does not raise and starts nothing for the ended relaunch.
     d2 = decide(sim.now + 2.0, d.state, P, strict=False)
     assert not [a for a in d2.actions if isinstance(a, (ct.ResumeInPlace, ct.Relaunch))]
+
+
+def test_the_priority_between_the_machines_is_next_turn():
+    """A snapshot acts alone; restored copies waiting for their resume keep migrations from
+    starting; otherwise a migration starts or advances."""
+    from dataclasses import replace
+
+    from torchpass.coordinator.decide import Turn, next_turn
+    from torchpass.coordinator.model import RelaunchRun, SnapshotRun
+
+    sim = Sim()
+    st = sim.state
+    assert next_turn(st) == Turn.MIGRATION_START
+    snap = SnapshotRun("s1", 0.0)
+    from_snapshot = RelaunchRun(1, "node2", "node4", 0.0, 5, 6, snapshot="s0", phase=RelaunchPhase.RESTORING)
+    from_checkpoint = RelaunchRun(1, "node2", "node4", 0.0, 5, 6)
+    assert next_turn(replace(st, snapshot=snap, relaunch=from_snapshot)) == Turn.SNAPSHOT
+    assert next_turn(replace(st, relaunch=from_snapshot)) == Turn.RESTORE_WAIT
+    assert next_turn(replace(st, relaunch=from_checkpoint)) == Turn.MIGRATION_START
+    sim.tick(0.0, mc.NodeHealthChanged("node2", State.DEGRADED, ("ecc",)))
+    assert sim.state.migration is not None
+    assert next_turn(sim.state) == Turn.MIGRATION
+    assert next_turn(replace(sim.state, relaunch=from_snapshot)) == Turn.MIGRATION
