@@ -291,3 +291,26 @@ def test_the_priority_between_the_machines_is_next_turn():
     assert sim.state.migration is not None
     assert next_turn(sim.state) == Turn.MIGRATION
     assert next_turn(replace(sim.state, relaunch=from_snapshot)) == Turn.MIGRATION
+
+
+# --- machine.apply: one handler per outcome type ----------------------------------------------
+def test_every_outcome_type_has_an_apply_handler_and_nothing_else_does():
+    import dataclasses
+    import typing
+
+    outcomes = set(typing.get_args(ct.Outcome))
+    missing = sorted(t.__name__ for t in outcomes - set(mc.APPLY))
+    assert missing == [], f"outcomes machine.apply has no handler for: {missing}"
+    assert sorted(t.__name__ for t in set(mc.APPLY) - outcomes) == []
+    # A dataclass added to the contract is an action, an outcome, or a value inside one: an outcome
+    # left out of the Outcome union would escape the check above.
+    values = {ct.SnapImage}
+    kinds = set(typing.get_args(ct.Action)) | outcomes | values
+    classes = {v for v in vars(ct).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
+               and v.__module__ == ct.__name__}
+    assert sorted(c.__name__ for c in classes - kinds) == []
+
+
+def test_apply_refuses_what_is_not_an_outcome():
+    with pytest.raises(TypeError, match="not an outcome"):
+        mc.apply(Sim().state, ct.PauseAt("m1", 10, 1, ()), 0.0)
