@@ -314,3 +314,24 @@ def test_every_outcome_type_has_an_apply_handler_and_nothing_else_does():
 def test_apply_refuses_what_is_not_an_outcome():
     with pytest.raises(TypeError, match="not an outcome"):
         mc.apply(Sim().state, ct.PauseAt("m1", 10, 1, ()), 0.0)
+
+
+# --- docs/coordinator.md draws each machine from its table ----------------------------------
+def test_the_state_diagrams_in_the_doc_are_the_ones_the_tables_generate():
+    from pathlib import Path
+
+    from torchpass.coordinator import diagrams
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "coordinator.md").read_text()
+    assert diagrams.section(doc) == diagrams.generated(), (
+        "docs/coordinator.md's state diagrams differ from the tables: "
+        "run `python -m torchpass.coordinator.diagrams --update docs/coordinator.md`")
+
+
+def test_a_changed_table_changes_its_diagram(monkeypatch):
+    from torchpass.coordinator import diagrams
+
+    before = diagrams.generated()
+    monkeypatch.setitem(RELAUNCH_TRANSITIONS, RelaunchPhase.RESTORING, frozenset({None}))
+    after = diagrams.generated()
+    assert "restoring --> resuming" in before and "restoring --> resuming" not in after

@@ -24,7 +24,9 @@ relaunch (lost node)   ``relaunch_phases``     ``decide_relaunch``
 plus ``decide_common`` (what they share), ``model`` (the state types),
 ``contract`` (actions and outcomes) and ``machine`` (``apply``). This module
 runs them: each pass deals with lost nodes first (the relaunch machine),
-then lets one machine act, chosen by ``next_turn``.
+then lets one machine act, chosen by ``next_turn``. docs/coordinator.md
+draws each machine's diagram from its table (``python -m
+torchpass.coordinator.diagrams``).
 
 Every path that paused the job ends with a Resume or a ResumeInPlace
 command: the job is never left paused by torchpass, not even by a bug in
