@@ -95,8 +95,8 @@ def stalled_ranks(now: float, st: CoordState, policy: CoordinatorPolicy) -> list
     """Ranks behind another rank's collective count that have not advanced for stall_s."""
     if policy.stall_s <= 0 or len(st.ranks) < 2:
         return []
-    # decide asks on every tick (issue 13: a pass over 8,192 ranks was ~7 % of the serve thread at
-    # steady state). No rank can be quiet that long before the lowest last_advance of an earlier
+    # decide asks on every tick (a pass over 8,192 ranks was ~7 % of the serve thread at steady
+    # state). No rank can be quiet that long before the lowest last_advance of an earlier
     # pass is (model.STALL_FLOOR_CACHE, carried between states): until then, no pass at all.
     stall_s = policy.stall_s
     floor = st.__dict__.get(STALL_FLOOR_CACHE)
@@ -115,7 +115,7 @@ def stalled_ranks(now: float, st: CoordState, policy: CoordinatorPolicy) -> list
 
 def _everyone_in(st: CoordState, acks: frozenset[int]) -> bool:
     """Every rank is in ``acks``. machine asks after each rank's report: the sizes first, so that a
-    fan-in of N reports costs O(N), not O(N) each (issue 13)."""
+    fan-in of N reports costs O(N), not O(N) each."""
     return bool(st.ranks) and len(acks) >= len(st.ranks) and st.ranks.keys() <= acks
 
 

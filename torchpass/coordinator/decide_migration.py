@@ -113,7 +113,7 @@ def candidates(now: float, st: CoordState, policy: CoordinatorPolicy) -> list[Ca
     skip = busy | set(st.handed) | set(st.released) | set(st.given_up)
     found: dict[str, Candidate] = {}
     # Only a node with a health report can trigger (unknown and healthy never do): the few in a
-    # triggering state, found in one pass over the reports (decide runs every tick; issue 13).
+    # triggering state, found in one pass over the reports (decide runs every tick).
     triggering = [n for n, h in st.health.items()
                   if h.state is not State.HEALTHY and h.state.value in policy.migrate_on]
     nodes = st.rank_nodes() if triggering else {}

@@ -264,8 +264,8 @@ def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView
         prev = owned.get(rank)
         owned[rank] = rv
         if prev is None or prev.node != rv.node or prev.pinned != rv.pinned:
-            # rank_nodes() reads only these: a progress report keeps the views (issue 13: rebuilding
-            # them over 8,192 ranks on every batch was a large part of each decision).
+            # rank_nodes() reads only these: a progress report keeps the views (rebuilding them over
+            # 8,192 ranks on every batch was a large part of each decision).
             st.__dict__.pop(RANK_NODES_CACHE, None)
             st.__dict__.pop(PINNED_CACHE, None)
         return st
@@ -276,7 +276,7 @@ def thaw_acks(st: CoordState) -> CoordState:
     """``st`` with the acknowledgment sets (quiesced, resumed) of the pause or resume in flight as
     plain sets that apply(owned=...) adds to in place, for a batch of outcomes (Driver.begin_batch).
     A frozenset copied on every rank's report grows the fan-in quadratically: at 8,192 ranks each
-    quiesced report cost ~0.4 ms to copy the set (issue 13). freeze_acks() ends it."""
+    quiesced report cost ~0.4 ms to copy the set. freeze_acks() ends it."""
     return _recast_acks(st, set)
 
 

@@ -377,8 +377,8 @@ class CoordState:
     def carry_views(self, new: CoordState, *, copied_ranks: bool = False) -> CoordState:
         """``new``, made from this state with the same ranks (dataclasses.replace of other fields;
         ``copied_ranks``: its ranks are a copy of this state's dict), with this state's
-        rank_nodes() and pinned_nodes() instead of building them again over every rank (issue 13:
-        at 8,192 ranks each build took ~2 ms, on every batch and every health poll), and the
+        rank_nodes() and pinned_nodes() instead of building them again over every rank (at
+        8,192 ranks each build took ~2 ms, on every batch and every health poll), and the
         stall floor (STALL_FLOOR_CACHE)."""
         if new is not self and (copied_ranks or new.ranks is self.ranks):
             for key in (RANK_NODES_CACHE, PINNED_CACHE, STALL_FLOOR_CACHE):
