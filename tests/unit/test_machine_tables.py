@@ -9,8 +9,8 @@ which cannot be undone, ends as failed with ``job.relaunch_failed``.
 from __future__ import annotations
 
 import pytest
-from test_snapshot_decide import P, Sim
 
+from test_snapshot_decide import P, Sim
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator import relaunch_phases, snapshot_phases

@@ -39,7 +39,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import replace
 
-from torchpass.coordinator.contract import (  # noqa: F401 - re-exported: callers know the core as one module
+from torchpass.coordinator.contract import (
     AbortRestore,
     Action,
     Drain,
@@ -55,7 +55,7 @@ from torchpass.coordinator.contract import (  # noqa: F401 - re-exported: caller
     Snapshot,
     Transfer,
 )
-from torchpass.coordinator.decide_common import (  # noqa: F401 - re-exported
+from torchpass.coordinator.decide_common import (
     Decision,
     _Out,
     in_place_master,
@@ -63,7 +63,7 @@ from torchpass.coordinator.decide_common import (  # noqa: F401 - re-exported
     spare_usable,
     stalled_ranks,
 )
-from torchpass.coordinator.decide_migration import (  # noqa: F401 - re-exported
+from torchpass.coordinator.decide_migration import (
     _PHASE_TEXT,
     Candidate,
     _advance,
@@ -74,14 +74,14 @@ from torchpass.coordinator.decide_migration import (  # noqa: F401 - re-exported
     check_operator_request,
     phase_complete,
 )
-from torchpass.coordinator.decide_relaunch import (  # noqa: F401 - re-exported
+from torchpass.coordinator.decide_relaunch import (
     ENDED_LIKE_SLURM,
     SLURM_ON_LOST_NODE,
     _handle_lost,
     _recover_relaunch,
     resumed_from_stop,
 )
-from torchpass.coordinator.decide_snapshot import (  # noqa: F401 - re-exported
+from torchpass.coordinator.decide_snapshot import (
     _recover_snapshot,
     _snapshot_step,
     check_snapshot_request,
@@ -89,7 +89,7 @@ from torchpass.coordinator.decide_snapshot import (  # noqa: F401 - re-exported
     snapshot_phase_complete,
     snapshot_reason,
 )
-from torchpass.coordinator.model import (  # noqa: F401 - re-exported
+from torchpass.coordinator.model import (
     CoordState,
     Failure,
     Image,
@@ -104,7 +104,7 @@ from torchpass.coordinator.model import (  # noqa: F401 - re-exported
     SpareView,
     Trigger,
 )
-from torchpass.coordinator.phases import (  # noqa: F401 - re-exported
+from torchpass.coordinator.phases import (
     PAUSED_PHASES,
     IllegalTransition,
     Phase,

@@ -16,11 +16,11 @@ from torchpass.coordinator.contract import (
     PauseAt,
 )
 from torchpass.coordinator.model import (
+    STALL_FLOOR_CACHE,
     CoordState,
     Migration,
     NodeHealth,
     RankView,
-    STALL_FLOOR_CACHE,
     SpareStatus,
     SpareView,
 )

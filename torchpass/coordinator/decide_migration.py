@@ -39,11 +39,11 @@ from torchpass.coordinator.contract import (
     Transfer,
 )
 from torchpass.coordinator.decide_common import (
-    _Out,
     _everyone_in,
     _health_text,
     _lost,
     _master,
+    _Out,
     _pause_overdue,
     _r,
     _set_spare,
@@ -334,7 +334,8 @@ def _on_spare(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
     if m.requested_to is not None:
         sp = st.spare(m.requested_to)
         if sp is None or not spare_usable(st, sp, policy):
-            state = "unknown" if sp is None else (sp.status if sp.status != SpareStatus.FREE else st.node_health(sp.node).state.value)
+            state = "unknown" if sp is None else (
+                sp.status if sp.status != SpareStatus.FREE else st.node_health(sp.node).state.value)
             return _finish(out, st, m, now, Result.REJECTED, policy,
                            f"{m.id}: requested target {m.requested_to} is not usable ({state}); nothing was paused",
                            "migration.rejected")
@@ -390,7 +391,8 @@ def _advance(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -
         if ph in (Phase.PAUSE, Phase.ROLLBACK) or (ph == Phase.DUMP and not saved):
             return _job_lost(out, st, m, now, policy, "failed and unreachable before its ranks were saved")
         if ph == Phase.KILL_SOURCE and not m.source_killed:
-            m = replace(m, source_killed=True, ready_at=now if m.ready_at is None else m.ready_at)  # its copies died with it
+            # its copies died with it
+            m = replace(m, source_killed=True, ready_at=now if m.ready_at is None else m.ready_at)
             st = replace(st, migration=m)
         # DUMP (all saved) / TRANSFER / RESTORE carry on from the images; later phases no longer need it.
 

@@ -40,9 +40,9 @@ from torchpass.coordinator.contract import (
     ResumeInPlace,
 )
 from torchpass.coordinator.decide_common import (
-    _Out,
     _health_text,
     _lost,
+    _Out,
     _r,
     _set_spare,
     in_place_master,
@@ -78,7 +78,6 @@ from torchpass.coordinator.relaunch_phases import (
 from torchpass.health_state import (
     State,
 )
-
 
 # What Slurm does with a job whose node stopped answering (when torchpass has no checkpoint or
 # snapshot to relaunch it from): measured on the devcluster (tests/integration/test_hard_failure.py).

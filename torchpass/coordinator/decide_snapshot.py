@@ -31,9 +31,9 @@ from torchpass.coordinator.contract import (
     StopJob,
 )
 from torchpass.coordinator.decide_common import (
-    _Out,
     _everyone_in,
     _lost,
+    _Out,
     _pause_overdue,
     _r,
     in_place_master,
@@ -55,8 +55,6 @@ from torchpass.coordinator.snapshot_phases import (
     SnapPhase,
     SnapResult,
 )
-
-
 
 
 def check_snapshot_request(st: CoordState) -> tuple[str, str] | None:
@@ -304,7 +302,8 @@ def _on_stop(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coor
         out.event("job.stop_failed", f"job {st.job_id} could not be stopped after snapshot {s.id} ({s.stop_failed}); "
                   "every rank resumes and the job goes on", snapshot=s.id, why=s.stop_failed)
         out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id}: the stop failed"))
-        s = _snap_enter(s, SnapPhase.RESUME, now, now + policy.rebuild_timeout_s, resumed=frozenset(), resume_attempts=1,
+        s = _snap_enter(s, SnapPhase.RESUME, now, now + policy.rebuild_timeout_s, resumed=frozenset(),
+                        resume_attempts=1,
                         commit_deadline=None)
         return replace(st, snapshot=s)
     if s.commit_failed is not None:

@@ -25,17 +25,22 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-exported as machine.X
+from torchpass.coordinator import snapshot_phases
+from torchpass.coordinator.contract import (
     Armed,
     CheckpointCompleted,
     CheckpointLoaded,
-    DrainFailed,
     Drained,
+    DrainFailed,
+    JobStopFailed,
     KillFailed,
     NodeHealthChanged,
     OperatorMigrate,
+    OperatorSnapshot,
     Outcome,
     Quiesced,
+    RankDumped,
+    RankDumpFailed,
     RankProgress,
     RankRegistered,
     RankUnprotected,
@@ -45,6 +50,8 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     ShrinkFailed,
     Shrunk,
     SlurmReachability,
+    SnapshotCommitFailed,
+    SnapshotCommitted,
     SnapshotDone,
     SnapshotFailed,
     SourceKilled,
@@ -54,14 +61,6 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     SpareUnavailable,
     TransferDone,
     TransferFailed,
-)
-from torchpass.coordinator.contract import (
-    JobStopFailed,
-    OperatorSnapshot,
-    RankDumped,
-    RankDumpFailed,
-    SnapshotCommitFailed,
-    SnapshotCommitted,
 )
 from torchpass.coordinator.decide import (
     check_operator_request,
@@ -87,10 +86,8 @@ from torchpass.coordinator.model import (
 from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.relaunch_phases import RelaunchPhase
 from torchpass.coordinator.snapshot_phases import SnapPhase
-from torchpass.coordinator import snapshot_phases
 from torchpass.errors import TorchpassError
 from torchpass.health_state import State
-
 
 # A ranks dict that the caller alone holds for a batch of reports (see apply), or None.
 Owned = dict[int, RankView] | None
