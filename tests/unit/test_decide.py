@@ -907,7 +907,7 @@ def test_pause_point_rounds_up_to_the_next_step_boundary():
 
 def test_a_rank_whose_report_waits_at_the_coordinator_hears_the_pause_at_once():
     # A long-polling rank (its last report parked until listening_until) is paused at once: T counts
-    # only the time since its report, not its report interval (issue 13: less training to T).
+    # only the time since its report, not its report interval (less training to T).
     base = dict(collectives=100, reported_at=10.0, report_gap=2.0, rate=4.0)
     waiting = {0: RankView(0, "n", listening_until=12.0, **base)}
     tp = replace(TP, pause_fanout_s_per_1000_ranks=0.0)
@@ -1028,7 +1028,7 @@ def test_a_rollback_before_every_rank_stopped_counts_from_the_first_one():
 # ============================================================================
 # The transition table (torchpass.coordinator.phases)
 # ============================================================================
-from torchpass.coordinator import decide as decide_mod  # noqa: E402
+from torchpass.coordinator import decide_migration as decide_mod  # noqa: E402 - the migration machine checks its edges there
 from torchpass.coordinator import phases  # noqa: E402
 from torchpass.coordinator.phases import RESULTS, TRANSITIONS, IllegalTransition, Result  # noqa: E402
 
@@ -1262,7 +1262,7 @@ def test_importing_the_core_loads_neither_zmq_nor_structlog():
 
 
 # ============================================================================
-# An unprotected job (a rank refuses every pause: issue 11, "do no harm")
+# An unprotected job (a rank refuses every pause: "do no harm")
 # ============================================================================
 WHY = "process group 'tp' (DeviceMesh) cannot be moved yet"
 
@@ -1373,7 +1373,7 @@ def test_an_operator_request_for_a_pinned_node_is_rejected():
 
 
 def test_a_fan_in_in_a_batch_gives_the_same_state_as_one_report_at_a_time():
-    """machine.thaw_acks/freeze_acks (issue 13): a batch adds each quiesced and resumed report to
+    """machine.thaw_acks/freeze_acks: a batch adds each quiesced and resumed report to
     one set in place; the states that come out equal those of applying them one by one."""
     from dataclasses import replace
 
@@ -1404,7 +1404,7 @@ def test_a_fan_in_in_a_batch_gives_the_same_state_as_one_report_at_a_time():
 
 
 def test_the_rank_views_carry_over_and_are_rebuilt_when_a_rank_changes_node():
-    """CoordState.carry_views (issue 13): a state made from another with the same ranks keeps its
+    """CoordState.carry_views: a state made from another with the same ranks keeps its
     rank_nodes(); a report in a batch that moves a rank to another node drops them."""
     from dataclasses import replace
 
@@ -1427,7 +1427,7 @@ def test_the_rank_views_carry_over_and_are_rebuilt_when_a_rank_changes_node():
 def test_the_stall_pass_is_skipped_until_a_rank_could_be_quiet_and_then_finds_it():
     """decide.stalled_ranks keeps the lowest last_advance of its last pass (carried from state to
     state, a batch's in-place ranks included): no pass over the ranks before a rank could have been
-    quiet for stall_s, and the stalled rank is found once it has (issue 13)."""
+    quiet for stall_s, and the stalled rank is found once it has."""
     from torchpass.coordinator.decide import stalled_ranks
     from torchpass.coordinator.model import STALL_FLOOR_CACHE
 

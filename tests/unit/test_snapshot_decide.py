@@ -1,4 +1,4 @@
-"""Whole-job snapshots in the pure decision core (issue 12): every rank pauses at one collective, every
+"""Whole-job snapshots in the pure decision core: every rank pauses at one collective, every
 rank is dumped, every rank resumes in place; a failed dump rolls everyone back; no snapshot beside a
 migration. Driven with an injected clock, the executor played by hand (machine.apply)."""
 

@@ -11,7 +11,7 @@ reports) that is not the one in flight, or that arrive in another phase,
 are stale and ignored: a late SnapshotDone of a rolled-back move can never
 advance the next one.
 
-The driver loop (the lead's executor) is::
+The driver loop (executor.Driver) is::
 
     state = apply(state, outcome, clock())      # for every input / outcome
     d = decide(clock(), state, policy)          # on every input and every tick
@@ -21,20 +21,26 @@ The driver loop (the lead's executor) is::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-exported as machine.X
+from torchpass.coordinator import snapshot_phases
+from torchpass.coordinator.contract import (
     Armed,
     CheckpointCompleted,
     CheckpointLoaded,
-    DrainFailed,
     Drained,
+    DrainFailed,
+    JobStopFailed,
     KillFailed,
     NodeHealthChanged,
     OperatorMigrate,
+    OperatorSnapshot,
     Outcome,
     Quiesced,
+    RankDumped,
+    RankDumpFailed,
     RankProgress,
     RankRegistered,
     RankUnprotected,
@@ -44,6 +50,8 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     ShrinkFailed,
     Shrunk,
     SlurmReachability,
+    SnapshotCommitFailed,
+    SnapshotCommitted,
     SnapshotDone,
     SnapshotFailed,
     SourceKilled,
@@ -54,14 +62,6 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     TransferDone,
     TransferFailed,
 )
-from torchpass.coordinator.contract import (
-    JobStopFailed,
-    OperatorSnapshot,
-    RankDumped,
-    RankDumpFailed,
-    SnapshotCommitFailed,
-    SnapshotCommitted,
-)
 from torchpass.coordinator.decide import (
     check_operator_request,
     check_snapshot_request,
@@ -71,10 +71,6 @@ from torchpass.coordinator.decide import (
 from torchpass.coordinator.model import (
     PINNED_CACHE,
     RANK_NODES_CACHE,
-    SNAP_DUMP,
-    SNAP_PAUSE,
-    SNAP_RESUME,
-    SNAP_STOP,
     CoordState,
     FailedStep,
     Failure,
@@ -88,8 +84,13 @@ from torchpass.coordinator.model import (
     SpareView,
 )
 from torchpass.coordinator.phases import Phase
+from torchpass.coordinator.relaunch_phases import RelaunchPhase
+from torchpass.coordinator.snapshot_phases import SnapPhase
 from torchpass.errors import TorchpassError
 from torchpass.health_state import State
+
+# A ranks dict that the caller alone holds for a batch of reports (see apply), or None.
+Owned = dict[int, RankView] | None
 
 
 class OperatorRejected(TorchpassError):
@@ -124,11 +125,8 @@ def accept_snapshot(state: CoordState, snapshot: str, now: float, trigger: str =
         # another id than the same srun gets when the script runs again.
         raise OperatorRejected("conflict", f"job {state.job_id} was relaunched after a lost node: its training step "
                                "would not be found again when it resumes; snapshot it without --stop")
+    snapshot_phases.check_transition(snapshot, None, SnapPhase.QUEUED)
     return replace(state, snapshot=SnapshotRun(snapshot, now, trigger=trigger, stop=stop))
-
-
-_SNAPSHOT_OUTCOMES = (OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
-                      JobStopFailed)
 
 
 def _snapshot_report(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None = None
@@ -139,49 +137,58 @@ def _snapshot_report(st: CoordState, ev: Outcome, now: float, owned: dict[int, R
     if s is None:
         return st
     if isinstance(ev, Armed):
-        if s.phase == SNAP_PAUSE and ev.generation == s.generation and ev.at == s.pause_at and not ev.accepted:
+        if s.phase == SnapPhase.PAUSE and ev.generation == s.generation and ev.at == s.pause_at and not ev.accepted:
             refused = tuple(x for x in s.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
             return replace(st, snapshot=replace(s, refused=refused))
     elif isinstance(ev, Quiesced):
-        if s.phase == SNAP_PAUSE and ev.generation == s.generation and ev.collectives == s.pause_at:
+        if s.phase == SnapPhase.PAUSE and ev.generation == s.generation and ev.collectives == s.pause_at:
             first = s.first_quiesced if s.first_quiesced is not None else now
             return replace(st, snapshot=replace(s, quiesced=_with_ack(s.quiesced, ev.rank, owned),
                                                 first_quiesced=first))
     elif isinstance(ev, Resumed):
-        if s.phase == SNAP_RESUME and (ev.generation == s.generation or ev.cancelled):
+        if s.phase == SnapPhase.RESUME and (ev.generation == s.generation or ev.cancelled):
             return replace(st, snapshot=replace(s, resumed=_with_ack(s.resumed, ev.rank, owned)))
     return st
 
 
-def _apply_snapshot(st: CoordState, ev: Outcome, now: float) -> CoordState:
-    """The whole-job snapshot's own outcomes (issue 12); those of another snapshot are stale."""
-    if isinstance(ev, OperatorSnapshot):
-        return accept_snapshot(st, ev.snapshot, now)
+def _on_operator_snapshot(st: CoordState, ev: OperatorSnapshot, now: float, owned: Owned) -> CoordState:
+    return accept_snapshot(st, ev.snapshot, now)
+
+
+def _on_rank_dumped(st: CoordState, ev: RankDumped, now: float, owned: Owned) -> CoordState:
     s = st.snapshot
-    if s is None:
-        return st
-    if isinstance(ev, RankDumped):
-        if ev.snapshot == s.id and s.phase == SNAP_DUMP:
-            return replace(st, snapshot=replace(s, images={**s.images, ev.image.rank: ev.image},
-                                                dump_durations=_merge_max(s.dump_durations, "dump", ev.durations)))
-        return st
-    if isinstance(ev, RankDumpFailed):
-        if ev.snapshot == s.id and s.phase == SNAP_DUMP and s.failure is None:
-            return replace(st, snapshot=replace(s, failure=f"dump of rank {ev.rank} failed: {ev.why}"))
-        return st
-    if isinstance(ev, SnapshotCommitted):
-        if ev.snapshot == s.id and s.phase in (SNAP_RESUME, SNAP_STOP) and s.committed is None \
-                and s.commit_failed is None:
-            return replace(st, snapshot=replace(s, committed=ev))
-        return st
-    if isinstance(ev, SnapshotCommitFailed):
-        if ev.snapshot == s.id and s.phase in (SNAP_RESUME, SNAP_STOP) and s.committed is None \
-                and s.commit_failed is None:
-            return replace(st, snapshot=replace(s, commit_failed=ev.why))
-        return st
-    if isinstance(ev, JobStopFailed):
-        if ev.snapshot == s.id and s.phase == SNAP_STOP and s.stop_failed is None:
-            return replace(st, snapshot=replace(s, stop_failed=ev.why))
+    if s is not None and ev.snapshot == s.id and s.phase == SnapPhase.DUMP:
+        return replace(st, snapshot=replace(s, images={**s.images, ev.image.rank: ev.image},
+                                            dump_durations=_merge_max(s.dump_durations, "dump", ev.durations)))
+    return st
+
+
+def _on_rank_dump_failed(st: CoordState, ev: RankDumpFailed, now: float, owned: Owned) -> CoordState:
+    s = st.snapshot
+    if s is not None and ev.snapshot == s.id and s.phase == SnapPhase.DUMP and s.failure is None:
+        return replace(st, snapshot=replace(s, failure=f"dump of rank {ev.rank} failed: {ev.why}"))
+    return st
+
+
+def _manifest_awaited(s: SnapshotRun | None, snapshot: str) -> bool:
+    return s is not None and snapshot == s.id and s.phase in (SnapPhase.RESUME, SnapPhase.STOP) \
+        and s.committed is None and s.commit_failed is None
+
+
+def _on_snapshot_committed(st: CoordState, ev: SnapshotCommitted, now: float, owned: Owned) -> CoordState:
+    s = st.snapshot
+    return replace(st, snapshot=replace(s, committed=ev)) if _manifest_awaited(s, ev.snapshot) else st
+
+
+def _on_snapshot_commit_failed(st: CoordState, ev: SnapshotCommitFailed, now: float, owned: Owned) -> CoordState:
+    s = st.snapshot
+    return replace(st, snapshot=replace(s, commit_failed=ev.why)) if _manifest_awaited(s, ev.snapshot) else st
+
+
+def _on_job_stop_failed(st: CoordState, ev: JobStopFailed, now: float, owned: Owned) -> CoordState:
+    s = st.snapshot
+    if s is not None and ev.snapshot == s.id and s.phase == SnapPhase.STOP and s.stop_failed is None:
+        return replace(st, snapshot=replace(s, stop_failed=ev.why))
     return st
 
 
@@ -254,8 +261,8 @@ def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView
         prev = owned.get(rank)
         owned[rank] = rv
         if prev is None or prev.node != rv.node or prev.pinned != rv.pinned:
-            # rank_nodes() reads only these: a progress report keeps the views (issue 13: rebuilding
-            # them over 8,192 ranks on every batch was a large part of each decision).
+            # rank_nodes() reads only these: a progress report keeps the views (rebuilding them over
+            # 8,192 ranks on every batch was a large part of each decision).
             st.__dict__.pop(RANK_NODES_CACHE, None)
             st.__dict__.pop(PINNED_CACHE, None)
         return st
@@ -266,7 +273,7 @@ def thaw_acks(st: CoordState) -> CoordState:
     """``st`` with the acknowledgment sets (quiesced, resumed) of the pause or resume in flight as
     plain sets that apply(owned=...) adds to in place, for a batch of outcomes (Driver.begin_batch).
     A frozenset copied on every rank's report grows the fan-in quadratically: at 8,192 ranks each
-    quiesced report cost ~0.4 ms to copy the set (issue 13). freeze_acks() ends it."""
+    quiesced report cost ~0.4 ms to copy the set. freeze_acks() ends it."""
     return _recast_acks(st, set)
 
 
@@ -319,156 +326,260 @@ def _for(m: Migration | None, mid: str, *phases: Phase) -> bool:
     return m is not None and m.id == mid and m.phase in phases
 
 
-def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] | None) -> CoordState:
+def _on_checkpoint_completed(st: CoordState, ev: CheckpointCompleted, now: float, owned: Owned) -> CoordState:
+    newest = st.restore_point
+    return st if newest is not None and newest[0] > ev.step else replace(st, restore_point=(ev.step, ev.path))
+
+
+def _on_checkpoint_loaded(st: CoordState, ev: CheckpointLoaded, now: float, owned: Owned) -> CoordState:
+    return replace(st, step_offset=ev.step - max(0, ev.steps_then))
+
+
+def _on_rank_registered(st: CoordState, ev: RankRegistered, now: float, owned: Owned) -> CoordState:
+    prev = st.ranks.get(ev.rank)
+    rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
+                  now if prev is None or prev.node != ev.node else prev.last_advance,
+                  task=ev.task if ev.task >= 0 else ev.rank, pinned=ev.pinned,
+                  pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
+    st = _put_rank(st, ev.rank, rv, owned)
+    r = st.relaunch
+    if r is not None and r.snapshot and ev.restored == r.snapshot:
+        st = replace(st, relaunch=replace(r, back=r.back | {ev.rank}))
+    return st if st.world_size == ev.world_size else replace(st, world_size=ev.world_size)
+
+
+def _on_rank_progress(st: CoordState, ev: RankProgress, now: float, owned: Owned) -> CoordState:
+    prev = st.ranks.get(ev.rank)
+    if prev is None:
+        return st  # progress of a rank that never registered: nothing to attach it to
     m = st.migration
-    if isinstance(ev, _SNAPSHOT_OUTCOMES):
-        return _apply_snapshot(st, ev, now)
-    if isinstance(ev, CheckpointCompleted):
-        newest = st.restore_point
-        return st if newest is not None and newest[0] > ev.step else replace(st, restore_point=(ev.step, ev.path))
-    if isinstance(ev, CheckpointLoaded):
-        return replace(st, step_offset=ev.step - max(0, ev.steps_then))
-    if isinstance(ev, RankRegistered):
-        prev = st.ranks.get(ev.rank)
-        rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
-                      now if prev is None or prev.node != ev.node else prev.last_advance,
-                      task=ev.task if ev.task >= 0 else ev.rank, pinned=ev.pinned,
-                      pid=ev.pid, generation=ev.generation, last_report=now, last_count=prev.last_count if prev else 0)
-        st = _put_rank(st, ev.rank, rv, owned)
-        r = st.relaunch
-        if r is not None and r.snapshot and ev.restored == r.snapshot:
-            st = replace(st, relaunch=replace(r, back=r.back | {ev.rank}))
-        return st if st.world_size == ev.world_size else replace(st, world_size=ev.world_size)
-    if isinstance(ev, RankProgress):
-        prev = st.ranks.get(ev.rank)
-        if prev is None:
-            return st  # progress of a rank that never registered: nothing to attach it to
-        advanced = ev.collectives != prev.collectives
-        rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
-                     node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
-                     last_report=now, last_count=ev.collectives,
-                     listening_until=now + ev.wait_s if ev.wait_s > 0 else None,
-                     **_pace(prev, ev, now, (m.pause_at if m is not None else None,
-                                             st.snapshot.pause_at if st.snapshot is not None else None)))
-        return _put_rank(st, ev.rank, rv, owned)
-    if isinstance(ev, NodeHealthChanged):
-        state = State(ev.state)
-        prev = st.health.get(ev.node)
-        since = prev.since if prev is not None and prev.state == state else now
-        h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since)
-        return replace(st, health={**st.health, ev.node: h})
-    if isinstance(ev, SlurmReachability):
-        return replace(st, slurm_down=None if ev.available else (ev.why or "slurmctld unreachable"))
-    if isinstance(ev, SpareAdded):
-        if st.spare(ev.node) is not None:
-            return st
-        return replace(st, spares=st.spares + (SpareView(ev.node, ev.how),))
-    if isinstance(ev, RankUnprotected):
-        return _unprotected(st, ev.rank, ev.why)
-    if isinstance(ev, Armed):
-        st = _unprotected(_reported(st, ev.rank, now, owned), ev.rank, ev.unprotected)
-        if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
-                and not ev.accepted:
-            refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
-            return replace(st, migration=replace(m, refused=refused))
+    advanced = ev.collectives != prev.collectives
+    rv = replace(prev, collectives=ev.collectives, step=ev.step if ev.step >= 0 else prev.step,
+                 node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
+                 last_report=now, last_count=ev.collectives,
+                 listening_until=now + ev.wait_s if ev.wait_s > 0 else None,
+                 **_pace(prev, ev, now, (m.pause_at if m is not None else None,
+                                         st.snapshot.pause_at if st.snapshot is not None else None)))
+    return _put_rank(st, ev.rank, rv, owned)
+
+
+def _on_node_health(st: CoordState, ev: NodeHealthChanged, now: float, owned: Owned) -> CoordState:
+    state = State(ev.state)
+    prev = st.health.get(ev.node)
+    since = prev.since if prev is not None and prev.state == state else now
+    h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since)
+    return replace(st, health={**st.health, ev.node: h})
+
+
+def _on_slurm_reachability(st: CoordState, ev: SlurmReachability, now: float, owned: Owned) -> CoordState:
+    return replace(st, slurm_down=None if ev.available else (ev.why or "slurmctld unreachable"))
+
+
+def _on_spare_added(st: CoordState, ev: SpareAdded, now: float, owned: Owned) -> CoordState:
+    if st.spare(ev.node) is not None:
         return st
-    if isinstance(ev, Quiesced):
-        st = _reported(st, ev.rank, now, owned, last_count=ev.collectives)
-        if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
-                and ev.collectives == m.pause_at:
-            first = m.first_quiesced if m.first_quiesced is not None else now
-            tools = _merge_max(m.tool_durations, "quiesce", {"drain_s": round(ev.drain_s, 4)}) \
-                if ev.drain_s > 0 else m.tool_durations
-            if ev.released_mb is not None:
-                tools = _merge_max(tools, "quiesce", {"released_mb": round(ev.released_mb, 1)})
-            return replace(st, migration=replace(m, quiesced=_with_ack(m.quiesced, ev.rank, owned),
-                                                 first_quiesced=first, tool_durations=tools))
+    return replace(st, spares=st.spares + (SpareView(ev.node, ev.how),))
+
+
+def _on_rank_unprotected(st: CoordState, ev: RankUnprotected, now: float, owned: Owned) -> CoordState:
+    return _unprotected(st, ev.rank, ev.why)
+
+
+def _on_armed(st: CoordState, ev: Armed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    st = _unprotected(_reported(st, ev.rank, now, owned), ev.rank, ev.unprotected)
+    if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation and ev.at == m.pause_at \
+            and not ev.accepted:
+        refused = tuple(x for x in m.refused if x[0] != ev.rank) + ((ev.rank, ev.collectives),)
+        return replace(st, migration=replace(m, refused=refused))
+    return st
+
+
+def _on_quiesced(st: CoordState, ev: Quiesced, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    st = _reported(st, ev.rank, now, owned, last_count=ev.collectives)
+    if m is not None and m.phase == Phase.PAUSE and ev.generation == m.generation \
+            and ev.collectives == m.pause_at:
+        first = m.first_quiesced if m.first_quiesced is not None else now
+        tools = _merge_max(m.tool_durations, "quiesce", {"drain_s": round(ev.drain_s, 4)}) \
+            if ev.drain_s > 0 else m.tool_durations
+        if ev.released_mb is not None:
+            tools = _merge_max(tools, "quiesce", {"released_mb": round(ev.released_mb, 1)})
+        return replace(st, migration=replace(m, quiesced=_with_ack(m.quiesced, ev.rank, owned),
+                                             first_quiesced=first, tool_durations=tools))
+    return st
+
+
+def _on_resumed(st: CoordState, ev: Resumed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    rv = st.ranks.get(ev.rank)
+    if rv is not None:
+        said = {"last_count": ev.collectives} if ev.collectives is not None else {}
+        st = _put_rank(st, ev.rank, replace(rv, last_advance=now, node=ev.node or rv.node,
+                                            generation=ev.generation, last_report=now, rate_base=None,
+                                            listening_until=None, **said), owned)
+    r = st.relaunch
+    if r is not None and r.phase == RelaunchPhase.RESUMING and ev.generation == r.generation:
+        return replace(st, relaunch=replace(r, resumed=r.resumed | {ev.rank}))
+    if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
+        ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
+    ):
+        return replace(st, migration=replace(m, resumed=_with_ack(m.resumed, ev.rank, owned)))
+    return st
+
+
+def _on_spare_granted(st: CoordState, ev: SpareGranted, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    spares = st.spares
+    if st.spare(ev.node) is None:
+        spares = spares + (SpareView(ev.node, ev.how, allocation=ev.allocation),)
+    st = replace(st, spares=spares)
+    if m is not None and m.id == ev.migration and m.phase == Phase.SPARE:
+        st = replace(st, migration=replace(m, spare_requested=None))
+    return st
+
+
+def _on_spare_unavailable(st: CoordState, ev: SpareUnavailable, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.SPARE) and m.spare_requested == ev.strategy:
+        m2 = replace(m, spare_requested=None, spare_failures=m.spare_failures + ((ev.strategy, ev.why),))
+        return replace(st, migration=m2)
+    return st
+
+
+def _on_spare_lost(st: CoordState, ev: SpareLost, now: float, owned: Owned) -> CoordState:
+    if st.spare(ev.node) is None:
         return st
-    if isinstance(ev, Resumed):
-        rv = st.ranks.get(ev.rank)
-        if rv is not None:
-            said = {"last_count": ev.collectives} if ev.collectives is not None else {}
-            st = _put_rank(st, ev.rank, replace(rv, last_advance=now, node=ev.node or rv.node,
-                                                generation=ev.generation, last_report=now, rate_base=None,
-                                                listening_until=None, **said), owned)
-        r = st.relaunch
-        if r is not None and r.resume_sent is not None and ev.generation == r.generation:
-            return replace(st, relaunch=replace(r, resumed=r.resumed | {ev.rank}))
-        if m is not None and m.phase in (Phase.REBUILD, Phase.ROLLBACK) and (
-            ev.generation == m.generation or (ev.cancelled and m.phase == Phase.ROLLBACK)
-        ):
-            return replace(st, migration=replace(m, resumed=_with_ack(m.resumed, ev.rank, owned)))
-        return st
-    if isinstance(ev, SpareGranted):
-        spares = st.spares
-        if st.spare(ev.node) is None:
-            spares = spares + (SpareView(ev.node, ev.how, allocation=ev.allocation),)
-        st = replace(st, spares=spares)
-        if m is not None and m.id == ev.migration and m.phase == Phase.SPARE:
-            st = replace(st, migration=replace(m, spare_requested=None))
-        return st
-    if isinstance(ev, SpareUnavailable):
-        if _for(m, ev.migration, Phase.SPARE) and m.spare_requested == ev.strategy:
-            m2 = replace(m, spare_requested=None, spare_failures=m.spare_failures + ((ev.strategy, ev.why),))
-            return replace(st, migration=m2)
-        return st
-    if isinstance(ev, SpareLost):
-        if st.spare(ev.node) is None:
-            return st
-        return replace(st, spares=tuple(replace(s, status=SpareStatus.LOST) if s.node == ev.node else s for s in st.spares))
-    if isinstance(ev, SnapshotDone):
-        if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
-            m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
-                         tool_durations=_merge_max(m.tool_durations, "dump", ev.durations))
-            return replace(st, migration=m2)
-        return st
-    if isinstance(ev, SnapshotFailed):
-        if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
-            return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
-        return st
-    if isinstance(ev, TransferDone):
-        if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and ev.rank in m.ranks:
-            m2 = replace(m, transferred={**m.transferred, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
-                         tool_durations=_merge_max(m.tool_durations, "transfer", ev.durations))
-            return replace(st, migration=m2)
-        return st
-    if isinstance(ev, TransferFailed):
-        if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and m.failure is None:
-            f = Failure(FailedStep.TRANSFER, f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
-            return replace(st, migration=replace(m, failure=f))
-        return st
-    if isinstance(ev, RestoreDone):
-        if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and ev.rank in m.ranks:
-            m2 = replace(m, restored=m.restored | {ev.rank},
-                         tool_durations=_merge_max(m.tool_durations, "restore", ev.durations))
-            return replace(st, migration=m2)
-        return st
-    if isinstance(ev, RestoreFailed):
-        if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and m.failure is None:
-            f = Failure(FailedStep.RESTORE, f"rank {ev.rank}: {ev.why}", ev.target_lost)
-            return replace(st, migration=replace(m, failure=f))
-        return st
-    if isinstance(ev, SourceKilled):
-        if _for(m, ev.migration, Phase.KILL_SOURCE):
-            return replace(st, migration=replace(m, source_killed=True))
-        return st
-    if isinstance(ev, KillFailed):
-        if _for(m, ev.migration, Phase.KILL_SOURCE) and m.failure is None:
-            return replace(st, migration=replace(m, failure=Failure(FailedStep.KILL, ev.why)))
-        return st
-    if isinstance(ev, (Drained, DrainFailed)):
-        if _for(m, ev.migration, Phase.DRAIN):
-            notes = m.notes + ((f"drain of {ev.node} failed: {ev.why}",) if isinstance(ev, DrainFailed) else ())
-            return replace(st, migration=replace(m, drain_done=True, notes=notes))
-        return st
-    if isinstance(ev, (Shrunk, ShrinkFailed)):
-        if _for(m, ev.migration, Phase.SHRINK):
-            notes = m.notes + ((f"shrink failed: {ev.why}",) if isinstance(ev, ShrinkFailed) else ())
-            return replace(st, migration=replace(m, shrink_done=True, notes=notes))
-        return st
-    if isinstance(ev, OperatorMigrate):
-        return accept_operator(st, ev.node, ev.to, now)[0]
-    raise TypeError(f"not an outcome: {ev!r}")
+    return replace(st, spares=tuple(replace(s, status=SpareStatus.LOST) if s.node == ev.node else s
+                                    for s in st.spares))
+
+
+def _on_snapshot_done(st: CoordState, ev: SnapshotDone, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
+        m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
+                     tool_durations=_merge_max(m.tool_durations, "dump", ev.durations))
+        return replace(st, migration=m2)
+    return st
+
+
+def _on_snapshot_failed(st: CoordState, ev: SnapshotFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
+        return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
+    return st
+
+
+def _on_transfer_done(st: CoordState, ev: TransferDone, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and ev.rank in m.ranks:
+        m2 = replace(m, transferred={**m.transferred, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
+                     tool_durations=_merge_max(m.tool_durations, "transfer", ev.durations))
+        return replace(st, migration=m2)
+    return st
+
+
+def _on_transfer_failed(st: CoordState, ev: TransferFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and m.failure is None:
+        f = Failure(FailedStep.TRANSFER, f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
+        return replace(st, migration=replace(m, failure=f))
+    return st
+
+
+def _on_restore_done(st: CoordState, ev: RestoreDone, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and ev.rank in m.ranks:
+        m2 = replace(m, restored=m.restored | {ev.rank},
+                     tool_durations=_merge_max(m.tool_durations, "restore", ev.durations))
+        return replace(st, migration=m2)
+    return st
+
+
+def _on_restore_failed(st: CoordState, ev: RestoreFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and m.failure is None:
+        f = Failure(FailedStep.RESTORE, f"rank {ev.rank}: {ev.why}", ev.target_lost)
+        return replace(st, migration=replace(m, failure=f))
+    return st
+
+
+def _on_source_killed(st: CoordState, ev: SourceKilled, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    return replace(st, migration=replace(m, source_killed=True)) if _for(m, ev.migration, Phase.KILL_SOURCE) else st
+
+
+def _on_kill_failed(st: CoordState, ev: KillFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.KILL_SOURCE) and m.failure is None:
+        return replace(st, migration=replace(m, failure=Failure(FailedStep.KILL, ev.why)))
+    return st
+
+
+def _on_drained(st: CoordState, ev: Drained | DrainFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.DRAIN):
+        notes = m.notes + ((f"drain of {ev.node} failed: {ev.why}",) if isinstance(ev, DrainFailed) else ())
+        return replace(st, migration=replace(m, drain_done=True, notes=notes))
+    return st
+
+
+def _on_shrunk(st: CoordState, ev: Shrunk | ShrinkFailed, now: float, owned: Owned) -> CoordState:
+    m = st.migration
+    if _for(m, ev.migration, Phase.SHRINK):
+        notes = m.notes + ((f"shrink failed: {ev.why}",) if isinstance(ev, ShrinkFailed) else ())
+        return replace(st, migration=replace(m, shrink_done=True, notes=notes))
+    return st
+
+
+def _on_operator_migrate(st: CoordState, ev: OperatorMigrate, now: float, owned: Owned) -> CoordState:
+    return accept_operator(st, ev.node, ev.to, now)[0]
+
+
+# One handler per outcome type (contract.Outcome): what each records. A test checks that every
+# type of the Outcome union has one.
+APPLY: dict[type, Callable[[CoordState, Any, float, Owned], CoordState]] = {
+    RankRegistered: _on_rank_registered,
+    RankProgress: _on_rank_progress,
+    NodeHealthChanged: _on_node_health,
+    SpareAdded: _on_spare_added,
+    Armed: _on_armed,
+    RankUnprotected: _on_rank_unprotected,
+    Quiesced: _on_quiesced,
+    Resumed: _on_resumed,
+    SpareGranted: _on_spare_granted,
+    SpareUnavailable: _on_spare_unavailable,
+    SpareLost: _on_spare_lost,
+    SnapshotDone: _on_snapshot_done,
+    SnapshotFailed: _on_snapshot_failed,
+    TransferDone: _on_transfer_done,
+    TransferFailed: _on_transfer_failed,
+    RestoreDone: _on_restore_done,
+    RestoreFailed: _on_restore_failed,
+    SourceKilled: _on_source_killed,
+    KillFailed: _on_kill_failed,
+    Drained: _on_drained,
+    DrainFailed: _on_drained,
+    Shrunk: _on_shrunk,
+    ShrinkFailed: _on_shrunk,
+    OperatorMigrate: _on_operator_migrate,
+    SlurmReachability: _on_slurm_reachability,
+    CheckpointCompleted: _on_checkpoint_completed,
+    CheckpointLoaded: _on_checkpoint_loaded,
+    OperatorSnapshot: _on_operator_snapshot,
+    RankDumped: _on_rank_dumped,
+    RankDumpFailed: _on_rank_dump_failed,
+    SnapshotCommitted: _on_snapshot_committed,
+    SnapshotCommitFailed: _on_snapshot_commit_failed,
+    JobStopFailed: _on_job_stop_failed,
+}
+
+
+def _apply(st: CoordState, ev: Outcome, now: float, owned: Owned) -> CoordState:
+    handler = APPLY.get(type(ev))
+    if handler is None:
+        raise TypeError(f"not an outcome: {ev!r}")
+    return handler(st, ev, now, owned)
 
 
 def apply(state: CoordState, outcome: Outcome, now: float, *, owned: dict[int, RankView] | None = None
@@ -509,5 +620,5 @@ __all__ = [
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",
-    "freeze_acks", "JobStopFailed",
+    "freeze_acks", "JobStopFailed", "APPLY",
 ]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torchpass.coordinator.phases import PAUSED_PHASES, Phase, Result
+from torchpass.coordinator.relaunch_phases import RelaunchKind, RelaunchPhase
+from torchpass.coordinator.snapshot_phases import SnapPhase
 from torchpass.health_state import State
 
 if TYPE_CHECKING:  # the contract imports this module; the annotations stay strings
@@ -203,11 +205,11 @@ class MigrationRecord:
         object.__setattr__(self, "outcome", Result(self.outcome))
 
 
-# --- whole-job snapshots (tpassctl snapshot; issue 12): decide.py draws the phases --------------
-SNAP_QUEUED, SNAP_PAUSE, SNAP_DUMP, SNAP_RESUME = "queued", "pause", "dump", "resume"
+# --- whole-job snapshots (tpassctl snapshot): snapshot_phases.py draws the phases ----------------
+SNAP_QUEUED, SNAP_PAUSE, SNAP_DUMP, SNAP_RESUME = SnapPhase.QUEUED, SnapPhase.PAUSE, SnapPhase.DUMP, SnapPhase.RESUME
 # `tpassctl snapshot --stop`: after the dump the ranks stay paused while the manifest is written,
 # then the job is requeue-held (decide.StopJob); a failure resumes them (SNAP_RESUME) instead.
-SNAP_STOP = "stop"
+SNAP_STOP = SnapPhase.STOP
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class SnapshotRun:
     asked: float
     trigger: str = "operator"  # or "periodic" (policy.snapshot_every_s)
     stop: bool = False  # tpassctl snapshot --stop: the job is held once it is saved, its nodes freed
-    phase: str = SNAP_QUEUED
+    phase: SnapPhase = SnapPhase.QUEUED
     phase_started: float = 0.0
     deadline: float = 0.0
     generation: int = 0
@@ -245,6 +247,9 @@ class SnapshotRun:
     stop_sent: float | None = None  # --stop: when StopJob went out (the job is being requeue-held)
     stop_failed: str | None = None  # --stop: why the job could not be held (it resumed instead)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", SnapPhase(self.phase))
+
 
 @dataclass(frozen=True)
 class SnapshotPoint:
@@ -260,24 +265,29 @@ class SnapshotPoint:
 
 @dataclass(frozen=True)
 class RelaunchRun:
-    """A relaunch of the job's training step after a node was lost outright (decide.Relaunch),
-    until every rank registered again; from a whole-job snapshot, until every restored rank
-    registered again and resumed."""
+    """A relaunch of the job's training step (relaunch_phases.py draws its phases): after a node
+    was lost outright (decide.Relaunch), until every rank registered again; from a whole-job
+    snapshot, until every restored rank registered again and resumed. The resumed run of a job
+    stopped with `tpassctl snapshot --stop` starts with one (``kind`` RESUMED_STOP)."""
 
-    count: int
+    count: int  # the job's relaunch number (CoordState.relaunches; 0 for RESUMED_STOP, which is none)
     lost: str
     spare: str
     decided: float  # coordinator clock of the decision (the node was found lost then)
     checkpoint_step: int  # the restore point the relaunched script (or the snapshot) goes on from
     last_step: int  # the newest step any rank reported before the loss (-1: none)
     snapshot: str = ""  # the whole-job snapshot every rank is restored from ("": a checkpoint)
-    # count 0: not a relaunch after a lost node but the start of a job stopped with
-    # `tpassctl snapshot --stop` and resumed (the coordinator of its resumed run)
+    kind: RelaunchKind = RelaunchKind.LOST_NODE
+    phase: RelaunchPhase = RelaunchPhase.REGISTERING
     generation: int = 0  # from a snapshot: the generation its restored ranks resume as
     back: frozenset[int] = frozenset()  # ranks registered again as copies restored from it
     resume_sent: float | None = None  # when the resume went to them (decide resends it)
     resume_attempts: int = 0
     resumed: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", RelaunchKind(self.kind))
+        object.__setattr__(self, "phase", RelaunchPhase(self.phase))
 
 
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
@@ -367,8 +377,8 @@ class CoordState:
     def carry_views(self, new: CoordState, *, copied_ranks: bool = False) -> CoordState:
         """``new``, made from this state with the same ranks (dataclasses.replace of other fields;
         ``copied_ranks``: its ranks are a copy of this state's dict), with this state's
-        rank_nodes() and pinned_nodes() instead of building them again over every rank (issue 13:
-        at 8,192 ranks each build took ~2 ms, on every batch and every health poll), and the
+        rank_nodes() and pinned_nodes() instead of building them again over every rank (at
+        8,192 ranks each build took ~2 ms, on every batch and every health poll), and the
         stall floor (STALL_FLOOR_CACHE)."""
         if new is not self and (copied_ranks or new.ranks is self.ranks):
             for key in (RANK_NODES_CACHE, PINNED_CACHE, STALL_FLOOR_CACHE):
@@ -389,5 +399,6 @@ class CoordState:
 __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
     "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState", "SnapshotPoint",
-    "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SnapshotRun", "RelaunchRun",
+    "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SNAP_STOP", "SnapshotRun", "RelaunchRun",
+    "SnapPhase", "RelaunchKind", "RelaunchPhase",
 ]

@@ -96,15 +96,18 @@ RESULTS: dict[Phase, frozenset[Result]] = {
 
 
 class IllegalTransition(TorchpassError):
-    """``decide`` tried a phase change that ``TRANSITIONS`` does not allow (a bug in the core)."""
+    """``decide`` tried a phase change that ``TRANSITIONS`` does not allow (a bug in the core). The
+    whole-job snapshot and relaunch machines raise subclasses of it (snapshot_phases,
+    relaunch_phases); ``migration`` then names the snapshot or the relaunch."""
 
-    def __init__(self, migration: str, src: Phase | None, dst: Phase | None, result: Result | None = None):
+    def __init__(self, migration: str, src: enum.Enum | None, dst: enum.Enum | None,
+                 result: enum.Enum | None = None):
         self.migration, self.src, self.dst, self.result = migration, src, dst, result
         how = f" ({result})" if result is not None else ""
         super().__init__(f"{migration}: illegal phase transition {_name(src)} -> {_name(dst)}{how}")
 
 
-def _name(p: Phase | None) -> str:
+def _name(p: enum.Enum | None) -> str:
     return "none" if p is None else p.value
 
 
