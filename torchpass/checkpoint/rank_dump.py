@@ -6,7 +6,7 @@ The tree is dumped only after the wrapper, the tree's root and the rank were pin
 (Slurm's and the kernel's word, not the rank record's), all in tpassd's own namespaces. criu runs
 in tpassd's mount namespace (entering only the wrapper's network and UTS namespaces), executed
 from a file descriptor, with a timeout; for an ordinary user's job as the tree root's ids with
-``criu.DUMP_CAPS`` only (criu.owner_creds).
+``criu.dump_caps()`` only (criu.owner_creds).
 """
 
 from __future__ import annotations
