@@ -1,5 +1,5 @@
 /*
- * tpass-init - PID 1 of a rank's PID namespace (issue 9).
+ * tpass-init - PID 1 of a rank's PID namespace.
  *
  *   tpass-init UID GID PARENT [GID...]
  *
@@ -10,9 +10,9 @@
  * (CRIU's parasite in the root of a dumped tree must mount a proc for the
  * namespace: without that capability an ordinary user's rank cannot be
  * dumped), keeps no fd but /dev/null, gets its own session and a working
- * directory of its own (make_workdir), and is not dumpable (the user may
- * kill it, ending their own job, but cannot ptrace it or use its
- * capability).  The rank wrapper (PARENT, the task, running as the user)
+ * directory of its own (make_workdir), and stays dumpable (drop_privileges
+ * says why the user still cannot ptrace it, read its memory or use its
+ * capability; the user may kill it, ending their own job).  The rank wrapper (PARENT, the task, running as the user)
  * double-forks the rank so that it is orphaned into the namespace and
  * reparented to us; we then wait for it and exit with its exit
  * code.  A rank ended by signal S cannot be mirrored (a namespace init
@@ -108,7 +108,7 @@ static void __attribute__((noreturn)) end(int code)
 }
 
 /*
- * Slurm's cgroups (issue 9).  slurmstepd forks the task, which runs the
+ * Slurm's cgroups.  slurmstepd forks the task, which runs the
  * plugin's task_init_privileged (forking us) while slurmstepd adds the task,
  * not its children, to the step's cgroups (proctrack/cgroup, task/cgroup);
  * only then does it let the task exec.  So we may start in the job's freezer
@@ -354,7 +354,22 @@ static void drop_privileges(uid_t uid, gid_t gid, gid_t *groups, int ngroups)
 	if (syscall(SYS_capset, &hdr, data) < 0)
 		end(E_CAPS);
 	prctl(PR_SET_KEEPCAPS, 0, 0, 0, 0);
-	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+	/*
+	 * Dumpable again (the change of uid above cleared it, fs.suid_dumpable
+	 * being 0), so that our /proc files are the job user's and the dump's
+	 * criu, running as that user with CAP_SYS_ADMIN among its capabilities,
+	 * may ptrace us and read them without CAP_SYS_PTRACE or
+	 * CAP_DAC_READ_SEARCH.  The job user's own processes still cannot: the
+	 * kernel lets one process ptrace or read the memory, environ, fds or
+	 * cwd of another only if its permitted capabilities include all of the
+	 * other's (cap_ptrace_access_check), and we hold CAP_SYS_ADMIN, which
+	 * they do not.  Measured on Linux 6.18 as the job user against us:
+	 * PTRACE_SEIZE, process_vm_readv and pidfd_getfd EPERM; /proc/PID/mem,
+	 * environ, fd/N, fdinfo/N, cwd and root EACCES; only the names in fd/
+	 * (0, 1, 2: /dev/null) can be listed
+	 * (tests/unit/test_criu_owner_creds.py).
+	 */
+	prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
 }
 
 int main(int argc, char **argv)

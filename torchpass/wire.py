@@ -330,7 +330,7 @@ BODIES: dict[str, dict[str, F]] = {
     #               checked before any is killed, all killed at once; result also `tasks`
     #               (one {rank, pid, killed, discarded_mb} each)
     #   op "abort": the move is off: hand-off marker "abort", images discarded
-    # Whole-job snapshots (torchpass.checkpoint.service._job_snapshot), `snapshot` = its id:
+    # Whole-job snapshots (torchpass.checkpoint.job_snapshots), `snapshot` = its id:
     #   op "snap":    dump the held rank into SNAPSHOT_DIR/snapshots/jobJ/ID/rankR (no hand-off marker);
     #                 result as dump
     #   op "commit":  (rank 0: any) verify `parts` [{rank, node, images, checksum}], write the job manifest,

@@ -275,7 +275,7 @@ def _peer_name(fd: int) -> Any:
 def audit_refusal(ident: auth.Identity | None, msg: wire.Message, code: str, error: str,
                    node: str | None = None) -> None:
     """The one audit line of a request refused before a handler saw it (the fields of the handlers'
-    own lines: tpassd.checkpoint.service.Audit, the drain's)."""
+    own lines: torchpass.checkpoint.admission.Audit, the drain's)."""
     b = msg.body
     action = msg.type.removeprefix("tpassd.") + (f".{b['op']}" if isinstance(b.get("op"), str) else "")
     where = {"node": node}

@@ -48,7 +48,7 @@ import zmq
 from torchpass import slurm, wire
 from torchpass.auth import AuthFailure
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint.service import Audit
+from torchpass.checkpoint.admission import Audit
 from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import RemoteError, TorchpassError
 from torchpass.slurm import NodeInfo, SlurmClient
@@ -258,7 +258,7 @@ class Tpassd:
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
                                               kill_fault=self.drills.take_kill_fault)
-        # A whole-job snapshot must leave the free space this tpassd's own health rule wants (issue 12).
+        # A whole-job snapshot must leave the free space this tpassd's own health rule wants.
         self.checkpoint.keep_free_bytes = int(self.policy.host.disk_free_gb_degraded * 1e9)
         self.checkpoint.snapshot_quota_bytes = int(cfg.snapshot_quota_gb * 1e9)
         self.checkpoint.snapshot_max_age_s = cfg.snapshot_max_age_h * 3600.0

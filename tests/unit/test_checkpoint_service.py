@@ -18,7 +18,8 @@ from torchpass.errors import CheckpointError, RemoteError
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import procs
 from torchpass.checkpoint.criu import tree_pids
-from torchpass.checkpoint.service import CheckpointService, maps_nvidia_device
+from torchpass.checkpoint.node_settings import maps_nvidia_device
+from torchpass.checkpoint.service import CheckpointService
 
 
 ROOT = auth.Identity(uid=0, gid=0)

@@ -14,6 +14,7 @@ criu.
 from __future__ import annotations
 
 import os
+import pwd
 import select
 import shutil
 import signal
@@ -139,9 +140,19 @@ def userdir(user):  # noqa: F811
 
 
 # What criu may hold (measured; criu.py says why): restore needs these four, and CAP_SYS_RESOURCE
-# where the bounding set has it; the dump also CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH.
+# where the bounding set has it; the dump the same (tpass-init stays dumpable), plus CAP_SYS_PTRACE
+# only where Yama confines ptrace to descendants.
 RESTORE = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
-DUMP = (*RESTORE, "sys_ptrace", "dac_read_search")
+
+
+def _yama_confines_ptrace() -> bool:
+    try:
+        return int(Path(criu.YAMA_PTRACE_SCOPE).read_text()) >= 1
+    except (OSError, ValueError):
+        return False
+
+
+DUMP = (*RESTORE, "sys_ptrace") if _yama_confines_ptrace() else RESTORE
 
 
 def _check_criu_creds(d: Path, u, verb: str) -> None:
@@ -152,9 +163,8 @@ def _check_criu_creds(d: Path, u, verb: str) -> None:
     assert seen, f"the stand-in criu did not run for {verb}"
     for st in seen:
         assert st["Uid"] == [str(u.pw_uid)] * 4 and st["Gid"] == [str(u.pw_gid)] * 4, (verb, st["Uid"], st["Gid"])
-        # group root (tpass-init's, for its working directory) for the restore only
-        assert sorted(map(int, st["Groups"])) == sorted({u.pw_gid} | ({0} if verb == "restore" else set())), \
-            (verb, st["Groups"])
+        # tpass-init's groups: the job's and group root (for its working directory, root:root 0770)
+        assert sorted(map(int, st["Groups"])) == sorted({u.pw_gid, 0}), (verb, st["Groups"])
         for k in ("CapPrm", "CapEff", "CapAmb"):
             assert int(st[k][0], 16) == want, (verb, k, st[k])
         assert not int(st["CapEff"][0], 16) & _mask(("dac_override", "fowner", "setuid")), (verb, st["CapEff"])
@@ -212,6 +222,12 @@ def test_criu_dumps_and_restores_as_the_owner_with_the_listed_capabilities_only(
         now = {r["ns_pid"]: r for r in (procs.creds_of(p) for p in criu.tree_pids(pid))}
         assert now == {r["ns_pid"]: r for r in tree}
         assert now[1]["caps"]["CapEff"] == 1 << 21 and all(v == 0 for v in now[tree[1]["ns_pid"]]["caps"].values())
+        # the restored tpass-init is dumpable as the dumped one was: a second move of the rank
+        # dumps it with the same list
+        again = criu.dump(c, pid, images.with_name("rank0.gen2"), fds_of=criu.tree_pids(pid)[1],
+                          creds=criu.owner_creds(pid), who="rank 0", meta={"init": True, "uid": user.pw_uid})
+        assert [r["ns_pid"] for r in again.manifest["meta"]["tree"]] == [r["ns_pid"] for r in tree]
+        _check_criu_creds(userdir, user, "dump")
         t.go.touch()
         assert t.task.stdout.readline() == f"after {held}\n".encode()
         # at rest the images are root's alone again
@@ -366,6 +382,110 @@ def test_an_unlinked_held_file_is_copied_up_to_the_ghost_limit_and_recreated_by_
         t.end()
 
 
+def test_a_rank_holding_an_inotify_watch_is_refused_with_one_line_and_left_running(
+        user, userdir, images, init_program):  # noqa: F811
+    """CRIU checks a watch's file handle with open_by_handle_at, which needs CAP_DAC_READ_SEARCH, and
+    the dump's criu does not get it: a tree holding an inotify watch is not dumped, and says why."""
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x")
+    os.chown(held, user.pw_uid, user.pw_gid)
+    watcher = ("import ctypes, time; libc = ctypes.CDLL(None); fd = libc.inotify_init(); "
+               f"assert libc.inotify_add_watch(fd, {str(userdir / 'u').encode()!r}, 2) > 0; print('watching', "
+               "flush=True); time.sleep(60)")
+    t = Tree(init_program, user, userdir, held, spawn=["/usr/bin/python3", "-c", watcher])
+    try:
+        assert t.task.stdout.readline() == b"watching\n"
+        with pytest.raises(CheckpointError, match="rank 0 holds an inotify or fanotify watch, which CRIU dumps only "
+                                                  "with CAP_DAC_READ_SEARCH") as err:
+            _dump(c=criu.find_criu(str(userdir / "criu")), t=t, images=images)
+        assert "\n" not in str(err.value) and procs.creds_of(t.rank)  # still running
+    finally:
+        t.end()
+
+
 def _argv_of(d: Path, verb: str) -> list[str]:
     """Every argument the stand-in criu got for ``verb``."""
     return [a for p in (d / "criu.status").glob(f"*.{verb}.argv") for a in p.read_text().split()]
+
+
+# As the job user (the rank's uid, no capability), against tpass-init: each way one process reads
+# or takes over another. tpass-init stays dumpable, so the only thing that stops these is the
+# kernel's rule that the tracer's permitted capabilities include the tracee's: tpass-init holds
+# CAP_SYS_ADMIN and the user's processes do not.
+PROBE = """
+import ctypes, errno, os, sys
+pid, libc = int(sys.argv[1]), ctypes.CDLL(None, use_errno=True)
+def attempt(name, f):
+    try:
+        f()
+        print(name, "allowed")
+    except OSError as e:
+        print(name, errno.errorcode.get(e.errno, e.errno))
+def check(rc):
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), "")
+    return rc
+def seize():
+    check(libc.ptrace(0x4206, pid, 0, 0))  # PTRACE_SEIZE
+    libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+def mem():
+    start = int(open(f"/proc/{pid}/maps").readline().split("-")[0], 16)
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        os.pread(fd, 16, start)
+    finally:
+        os.close(fd)
+def getfd():
+    pfd = os.pidfd_open(pid)
+    try:
+        os.close(check(libc.syscall(438, pfd, 0, 0)))  # pidfd_getfd
+    finally:
+        os.close(pfd)
+attempt("ptrace", seize)
+attempt("mem", mem)
+attempt("environ", lambda: open(f"/proc/{pid}/environ", "rb").read())
+attempt("fd", lambda: os.close(os.open(f"/proc/{pid}/fd/0", os.O_RDONLY)))
+attempt("cwd", lambda: os.readlink(f"/proc/{pid}/cwd"))
+attempt("getfd", getfd)
+"""
+
+
+def _probe(pid: int, u, caps: tuple[str, ...]) -> dict[str, str]:
+    """PROBE run against ``pid`` as ``u`` with exactly ``caps``: {what: "allowed" or the errno}."""
+    caps_arg = ",".join(["-all", *(f"+{c}" for c in caps)])
+    out = subprocess.run([criu.SETPRIV, f"--reuid={u.pw_uid}", f"--regid={u.pw_gid}", "--clear-groups",
+                          f"--inh-caps={caps_arg}", f"--ambient-caps={caps_arg}", "--",
+                          "/usr/bin/python3", "-c", PROBE, str(pid)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return dict(line.split() for line in out.splitlines())
+
+
+def test_the_job_user_cannot_ptrace_or_read_tpass_init_which_the_dumps_criu_can(
+        user, userdir, init_program):  # noqa: F811
+    """tpass-init is dumpable (so the dump's criu needs no CAP_SYS_PTRACE or CAP_DAC_READ_SEARCH),
+    yet the job user, whose uid it has, cannot ptrace it, read its memory, environment or fds, or
+    take one of them: it would be code running with CAP_SYS_ADMIN. criu's list (as the same user)
+    can, which is what the dump needs; another user cannot even with criu's list."""
+    held = userdir / "u" / "data"
+    held.write_bytes(b"x")
+    os.chown(held, user.pw_uid, user.pw_gid)
+    t = Tree(init_program, user, userdir, held)
+    try:
+        status = Path(f"/proc/{t.init}/status").read_text()
+        assert f"Uid:\t{user.pw_uid}\t" in status and "CapPrm:\t0000000000200000" in status, status
+        assert os.stat(f"/proc/{t.init}/fd").st_uid == user.pw_uid  # dumpable: its /proc is the user's
+        assert _probe(t.init, user, ()) == {"ptrace": "EPERM", "mem": "EACCES", "environ": "EACCES",
+                                             "fd": "EACCES", "cwd": "EACCES", "getfd": "EPERM"}
+        assert set(_probe(t.init, user, DUMP).values()) == {"allowed"}
+        assert _probe(t.init, pwd.getpwnam("nobody"), DUMP)["ptrace"] == "EPERM"
+    finally:
+        t.end()
+
+
+def test_the_dump_adds_sys_ptrace_only_where_yama_confines_ptrace_to_descendants(tmp_path):
+    scope = tmp_path / "ptrace_scope"
+    assert criu.dump_caps(str(scope)) == criu.RESTORE_CAPS  # no Yama
+    for value, extra in (("0", ()), ("1", ("sys_ptrace",)), ("2", ("sys_ptrace",))):
+        scope.write_text(value + "\n")
+        assert criu.dump_caps(str(scope)) == (*criu.RESTORE_CAPS, *extra)
+    assert not {"dac_read_search", "dac_override", "fowner", "setuid"} & set(criu.dump_caps(str(scope)))

@@ -31,7 +31,7 @@ import pytest
 
 from torchpass.checkpoint import criu, manifest
 from torchpass.errors import CheckpointError
-from test_privilege_boundary import RANK_ENV
+from test_privilege_boundary import RANK_ENV, USER_PYTHON
 from test_rankwrap_transparent import _record
 from test_tpass_init import PLUGIN, init_program  # noqa: F401
 
@@ -46,8 +46,10 @@ class Trees:
     def __init__(self, init: Path, tmp: Path, n: int, uid: int = 0):
         self.go = tmp / "go"
         rank = [sys.executable, "-c", TASK, str(self.go)]
-        if uid:  # the rank is the user's too (a tree of one owner, as in a job)
-            rank = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}", *rank]  # as initgroups gives
+        if uid:  # the rank is the user's too (a tree of one owner, as in a job), running a python the user
+            # can reach: the dump's criu, as the user, stats each mapped file by path
+            rank = ["setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={uid}",  # as initgroups gives
+                    USER_PYTHON, *rank[1:]]
         self.tasks, self.roots, self.pidfds = [], [], []
         for i in range(n):
             state = tmp / f"task{i}"

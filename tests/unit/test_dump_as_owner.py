@@ -3,7 +3,7 @@
 The rank record names the tree's root (``pid``: tpass-init, the wrapper's
 child) and the rank (``rank_pid``: tpass-init's child). tpassd checks both
 against Slurm's and the kernel's view, and runs criu as the job's owner with
-a minimal capability list as ambient capabilities (criu.DUMP_CAPS: no
+a minimal capability list as ambient capabilities (criu.dump_caps(): no
 DAC_OVERRIDE, no FOWNER) and ``--unprivileged``.
 """
 
@@ -71,7 +71,7 @@ def test_a_users_tree_is_dumped_by_criu_as_the_user_with_the_minimal_capability_
         with pytest.raises(Exception, match="criu dump of pid"):
             _dump(svc)
         line = calls.read_text().split()
-        assert line[0] == str(user.pw_uid) and int(line[2], 16) == _minimal(criu_mod.DUMP_CAPS), line
+        assert line[0] == str(user.pw_uid) and int(line[2], 16) == _minimal(criu_mod.dump_caps()), line
         assert "--unprivileged" in line and line[line.index("-t") + 1] == str(init), line
     finally:
         _stop(w)
@@ -87,7 +87,7 @@ def _minimal(caps) -> int:
 def test_owner_creds_names_the_minimal_list_never_dac_override_or_fowner(tmp_path):
     creds = criu_mod.owner_creds(os.getpid())
     assert creds.uid == os.getuid() and sum(1 << criu_mod.CAP_NAMES.index(c) for c in creds.caps) == \
-        _minimal(criu_mod.DUMP_CAPS)
+        _minimal(criu_mod.dump_caps())
     assert not {"dac_override", "fowner", "setuid"} & set(creds.caps)
     argv = criu_mod.as_creds_argv(9, creds)
     assert argv[0] == "/proc/self/fd/9" and argv[-1] == "--"

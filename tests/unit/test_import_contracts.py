@@ -184,6 +184,8 @@ def test_the_decision_core_may_not_reach_zmq_even_indirectly(tmp_path):
     ("torchpass/coordinator/executor.py", "torchpass.checkpoint.service"),  # the coordinator
     ("torchpass/checkpoint/restore_gate.py", "torchpass.checkpoint.cgroup_join"),
     ("tpassctl/status_cmd.py", "torchpass.checkpoint.restore_agent"),  # a user's tpassctl command
+    # a part of tpassd's checkpoint service (tpassctl reads the manifests those records copy)
+    ("tpassctl/snapshot_cmd.py", "torchpass.checkpoint.snapshot_records"),
 ])
 def test_a_user_program_importing_root_code_breaks_the_contract(tmp_path, importer, imported):
     tree = _copy_tree(tmp_path)

@@ -197,16 +197,26 @@ SETPRIV = "/usr/bin/setpriv"
 #   uid 0, the owner of every root file, which gives root's access back without any DAC capability
 #   (measured: "Unable to reopen the pipe /proc/self/fd/1", and tty-info.img unreadable, as uid 0).
 #   Every process of the tree runs as the owner's uid, so none needs a setuid to restore.
-# - dump: the same, plus CAP_SYS_PTRACE (tpass-init is not dumpable: "Unable to interrupt task:
-#   Operation not permitted" without it) and CAP_DAC_READ_SEARCH (a non-dumpable process's
-#   /proc/PID/map_files is root's, mode 0500: "Can't open PID/map_files on procfs: Permission
-#   denied" without it). Read and search only, and the dump opens no path of the user's: its files
-#   are read through /proc/PID/fd and map_files, and it makes no link-remap file (no --link-remap).
-# The restore runs with the tree root's groups: tpass-init's include group root, which reaches its
-# working directory (root:root 0770, CRIU_PROC_DIR says why), reopened by path. The dump does not
-# need it (measured: it reads that directory through /proc/PID/cwd), and runs without group root.
+# - dump: the same list. tpass-init stays dumpable (slurm_spank/tpass_init.c, drop_privileges), so
+#   its /proc files are the owner's and criu, as the owner with CAP_SYS_ADMIN among its
+#   capabilities, may ptrace it: the kernel asks the tracer's permitted capabilities to include the
+#   tracee's (cap_ptrace_access_check), which the job user's own processes' do not (measured: they
+#   get EPERM/EACCES on ptrace, /proc/PID/mem, environ and fd links; tests/unit/
+#   test_criu_owner_creds.py). With tpass-init not dumpable the dump needed CAP_SYS_PTRACE
+#   ("Unable to interrupt task: Operation not permitted") and CAP_DAC_READ_SEARCH (its
+#   /proc/PID/map_files root's 0500). The dump opens no path of the user's: its files are read
+#   through /proc/PID/fd and map_files, and it makes no link-remap file (no --link-remap).
+#   Where Yama's ptrace_scope is 1 or 2, a process may ptrace only its descendants without
+#   CAP_SYS_PTRACE, and criu attaches to a tree it did not start: ``dump_caps`` adds it there
+#   (not measured: this development kernel has no Yama).
+# Both run with the tree root's groups: tpass-init's include group root, which reaches its working
+# directory (root:root 0770, CRIU_PROC_DIR says why). The restore reopens it by path; the dump stats
+# it by path (without group root and CAP_DAC_READ_SEARCH: "Can't stat path: Permission denied",
+# criu/files-reg.c, measured). Group root is the group tpass-init itself holds: what it gives beyond
+# that directory is in docs/security.md, "Known limits".
 RESTORE_CAPS = ("sys_admin", "checkpoint_restore", "setgid", "setpcap")
-DUMP_CAPS = (*RESTORE_CAPS, "sys_ptrace", "dac_read_search")
+DUMP_CAPS = RESTORE_CAPS
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 OPTIONAL_CAPS = ("sys_resource",)
 NEVER_CAPS = ("dac_override", "fowner", "setuid")
 # An unlinked file a rank still holds is copied into the image up to this size (CRIU's ghost file,
@@ -218,7 +228,7 @@ CRIU_WORK_BASE = "/run/torchpass-criu"
 @dataclass(frozen=True)
 class Creds:
     """Who criu runs as for an ordinary user's job: the tree root's ids, with ``caps`` (a minimal
-    list: ``DUMP_CAPS`` or ``RESTORE_CAPS``) as inheritable and ambient capabilities."""
+    list: ``dump_caps()`` or ``RESTORE_CAPS``) as inheritable and ambient capabilities."""
     uid: int
     gid: int
     groups: tuple[int, ...]
@@ -245,16 +255,29 @@ def bounded_caps(wanted: Sequence[str], proc: str = "/proc") -> tuple[str, ...]:
     return (*wanted, *(c for c in OPTIONAL_CAPS if bnd >> CAP_NAMES.index(c) & 1))
 
 
-def owner_creds(pid: int, proc: str = "/proc", caps: Sequence[str] = DUMP_CAPS) -> Creds:
+def dump_caps(yama_ptrace_scope: str = YAMA_PTRACE_SCOPE) -> tuple[str, ...]:
+    """The dump's capabilities: ``DUMP_CAPS``, and CAP_SYS_PTRACE where Yama lets a process without
+    it ptrace only its own descendants (ptrace_scope 1 or 2)."""
+    try:
+        with open(yama_ptrace_scope) as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):  # no Yama: the kernel's own ptrace check alone
+        return DUMP_CAPS
+    return (*DUMP_CAPS, "sys_ptrace") if scope >= 1 else DUMP_CAPS
+
+
+def owner_creds(pid: int, proc: str = "/proc", caps: Sequence[str] | None = None) -> Creds:
     """The credentials criu needs to dump ``pid``'s tree as its owner (``dump(creds=...)``): the
-    ids of ``pid`` (the tree's root; procs.check_tree_creds checks them) but group root, and ``caps``."""
+    ids and groups of ``pid`` (the tree's root, tpass-init: the job's and group root;
+    procs.check_tree_creds checks them), and ``caps`` (default ``dump_caps()``)."""
+    caps = dump_caps() if caps is None else caps
     try:
         st = _status(pid, proc)
     except OSError as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
     try:
         return Creds(uid=int(st["Uid"][0]), gid=int(st["Gid"][0]),
-                     groups=tuple(int(g) for g in st.get("Groups", []) if g != "0"), caps=bounded_caps(caps, proc))
+                     groups=tuple(int(g) for g in st.get("Groups", [])), caps=bounded_caps(caps, proc))
     except (KeyError, IndexError, ValueError) as exc:
         raise CheckpointError(f"cannot read the credentials of pid {pid} ({exc}); not dumping") from None
 
@@ -739,6 +762,19 @@ def _big_ghost(log: Path) -> str | None:
     return f"{m.group(1)}, {m.group(2)} bytes" if m else None
 
 
+def _holds_fsnotify_watch(log: Path) -> bool:
+    """Whether CRIU's log says it could not dump an inotify or fanotify watch. CRIU records a watch
+    by its file handle and checks the handle with open_by_handle_at, which needs
+    CAP_DAC_READ_SEARCH: the dump's criu does not hold it (dump_caps), so a watched tree is refused
+    (measured: "fsnotify: Can't dump that handle", criu/fsnotify.c)."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return False
+    return "fsnotify:" in text and "Can't dump that handle" in text
+
+
 def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
     """For a dump as the owner: the tree's credentials checked (procs.check_tree_creds) and
     recorded in ``info`` with criu's ids, which its restore runs with (``restore_creds``)."""
@@ -811,6 +847,10 @@ def _dump_into(criu: Criu, pid: int, d: Path, *, wait_no_sockets_s: float, meta:
                     raise CheckpointError(f"{who} holds an unlinked file larger than {GHOST_LIMIT >> 20} MiB ({big}): "
                                           "CRIU copies a deleted open file into the image up to that size only; "
                                           "close it before a move or snapshot (the rank was left running)")
+                if creds is not None and _holds_fsnotify_watch(d / "dump.log"):
+                    raise CheckpointError(f"{who} holds an inotify or fanotify watch, which CRIU dumps only with "
+                                          "CAP_DAC_READ_SEARCH (not given to a dump run as the job's user): "
+                                          "remove the watch before a move or snapshot (the rank was left running)")
                 raise CheckpointError(f"criu dump of pid {pid} failed (exit {proc.returncode}): "
                                       f"{_log_tail(d / 'dump.log')}; the rank was left running")
             hashed = hasher.finish()

@@ -9,8 +9,9 @@ restore (the process stays frozen in the "checkpointed" state) ->
 
 Loaded lazily through ctypes from tpassd (root); nothing here needs torch.
 Without libcuda or without these symbols, DependencyError says which.
-Not validated on hardware in this repository's CI (no GPU); see the report
-of issue 4 for the GPU check that remains.
+Not validated on hardware in this repository's CI (no GPU): the tests give
+tpassd's dump a stand-in for this class (``cuda_loader``), so a real driver's
+suspend and resume of a CUDA context is checked only on a GPU node.
 """
 
 from __future__ import annotations

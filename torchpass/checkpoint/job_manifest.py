@@ -1,7 +1,7 @@
 """The job manifest of a whole-job snapshot: one format, written by root, read by every side.
 
 tpassd (root) writes ``STATE_DIR/jobs/J/snapshots/ID.json`` when it commits
-snapshot ID (``CheckpointService._commit``): which ranks, on which nodes, in
+snapshot ID (``job_snapshots.JobSnapshots.commit``): which ranks, on which nodes, in
 which image directories, with which checksums, of which owner. A relaunched
 step's rank wrapper (the job's user) reads it to find its rank's images, and
 tpassctl lists and resumes from it. The user owns ``jobs/J``, so a reader

@@ -7,8 +7,8 @@ check the contents. ``checksum`` is the snapshot's one identity: the SHA-256
 of its manifest (which holds every file's digest). tpassd returns it from a
 dump and checks it at verify on the target.
 
-Format 2 (written since issue 13) keeps each file's BLAKE3; format 1 (written
-before, and still read: a whole-job snapshot may be days old) its SHA-256.
+Format 2 (what dumps write now) keeps each file's BLAKE3; format 1 (written by
+earlier versions, and still read: a whole-job snapshot may be days old) its SHA-256.
 Why BLAKE3: the digests are taken while every rank of the job stands still,
 at the dump and again at the restore, and SHA-256 was the slower half of
 both. Measured here (one core, AVX-512 and SHA-NI): SHA-256 1.65 GB/s,
