@@ -14,7 +14,7 @@ at the dump and again at the restore, and SHA-256 was the slower half of
 both. Measured here (one core, AVX-512 and SHA-NI): SHA-256 1.65 GB/s,
 BLAKE3 5.2 GB/s; CRIU dumps and restores at 1.5-2.8 GB/s. A 100M-parameter
 rank's 2.2 GB image took CRIU 0.81 s to dump, and the dump 1.78 s with its
-SHA-256 (docs/benchmarks.md).
+SHA-256 (docs/benchmark-history.md, "The images' digest and the source's kill").
 """
 
 from __future__ import annotations
