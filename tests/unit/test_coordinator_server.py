@@ -9,7 +9,7 @@ import zmq
 from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import server as srv
-from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, Facts, job_liveness_check

@@ -10,7 +10,7 @@ import pytest
 
 from torchpass import auth, zmqio
 from torchpass.coordinator import contract as ct
-from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.state import JobState
