@@ -426,7 +426,7 @@ def test_a_rank_waits_as_long_as_the_coordinator_says_its_answers_may_take(hint)
             link.stop()
         if hint:
             assert link.reply_hint_s == 3.0
-            assert link.errors == 0 and link._client.connects == 1  # answered, on the one connection
+            assert link.errors == 0 and link.channel.client.connects == 1  # answered, on the one connection
         else:
             assert link.reply_hint_s == 0.0
             assert len({ident for ident, _ in seen}) >= 2  # given up after 0.5 s: a new connection
@@ -467,7 +467,7 @@ def test_a_rank_of_a_large_job_waits_for_its_registration_as_long_as_the_fan_in_
             link.stop()
         if world == 8192:
             assert [t for _, t in seen].count("rank.register") == 1
-            assert link._client.connects == 1  # answered, on the one connection
+            assert link.channel.client.connects == 1  # answered, on the one connection
     finally:
         proc.kill()
         proc.wait()
