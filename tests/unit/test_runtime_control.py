@@ -1,4 +1,4 @@
-"""The rank's control link over one kept connection (torchpass.zmqio.Client; issue 13).
+"""The rank's control link over one kept connection (torchpass.zmqio.Client).
 
 The link runs its real thread against a stand-in coordinator in another
 process (a ROUTER that logs each request's connection identity and answers
@@ -203,7 +203,7 @@ def test_a_forked_child_leaves_the_parents_connection_alone(peers):
 
 
 # ============================================================================
-# Long polls while paused (issue 13)
+# Long polls while paused
 # ============================================================================
 class Recording(CommandsDriver):
     """The test's driver, keeping what the ranks reported (serve thread)."""
@@ -395,7 +395,7 @@ def test_a_checkpoint_report_the_coordinator_refuses_is_dropped_and_holds_up_not
 
 
 # Answers rank.register at once with reply_within_s (argv[1]; "" for none) and every later request
-# only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks (issue 13).
+# only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks.
 SLOW = STAND_IN + r"""
     hint = {"reply_within_s": float(sys.argv[1])} if sys.argv[1] else {}
     print(json.dumps([parts[0].hex(), msg.type]), flush=True)

@@ -34,7 +34,7 @@ MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and
 # Open files: every rank keeps a connection (torchpass.zmqio.Client), and a rank whose request
 # timed out makes a new one before the old one is gone; each node's tpassd has a subscription and
 # a control connection; the rest (log, state files, zmq's own fds) fits in the slack. The soft
-# limit a job's processes start with is often 1,024: too few for 8,192 ranks (issue 13).
+# limit a job's processes start with is often 1,024: too few for 8,192 ranks.
 FDS_PER_RANK = 2
 FDS_PER_NODE = 2
 FDS_SLACK = 256
@@ -154,7 +154,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
     try:
         pubs = {n: (f"tcp://{address_of(n)}:{ports.pub_port}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
         # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
-        # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
+        # 1,024-node job needs more). Set before the context makes its first socket.
         zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
 
         def on_change(_view, _before) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 
-from torchpass import layout
+from torchpass import layout, wire
 from torchpass.checkpoint.restore_gate import write_gate
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import decide as dc
@@ -158,7 +158,7 @@ class MigrationActions:
         fallback = self.rank_commands.resume_command(a.generation, dc.in_place_master(st))
         # One command object for every rank that is not held (never modified; the server encodes
         # it once for all of them: a pause to 8,192 ranks is one batch of replies).
-        cmd = {"command": "pause", "at": a.at, "generation": a.generation,
+        cmd = {"command": wire.COMMAND_PAUSE, "at": a.at, "generation": a.generation,
                "deadline_s": hold_deadline_s(self.ports.policy), "fallback": fallback,
                "join_s": self.ports.policy.rebuild_timeout_s}  # the fallback's ranks wait this long for each other
         held = set(a.hold_ranks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchpass import wire
 from torchpass.coordinator.executor_ports import ExecutorPorts
 from torchpass.coordinator.policy import CoordinatorPolicy
 
@@ -45,13 +46,13 @@ class RankCommands:
         cmd = self.commands.get(rank)
         if cmd is None or cmd["command"] != kind or cmd["generation"] != generation:
             return
-        if kind == "pause" and cmd["at"] != at:
+        if kind == wire.COMMAND_PAUSE and cmd["at"] != at:
             return
         del self.commands[rank]
 
     def resume_command(self, generation: int, master: str) -> dict[str, Any]:
         addr = self.ports.address_of(master) if master else "127.0.0.1"
-        return {"command": "resume", "generation": generation, "master_addr": addr,
+        return {"command": wire.COMMAND_RESUME, "generation": generation, "master_addr": addr,
                 "master_port": resume_port(self.ports.job_id, generation, self.ports.policy.rendezvous_port_range())}
 
     def send_resume(self, ranks, generation: int, master: str) -> None:

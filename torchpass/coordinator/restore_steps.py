@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from torchpass import layout
+from torchpass import envnames, layout
 from torchpass.checkpoint.rankwrap import RESTORE_JOB_ENV, RESTORE_RANK_ENV
 from torchpass.checkpoint.restore_gate import write_gate
 from torchpass.coordinator import contract as ct
@@ -135,7 +135,7 @@ class RestoreSteps:
         # The token first: the step's plugin takes it at launch, before a gated step waits.
         self.prepare(a.target, "migration", rank=a.rank, generation=generation, alloc=alloc)
         argv = self.restore_argv(a, alloc, gate)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SPANK_", envnames.PREFIX))
                or k == "SLURM_CONF"}
         # The plugin starts its root restore agent for this step (torchpass.checkpoint.restore_agent).
         env[RESTORE_RANK_ENV], env[RESTORE_JOB_ENV] = str(a.rank), str(self.ports.job_id)

@@ -401,7 +401,7 @@ class CoordinatorServer:
         b = msg.body
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
-            self.driver.executor.acknowledge(b["rank"], "pause", b["generation"], b["at"])
+            self.driver.executor.acknowledge(b["rank"], wire.COMMAND_PAUSE, b["generation"], b["at"])
         self._note_unprotected(b)
         self._feed(mc.Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"],
                             b.get("unprotected") or ""))
@@ -424,7 +424,7 @@ class CoordinatorServer:
         b = msg.body
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
-            self.driver.executor.acknowledge(b["rank"], "resume", b["generation"])
+            self.driver.executor.acknowledge(b["rank"], wire.COMMAND_RESUME, b["generation"])
         log.debug("rank resumed", rank=b["rank"], generation=b["generation"], node=b["node"], moved=b["moved"],
                  rebuild_s=b["rebuild_s"], cancelled=b.get("cancelled", False))
         self._feed(mc.Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False)),
