@@ -552,7 +552,7 @@ class Devcluster:
             # the nodes share this host's /run: the cluster's own restore tokens (per node below it)
             f" restore_tokens={self.restore_tokens}"
             # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
-            " snapshot_every_min=1\n"
+            " snapshot_every_min_s=1\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():
