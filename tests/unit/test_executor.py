@@ -22,7 +22,7 @@ from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.rank_commands import resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError
 
 

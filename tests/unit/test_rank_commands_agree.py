@@ -12,7 +12,7 @@ from torchpass.coordinator import contract as ct
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.model import CoordState, RankView
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 
 # One command of each kind, as the coordinator sends it.
 SAMPLES = {

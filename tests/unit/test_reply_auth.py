@@ -23,7 +23,7 @@ from test_runtime_control import StandInPeer
 
 from torchpass import jobauth, layout
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.runtime import control
 
 SECRET = b"5" * 64

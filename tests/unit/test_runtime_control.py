@@ -22,7 +22,7 @@ from test_never_left_paused import FALLBACK, FakePG
 from torchpass import layout
 from torchpass.coordinator import server as srv
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.runtime import control
 from torchpass.runtime.pg import Rendezvous
 

@@ -255,7 +255,7 @@ def test_the_executor_drains_through_the_nodes_tpassd(node, munge, tmp_path):
     from torchpass.coordinator.executor import Executor
     from torchpass.coordinator.executor_ports import TpassdClient
     from torchpass.coordinator.policy import CoordinatorPolicy
-    from torchpass.coordinator.state import JobState
+    from torchpass.coordinator.job_record import JobState
 
     posted = queue.Queue()
     tp = TpassdClient(lambda n: "127.0.0.1", port=node.control.port, munge_socket=munge.socket)

@@ -24,7 +24,7 @@ from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.migration_actions import AbortsFinished
 from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 

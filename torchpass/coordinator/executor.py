@@ -103,7 +103,7 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.rank_commands import RankCommands
 from torchpass.coordinator.restore_steps import RestoreSteps
 from torchpass.coordinator.spare_actions import SpareActions
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.slurm.base import SlurmClient
 
 log = structlog.get_logger("torchpass.coordinator.executor")

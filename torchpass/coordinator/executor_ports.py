@@ -19,7 +19,7 @@ import structlog
 
 from torchpass import auth, layout, zmqio
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState, encode_events
+from torchpass.coordinator.job_record import JobState, encode_events
 from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm.base import SlurmClient
 

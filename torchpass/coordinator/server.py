@@ -37,7 +37,7 @@ from torchpass import auth, jobauth, layout, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.model import CoordState
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
