@@ -581,7 +581,7 @@ def test_a_job_ending_while_its_source_node_is_released_records_the_move_as_comp
 
     m = step(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
     m = step(*[mc.Quiesced(r, m.generation, m.pause_at) for r in range(3)])
-    m = step(mc.SnapshotDone(m.id, 1, "/img/r1", "sha", {}))
+    m = step(mc.MigrationDumpDone(m.id, 1, "/img/r1", "sha", {}))
     m = step(mc.TransferDone(m.id, 1, m.target, "/img/r1", "sha"))
     m = step(mc.RestoreDone(m.id, 1, m.target, {}))
     m = step(mc.SourceKilled(m.id, "n2"))

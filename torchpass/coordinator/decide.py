@@ -63,7 +63,7 @@ from torchpass.coordinator.contract import (
     Resume,
     ResumeInPlace,
     Shrink,
-    Snapshot,
+    MigrationDump,
     StopJob,
     ForgetStopped,
     Transfer,
@@ -630,7 +630,7 @@ def _on_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
     """Every rank quiesced at T: dump the moved ones. Refusals re-arm a later T."""
     if done:
         for r in m.ranks:
-            out.add(Snapshot(m.id, r, m.node))
+            out.add(MigrationDump(m.id, r, m.node))
         # Training stands still from the moment the last rank reached T.
         m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
         return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))
@@ -1647,7 +1647,7 @@ def decide(now: float, state: CoordState, policy: CoordinatorPolicy, *, strict: 
 __all__ = [
     "Phase", "PAUSED_PHASES", "Result", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image",
     "Failure", "Migration", "MigrationRecord", "CoordState", "SpareHow", "SpareStatus", "Trigger",
-    "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
+    "RequestSpare", "PauseAt", "MigrationDump", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "job_ended",
     "candidates", "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
     "IllegalTransition", "SnapshotRun", "check_snapshot_request", "periodic_snapshot_due", "snapshot_phase_complete",

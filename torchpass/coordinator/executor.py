@@ -25,7 +25,7 @@ How each action is performed (docs/coordinator.md, "Migration end to end"):
   rank.resumed). Held ranks wait for a hold file in the job's state dir,
   created by the coordinator only once the source copy is dead (Resume) or
   the move is off (ResumeInPlace).
-* Snapshot / KillSource: ``tpassd.snapshot`` (op dump / kill) to the source
+* MigrationDump / KillSource: ``tpassd.snapshot`` (op dump / kill) to the source
   node's tpassd, munge-authenticated. The dump leaves the rank running
   (paused, holding) so that any later failure resumes it in place.
 * Transfer: ``tpassd.restore`` op verify on the target's tpassd (the image is
@@ -110,7 +110,7 @@ log = structlog.get_logger("torchpass.coordinator.executor")
 
 # The outcome an action that crashed posts in its stead (an action absent here posts nothing).
 FAILURE_OF: dict[type, Callable[[Any, str], Any]] = {
-    ct.Snapshot: lambda a, why: ct.SnapshotFailed(a.migration, a.rank, why),
+    ct.MigrationDump: lambda a, why: ct.MigrationDumpFailed(a.migration, a.rank, why),
     ct.Transfer: lambda a, why: ct.TransferFailed(a.migration, a.rank, a.target, why),
     ct.Restore: lambda a, why: ct.RestoreFailed(a.migration, a.rank, a.target, why),
     ct.KillSource: lambda a, why: ct.KillFailed(a.migration, a.node, why),
@@ -167,7 +167,7 @@ class Executor:
         self.handlers: dict[type, Callable[[Any, CoordState], None]] = {
             ct.RequestSpare: sp.request_spare,
             ct.PauseAt: m.pause_at,
-            ct.Snapshot: m.dump,
+            ct.MigrationDump: m.dump,
             ct.Transfer: m.transfer,
             ct.Restore: m.restore,
             ct.AbortRestore: m.abort_restore,
@@ -188,7 +188,7 @@ class Executor:
         }
         # What the serve thread records of an outcome before machine.apply (observe).
         self.observers: dict[type, Callable[[Any], None]] = {
-            ct.SnapshotDone: m.observe_dump,
+            ct.MigrationDumpDone: m.observe_dump,
             ct.SpareGranted: sp.observe_granted,
             ct.Shrunk: sp.observe_shrunk,
             AbortsFinished: m.observe_aborts_finished,

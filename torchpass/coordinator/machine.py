@@ -8,7 +8,7 @@ duration ends when its last outcome arrived, not at the next decide call.
 
 Outcomes that name a migration (or a generation, for the rank runtime's
 reports) that is not the one in flight, or that arrive in another phase,
-are stale and ignored: a late SnapshotDone of a rolled-back move can never
+are stale and ignored: a late MigrationDumpDone of a rolled-back move can never
 advance the next one.
 
 The driver loop (the lead's executor) is::
@@ -44,8 +44,8 @@ from torchpass.coordinator.contract import (  # noqa: F401 - the outcomes, re-ex
     ShrinkFailed,
     Shrunk,
     SlurmReachability,
-    SnapshotDone,
-    SnapshotFailed,
+    MigrationDumpDone,
+    MigrationDumpFailed,
     SourceKilled,
     SpareAdded,
     SpareGranted,
@@ -416,13 +416,13 @@ def _apply(st: CoordState, ev: Outcome, now: float, owned: dict[int, RankView] |
         if st.spare(ev.node) is None:
             return st
         return replace(st, spares=tuple(replace(s, status=SpareStatus.LOST) if s.node == ev.node else s for s in st.spares))
-    if isinstance(ev, SnapshotDone):
+    if isinstance(ev, MigrationDumpDone):
         if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
             m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
                          tool_durations=_merge_max(m.tool_durations, "dump", ev.durations))
             return replace(st, migration=m2)
         return st
-    if isinstance(ev, SnapshotFailed):
+    if isinstance(ev, MigrationDumpFailed):
         if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
             return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
         return st
@@ -505,7 +505,7 @@ class ReasonLog:
 
 __all__ = [
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
-    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",

@@ -1,4 +1,4 @@
-"""A migration's actions: pause the ranks (PauseAt), dump the moving ranks (Snapshot) on the
+"""A migration's actions: pause the ranks (PauseAt), dump the moving ranks (MigrationDump) on the
 source's tpassd, verify the images on the target (Transfer), restore them there (Restore), end
 the source copies (KillSource), resume (Resume), or call the move off (AbortRestore,
 ResumeInPlace), and drain the source (Drain). docs/coordinator.md, "Migration end to end".
@@ -183,7 +183,7 @@ class MigrationActions:
 
             self._defer(prelaunch)
 
-    def dump(self, a: ct.Snapshot, st: CoordState) -> None:
+    def dump(self, a: ct.MigrationDump, st: CoordState) -> None:
         gen = st.migration.generation if st.migration else st.generation + 1
         unit = task_unit(st, a.rank)
         if unit is None:
@@ -196,12 +196,12 @@ class MigrationActions:
             try:
                 res = self.ports.tpassd.request(a.node, "tpassd.snapshot", body, self.ports.policy.dump_timeout_s)
             except TorchpassError as exc:
-                self.ports.post(ct.SnapshotFailed(a.migration, a.rank, str(exc)))
+                self.ports.post(ct.MigrationDumpFailed(a.migration, a.rank, str(exc)))
                 return
             durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
             durations["image_mb"] = round(res.get("bytes", 0) / 1e6, 1)
             for r in ranks:
-                self.ports.post(ct.SnapshotDone(a.migration, r, res["images"], res["checksum"], durations, result=res))
+                self.ports.post(ct.MigrationDumpDone(a.migration, r, res["images"], res["checksum"], durations, result=res))
 
         self.ports.thread(run, f"snapshot-{task}")
 
@@ -419,7 +419,7 @@ class MigrationActions:
 
         self.ports.thread(run, "drain")
 
-    def observe_dump(self, outcome: ct.SnapshotDone) -> None:
+    def observe_dump(self, outcome: ct.MigrationDumpDone) -> None:
         """Keep tpassd's dump result (pid, images): KillSource and AbortRestore need it."""
         if outcome.result:
             self.move(outcome.migration).dumps[outcome.rank] = dict(outcome.result)
