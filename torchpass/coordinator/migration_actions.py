@@ -79,7 +79,7 @@ class AbortsFinished:
 # tpassd, the rank wrapper and the restore step know a Slurm task (its rank record's key), not
 # a rank. Under srun a task holds one rank (its own number); under torchrun a task is the agent
 # with all its workers. The decision core still speaks of ranks: for a task of several ranks,
-# its lowest rank (the lead) does the task's work and reports the outcome for every rank of
+# its lowest rank (its leader) does the task's work and reports the outcome for every rank of
 # the task; the others' actions do nothing.
 def task_unit(st: CoordState, rank: int) -> tuple[int, tuple[int, ...]] | None:
     """(task, the ranks in it) when ``rank`` leads its task; None for the task's other ranks."""
