@@ -28,7 +28,7 @@ import zmq
 
 from torchpass import jobauth, wire
 from torchpass.coordinator import server as srv
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

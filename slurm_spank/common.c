@@ -78,6 +78,9 @@ void tpass_load_conf(int ac, char **av)
 	tpass.conf_parsed = true;
 	if (!tpass.conf_ok)
 		tpass.conf.log_level = TPASS_LOG_INFO;
+	else if (tpass.conf.deprecated)
+		tpass_info("plugstack.conf: %s is deprecated; name it %s (the same value)",
+			   tpass.conf.deprecated, tpass.conf.deprecated_for);
 }
 
 void tpass_report_conf_broken(void)

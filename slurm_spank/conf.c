@@ -37,7 +37,7 @@ void tpass_conf_defaults(struct tpass_conf *conf)
 	conf->stop_timeout_s = 5;
 	/* A periodic snapshot pauses every rank and writes every rank's memory to
 	 * the shared snapshot directory: more often than this is the admin's call. */
-	conf->snapshot_every_min = 600;
+	conf->snapshot_every_min_s = 600;
 	strcpy(conf->restore_tokens, TPASS_LAYOUT_RESTORE_TOKENS);
 }
 
@@ -56,6 +56,7 @@ struct conf_key {
 	unsigned min, max;   /* unsigned keys */
 	const char *usage;   /* for the allowed-keys message */
 	const char *allowed; /* for the invalid-value message */
+	const char *renamed; /* a deprecated name: the key it is now (not listed) */
 };
 
 static int parse_abs_path(const struct conf_key *key, const char *val,
@@ -129,31 +130,35 @@ static int parse_log_level(const struct conf_key *key, const char *val,
 
 static const struct conf_key conf_keys[] = {
 	{ "coordinator", parse_abs_path, FIELD(coordinator), true, 0, 0,
-	  "coordinator=PATH", NULL },
+	  "coordinator=PATH", NULL, NULL },
 	{ "state_dir", parse_abs_path, FIELD(state_dir), true, 0, 0,
-	  "state_dir=PATH", NULL },
+	  "state_dir=PATH", NULL, NULL },
 	{ "runtime_path", parse_search_path, FIELD(runtime_path), false, 0, 0,
-	  "[runtime_path=PATH]", NULL },
+	  "[runtime_path=PATH]", NULL, NULL },
 	{ "policy", parse_policy, FIELD(policy), false, 0, 0, "[policy=NAME]",
-	  "1-32 characters from [A-Za-z0-9_-]" },
+	  "1-32 characters from [A-Za-z0-9_-]", NULL },
 	{ "max_spares", parse_unsigned, FIELD(max_spares), false, 0,
-	  TPASS_SPARES_LIMIT, "[max_spares=0..64]", "an integer" },
+	  TPASS_SPARES_LIMIT, "[max_spares=0..64]", "an integer", NULL },
 	{ "log_level", parse_log_level, FIELD(log_level), false, 0, 0,
 	  "[log_level=error|info|verbose|debug]",
-	  "error, info, verbose, debug" },
+	  "error, info, verbose, debug", NULL },
 	{ "ready_timeout", parse_unsigned, FIELD(ready_timeout_s), false, 1,
-	  300, "[ready_timeout=1..300]", "seconds" },
+	  300, "[ready_timeout=1..300]", "seconds", NULL },
 	{ "stop_timeout", parse_unsigned, FIELD(stop_timeout_s), false, 1, 300,
-	  "[stop_timeout=1..300]", "seconds" },
+	  "[stop_timeout=1..300]", "seconds", NULL },
 	{ "rank_wrapper", parse_abs_path, FIELD(rank_wrapper), false, 0, 0,
-	  "[rank_wrapper=PATH]", NULL },
+	  "[rank_wrapper=PATH]", NULL, NULL },
 	{ "restore_agent", parse_abs_path, FIELD(restore_agent), false, 0, 0,
-	  "[restore_agent=PATH]", NULL },
-	{ "snapshot_every_min", parse_unsigned, FIELD(snapshot_every_min),
-	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, "[snapshot_every_min=1..604800]",
-	  "seconds" },
+	  "[restore_agent=PATH]", NULL, NULL },
+	{ "snapshot_every_min_s", parse_unsigned, FIELD(snapshot_every_min_s),
+	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, "[snapshot_every_min_s=1..604800]",
+	  "seconds", NULL },
+	/* its old name, which read as minutes: deprecated, still taken (logged) */
+	{ "snapshot_every_min", parse_unsigned, FIELD(snapshot_every_min_s),
+	  false, 1, TPASS_SNAPSHOT_EVERY_MAX, NULL, "seconds",
+	  "snapshot_every_min_s" },
 	{ "restore_tokens", parse_abs_path, FIELD(restore_tokens), false, 0, 0,
-	  "[restore_tokens=PATH]", NULL },
+	  "[restore_tokens=PATH]", NULL, NULL },
 };
 
 #define NKEYS (sizeof(conf_keys) / sizeof(conf_keys[0]))
@@ -165,8 +170,9 @@ static const char *allowed_keys(char *buf, size_t len)
 
 	buf[0] = '\0';
 	for (size_t i = 0; i < NKEYS && used < len; i++)
-		used += (size_t)snprintf(buf + used, len - used, "%s%s",
-					 i ? " " : "", conf_keys[i].usage);
+		if (conf_keys[i].usage)
+			used += (size_t)snprintf(buf + used, len - used, "%s%s",
+						 used ? " " : "", conf_keys[i].usage);
 	return buf;
 }
 
@@ -225,6 +231,11 @@ int tpass_conf_parse(int argc, char **argv, struct tpass_conf *conf,
 					  "plugstack.conf: unknown argument '%.*s'; allowed: %s",
 					  (int)klen, arg,
 					  allowed_keys(allowed, sizeof(allowed)));
+		if (key->renamed) {
+			conf->deprecated = key->name;
+			conf->deprecated_for = key->renamed;
+			key = find_key(key->renamed, strlen(key->renamed));
+		}
 		if (seen[key - conf_keys])
 			return tpass_fail(err, errlen,
 					  "plugstack.conf: argument '%s' given twice",

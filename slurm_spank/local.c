@@ -44,6 +44,7 @@
 #include "proc.h"
 #include "relaunch.h"
 #include "tpass.h"
+#include "envnames.h"
 
 extern char **environ;
 
@@ -62,10 +63,10 @@ static struct {
 static int local_check(const struct tpass_opts *opts)
 {
 	const char *job = getenv("SLURM_JOB_ID");
-	const char *tjob = getenv("TORCHPASS_JOB_ID");
-	const char *spares = getenv("TORCHPASS_SPARES");
-	const char *policy = getenv("TORCHPASS_POLICY");
-	const char *every = getenv("TORCHPASS_SNAPSHOT_EVERY");
+	const char *tjob = getenv(TPASS_ENV_JOB_ID);
+	const char *spares = getenv(TPASS_ENV_SPARES);
+	const char *policy = getenv(TPASS_ENV_POLICY);
+	const char *every = getenv(TPASS_ENV_SNAPSHOT_EVERY);
 	char mine[64], mine_every[16];
 
 	if (!job || !*job) {
@@ -117,7 +118,7 @@ static char **copy_environ(void)
 static void arm_relaunch(void)
 {
 	const char *job = getenv("SLURM_JOB_ID");
-	const char *tjob = getenv("TORCHPASS_JOB_ID");
+	const char *tjob = getenv(TPASS_ENV_JOB_ID);
 	char cmdline[65536], err[TPASS_ERR_MAXLEN];
 	struct tpass_relaunch v;
 	ssize_t n, len;
@@ -181,7 +182,7 @@ static void let_srun_place_itself(void)
 		const char *var = tpass_hidden_alloc_vars[i];
 		const char *alloc;
 
-		snprintf(name, sizeof(name), TPASS_ALLOC_PREFIX "%s", var);
+		snprintf(name, sizeof(name), TPASS_ENV_ALLOC_PREFIX "%s", var);
 		alloc = getenv(name);
 		if (alloc)
 			setenv(var, alloc, 1);
@@ -270,7 +271,7 @@ int tpass_local_exit(spank_t sp, int ac, char **av)
 	 * relaunch from a snapshot: a relaunch from a checkpoint must not
 	 * carry it on.
 	 */
-	envp = tpass_env_set(again.envp, TPASS_RESTORE_SNAPSHOT_ENV,
+	envp = tpass_env_set(again.envp, TPASS_ENV_RESTORE_SNAPSHOT,
 			     v.snapshot[0] ? v.snapshot : NULL);
 	if (!envp) {
 		tpass_error("job %u: out of memory; srun exits as it would without torchpass",

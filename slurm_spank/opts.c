@@ -18,7 +18,7 @@ int tpass_opts_parse(const char *value, const struct tpass_conf *conf,
 		     struct tpass_opts *opts, char *err, size_t errlen)
 {
 	unsigned max = conf ? conf->max_spares : TPASS_SPARES_LIMIT;
-	unsigned every_min = conf && conf->snapshot_every_min ? conf->snapshot_every_min : 1;
+	unsigned every_min = conf && conf->snapshot_every_min_s ? conf->snapshot_every_min_s : 1;
 	bool seen_spares = false, seen_policy = false, seen_every = false;
 	const char *p, *end;
 

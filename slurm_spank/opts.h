@@ -25,7 +25,7 @@ void tpass_opts_defaults(struct tpass_opts *opts, const struct tpass_conf *conf)
  * Parse the value of --torchpass.  value == NULL or "" means "defaults".
  * "off" (alone) disables torchpass.  Otherwise a comma-separated list of
  * key=value with keys spares (0..conf->max_spares), policy and snapshot_every
- * (0, or conf->snapshot_every_min..TPASS_SNAPSHOT_EVERY_MAX).  Unknown keys,
+ * (0, or conf->snapshot_every_min_s..TPASS_SNAPSHOT_EVERY_MAX).  Unknown keys,
  * repeated keys, empty items and bad values are errors; the message names
  * the key and the allowed values.  Always starts from the defaults, so
  * calling it twice with the same value gives the same result.

@@ -21,11 +21,12 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "envnames.h"
+
 /* The variables the batch step lowers, NULL-terminated. */
 extern const char *const tpass_hidden_alloc_vars[];
 
-/* "TORCHPASS_ALLOC_" + name: where the allocation's value is kept. */
-#define TPASS_ALLOC_PREFIX "TORCHPASS_ALLOC_"
+/* TPASS_ENV_ALLOC_PREFIX (envnames.h) + name: where the allocation's value is kept. */
 
 /*
  * Whether srun's own options (argv[1] up to the command, as srun 24.11's

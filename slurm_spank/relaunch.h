@@ -37,13 +37,14 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "envnames.h"
+
 /* How long srun's exit hook waits for a pending verdict at most. */
 #define TPASS_RELAUNCH_WAIT_S 300
 #define TPASS_RELAUNCH_MAX_STEPS 64
 /* A snapshot id: 1..64 of [A-Za-z0-9_-] (torchpass.layout.valid_snapshot_id). */
 #define TPASS_SNAPSHOT_ID_MAX 64
-/* What carries snapshot=ID from srun's exit hook to slurmstepd. */
-#define TPASS_RESTORE_SNAPSHOT_ENV "TORCHPASS_RESTORE_SNAPSHOT"
+/* What carries snapshot=ID from srun's exit hook to slurmstepd: TPASS_ENV_RESTORE_SNAPSHOT (envnames.h). */
 
 struct tpass_relaunch {
 	unsigned count;

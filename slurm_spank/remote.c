@@ -55,6 +55,7 @@
 #include "stop.h"
 #include "token.h"
 #include "tpass.h"
+#include "envnames.h"
 
 /* the PID namespace init, installed beside torchpass.so (tpass_init.c) */
 #define TPASS_INIT_PROGRAM "tpass-init"
@@ -82,11 +83,11 @@ static struct {
 } R;
 
 static const char *const exported_vars[] = {
-	"TORCHPASS_JOB_ID", "TORCHPASS_COORDINATOR", "TORCHPASS_STATE_DIR",
-	"TORCHPASS_SPARES", "TORCHPASS_POLICY", "TORCHPASS_SNAPSHOT_EVERY", "TORCHPASS_NODE",
-	"TORCHPASS_SPARE_NODES", "TORCHPASS_ACTIVE_NODES", "TORCHPASS_JOB_SECRET",
-	TPASS_ALLOC_PREFIX "SLURM_JOB_NUM_NODES", TPASS_ALLOC_PREFIX "SLURM_NNODES",
-	TPASS_ALLOC_PREFIX "SLURM_NTASKS", TPASS_ALLOC_PREFIX "SLURM_NPROCS",
+	TPASS_ENV_JOB_ID, TPASS_ENV_COORDINATOR, TPASS_ENV_STATE_DIR,
+	TPASS_ENV_SPARES, TPASS_ENV_POLICY, TPASS_ENV_SNAPSHOT_EVERY, TPASS_ENV_NODE,
+	TPASS_ENV_SPARE_NODES, TPASS_ENV_ACTIVE_NODES, TPASS_ENV_JOB_SECRET,
+	TPASS_ENV_ALLOC_PREFIX "SLURM_JOB_NUM_NODES", TPASS_ENV_ALLOC_PREFIX "SLURM_NNODES",
+	TPASS_ENV_ALLOC_PREFIX "SLURM_NTASKS", TPASS_ENV_ALLOC_PREFIX "SLURM_NPROCS",
 	NULL,
 };
 
@@ -166,17 +167,17 @@ static char **coordinator_env(spank_t sp)
 	if (!have_conf && conf && *conf &&
 	    asprintf(&env[out], "SLURM_CONF=%s", conf) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_JOB_ID=%u", R.job_id) > 0)
+	if (asprintf(&env[out], TPASS_ENV_JOB_ID "=%u", R.job_id) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_STATE_DIR=%s", tpass.conf.state_dir) > 0)
+	if (asprintf(&env[out], TPASS_ENV_STATE_DIR "=%s", tpass.conf.state_dir) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_SPARES=%u", tpass.opts.spares) > 0)
+	if (asprintf(&env[out], TPASS_ENV_SPARES "=%u", tpass.opts.spares) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_POLICY=%s", tpass.opts.policy) > 0)
+	if (asprintf(&env[out], TPASS_ENV_POLICY "=%s", tpass.opts.policy) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_SNAPSHOT_EVERY=%u", tpass.opts.snapshot_every) > 0)
+	if (asprintf(&env[out], TPASS_ENV_SNAPSHOT_EVERY "=%u", tpass.opts.snapshot_every) > 0)
 		out++;
-	if (asprintf(&env[out], "TORCHPASS_NODE=%s", R.node) > 0)
+	if (asprintf(&env[out], TPASS_ENV_NODE "=%s", R.node) > 0)
 		out++;
 	env[out] = NULL;
 	return env;
@@ -365,7 +366,7 @@ static int keep_alloc_env(spank_t sp)
 	char name[64], value[1024];
 
 	for (int i = 0; tpass_hidden_alloc_vars[i]; i++) {
-		snprintf(name, sizeof(name), TPASS_ALLOC_PREFIX "%s",
+		snprintf(name, sizeof(name), TPASS_ENV_ALLOC_PREFIX "%s",
 			 tpass_hidden_alloc_vars[i]);
 		if (get_env(sp, tpass_hidden_alloc_vars[i], value,
 			    sizeof(value)) == 0) {
@@ -444,10 +445,10 @@ static int hide_spares(spank_t sp)
 	    write_hostfile(hosts, order, tasks, path, sizeof(path)) < 0)
 		goto out;
 	if (tpass_hostlist_join(hosts, active, n, buf, sizeof(buf)) < 0 ||
-	    set_env(sp, "TORCHPASS_SPARE_NODES", buf) < 0)
+	    set_env(sp, TPASS_ENV_SPARE_NODES, buf) < 0)
 		goto out;
 	if (tpass_hostlist_join(hosts, 0, active, buf, sizeof(buf)) < 0 ||
-	    set_env(sp, "TORCHPASS_ACTIVE_NODES", buf) < 0)
+	    set_env(sp, TPASS_ENV_ACTIVE_NODES, buf) < 0)
 		goto out;
 	if (keep_alloc_env(sp) < 0 || set_env(sp, "SLURM_HOSTFILE", path) < 0)
 		goto out;
@@ -492,27 +493,27 @@ static int export_env(spank_t sp)
 	bool runtime = true;
 
 	snprintf(buf, sizeof(buf), "%u", R.job_id);
-	if (set_env(sp, "TORCHPASS_JOB_ID", buf) < 0 ||
-	    set_env(sp, "TORCHPASS_STATE_DIR", tpass.conf.state_dir) < 0 ||
-	    set_env(sp, "TORCHPASS_POLICY", tpass.opts.policy) < 0 ||
-	    set_env(sp, "TORCHPASS_NODE", R.node) < 0)
+	if (set_env(sp, TPASS_ENV_JOB_ID, buf) < 0 ||
+	    set_env(sp, TPASS_ENV_STATE_DIR, tpass.conf.state_dir) < 0 ||
+	    set_env(sp, TPASS_ENV_POLICY, tpass.opts.policy) < 0 ||
+	    set_env(sp, TPASS_ENV_NODE, R.node) < 0)
 		return -1;
 	snprintf(buf, sizeof(buf), "%u", tpass.opts.spares);
-	if (set_env(sp, "TORCHPASS_SPARES", buf) < 0)
+	if (set_env(sp, TPASS_ENV_SPARES, buf) < 0)
 		return -1;
 	snprintf(buf, sizeof(buf), "%u", tpass.opts.snapshot_every);
-	if (set_env(sp, "TORCHPASS_SNAPSHOT_EVERY", buf) < 0)
+	if (set_env(sp, TPASS_ENV_SNAPSHOT_EVERY, buf) < 0)
 		return -1;
 	if (R.coord_started &&
-	    (set_env(sp, "TORCHPASS_COORDINATOR", R.coord.address) < 0 ||
-	     set_env(sp, "TORCHPASS_JOB_SECRET", R.secret) < 0))
+	    (set_env(sp, TPASS_ENV_COORDINATOR, R.coord.address) < 0 ||
+	     set_env(sp, TPASS_ENV_JOB_SECRET, R.secret) < 0))
 		return -1;
 
-	if (get_env(sp, "TORCHPASS_RUNTIME", buf, sizeof(buf)) == 0) {
+	if (get_env(sp, TPASS_ENV_RUNTIME, buf, sizeof(buf)) == 0) {
 		if (!strcmp(buf, "0"))
 			runtime = false;
 		else if (strcmp(buf, "1")) {
-			launch_fail("TORCHPASS_RUNTIME='%.64s' is invalid; allowed: 0 (do not load the torchpass runtime into Python) or 1",
+			launch_fail(TPASS_ENV_RUNTIME "='%.64s' is invalid; allowed: 0 (do not load the torchpass runtime into Python) or 1",
 				    buf);
 			return -1;
 		}
@@ -582,9 +583,9 @@ static void restore_stopped(spank_t sp)
 	R.snapshot_kind = TPASS_TOKEN_STOPPED;
 	tpass_info("job %u: step %u was stopped by tpassctl snapshot --stop: every rank restores from snapshot %s",
 		   R.job_id, (unsigned)R.step_id, R.snapshot);
-	rc = spank_setenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, R.snapshot, 1);
+	rc = spank_setenv(sp, TPASS_ENV_RESTORE_SNAPSHOT, R.snapshot, 1);
 	if (rc != ESPANK_SUCCESS)
-		tpass_error("job %u: cannot set " TPASS_RESTORE_SNAPSHOT_ENV " for step %u: %s; its ranks restore from snapshot %s all the same",
+		tpass_error("job %u: cannot set " TPASS_ENV_RESTORE_SNAPSHOT " for step %u: %s; its ranks restore from snapshot %s all the same",
 			    R.job_id, (unsigned)R.step_id, spank_strerror(rc),
 			    R.snapshot);
 }
@@ -603,19 +604,19 @@ static void restore_snapshot_of(spank_t sp)
 	char val[256] = "";
 	spank_err_t rc;
 
-	rc = spank_getenv(sp, TPASS_RESTORE_SNAPSHOT_ENV, val, sizeof(val));
+	rc = spank_getenv(sp, TPASS_ENV_RESTORE_SNAPSHOT, val, sizeof(val));
 	if (rc == ESPANK_ENV_NOEXIST) {
 		restore_stopped(sp);
 		return;
 	}
 	if (rc != ESPANK_SUCCESS && rc != ESPANK_NOSPACE) {
-		launch_fail("cannot read " TPASS_RESTORE_SNAPSHOT_ENV ": %s; the step cannot be restored",
+		launch_fail("cannot read " TPASS_ENV_RESTORE_SNAPSHOT ": %s; the step cannot be restored",
 			    spank_strerror(rc));
 		return;
 	}
 	val[sizeof(val) - 1] = '\0'; /* ESPANK_NOSPACE: cut short */
 	if (rc != ESPANK_SUCCESS || !tpass_snapshot_id_valid(val)) {
-		launch_fail(TPASS_RESTORE_SNAPSHOT_ENV "='%.70s' is not a snapshot id; the step cannot be restored",
+		launch_fail(TPASS_ENV_RESTORE_SNAPSHOT "='%.70s' is not a snapshot id; the step cannot be restored",
 			    val);
 		return;
 	}
@@ -734,7 +735,7 @@ static void __attribute__((noreturn)) exec_init(spank_t sp, const char *prog, pi
 }
 
 /*
- * In the task, as root, before Slurm switches to the job user (issue 9).
+ * In the task, as root, before Slurm switches to the job user.
  *
  * Launch steps: unshare(CLONE_NEWPID), so the task's children land in a new
  * PID namespace, and fork its PID 1: tpass-init (tpass_init.c), executed as
@@ -820,13 +821,13 @@ static int take_token(const struct tpass_token_want *want,
 				  "job %u: step %u asks for a %s restore (%s) that tpassd on %s did not set up (%s); nothing ran. Only torchpass's coordinator starts restores: %s",
 				  R.job_id, (unsigned)R.step_id,
 				  tpass_token_kind_name(want->kind),
-				  want->kind == TPASS_TOKEN_MIGRATION ? "TORCHPASS_RESTORE_RANK" :
-				  want->kind == TPASS_TOKEN_SNAPSHOT ? "TORCHPASS_RESTORE_SNAPSHOT" :
+				  want->kind == TPASS_TOKEN_MIGRATION ? TPASS_ENV_RESTORE_RANK :
+				  want->kind == TPASS_TOKEN_SNAPSHOT ? TPASS_ENV_RESTORE_SNAPSHOT :
 				  "the job's stop marker",
 				  R.node, why,
 				  want->kind == TPASS_TOKEN_STOPPED ?
 				  "remove the stop marker to start the step afresh, or run tpassctl resume again" :
-				  "unset TORCHPASS_RESTORE_RANK, TORCHPASS_RESTORE_JOB and TORCHPASS_RESTORE_SNAPSHOT to run a plain step");
+				  "unset " TPASS_ENV_RESTORE_RANK ", " TPASS_ENV_RESTORE_JOB " and " TPASS_ENV_RESTORE_SNAPSHOT " to run a plain step");
 	return tpass_fail(err, errlen,
 			  "job %u: step %u: the %s restore on %s is refused: %s; nothing was restored",
 			  R.job_id, (unsigned)R.step_id,
@@ -897,14 +898,14 @@ static void start_restore_agent(spank_t sp)
 	struct tpass_token tok;
 	unsigned n;
 
-	has_rank = get_env(sp, "TORCHPASS_RESTORE_RANK", rank, sizeof(rank)) == 0;
-	has_job = get_env(sp, "TORCHPASS_RESTORE_JOB", job, sizeof(job)) == 0;
+	has_rank = get_env(sp, TPASS_ENV_RESTORE_RANK, rank, sizeof(rank)) == 0;
+	has_job = get_env(sp, TPASS_ENV_RESTORE_JOB, job, sizeof(job)) == 0;
 	if (!has_rank && !has_job)
 		return;
 	if (!has_job)
 		snprintf(job, sizeof(job), "%u", R.job_id);
 	if (!has_rank || !is_number(rank) || !is_number(job)) {
-		refuse_restore("job %u: TORCHPASS_RESTORE_RANK='%.15s' TORCHPASS_RESTORE_JOB='%.15s': not a restore the coordinator starts; nothing was restored (unset both to run a plain step)",
+		refuse_restore("job %u: " TPASS_ENV_RESTORE_RANK "='%.15s' " TPASS_ENV_RESTORE_JOB "='%.15s': not a restore the coordinator starts; nothing was restored (unset both to run a plain step)",
 			       R.job_id, rank, job);
 		return;
 	}

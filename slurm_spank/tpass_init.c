@@ -38,6 +38,8 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 
+#include "cgroup_join.h"
+
 #define TPASS_INIT_MAX_GROUPS 256
 
 /* exit codes before the rank exists (the wrapper then runs it unprotected) */
@@ -122,7 +124,8 @@ static void __attribute__((noreturn)) end(int code)
  * mountinfo); a path with ".." (outside our cgroup namespace) is left
  * alone.  Best effort: a cgroup we cannot join leaves us where we are, the
  * rank runs, and a dump of it is refused by tpassd with the reason.
- * torchpass/checkpoint/cgroup_join.py is the restore agent's twin.
+ * The join itself is cgroup_join.c; torchpass/checkpoint/cgroup_join.py is
+ * the restore agent's twin (tests/unit/test_cgroup_join_c_agrees.py).
  */
 #define EXEC_FD 3
 #define EXEC_WAIT_MS 30000
@@ -144,131 +147,6 @@ static void wait_task_exec(void)
 	while (read(EXEC_FD, &c, 1) < 0 && errno == EINTR)
 		;
 	close(EXEC_FD);
-}
-
-/* Does the comma-separated list WANT name only options of the mount's OPTS? */
-static int options_cover(const char *opts, const char *want)
-{
-	char w[256], *save = NULL;
-
-	snprintf(w, sizeof(w), "%s", want);
-	for (char *t = strtok_r(w, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-		size_t n = strlen(t);
-		const char *o = opts;
-		int found = 0;
-
-		while (o && *o && !found) {
-			const char *comma = strchr(o, ',');
-			size_t len = comma ? (size_t)(comma - o) : strlen(o);
-
-			found = len == n && !strncmp(o, t, n);
-			o = comma ? comma + 1 : NULL;
-		}
-		if (!found)
-			return 0;
-	}
-	return 1;
-}
-
-/*
- * Where cgroup PATH of the hierarchy CTRLS ("" = cgroup2) is reached: the
- * mount point of that hierarchy whose root is PATH or above it, the last one
- * in mountinfo (a later mount hides an earlier one at the same point, as the
- * devcluster's per-node mounts do), and PATH below that root in REL.  0 if
- * none.
- */
-static int cgroup_mount(const char *ctrls, const char *path, char *point, size_t plen,
-			char *rel, size_t rlen)
-{
-	char line[4096];
-	FILE *f = fopen("/proc/self/mountinfo", "re");
-	int ok = 0;
-
-	if (!f)
-		return 0;
-	while (fgets(line, sizeof(line), f)) {
-		char mroot[1024], mpoint[1024], fstype[64], opts[1024];
-		char *dash = strstr(line, " - ");
-		size_t n;
-
-		if (!dash || sscanf(line, "%*s %*s %*s %1023s %1023s", mroot, mpoint) != 2 ||
-		    sscanf(dash + 3, "%63s %*s %1023s", fstype, opts) != 2)
-			continue;
-		if (*ctrls ? strcmp(fstype, "cgroup") || !options_cover(opts, ctrls)
-			   : strcmp(fstype, "cgroup2"))
-			continue;
-		n = strcmp(mroot, "/") ? strlen(mroot) : 0;
-		if (strstr(mroot, "/..") || (n && (strncmp(path, mroot, n) || (path[n] && path[n] != '/'))))
-			continue; /* PATH is not below this mount's root */
-		snprintf(point, plen, "%s", mpoint);
-		snprintf(rel, rlen, "%s", path + n);
-		ok = 1;
-	}
-	fclose(f);
-	return ok;
-}
-
-/* PID's cgroup in the hierarchy CTRLS, from /proc/PID/cgroup ("self" for us). */
-static int cgroup_of(const char *pid, const char *ctrls, char *path, size_t len)
-{
-	char file[64], line[4096];
-	FILE *f;
-	int ok = 0;
-
-	snprintf(file, sizeof(file), "/proc/%s/cgroup", pid);
-	if (!(f = fopen(file, "re")))
-		return 0;
-	while (!ok && fgets(line, sizeof(line), f)) {
-		char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
-
-		if (!c2)
-			continue;
-		line[strcspn(line, "\n")] = '\0';
-		*c2 = '\0';
-		if (!strcmp(c1 + 1, ctrls)) {
-			snprintf(path, len, "%s", c2 + 1);
-			ok = 1;
-		}
-	}
-	fclose(f);
-	return ok;
-}
-
-static void join_cgroups_of(pid_t parent)
-{
-	char file[64], line[4096];
-	FILE *f;
-
-	snprintf(file, sizeof(file), "/proc/%d/cgroup", (int)parent);
-	if (!(f = fopen(file, "re")))
-		return;
-	while (fgets(line, sizeof(line), f)) {
-		char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
-		char ours[2048], point[1024], rel[2048], target[4096], pid[16];
-		const char *path;
-		int fd;
-
-		if (!c2)
-			continue;
-		line[strcspn(line, "\n")] = '\0';
-		*c2 = '\0';
-		path = c2 + 1;
-		if (cgroup_of("self", c1 + 1, ours, sizeof(ours)) && !strcmp(ours, path))
-			continue;
-		if (strstr(path, "/..") ||
-		    !cgroup_mount(c1 + 1, path, point, sizeof(point), rel, sizeof(rel)))
-			continue;
-		snprintf(target, sizeof(target), "%s%s/cgroup.procs", point, rel);
-		fd = open(target, O_WRONLY | O_NOFOLLOW | O_CLOEXEC);
-		if (fd < 0)
-			continue;
-		snprintf(pid, sizeof(pid), "%d", (int)getpid());
-		if (write(fd, pid, strlen(pid)) < 0) {
-			/* best effort: see above */
-		}
-		close(fd);
-	}
-	fclose(f);
 }
 
 static int parse_id(const char *s, unsigned long *out)
@@ -410,7 +288,12 @@ int main(int argc, char **argv)
 		end(E_SETUP);
 	if (exec_fd) {
 		wait_task_exec();
-		join_cgroups_of((pid_t)parent);
+		{
+			char task[16];
+
+			snprintf(task, sizeof(task), "%lu", parent);
+			tpass_join_cgroups_of("/proc", task);
+		}
 	}
 	drop_privileges((uid_t)uid, (gid_t)gid, groups, ngroups);
 	prctl(PR_SET_NAME, "tpass-init", 0, 0, 0);

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from torchpass import envnames
 from torchpass.errors import AuthError, DependencyError
 
 # munge.h
@@ -90,7 +91,7 @@ def _load():
 
 def default_socket() -> str | None:
     """TORCHPASS_MUNGE_SOCKET, then MUNGE_SOCKET, else libmunge's default socket."""
-    return os.environ.get("TORCHPASS_MUNGE_SOCKET") or os.environ.get("MUNGE_SOCKET") or None
+    return os.environ.get(envnames.MUNGE_SOCKET) or os.environ.get("MUNGE_SOCKET") or None
 
 
 def _ctx(lib, socket: str | None, ttl: int | None):

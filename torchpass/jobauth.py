@@ -63,10 +63,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torchpass import envnames
 from torchpass.auth import AuthFailure
 from torchpass.errors import ConfigError
 
-ENV_VAR = "TORCHPASS_JOB_SECRET"
+ENV_VAR = envnames.JOB_SECRET
 SCHEME = "job1"
 WINDOW_S = 300.0  # as munge's default credential TTL: Slurm already needs clocks this close
 MAX_SENDERS = 1 << 16

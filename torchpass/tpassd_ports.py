@@ -17,12 +17,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchpass import envnames
 from torchpass import config as tconfig
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 
 DEFAULT_TPASSD_CONFIG = Path("/etc/torchpass/tpassd.toml")
-CONFIG_ENV = "TORCHPASS_TPASSD_CONFIG"
+CONFIG_ENV = envnames.TPASSD_CONFIG
 ENV_PREFIX = "TPASSD"  # tpassd's own TPASSD_<KEY> overrides
 
 

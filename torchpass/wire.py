@@ -230,6 +230,7 @@ BODIES: dict[str, dict[str, F]] = {
         "count": _f(int, required=False),
     },
     # --- coordinator -> rank runtime (pause / resume; torchpass/runtime) -----
+    # The command names are COMMAND_PAUSE and COMMAND_RESUME (RANK_COMMANDS, below the schema).
     # The coordinator sends commands in the *result* of its reply to any
     # rank.* request (register, progress, armed, quiesced, resumed), as
     # result["command"]; it repeats a command on every reply until the rank
@@ -392,6 +393,14 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str, required=False),
     },
 }
+
+# The coordinator -> rank commands (the "command" field of a reply's result["command"]), defined
+# here only: the coordinator's executor gives them (coordinator/rank_commands.py,
+# migration_actions.py), the rank's control link carries them out (runtime/control.py).
+COMMAND_PAUSE = "pause"
+COMMAND_RESUME = "resume"
+COMMAND_NONE = "none"  # no command
+RANK_COMMANDS = (COMMAND_PAUSE, COMMAND_RESUME)
 
 
 @dataclass(frozen=True)

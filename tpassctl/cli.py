@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from torchpass import envnames
 from torchpass import __version__, logs
 from torchpass.errors import TorchpassError
 from tpassctl.devcluster_cmd import devcluster
@@ -45,7 +46,7 @@ class TorchpassGroup(click.Group):
 @click.option(
     "--state-dir",
     type=click.Path(path_type=Path, file_okay=False),
-    envvar="TORCHPASS_STATE_DIR",
+    envvar=envnames.STATE_DIR,
     default="/var/lib/torchpass",
     show_default=True,
     help="Shared torchpass state directory (where coordinators register). Env: TORCHPASS_STATE_DIR.",

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from torchpass import envnames
 from torchpass import auth, zmqio
 from torchpass.drill_kinds import KINDS
 from torchpass.errors import ConfigError, DependencyError, RemoteError, SlurmError, TorchpassError
@@ -87,7 +88,7 @@ _common = [
                  help="tpassd control port on nodes discovered from Slurm "
                       "[default: control_port of tpassd's config, /etc/torchpass/tpassd.toml or "
                       "$TORCHPASS_TPASSD_CONFIG]."),
-    click.option("--munge-socket", envvar="TORCHPASS_MUNGE_SOCKET", default=None,
+    click.option("--munge-socket", envvar=envnames.MUNGE_SOCKET, default=None,
                  help="munged socket (env TORCHPASS_MUNGE_SOCKET)."),
     click.option("--timeout", "timeout_s", type=float, default=1.0, show_default=True,
                  help="Seconds to wait for each tpassd."),

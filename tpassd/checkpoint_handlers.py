@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from torchpass import envnames
 from torchpass.checkpoint.service import CheckpointService
 from tpassd.control import USER
 
@@ -23,7 +24,7 @@ def job_state_dir(cfg, environ=os.environ):
     """The jobs' state directory, whose jobs/J/ranks holds the rank records: the plugin's
     state_dir. $TORCHPASS_STATE_DIR of tpassd's own (root's) environment when set (the
     devcluster, whose tpassd keeps its config state_dir per node), else tpassd's state_dir."""
-    return environ.get("TORCHPASS_STATE_DIR") or cfg.state_dir
+    return environ.get(envnames.STATE_DIR) or cfg.state_dir
 
 
 def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None,

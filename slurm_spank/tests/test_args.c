@@ -100,9 +100,9 @@ static void test_opts_ok(void)
 		CHECK(tpass_opts_format(&o, buf, sizeof(buf)) == 0);
 		CHECK(!strcmp(buf, "spares=2,policy=default"));
 	}
-	conf.snapshot_every_min = 5;
+	conf.snapshot_every_min_s = 5;
 	CHECK(opts("snapshot_every=5", &o) == 0 && o.snapshot_every == 5);
-	conf.snapshot_every_min = 600;
+	conf.snapshot_every_min_s = 600;
 }
 
 static void test_opts_bad(void)
@@ -247,11 +247,30 @@ static void test_conf(void)
 		CHECK(!strcmp(c.policy, "default"));
 		CHECK(c.max_spares == 64 && c.log_level == TPASS_LOG_INFO);
 		CHECK(c.ready_timeout_s == 10 && c.stop_timeout_s == 5);
-		CHECK(c.snapshot_every_min == 600);
+		CHECK(c.snapshot_every_min_s == 600);
 	}
 	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min_s=3" };
+		CHECK(conf_parse(3, av, &c) == 0 && c.snapshot_every_min_s == 3 && !c.deprecated);
+	}
+	{
+		/* the deprecated name still works, and says so */
 		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min=2" };
-		CHECK(conf_parse(3, av, &c) == 0 && c.snapshot_every_min == 2);
+		CHECK(conf_parse(3, av, &c) == 0 && c.snapshot_every_min_s == 2);
+		CHECK(c.deprecated && !strcmp(c.deprecated, "snapshot_every_min") &&
+		      !strcmp(c.deprecated_for, "snapshot_every_min_s"));
+	}
+	{
+		/* both names: one key given twice */
+		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min=2", "snapshot_every_min_s=3" };
+		CHECK(conf_parse(4, av, &c) < 0);
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s", "bogus=1" };
+		char err[512];
+
+		CHECK(tpass_conf_parse(3, av, &c, err, sizeof(err)) < 0);
+		CHECK(strstr(err, "[snapshot_every_min_s=1..604800]") && !strstr(err, "snapshot_every_min="));
 	}
 	{
 		char *av[] = { "coordinator=/c", "state_dir=/s", "snapshot_every_min=0" };

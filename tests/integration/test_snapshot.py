@@ -40,7 +40,7 @@ JOB = Drill("snapshot", "", ("--steps", str(STEPS), "--params", "1M", "--sleep",
             fault_steps=(5, 30))
 # The same training at 0.25 s a step (>= 20 s): room for several periodic snapshots 2 s apart.
 PERIODIC = Drill("snapshot", "", ("--steps", str(STEPS), "--params", "1M", "--sleep", "0.25"), STEPS, nodes=3)
-EVERY_S = 2  # the devcluster's plugstack.conf allows snapshot_every_min=1
+EVERY_S = 2  # the devcluster's plugstack.conf allows snapshot_every_min_s=1
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,7 @@ def test_the_rollback_event_quotes_the_no_space_line():
     sim = Sim()
     sim.degrade("node2")
     sim.quiesce_all()
-    d = sim.tick(0.2, mc.SnapshotFailed("m1", 3, str(RemoteError("failed", line))))
+    d = sim.tick(0.2, mc.MigrationDumpFailed("m1", 3, str(RemoteError("failed", line))))
     assert line in sim.of(d, ResumeInPlace)[0].why
     (ev,) = [e for e in sim.of(d, Event) if e.kind == "migration.rollback"]
     assert line in ev.message and line in ev.data["why"] and ev.data["phase"] == "dump"

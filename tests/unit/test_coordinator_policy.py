@@ -74,7 +74,7 @@ def test_the_documented_policy_file_is_the_defaults(tmp_path):
 
 def test_hold_deadline_is_computed_unless_a_test_policy_sets_it(tmp_path):
     """A paused rank's own deadline (docs/coordinator.md, "Never left paused"): 3630 s by default."""
-    from torchpass.coordinator.executor import hold_deadline_s
+    from torchpass.coordinator.rank_commands import hold_deadline_s
 
     assert hold_deadline_s(CoordinatorPolicy()) == CoordinatorPolicy().max_pause_s() + 60.0 == 3630.0
     (tmp_path / "short.toml").write_text("hold_deadline_s = 20\n")

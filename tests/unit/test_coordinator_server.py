@@ -9,11 +9,11 @@ import zmq
 from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import server as srv
-from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, Facts, job_liveness_check
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
 from torchpass.health_state import State
 from torchpass.slurm.base import JobInfo
@@ -591,7 +591,7 @@ def test_the_saved_event_log_is_what_json_makes_of_every_event_and_each_is_encod
     text as json.dumps of every as_dict()."""
     import json
 
-    from torchpass.coordinator.state import encode_events
+    from torchpass.coordinator.job_record import encode_events
 
     job = JobState(job_id=7)
     job.carry_on([{"seq": 3, "time": 1.5, "kind": "job.stopping", "message": "earlier run", "data": {"a": [1]}}])

@@ -28,7 +28,7 @@ from torchpass.coordinator.decide import (
     Resume,
     ResumeInPlace,
     Shrink,
-    Snapshot,
+    MigrationDump,
     Transfer,
     decide,
     job_ended,
@@ -98,7 +98,7 @@ class Sim:
 
     def dump_all(self, dt=0.3):
         m = self.m
-        return self.tick(dt, *[mc.SnapshotDone(m.id, r, f"/shared/img/{m.id}/r{r}", f"sha-{r}",
+        return self.tick(dt, *[mc.MigrationDumpDone(m.id, r, f"/shared/img/{m.id}/r{r}", f"sha-{r}",
                                                {"criu_dump_s": 0.2, "cuda_checkpoint_s": 0.05}) for r in m.ranks])
 
     def transfer_all(self, dt=0.1):
@@ -207,7 +207,7 @@ def test_happy_path_through_every_phase_with_durations():
     assert sim.state.spare("node4").status == "reserved"
 
     d = sim.quiesce_all()
-    assert sim.of(d, Snapshot) == [Snapshot("m1", 2, "node2"), Snapshot("m1", 3, "node2")]
+    assert sim.of(d, MigrationDump) == [MigrationDump("m1", 2, "node2"), MigrationDump("m1", 3, "node2")]
     d = sim.dump_all()
     assert sim.of(d, Transfer) == [Transfer("m1", r, f"/shared/img/m1/r{r}", f"sha-{r}", "node2", "node4")
                                    for r in (2, 3)]
@@ -391,7 +391,7 @@ def test_second_fault_moves_the_hot_spare_rank_on_to_a_slurmctld_spare():
                            "allocation": 31}
     assert "allocation 31 merged into job 7" in chosen.message
     sim.quiesce_all()
-    assert sim.of(sim.decisions[-1], Snapshot) == [Snapshot("m2", 2, "node4"), Snapshot("m2", 3, "node4")]
+    assert sim.of(sim.decisions[-1], MigrationDump) == [MigrationDump("m2", 2, "node4"), MigrationDump("m2", 3, "node4")]
     sim.dump_all()
     sim.transfer_all()
     d = sim.restore_all()
@@ -473,7 +473,7 @@ def test_pause_timeout_resumes_in_place():
     d = sim.tick(0.2)
     (rip,) = sim.of(d, ResumeInPlace)
     assert "pause timed out after 10s: ranks [5] did not quiesce at collective 108" in rip.why
-    assert sim.of(d, Snapshot) == []
+    assert sim.of(d, MigrationDump) == []
     sim.tick(0.1, *[mc.Resumed(r, 1, cancelled=(r == 5)) for r in range(6)])
     assert sim.m is None and sim.state.history[-1].outcome == "rolled_back"
 
@@ -493,13 +493,13 @@ def test_dump_failure_and_dump_timeout_roll_back():
     sim = Sim()
     sim.degrade("node2")
     sim.quiesce_all()
-    d = sim.tick(0.2, mc.SnapshotFailed("m1", 3, "criu dump: tcp socket in the tree"))
+    d = sim.tick(0.2, mc.MigrationDumpFailed("m1", 3, "criu dump: tcp socket in the tree"))
     assert "dump failed: rank 3: criu dump: tcp socket" in sim.of(d, ResumeInPlace)[0].why
     assert sim.of(d, AbortRestore) == []
     sim2 = Sim()
     sim2.degrade("node2")
     sim2.quiesce_all()
-    sim2.tick(0.1, mc.SnapshotDone("m1", 2, "/i/2", "c"))
+    sim2.tick(0.1, mc.MigrationDumpDone("m1", 2, "/i/2", "c"))
     d = sim2.tick(20)
     assert "dump timed out after 20s (ranks [3])" in sim2.of(d, ResumeInPlace)[0].why
 
@@ -758,7 +758,7 @@ def _completing(sim, m):
     return {
         Phase.SPARE: [mc.SpareGranted(m.id, "node6", "companion"), mc.NodeHealthChanged("node6", State.HEALTHY)],
         Phase.PAUSE: [mc.Quiesced(r, m.generation, m.pause_at or 0) for r in ranks],
-        Phase.DUMP: [mc.SnapshotDone(m.id, r, f"/i/{r}", "c") for r in m.ranks],
+        Phase.DUMP: [mc.MigrationDumpDone(m.id, r, f"/i/{r}", "c") for r in m.ranks],
         Phase.TRANSFER: [mc.TransferDone(m.id, r, m.target or "", f"/i/{r}", "c") for r in m.ranks],
         Phase.RESTORE: [mc.RestoreDone(m.id, r, m.target or "") for r in m.ranks],
         Phase.KILL_SOURCE: [mc.SourceKilled(m.id, m.node)],
@@ -794,8 +794,8 @@ def test_never_left_paused_and_one_migration_at_a_time(data):
                                          data.draw(hs.sampled_from(list(State))), (why,), data.draw(hs.booleans())),
             lambda: mc.Quiesced(rank, gen, m.pause_at if m and m.pause_at else 0),
             lambda: mc.Armed(rank, m.pause_at if m and m.pause_at else 0, gen, False, 500),
-            lambda: mc.SnapshotDone(mid, mr, f"/i/{mr}", "c"),
-            lambda: mc.SnapshotFailed(mid, mr, why),
+            lambda: mc.MigrationDumpDone(mid, mr, f"/i/{mr}", "c"),
+            lambda: mc.MigrationDumpFailed(mid, mr, why),
             lambda: mc.TransferDone(mid, mr, tgt, f"/i/{mr}", "c"),
             lambda: mc.TransferFailed(mid, mr, tgt, why, data.draw(hs.booleans())),
             lambda: mc.RestoreDone(mid, mr, tgt),
@@ -1084,7 +1084,7 @@ def _scenarios():
         sim = Sim()
         sim.degrade("node2")
         sim.quiesce_all()
-        sim.tick(1, mc.SnapshotFailed("m1", 2, "boom"))
+        sim.tick(1, mc.MigrationDumpFailed("m1", 2, "boom"))
         sim.resume_all()
 
     def dump_source_lost():
@@ -1230,7 +1230,7 @@ def test_an_illegal_transition_in_production_rolls_back_and_resumes_every_rank(m
     (ev,) = sim.of(d, Event)[:1]
     assert ev.kind == "migration.illegal_transition" and ev.data["dst"] == nxt.value
     (rip,) = sim.of(d, ResumeInPlace)
-    assert rip.generation == 1 and not sim.of(d, Snapshot) and not sim.of(d, KillSource) and not sim.of(d, Resume)
+    assert rip.generation == 1 and not sim.of(d, MigrationDump) and not sim.of(d, KillSource) and not sim.of(d, Resume)
     assert bool(sim.of(d, AbortRestore)) == (phase != Phase.PAUSE)  # a restored copy is called off
     assert sim.m is None and sim.state.history[-1].outcome == "aborted" and sim.state.generation == 1
     assert [e.kind for e in sim.of(d, Event)][-1] == "migration.aborted"

@@ -1,7 +1,7 @@
 """The coordinator's event log keeps the job's history when per-rank events fill it."""
 
-from torchpass.coordinator import state
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator import job_record as state
+from torchpass.coordinator.job_record import JobState
 
 
 def _register_wave(job: JobState, world: int, t: float) -> None:

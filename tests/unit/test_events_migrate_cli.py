@@ -19,7 +19,7 @@ from torchpass import auth, layout, wire
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.decide import CoordState
 from torchpass.coordinator.server import CoordinatorServer, write_registration
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from tpassctl.cli import cli
 from tpassctl.events_cmd import events
 from tpassctl.migrate_cmd import auth_target, migrate

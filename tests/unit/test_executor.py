@@ -17,10 +17,12 @@ import pytest
 from torchpass import layout
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator import executor as executor_mod
-from torchpass.coordinator.executor import Driver, Executor, resume_port
+from torchpass.coordinator import migration_actions
+from torchpass.coordinator.driver import Driver
+from torchpass.coordinator.executor import Executor
+from torchpass.coordinator.rank_commands import resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError
 
 
@@ -84,7 +86,7 @@ def _driver(tmp_path, tp):
     d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=slurm,
                           address_of=lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3",
                                                 "n4": "10.0.0.4"}[n], srun=str(fake_srun(tmp_path)))
-    d.executor._output = str(tmp_path / "job.out")
+    d.executor.restore_steps.output = str(tmp_path / "job.out")
     _open_executors.append(d.executor)
     for r, n in enumerate(("n1", "n2", "n3")):
         d.feed(mc.RankRegistered(r, n, 3))
@@ -260,7 +262,7 @@ def test_a_restore_step_slurmctld_refuses_for_a_while_is_launched_again(tmp_path
 
 
 def test_a_restore_step_slurmctld_keeps_refusing_fails_with_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(executor_mod, "STEP_CREATE_RETRY_S", 1.0)
+    monkeypatch.setattr(migration_actions, "STEP_CREATE_RETRY_S", 1.0)
     d, _ = _driver(tmp_path, _dump_ok_tpassd(tmp_path))
     ex = d.executor
     ex.srun = str(_refusing_srun(tmp_path, 1000))
@@ -380,7 +382,7 @@ def test_a_batch_of_reports_is_decided_once_and_leaves_earlier_states_untouched(
 
 
 def test_progress_reports_alone_are_decided_on_the_progress_tick(tmp_path, monkeypatch):
-    from torchpass.coordinator import executor as exmod
+    from torchpass.coordinator import driver as exmod
 
     d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
     now = [1000.0]
@@ -421,7 +423,7 @@ def test_a_task_of_several_ranks_is_dumped_verified_and_restored_once(tmp_path):
     d = Driver(job, pol, spares=("n4",))
     d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
                           address_of=lambda n: "10.0.0." + n[1:], srun=str(fake_srun(tmp_path)))
-    d.executor._output = str(tmp_path / "job.out")
+    d.executor.restore_steps.output = str(tmp_path / "job.out")
     _open_executors.append(d.executor)
     for r, n, task in ((0, "n1", 0), (1, "n2", 1), (2, "n2", 1), (3, "n3", 2)):
         d.feed(mc.RankRegistered(r, n, 4, task=task))
@@ -452,7 +454,7 @@ def test_a_pause_fan_in_is_added_in_place_in_a_batch_and_decided_when_complete(t
     a report that completes nothing waits for the progress tick, and the one that completes the
     phase is decided on at once. Every state outside a batch holds frozen sets; the states
     before the batch are untouched."""
-    from torchpass.coordinator import executor as exmod
+    from torchpass.coordinator import driver as exmod
 
     d, _ = _driver(tmp_path, FakeTpassd(fail_dump=True))  # the dump after the pause fails: rolled back
     d.feed(mc.NodeHealthChanged("n3", "degraded", ("x",)))
@@ -491,7 +493,7 @@ def test_a_pause_fan_in_is_added_in_place_in_a_batch_and_decided_when_complete(t
 def test_a_health_change_is_read_and_decided_on_at_the_next_pump(tmp_path, monkeypatch):
     """Issue 13: the health subscriber's on_change (Driver.health_changed) makes the next pump read
     the health view and decide, without waiting for the health poll's interval."""
-    from torchpass.coordinator import executor as exmod
+    from torchpass.coordinator import driver as exmod
 
     d, _ = _driver(tmp_path, FakeTpassd(fail_dump=True))
 
@@ -522,7 +524,7 @@ def test_a_health_change_is_read_and_decided_on_at_the_next_pump(tmp_path, monke
 def test_a_pauses_restore_steps_start_after_its_replies_when_the_server_says_so(tmp_path):
     """With defer_prelaunch (the coordinator's server sets it), the pause's commands are ready at
     once but its restore steps (an srun fork each) start only at run_deferred(), which the server
-    calls once the pause's replies are sent; any later action runs them first (issue 13)."""
+    calls once the pause's replies are sent; any later action runs them first."""
     tp = FakeTpassd(fail_dump=True)
     d, _ = _driver(tmp_path, tp)
     ex = d.executor
@@ -579,7 +581,7 @@ def test_a_job_ending_while_its_source_node_is_released_records_the_move_as_comp
 
     m = step(mc.NodeHealthChanged("n2", "degraded", ("gpu0: ecc storm",)))
     m = step(*[mc.Quiesced(r, m.generation, m.pause_at) for r in range(3)])
-    m = step(mc.SnapshotDone(m.id, 1, "/img/r1", "sha", {}))
+    m = step(mc.MigrationDumpDone(m.id, 1, "/img/r1", "sha", {}))
     m = step(mc.TransferDone(m.id, 1, m.target, "/img/r1", "sha"))
     m = step(mc.RestoreDone(m.id, 1, m.target, {}))
     m = step(mc.SourceKilled(m.id, "n2"))
@@ -648,7 +650,7 @@ def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(t
     mv = ex.move("m1")
     mv.hold, mv.hold_tasks = (1, 2), (1, 2)
     started = time.monotonic()
-    ex._resume_in_place(ct.ResumeInPlace("m1", 2, "n1", "dump failed"), (0, 1, 2, 3), "n2")
+    ex.migrations.finish_resume_in_place(ct.ResumeInPlace("m1", 2, "n1", "dump failed"), (0, 1, 2, 3), "n2")
     assert time.monotonic() - started < 0.5
     assert all(ex.command_for(r)["command"] == "resume" for r in range(4))
     holds = [layout.hold_file(tmp_path, 42, "m1", r) for r in (1, 2)]

@@ -9,7 +9,7 @@ import pytest
 from torchpass import auth, jobauth, wire, zmqio
 from torchpass.slurm.conf import job_privacy
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import ConfigError, RemoteError
 from tpassd.testing import credential_as
 

@@ -56,9 +56,9 @@ def test_health_since_moves_only_when_the_state_changes():
 
 
 @pytest.mark.parametrize("outcome", [
-    mc.SnapshotDone("m0", 1, "/i", "c"),  # another migration
-    mc.SnapshotDone("m1", 0, "/i", "c"),  # a rank that is not moving
-    mc.SnapshotFailed("m0", 1, "x"),
+    mc.MigrationDumpDone("m0", 1, "/i", "c"),  # another migration
+    mc.MigrationDumpDone("m1", 0, "/i", "c"),  # a rank that is not moving
+    mc.MigrationDumpFailed("m0", 1, "x"),
     mc.TransferDone("m1", 1, "node9", "/i", "c"),  # wrong phase
     mc.RestoreDone("m1", 1, "node9"),
     mc.Quiesced(1, 2, 50),  # wrong generation

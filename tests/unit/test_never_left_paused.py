@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from torchpass import coordinator_lost, layout
-from torchpass.runtime import control
+from torchpass.runtime import control, pause_fallback
+from torchpass.runtime.link_state import LinkState
 from torchpass.runtime.pg import Rendezvous
 
 D = 30.0
@@ -221,7 +222,7 @@ def _store_master(size):
 def test_a_fallback_whose_moved_rank_has_no_copy_fails_fast_naming_it(tmp_path, capfd):
     master = _store_master(3)  # rank 0's store: ranks 0 and 1 come back, rank 2 (the moved one) never does
     fb = {**FALLBACK, "master_port": master.port}
-    master.set(control.FALLBACK_KEY.format(gen=3) + "/rank0", "node1")
+    master.set(pause_fallback.FALLBACK_KEY.format(gen=3) + "/rank0", "node1")
     link, now, exits = make(tmp_path)
     pause(link, join_s=1.5, fallback=fb)
     now[0] += D
@@ -285,7 +286,7 @@ def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline
     quiesce that happened before the snapshot was taken (else it would fall back at once)."""
     hold = hold_at(tmp_path, "snap-7")
     link, now, _ = make(tmp_path)
-    link.registered = True
+    link._enter(LinkState.REPORTING)  # registered
     pause(link, hold)
     now[0] += 3600.0  # the copy runs again an hour later
     hold.write_text(f"{layout.RESTORED_WAKE} snap-7\n")
@@ -302,7 +303,7 @@ def test_a_copy_restored_from_a_snapshot_registers_again_and_counts_its_deadline
 def test_a_plainly_released_hold_changes_nothing_about_registration(tmp_path):
     hold = hold_at(tmp_path, "m1")
     link, now, _ = make(tmp_path)
-    link.registered = True
+    link._enter(LinkState.REPORTING)  # registered
     pause(link, hold)
     hold.touch()
     link._hold()

@@ -50,7 +50,7 @@ def test_the_ranks_of_a_node_share_one_connection_through_the_relay(peers, relay
     links += [link(peer.endpoint, path, r, host=False) for r in (1, 2)]
     try:
         peer.wait(lambda: progress(peer, 30), "30 progress reports")
-        assert all(ln.registered and ln._via_relay for ln in links)
+        assert all(ln.registered and ln.channel.via_relay for ln in links)
     finally:
         for ln in links:
             ln.stop()
@@ -69,9 +69,9 @@ def test_a_rank_with_no_relay_connects_itself_and_takes_the_relay_once_it_listen
     host = None
     try:
         peer.wait(lambda: progress(peer, 5), "reports straight to the coordinator")
-        assert not rank1._via_relay and len(peer.identities()) == 1
+        assert not rank1.channel.via_relay and len(peer.identities()) == 1
         host = link(peer.endpoint, path, 0, host=True)
-        wait_for(lambda: rank1._via_relay, "rank 1 through the relay", 5.0)
+        wait_for(lambda: rank1.channel.via_relay, "rank 1 through the relay", 5.0)
         n = len(peer.seen)
         peer.wait(lambda: len(peer.seen) >= n + 10, "reports through the relay")
         last = {i for i, _ in peer.seen[n + 2:]}
@@ -98,7 +98,7 @@ def test_time_outs_through_the_relay_send_the_next_try_to_the_coordinator_itself
     ln.start()
     try:
         peer.wait(lambda: progress(peer, 3), "reports after the time-outs", timeout_s=10)
-        assert ln.registered and not ln._via_relay and ln.errors == 0
+        assert ln.registered and not ln.channel.via_relay and ln.errors == 0
         tries = 0
         while mute.poll(0):
             mute.recv_multipart()
@@ -170,7 +170,7 @@ def test_a_paused_rank_behind_the_relay_gets_its_resume_at_once(coordinator, rel
     pg = FakePG(size=2, rank=1)
     ln = link(ep, path, 1, host=False, pg=pg, size=2)
     try:
-        wait_for(lambda: ln.registered and ln.wait_max_s == srv.PARK_MIN_S and ln._via_relay, "registered")
+        wait_for(lambda: ln.registered and ln.wait_max_s == srv.PARK_MIN_S and ln.channel.via_relay, "registered")
         pg.paused = True
         wait_for(lambda: 1 in server._parked, "rank 1's poll parked at the coordinator")
         assert server._parked[1].envelope[1] == wire.RELAY_BUNDLE  # [relay, mark, rank socket]
@@ -230,7 +230,7 @@ def test_a_held_relay_host_keeps_no_socket_and_relays_again_after_the_hold(peers
         assert not path.exists()
         hold.touch()  # the move was called off: the host goes on where it is, and relays again
         peer.wait(lambda: progress(peer, 6), "progress after the hold")
-        assert host._relay is not None and host._via_relay
+        assert host.channel.relay is not None and host.channel.via_relay
     finally:
         host.stop()
     assert len(peer.identities()) == 2  # the relay's connection before the hold, and its new one

@@ -23,7 +23,7 @@ from test_runtime_control import StandInPeer
 
 from torchpass import jobauth, layout
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.runtime import control
 
 SECRET = b"5" * 64
@@ -183,9 +183,9 @@ def test_sealed_replies_pass_the_node_relay_unchanged(tmp_path):
         links.append(ln)
     try:
         end = time.monotonic() + 20
-        while not (all(ln.registered and ln._via_relay for ln in links) and links[0]._relay is not None
-                   and links[0]._relay.forwarded >= 20):
-            assert time.monotonic() < end, [(ln.registered, ln._via_relay, ln.errors) for ln in links]
+        while not (all(ln.registered and ln.channel.via_relay for ln in links) and links[0].channel.relay is not None
+                   and links[0].channel.relay.forwarded >= 20):
+            assert time.monotonic() < end, [(ln.registered, ln.channel.via_relay, ln.errors) for ln in links]
             time.sleep(0.02)
     finally:
         for ln in links:

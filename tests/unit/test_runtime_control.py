@@ -1,4 +1,4 @@
-"""The rank's control link over one kept connection (torchpass.zmqio.Client; issue 13).
+"""The rank's control link over one kept connection (torchpass.zmqio.Client).
 
 The link runs its real thread against a stand-in coordinator in another
 process (a ROUTER that logs each request's connection identity and answers
@@ -22,7 +22,7 @@ from test_never_left_paused import FALLBACK, FakePG
 from torchpass import layout
 from torchpass.coordinator import server as srv
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.runtime import control
 from torchpass.runtime.pg import Rendezvous
 
@@ -203,7 +203,7 @@ def test_a_forked_child_leaves_the_parents_connection_alone(peers):
 
 
 # ============================================================================
-# Long polls while paused (issue 13)
+# Long polls while paused
 # ============================================================================
 class Recording(CommandsDriver):
     """The test's driver, keeping what the ranks reported (serve thread)."""
@@ -395,7 +395,7 @@ def test_a_checkpoint_report_the_coordinator_refuses_is_dropped_and_holds_up_not
 
 
 # Answers rank.register at once with reply_within_s (argv[1]; "" for none) and every later request
-# only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks (issue 13).
+# only after 1.2 s: a coordinator busy with a fan-in, as at 8,192 ranks.
 SLOW = STAND_IN + r"""
     hint = {"reply_within_s": float(sys.argv[1])} if sys.argv[1] else {}
     print(json.dumps([parts[0].hex(), msg.type]), flush=True)
@@ -426,7 +426,7 @@ def test_a_rank_waits_as_long_as_the_coordinator_says_its_answers_may_take(hint)
             link.stop()
         if hint:
             assert link.reply_hint_s == 3.0
-            assert link.errors == 0 and link._client.connects == 1  # answered, on the one connection
+            assert link.errors == 0 and link.channel.client.connects == 1  # answered, on the one connection
         else:
             assert link.reply_hint_s == 0.0
             assert len({ident for ident, _ in seen}) >= 2  # given up after 0.5 s: a new connection
@@ -467,7 +467,7 @@ def test_a_rank_of_a_large_job_waits_for_its_registration_as_long_as_the_fan_in_
             link.stop()
         if world == 8192:
             assert [t for _, t in seen].count("rank.register") == 1
-            assert link._client.connects == 1  # answered, on the one connection
+            assert link.channel.client.connects == 1  # answered, on the one connection
     finally:
         proc.kill()
         proc.wait()

@@ -8,9 +8,10 @@ import pytest
 
 from torchpass import layout
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.executor import Driver, Executor
+from torchpass.coordinator.driver import Driver
+from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError
 from test_executor import _pump_until
 

@@ -11,7 +11,7 @@ from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import SlurmError
 from torchpass.health import HealthSubscriber
 from torchpass.slurm.base import JobInfo, StepInfo

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from torchpass.coordinator.server import CoordinatorServer, write_registration
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass import zmqio
 from torchpass.slurm.base import JobInfo
 from tpassctl import status_cmd

@@ -25,7 +25,7 @@ import pytest
 import torch.distributed as dist
 
 from torchpass.runtime import hook, store
-from torchpass.runtime.control import _agent_marker
+from torchpass.runtime.hold import agent_marker as _agent_marker
 from torchpass.runtime.testing import free_port
 
 T = datetime.timedelta(seconds=10)

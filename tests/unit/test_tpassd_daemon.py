@@ -252,16 +252,17 @@ def test_the_executor_drains_through_the_nodes_tpassd(node, munge, tmp_path):
     import queue
 
     from torchpass.coordinator import contract as ct
-    from torchpass.coordinator.executor import Executor, TpassdClient
+    from torchpass.coordinator.executor import Executor
+    from torchpass.coordinator.executor_ports import TpassdClient
     from torchpass.coordinator.policy import CoordinatorPolicy
-    from torchpass.coordinator.state import JobState
+    from torchpass.coordinator.job_record import JobState
 
     posted = queue.Queue()
     tp = TpassdClient(lambda n: "127.0.0.1", port=node.control.port, munge_socket=munge.socket)
     ex = Executor(JobState(job_id=42, spares=1), state_dir=tmp_path, post=posted.put, policy=CoordinatorPolicy(),
                   tpassd=tp, slurm=None, prelaunch_restore=False)
     try:
-        ex._do_Drain(ct.Drain("m1", "node1", "torchpass: rank 2 stalled"), None)
+        ex.perform(ct.Drain("m1", "node1", "torchpass: rank 2 stalled"), None)
         assert posted.get(timeout=10) == ct.Drained("m1", "node1")
         assert node.slurm.drained == [("node1", "torchpass: rank 2 stalled")]
     finally:

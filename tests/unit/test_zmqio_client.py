@@ -11,7 +11,7 @@ import zmq
 
 from torchpass import jobauth, wire, zmqio
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError, UnreachableError
 
 

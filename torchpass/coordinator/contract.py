@@ -43,10 +43,10 @@ class PauseAt:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class MigrationDump:
     """tpassd on ``node``: CUDA checkpoint + CRIU dump of ``rank``, leaving it running
-    (paused). Outcome: SnapshotDone(migration, rank, image, checksum, durations) or
-    SnapshotFailed(migration, rank, why)."""
+    (paused). Outcome: MigrationDumpDone(migration, rank, image, checksum, durations) or
+    MigrationDumpFailed(migration, rank, why)."""
 
     migration: str
     rank: int
@@ -272,7 +272,7 @@ class DiscardSnapshot:
 
 
 Action = Union[
-    RequestSpare, PauseAt, Snapshot, Transfer, Restore, AbortRestore, KillSource,
+    RequestSpare, PauseAt, MigrationDump, Transfer, Restore, AbortRestore, KillSource,
     Resume, ResumeInPlace, Drain, Shrink, HandToSlurm, Relaunch, RelaunchPossible, Event, DumpRank, CommitSnapshot,
     DiscardSnapshot, StopJob, ForgetStopped,
 ]
@@ -405,7 +405,7 @@ class SpareLost:
 
 
 @dataclass(frozen=True)
-class SnapshotDone:
+class MigrationDumpDone:
     migration: str
     rank: int
     image: str
@@ -416,7 +416,7 @@ class SnapshotDone:
 
 
 @dataclass(frozen=True)
-class SnapshotFailed:
+class MigrationDumpFailed:
     migration: str
     rank: int
     why: str
@@ -556,7 +556,7 @@ class SnapshotCommitFailed:
 
 Outcome = Union[
     RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, RankUnprotected, Quiesced, Resumed,
-    SpareGranted, SpareUnavailable, SpareLost, SnapshotDone, SnapshotFailed, TransferDone, TransferFailed, RestoreDone,
+    SpareGranted, SpareUnavailable, SpareLost, MigrationDumpDone, MigrationDumpFailed, TransferDone, TransferFailed, RestoreDone,
     RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
     CheckpointCompleted, CheckpointLoaded, JobStopFailed,
@@ -564,11 +564,11 @@ Outcome = Union[
 
 
 __all__ = [
-    "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
+    "RequestSpare", "PauseAt", "MigrationDump", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Relaunch", "RelaunchPossible", "Event", "Action",
     "CheckpointCompleted", "CheckpointLoaded",
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
-    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
     "DumpRank", "SnapImage", "CommitSnapshot", "DiscardSnapshot", "OperatorSnapshot", "RankDumped",

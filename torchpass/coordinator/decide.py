@@ -52,7 +52,7 @@ from torchpass.coordinator.contract import (
     Resume,
     ResumeInPlace,
     Shrink,
-    Snapshot,
+    MigrationDump,
     Transfer,
 )
 from torchpass.coordinator.decide_common import (
@@ -272,7 +272,7 @@ def job_ended(now: float, state: CoordState, policy: CoordinatorPolicy) -> Decis
 __all__ = [
     "Phase", "PAUSED_PHASES", "Result", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image",
     "Failure", "Migration", "MigrationRecord", "CoordState", "SpareHow", "SpareStatus", "Trigger",
-    "RequestSpare", "PauseAt", "Snapshot", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
+    "RequestSpare", "PauseAt", "MigrationDump", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "job_ended",
     "candidates", "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
     "IllegalTransition", "SnapshotRun", "check_snapshot_request", "periodic_snapshot_due", "snapshot_phase_complete",

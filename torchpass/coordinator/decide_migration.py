@@ -35,7 +35,7 @@ from torchpass.coordinator.contract import (
     Resume,
     ResumeInPlace,
     Shrink,
-    Snapshot,
+    MigrationDump,
     Transfer,
 )
 from torchpass.coordinator.decide_common import (
@@ -438,7 +438,7 @@ def _on_pause(out: _Out, st: CoordState, m: Migration, now: float, policy: Coord
     """Every rank quiesced at T: dump the moved ones. Refusals re-arm a later T."""
     if done:
         for r in m.ranks:
-            out.add(Snapshot(m.id, r, m.node))
+            out.add(MigrationDump(m.id, r, m.node))
         # Training stands still from the moment the last rank reached T.
         m = replace(m, stood_still_since=m.ready_at if m.ready_at is not None else now)
         return replace(st, migration=_enter(m, Phase.DUMP, now, now + policy.dump_timeout_s))

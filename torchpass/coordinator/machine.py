@@ -8,10 +8,10 @@ duration ends when its last outcome arrived, not at the next decide call.
 
 Outcomes that name a migration (or a generation, for the rank runtime's
 reports) that is not the one in flight, or that arrive in another phase,
-are stale and ignored: a late SnapshotDone of a rolled-back move can never
+are stale and ignored: a late MigrationDumpDone of a rolled-back move can never
 advance the next one.
 
-The driver loop (executor.Driver) is::
+The driver loop (driver.Driver) is::
 
     state = apply(state, outcome, clock())      # for every input / outcome
     d = decide(clock(), state, policy)          # on every input and every tick
@@ -52,8 +52,8 @@ from torchpass.coordinator.contract import (
     SlurmReachability,
     SnapshotCommitFailed,
     SnapshotCommitted,
-    SnapshotDone,
-    SnapshotFailed,
+    MigrationDumpDone,
+    MigrationDumpFailed,
     SourceKilled,
     SpareAdded,
     SpareGranted,
@@ -454,7 +454,7 @@ def _on_spare_lost(st: CoordState, ev: SpareLost, now: float, owned: Owned) -> C
                                     for s in st.spares))
 
 
-def _on_snapshot_done(st: CoordState, ev: SnapshotDone, now: float, owned: Owned) -> CoordState:
+def _on_migration_dump_done(st: CoordState, ev: MigrationDumpDone, now: float, owned: Owned) -> CoordState:
     m = st.migration
     if _for(m, ev.migration, Phase.DUMP) and ev.rank in m.ranks:
         m2 = replace(m, images={**m.images, ev.rank: Image(ev.rank, ev.image, ev.checksum)},
@@ -463,7 +463,7 @@ def _on_snapshot_done(st: CoordState, ev: SnapshotDone, now: float, owned: Owned
     return st
 
 
-def _on_snapshot_failed(st: CoordState, ev: SnapshotFailed, now: float, owned: Owned) -> CoordState:
+def _on_migration_dump_failed(st: CoordState, ev: MigrationDumpFailed, now: float, owned: Owned) -> CoordState:
     m = st.migration
     if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
         return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
@@ -550,8 +550,8 @@ APPLY: dict[type, Callable[[CoordState, Any, float, Owned], CoordState]] = {
     SpareGranted: _on_spare_granted,
     SpareUnavailable: _on_spare_unavailable,
     SpareLost: _on_spare_lost,
-    SnapshotDone: _on_snapshot_done,
-    SnapshotFailed: _on_snapshot_failed,
+    MigrationDumpDone: _on_migration_dump_done,
+    MigrationDumpFailed: _on_migration_dump_failed,
     TransferDone: _on_transfer_done,
     TransferFailed: _on_transfer_failed,
     RestoreDone: _on_restore_done,
@@ -616,7 +616,7 @@ class ReasonLog:
 
 __all__ = [
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
-    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "SnapshotDone", "SnapshotFailed", "TransferDone",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed", "TransferDone",
     "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",

@@ -35,7 +35,7 @@ from torchpass.errors import TorchpassError
 class Phase(str, enum.Enum):
     SPARE = "spare"  # choosing a spare (hot, or asked of slurmctld); training runs
     PAUSE = "pause"  # PauseAt sent; waiting for every rank to quiesce at T
-    DUMP = "dump"  # Snapshot sent to tpassd on the source for each moved rank
+    DUMP = "dump"  # MigrationDump sent to tpassd on the source for each moved rank
     TRANSFER = "transfer"  # images made readable on the target
     RESTORE = "restore"  # a job step on the target restores each moved rank
     KILL_SOURCE = "kill_source"  # the source copies (paused, alive) are killed

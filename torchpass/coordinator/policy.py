@@ -128,7 +128,7 @@ class CoordinatorPolicy:
     # Seconds of training between the end of one whole-job snapshot and the start of the next
     # (each pauses every rank for one leave-running dump); 0: none but those an operator asks for.
     # `--torchpass=snapshot_every=S` sets it for one job, at least plugstack.conf's
-    # snapshot_every_min. The first is taken this long after every rank registered.
+    # snapshot_every_min_s. The first is taken this long after every rank registered.
     snapshot_every_s: float = 0.0
 
     def rendezvous_port_range(self) -> tuple[int, int]:

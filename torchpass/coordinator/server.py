@@ -37,7 +37,7 @@ from torchpass import auth, jobauth, layout, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.model import CoordState
-from torchpass.coordinator.state import JobState
+from torchpass.coordinator.job_record import JobState
 from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
@@ -65,7 +65,7 @@ class Facts:
     post = feed
 
 
-# Backpressure (issue 13): every reply to a rank says how often it should report
+# Backpressure: every reply to a rank says how often it should report
 # ("report_every_s") and, while paused at T, poll ("paused_every_s"); the rank takes the larger
 # of its own setting and these. The coordinator's load grows with the ranks, so the intervals do:
 # the job's ranks together send about PROGRESS_BUDGET_PER_S progress reports (PAUSED_BUDGET_PER_S
@@ -106,7 +106,7 @@ class Pace:
         return {"report_every_s": round(world / PROGRESS_BUDGET_PER_S * self.factor, 3),
                 "paused_every_s": round(world / PAUSED_BUDGET_PER_S * self.factor, 3),
                 "wait_max_s": round(min(PARK_MAX_S, max(PARK_MIN_S, world / PARKED_BUDGET_PER_S * self.factor)), 3),
-                # a fan-in (issue 13): a rank that gave up on its request after a fixed 2 s sent it
+                # a fan-in: a rank that gave up on its request after a fixed 2 s sent it
                 # again on a fresh connection, which made the queue longer still
                 "reply_within_s": wire.reply_within_s(world, self.factor)}
 
@@ -124,7 +124,7 @@ REQUEST_AGE_COUNTED_S = (1.0, 2.0, 4.0, 6.0)
 # the coordinator took to encode and send it: its own part of the fan-out the ranks see.
 FANOUT_LOG_MIN = 64
 
-# Long polls (issue 13): a paused rank's rank.progress carries ``wait_s``; with no command for the
+# Long polls: a paused rank's rank.progress carries ``wait_s``; with no command for the
 # rank, the request is parked (its ROUTER envelope kept, one per rank: a rank's newer message
 # answers the older poll) until decide gives the rank a command, which goes out from the serve loop
 # at once, or until wait_s (at most PARK_MAX_S) passes: then the answer it would have had at once.
@@ -172,7 +172,7 @@ class _Replies:
     (the same hints, and one pause or resume command: the executor gives every rank of it the same
     dict) is encoded once (wire.encode_result); each reply only wraps its request id around it
     (wire.encode_ok_raw). A pause to 8,192 parked polls takes 119 ms of the serve thread, against
-    239 ms with each reply encoded by itself (issue 13; bench/bench_fanout.py)."""
+    239 ms with each reply encoded by itself (bench/bench_fanout.py)."""
 
     __slots__ = ("_encoded",)
 
@@ -210,7 +210,7 @@ class CoordinatorServer:
         admin_uids: frozenset[int] = frozenset({0}),
     ):
         self.job = job
-        self.driver = driver  # executor.Driver: migration decisions and actions (None: report only)
+        self.driver = driver  # driver.Driver: migration decisions and actions (None: report only)
         if driver is not None and hasattr(driver.executor, "run_deferred"):
             driver.executor.defer_prelaunch = True  # started in _after_replies
         # Where rank reports go: the driver's decision state, or (report only) the same state, kept
@@ -235,7 +235,7 @@ class CoordinatorServer:
         self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # Other threads' news (an executor outcome, a health change, later()) wakes the serve loop
         # through this pipe at once: it waited for its poll's time-out (20 ms) before, and a
-        # migration's standstill took five such waits, one per step (issue 13).
+        # migration's standstill took five such waits, one per step.
         # Made by serve(), closed when it ends; the lock keeps a late wake() off a closed (and maybe
         # reused) descriptor. Reentrant: SIGTERM's handler (main.py) calls stop(), so wake(), in the
         # serve thread, which may hold it at that moment.
@@ -401,7 +401,7 @@ class CoordinatorServer:
         b = msg.body
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
-            self.driver.executor.acknowledge(b["rank"], "pause", b["generation"], b["at"])
+            self.driver.executor.acknowledge(b["rank"], wire.COMMAND_PAUSE, b["generation"], b["at"])
         self._note_unprotected(b)
         self._feed(mc.Armed(b["rank"], b["at"], b["generation"], b["accepted"], b["collectives"],
                             b.get("unprotected") or ""))
@@ -424,7 +424,7 @@ class CoordinatorServer:
         b = msg.body
         self._rank(b)
         if self.driver is not None and self.driver.executor is not None:
-            self.driver.executor.acknowledge(b["rank"], "resume", b["generation"])
+            self.driver.executor.acknowledge(b["rank"], wire.COMMAND_RESUME, b["generation"])
         log.debug("rank resumed", rank=b["rank"], generation=b["generation"], node=b["node"], moved=b["moved"],
                  rebuild_s=b["rebuild_s"], cancelled=b.get("cancelled", False))
         self._feed(mc.Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False)),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from torchpass import envnames
 import torchpass
 from torchpass.devcluster import cgroups, jobpython
 from torchpass.devcluster.tpassd_node import ports_toml, start_args
@@ -295,14 +296,14 @@ class Devcluster:
         and name the interpreter job scripts should run (TORCHPASS_JOB_PYTHON)."""
         env = {
             "SLURM_CONF": str(self.slurm_conf),
-            "TORCHPASS_STATE_DIR": str(self.state_dir),
-            "TORCHPASS_MUNGE_SOCKET": str(self.munge_socket),
-            "TORCHPASS_DEVCLUSTER": self.spec.name,
+            envnames.STATE_DIR: str(self.state_dir),
+            envnames.MUNGE_SOCKET: str(self.munge_socket),
+            envnames.DEVCLUSTER: self.spec.name,
             # Where tpassd listens (torchpass.tpassd_ports): slurmd hands it on to the coordinator.
-            "TORCHPASS_TPASSD_CONFIG": str(self.run_dir / "etc" / "tpassd-ports.toml"),
+            envnames.TPASSD_CONFIG: str(self.run_dir / "etc" / "tpassd-ports.toml"),
         }
         if self._state is not None and self._state.job_python:
-            env["TORCHPASS_JOB_PYTHON"] = self._state.job_python
+            env[envnames.JOB_PYTHON] = self._state.job_python
         return env
 
     def slurmd_pid(self, node: str) -> int:
@@ -551,7 +552,7 @@ class Devcluster:
             # the nodes share this host's /run: the cluster's own restore tokens (per node below it)
             f" restore_tokens={self.restore_tokens}"
             # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
-            " snapshot_every_min=1\n"
+            " snapshot_every_min_s=1\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():

@@ -26,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchpass import envnames
 import torchpass
 from torchpass.errors import DevclusterError
 
@@ -39,7 +40,7 @@ _HINT = "run 'make jobvenv' as root (a venv from /usr/bin/python3 that every job
 
 def job_venv() -> Path:
     """The job venv: TORCHPASS_JOB_VENV (a second checkout keeps its own), else the default."""
-    return Path(os.environ.get("TORCHPASS_JOB_VENV") or DEFAULT_JOB_VENV)
+    return Path(os.environ.get(envnames.JOB_VENV) or DEFAULT_JOB_VENV)
 
 
 def checkout_root() -> Path | None:

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from torchpass import envnames
 from torchpass.runtime.say import say
 
 TARGET = "torch.distributed"
@@ -120,7 +121,7 @@ class Plan:
     served: bool = True  # rank 0 serves the first store; False under torchrun, whose agent serves it
 
 
-RUNTIME_OFF = "TORCHPASS_RUNTIME=0"  # the fallback's reason when the runtime is switched off
+RUNTIME_OFF = f"{envnames.RUNTIME}=0"  # the fallback's reason when the runtime is switched off
 # torchrun's elastic agent puts this in every worker's environment (torch's LocalElasticAgent):
 # True when the worker's rendezvous address is the agent's own store.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -142,7 +143,7 @@ def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=N
     """Decide whether the runtime can wrap this init; (None, reason) when not."""
     import torch
 
-    if os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
+    if os.environ.get(envnames.RUNTIME, "1") == "0":
         return None, RUNTIME_OFF
     if store is not None:
         return None, "init_process_group was given its own store"
@@ -202,7 +203,7 @@ def _patch_torchrun_agent(backend_module) -> None:
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, unless set). Only under torchpass
     (``TORCHPASS_COORDINATOR``), not with the runtime switched off.
     """
-    if not os.environ.get("TORCHPASS_COORDINATOR") or os.environ.get("TORCHPASS_RUNTIME", "1") == "0":
+    if not os.environ.get(envnames.COORDINATOR) or os.environ.get(envnames.RUNTIME, "1") == "0":
         return
     orig = getattr(backend_module, "_create_tcp_store", None)
     if orig is None or hasattr(orig, "__torchpass_orig__"):
@@ -350,7 +351,7 @@ def _report_unprotected(why: str) -> None:
     event once, shows it in status and starts no migration; without it an unregistered rank would
     only keep migrations waiting, silently). From a background thread: the coordinator may not be up
     yet, and training must not wait for it. Nothing is sent when the runtime was switched off."""
-    if why == RUNTIME_OFF or not os.environ.get("TORCHPASS_COORDINATOR"):
+    if why == RUNTIME_OFF or not os.environ.get(envnames.COORDINATOR):
         return
     try:
         import socket
@@ -359,11 +360,11 @@ def _report_unprotected(why: str) -> None:
 
         from torchpass.jobauth import signer_from_env
 
-        endpoint = os.environ["TORCHPASS_COORDINATOR"]
+        endpoint = os.environ[envnames.COORDINATOR]
         body = {
-            "job_id": int(os.environ["TORCHPASS_JOB_ID"]), "rank": dist.get_rank(),
+            "job_id": int(os.environ[envnames.JOB_ID]), "rank": dist.get_rank(),
             "world_size": dist.get_world_size(), "pid": os.getpid(), "unprotected": why,
-            "node": os.environ.get("TORCHPASS_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "node": os.environ.get(envnames.NODE) or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         }
         args = (endpoint if "://" in endpoint else f"tcp://{endpoint}", body, signer_from_env())
         threading.Thread(target=_register_unprotected, args=args, name="torchpass-unprotected",
@@ -489,7 +490,7 @@ def _count_steps(pg) -> None:
 
 
 def _start_control(pg, plan: Plan) -> None:
-    if not os.environ.get("TORCHPASS_COORDINATOR"):
+    if not os.environ.get(envnames.COORDINATOR):
         return
     try:
         from torchpass.runtime.control import ControlLink

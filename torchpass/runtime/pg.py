@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchpass import envnames
 from torchpass.runtime.say import say
 from torchpass.runtime.store import SwitchableStore, open_tcp_store
 
@@ -112,7 +113,7 @@ def local_address_towards(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
-DEBUG = os.environ.get("TORCHPASS_DEBUG", "") not in ("", "0")
+DEBUG = os.environ.get(envnames.DEBUG, "") not in ("", "0")
 
 
 def _in_backward() -> bool:

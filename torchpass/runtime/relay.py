@@ -42,10 +42,11 @@ import stat
 import threading
 import time
 
+from torchpass import envnames
 from torchpass.runtime.say import say
 
-RELAY_ENV = "TORCHPASS_RELAY"  # "0": no relay (every rank connects to the coordinator itself)
-RELAY_DIR_ENV = "TORCHPASS_RELAY_DIR"
+RELAY_ENV = envnames.RELAY  # "0": no relay (every rank connects to the coordinator itself)
+RELAY_DIR_ENV = envnames.RELAY_DIR
 # How long a held relay host waits for the node's other ranks to report quiesced through it.
 DRAIN_S = 2.0
 # A rank that went to the coordinator itself (no relay, or time-outs through it) tries the relay

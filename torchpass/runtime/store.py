@@ -18,6 +18,7 @@ import threading
 import time
 
 import torch.distributed as dist
+from torchpass import envnames
 
 
 class StoreClosedError(RuntimeError):
@@ -208,7 +209,7 @@ class ReconnectingStore(SwitchableStore):
 
 
 # The agent's directory of hold markers, in its workers' environment (they inherit it).
-AGENT_DIR_ENV = "TORCHPASS_AGENT_DIR"
+AGENT_DIR_ENV = envnames.AGENT_DIR
 HELD_MARKER = "held.{local_rank}"  # a held worker's marker; its content: LOCAL_WORLD_SIZE
 
 

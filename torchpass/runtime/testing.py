@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from torchpass import zmqio
+from torchpass import envnames, wire, zmqio
 
 
 @dataclass
@@ -136,7 +136,7 @@ class MiniCoordinator:
             v.armed = (b["at"], b["generation"], b["accepted"])
             v.unprotected = b.get("unprotected") or v.unprotected
             v.history.append(("armed", b))
-            if v.command and v.command.get("command") == "pause" and v.command["at"] == b["at"]:
+            if v.command and v.command.get("command") == wire.COMMAND_PAUSE and v.command["at"] == b["at"]:
                 v.command = None
             self._lock.notify_all()
             return self._reply(v)
@@ -157,7 +157,7 @@ class MiniCoordinator:
             v.generation = b["generation"]
             v.node = b["node"]
             v.history.append(("resumed", b))
-            if v.command and v.command.get("command") == "resume":
+            if v.command and v.command.get("command") == wire.COMMAND_RESUME:
                 v.command = None
             if b.get("cancelled"):
                 self.generation = b["generation"]  # nothing was rebuilt
@@ -202,7 +202,7 @@ class MiniCoordinator:
             with self._lock:
                 for r, v in self.ranks.items():
                     v.armed, v.quiesced, v.resumed = None, None, None
-                    cmd = {"command": "pause", "at": at, "generation": gen}
+                    cmd = {"command": wire.COMMAND_PAUSE, "at": at, "generation": gen}
                     if hold_files and r in hold_files:
                         cmd["hold_file"] = hold_files[r]
                     v.command = cmd
@@ -229,7 +229,7 @@ class MiniCoordinator:
     def resume(self, gen: int, master_addr: str, master_port: int) -> None:
         with self._lock:
             for v in self.ranks.values():
-                v.command = {"command": "resume", "generation": gen, "master_addr": master_addr,
+                v.command = {"command": wire.COMMAND_RESUME, "generation": gen, "master_addr": master_addr,
                              "master_port": master_port}
             self.generation = gen
 
@@ -290,13 +290,13 @@ def launch_ranks(argv: list[str], world: int, tmp, tag: str, *, runtime: bool, e
     port = free_port()
     procs = []
     for r in range(world):
-        e = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_", "PYTHON"))}
+        e = {k: v for k, v in os.environ.items() if not k.startswith((envnames.PREFIX, "SLURM_", "PYTHON"))}
         e.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                  PYTHONPATH=os.pathsep.join([boot_dir(), *extra_path]), TORCHPASS_JOB_ID=str(job_id),
                  TORCHPASS_RUNTIME="1" if runtime else "0", TORCHPASS_PROGRESS_INTERVAL="0.05",
                  TORCHPASS_STATE_DIR=str(tmp), **(env or {}))
         if coordinator:
-            e["TORCHPASS_COORDINATOR"] = coordinator
+            e[envnames.COORDINATOR] = coordinator
         with open(_log(tmp, tag, r, "out"), "w") as out, open(_log(tmp, tag, r, "err"), "w") as err:
             procs.append(subprocess.Popen(argv, env=e, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
     return procs

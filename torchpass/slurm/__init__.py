@@ -15,6 +15,7 @@ import os
 
 import structlog
 
+from torchpass import envnames
 from torchpass.errors import ConfigError
 from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, StepInfo, overlap_step_argv
 from torchpass.slurm.cli import CliSlurmClient
@@ -27,7 +28,7 @@ __all__ = ["JobInfo", "NodeInfo", "SpareRequest", "StepInfo", "SlurmClient", "Cl
 
 def client(backend: str | None = None, environ: dict[str, str] | None = None) -> SlurmClient:
     environ = os.environ if environ is None else environ
-    backend = backend or environ.get("TORCHPASS_SLURM_BACKEND", "cli")
+    backend = backend or environ.get(envnames.SLURM_BACKEND, "cli")
     if backend == "cli":
         chosen: SlurmClient = CliSlurmClient(environ=environ)
     elif backend in ("pyslurm", "auto"):
@@ -40,10 +41,10 @@ def client(backend: str | None = None, environ: dict[str, str] | None = None) ->
             log.info("pyslurm backend not usable, using the CLI backend", reason=why)
             chosen = CliSlurmClient(environ=environ)
         else:
-            raise ConfigError(f"TORCHPASS_SLURM_BACKEND=pyslurm: {why}; use 'cli'")
+            raise ConfigError(f"{envnames.SLURM_BACKEND}=pyslurm: {why}; use 'cli'")
     else:
         raise ConfigError(
-            f"TORCHPASS_SLURM_BACKEND={backend!r} is not one of cli, pyslurm, auto"
+            f"{envnames.SLURM_BACKEND}={backend!r} is not one of cli, pyslurm, auto"
         )
     log.debug("slurm backend chosen", backend=chosen.name)
     return chosen

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+from torchpass import envnames
 from torchpass.errors import DependencyError, SlurmError
 from torchpass.slurm.base import JobInfo, NodeInfo, SlurmClient, SpareRequest, StepInfo
 
@@ -174,7 +175,7 @@ class CliSlurmClient(SlurmClient):
         # would make salloc a nested allocation of the job (and the plugin a
         # torchpass one); the spare is an allocation of its own.
         env = {k: v for k, v in self.environ.items()
-               if not k.startswith(("SLURM_", "SPANK_", "TORCHPASS_", "SALLOC_", "SBATCH_")) or k == "SLURM_CONF"}
+               if not k.startswith(("SLURM_", "SPANK_", envnames.PREFIX, "SALLOC_", "SBATCH_")) or k == "SLURM_CONF"}
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
                                   timeout=req.immediate_s + self.timeout_s)

@@ -1,0 +1,169 @@
+"""Spare nodes from slurmctld (RequestSpare: expand the job or hold a companion allocation) and
+giving a node back (Shrink). Keeps the companion allocations, cancelled when the coordinator
+exits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+
+import structlog
+
+from torchpass.coordinator import contract as ct
+from torchpass.coordinator.executor_ports import ExecutorPorts
+from torchpass.coordinator.model import CoordState, SpareHow
+from torchpass.coordinator.restore_steps import RESTORE_STEP_NAME
+from torchpass.errors import SlurmError, TorchpassError
+from torchpass.slurm.base import SpareRequest
+
+log = structlog.get_logger("torchpass.coordinator.executor")
+
+# A restore step whose rank moved on may still be listed by Slurm this long after it ended.
+RESTORE_STEP_END_GRACE_S = 10.0
+
+
+class SpareActions:
+    """RequestSpare and Shrink; ``companions``: companion allocation -> node."""
+
+    def __init__(self, ports: ExecutorPorts, follow: Callable[[str], None] | None = None):
+        self.ports = ports
+        self.follow = follow  # (node) -> None: follow a new spare's tpassd
+        self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
+
+
+    def spare_request(self, a: ct.RequestSpare, st: CoordState, companions: Collection[str] = ()
+                      ) -> SpareRequest:
+        """The salloc request for a spare: same partition/account/QOS as the job, none of its nodes
+        (nor the spares and companion nodes it has)."""
+        info = self.ports.slurm.job(self.ports.job_id)
+        if info is None or not info.active:
+            raise SlurmError(f"job {self.ports.job_id} is {'gone' if info is None else info.state}")
+        exclude = sorted(set(info.nodes) | {s.node for s in st.spares} | set(companions))
+        limit = None
+        if info.end_time is not None:
+            limit = max(1, int((info.end_time - self.ports.wall()) // 60) + 1)  # never outlive the job
+        return SpareRequest(
+            job_id=self.ports.job_id, name=f"torchpass-spare-{self.ports.job_id}",
+            comment=f"torchpass: {a.strategy} spare for job {self.ports.job_id} ({a.migration}, replacing {a.for_node})",
+            exclude=tuple(exclude), partition=info.partition, account=info.account, qos=info.qos,
+            time_limit_min=limit, immediate_s=max(1, int(min(self.ports.policy.spare_timeout_s, 60.0))),
+            expand=a.strategy == SpareHow.EXPAND,
+        )
+
+    def request_spare(self, a: ct.RequestSpare, st: CoordState) -> None:
+        if a.strategy not in (SpareHow.EXPAND, SpareHow.COMPANION):
+            self.ports.post(ct.SpareUnavailable(a.migration, a.strategy, f"unknown spare strategy {a.strategy!r}"))
+            return
+        if self.ports.slurm is None:
+            self.ports.post(ct.SpareUnavailable(a.migration, a.strategy, "no Slurm client"))
+            return
+        companions = set(self.companions.values())
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                req = self.spare_request(a, st, companions)
+                alloc, node = self.ports.slurm.allocate(req)
+                if a.strategy == SpareHow.EXPAND:
+                    try:
+                        self.ports.slurm.merge_into(alloc, self.ports.job_id)
+                    except TorchpassError:
+                        self.cancel(alloc)
+                        raise
+            except TorchpassError as exc:
+                log.warning("no spare from slurmctld", strategy=a.strategy, migration=a.migration, error=str(exc))
+                self.ports.post(ct.SpareUnavailable(a.migration, a.strategy, str(exc)))
+                return
+            log.info("spare obtained from slurmctld", strategy=a.strategy, node=node, allocation=alloc,
+                     job_id=self.ports.job_id, seconds=round(time.monotonic() - t0, 3))
+            self.ports.post(ct.SpareGranted(a.migration, node, a.strategy, allocation=alloc))
+
+        self.ports.thread(run, f"spare-{a.strategy}")
+
+    def cancel(self, alloc: int) -> None:
+        try:
+            self.ports.slurm.cancel(alloc)
+        except TorchpassError as exc:
+            log.warning("could not cancel a spare allocation", allocation=alloc, error=str(exc))
+
+    def shrink(self, a: ct.Shrink, st: CoordState) -> None:
+        spares = {n: st.spare(n) for n in a.nodes}
+
+        def run() -> None:
+            released: list[str] = []
+            why: list[str] = []
+            try:
+                for node in a.nodes:
+                    sp = spares[node]
+                    if sp is not None and sp.how == SpareHow.COMPANION and sp.allocation is not None:
+                        # A companion's only step was the restore, which ended when the rank moved on
+                        # (observe() forgets the allocation when Shrunk arrives).
+                        self.cancel(sp.allocation)
+                        released.append(node)
+                        continue
+                    blocker = self.shrink_blocker(node)
+                    # A restore step whose rank moved on ends by itself right after the
+                    # hand-off (its wrapper exits 0), but Slurm may still list it for a
+                    # moment: give it a few seconds before keeping the node.
+                    deadline = time.monotonic() + RESTORE_STEP_END_GRACE_S
+                    while blocker is not None and RESTORE_STEP_NAME in blocker and time.monotonic() < deadline:
+                        time.sleep(0.5)
+                        blocker = self.shrink_blocker(node)
+                    if blocker is not None:
+                        why.append(blocker)
+                        continue
+                    info = self.ports.slurm.job(self.ports.job_id)
+                    if info is not None and node in info.nodes:
+                        self.ports.slurm.shrink(self.ports.job_id, [n for n in info.nodes if n != node])
+                    released.append(node)
+            except TorchpassError as exc:
+                why.append(str(exc))
+            if why:
+                log.info("node kept in the job", nodes=list(a.nodes), why="; ".join(why))
+                self.ports.post(ct.ShrinkFailed(a.migration, "; ".join(why)))
+            else:
+                log.info("node released from the job", nodes=released, job_id=self.ports.job_id)
+                self.ports.post(ct.Shrunk(a.migration, tuple(released)))
+
+        self.ports.thread(run, "shrink")
+
+    def shrink_blocker(self, node: str) -> str | None:
+        """Why ``node`` cannot leave the job now (None: it can)."""
+        info = self.ports.slurm.job(self.ports.job_id)
+        if info is None or not info.active:
+            return f"job {self.ports.job_id} is {'gone' if info is None else info.state}"
+        if node not in info.nodes:
+            return None
+        if node == info.batch_host:
+            return f"{node} is the batch host (the batch script and the coordinator run there)"
+        if set(info.nodes) <= {node}:
+            return f"{node} is the job's last node"
+        for step in self.ports.slurm.steps(self.ports.job_id):
+            if step.user_step and node in step.nodes:
+                # A launch wrapper (rankwrap) of the moved rank is what Slurm tracks
+                # for it: it waits for the moved rank's exit code, and Slurm kills a
+                # step's tasks on a node removed from the job (srun then exits 137).
+                return (f"step {step.step_id} ({step.name}) still has a task on {node} (the moved rank's task "
+                        "wrapper, which waits for its exit code); releasing the node would kill it and fail "
+                        "the step, so it stays in the job until the step ends")
+        return None
+
+    def observe_granted(self, outcome: ct.SpareGranted) -> None:
+        if outcome.how == SpareHow.COMPANION and outcome.allocation is not None:
+            self.companions[outcome.allocation] = outcome.node
+        if self.follow is not None:
+            try:
+                self.follow(outcome.node)
+            except (OSError, TorchpassError) as exc:
+                log.warning("cannot follow the new spare's health", node=outcome.node, error=str(exc))
+
+    def observe_shrunk(self, outcome: ct.Shrunk) -> None:
+        for alloc in [a for a, n in self.companions.items() if n in outcome.nodes]:
+            del self.companions[alloc]
+
+    def close(self) -> None:
+        """Companion allocations live only as long as the coordinator (the job)."""
+        companions, self.companions = dict(self.companions), {}
+        for alloc, node in companions.items():
+            log.info("cancelling companion spare allocation", allocation=alloc, node=node)
+            self.cancel(alloc)
