@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchpass import envnames
 from torchpass import config as tconfig
+from torchpass import envnames
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 

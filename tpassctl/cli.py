@@ -13,8 +13,7 @@ from pathlib import Path
 
 import click
 
-from torchpass import envnames
-from torchpass import __version__, logs
+from torchpass import __version__, envnames, logs
 from torchpass.errors import TorchpassError
 from tpassctl.devcluster_cmd import devcluster
 from tpassctl.events_cmd import events

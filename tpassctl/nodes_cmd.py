@@ -15,8 +15,7 @@ from typing import Any
 
 import click
 
-from torchpass import envnames
-from torchpass import auth, zmqio
+from torchpass import auth, envnames, zmqio
 from torchpass.drill_kinds import KINDS
 from torchpass.errors import ConfigError, DependencyError, RemoteError, SlurmError, TorchpassError
 from torchpass.slurm import client

@@ -782,7 +782,7 @@ class ControlServer:
         while not self._stop.is_set():
             try:
                 self.serve_once(100)
-            except Exception:  # noqa: BLE001 - never let the control thread die
+            except Exception:
                 log.exception("control loop error")
 
     def close(self) -> None:

@@ -51,10 +51,11 @@ from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint.admission import Audit
 from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import RemoteError, TorchpassError
+from torchpass.health_state import State
 from torchpass.slurm import NodeInfo, SlurmClient
 from torchpass.slurm.conf import job_privacy
-from torchpass.health_state import State
-from tpassd.checkpoint_handlers import job_state_dir, register as register_checkpoint
+from tpassd.checkpoint_handlers import job_state_dir
+from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
 from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
@@ -334,11 +335,11 @@ class Tpassd:
                 res = self.sweeper.sweep()
                 if res.removed or res.aborted or res.kept_busy or res.failed:
                     log.info("sweep done", **res.as_dict())
-            except Exception:  # noqa: BLE001 - a bug must not stop later sweeps, nor the expiry
+            except Exception:
                 log.exception("sweep failed")
             try:
                 self.checkpoint.expire_snapshots()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("snapshot expiry failed")
             # +-10 %: the tpassds of a cluster started together do not all ask slurmctld at once
             self._stop.wait(self.cfg.sweep_interval_s * random.uniform(0.9, 1.1))
@@ -354,7 +355,7 @@ class Tpassd:
             self._wake.clear()
             try:
                 self.tick(heartbeat=not woken or time.monotonic() >= next_tick)
-            except Exception:  # noqa: BLE001 - a bug must not stop the heartbeats
+            except Exception:
                 log.exception("sampling tick failed")
             if time.monotonic() >= next_tick:
                 next_tick += interval

@@ -34,8 +34,8 @@ from pathlib import Path
 from torchpass import logs, slurm
 from torchpass.errors import TorchpassError
 from torchpass.slurm import SlurmClient
-from tpassd.checkpoint_handlers import job_state_dir
 from torchpass.tpassd_ports import CONFIG_ENV
+from tpassd.checkpoint_handlers import job_state_dir
 from tpassd.config import DEFAULT_CONFIG, load_config
 from tpassd.daemon import Tpassd
 from tpassd.drills import write_fixture_tree

@@ -212,7 +212,7 @@ class MetricsServer:
                     else:
                         self._write(key.data)
                 self._expire()
-            except Exception:  # noqa: BLE001 - never let the metrics thread die
+            except Exception:
                 log.exception("metrics loop error")
 
     def _accept(self) -> None:
@@ -256,7 +256,7 @@ class MetricsServer:
         else:
             try:
                 body = self._render().encode()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("metrics rendering failed")
                 self._answer(c, _response("500 Internal Server Error", b"metrics rendering failed; see the tpassd log\n"))
                 return

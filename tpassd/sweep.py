@@ -257,7 +257,7 @@ class Sweeper:
         for job in sorted(cands - alive):
             try:
                 self.sweep_job(job, res)
-            except Exception as exc:  # noqa: BLE001 - one job's tree must not stop the others' sweep
+            except Exception as exc:
                 res.failed.append(job)
                 log.exception("sweep of one ended job failed; the others go on", job_id=job, error=str(exc))
         self.expire_job_dirs(alive, res)

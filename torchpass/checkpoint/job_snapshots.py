@@ -148,7 +148,7 @@ class JobSnapshots:
                 finally:
                     if dfd is not None:
                         os.close(dfd)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.exception("expiry of one job's snapshots failed; the others go on", job_id=job_id,
                               error=str(exc))
         if gone:

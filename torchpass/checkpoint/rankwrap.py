@@ -556,9 +556,9 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
 
 
 def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | None, gpu: bool = False) -> int:
-    from torchpass.errors import TorchpassError
     from torchpass.checkpoint import criu as criu_mod
     from torchpass.checkpoint.manifest import read_manifest
+    from torchpass.errors import TorchpassError
 
     # The plugin's root restore agent is this task's child in a restore step it knows
     # (TORCHPASS_RESTORE_RANK); without it (no plugin: unit tests, tools) root restores in-process.

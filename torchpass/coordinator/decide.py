@@ -46,13 +46,13 @@ from torchpass.coordinator.contract import (
     Event,
     HandToSlurm,
     KillSource,
+    MigrationDump,
     PauseAt,
     RequestSpare,
     Restore,
     Resume,
     ResumeInPlace,
     Shrink,
-    MigrationDump,
     Transfer,
 )
 from torchpass.coordinator.decide_common import (

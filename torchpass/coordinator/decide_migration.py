@@ -29,13 +29,13 @@ from torchpass.coordinator.contract import (
     Drain,
     HandToSlurm,
     KillSource,
+    MigrationDump,
     PauseAt,
     RequestSpare,
     Restore,
     Resume,
     ResumeInPlace,
     Shrink,
-    MigrationDump,
     Transfer,
 )
 from torchpass.coordinator.decide_common import (

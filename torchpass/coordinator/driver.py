@@ -21,10 +21,10 @@ from torchpass.coordinator import contract as ct
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.migration_actions import AbortsFinished
 from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.job_record import JobState
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 

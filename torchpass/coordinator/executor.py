@@ -95,6 +95,7 @@ import structlog
 
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator.executor_ports import ExecutorPorts, TpassdClient
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.job_snapshot_actions import JobSnapshotActions
 from torchpass.coordinator.lost_node_actions import LostNodeActions, LostNodeDrain, LostNodeEnded, LostNodeRequeuing
 from torchpass.coordinator.migration_actions import AbortsFinished, MigrationActions, Move
@@ -103,7 +104,6 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.rank_commands import RankCommands
 from torchpass.coordinator.restore_steps import RestoreSteps
 from torchpass.coordinator.spare_actions import SpareActions
-from torchpass.coordinator.job_record import JobState
 from torchpass.slurm.base import SlurmClient
 
 log = structlog.get_logger("torchpass.coordinator.executor")
@@ -262,7 +262,7 @@ class Executor:
         for fn in todo:
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - as perform(): logged, the move goes on without it
+            except Exception:
                 log.exception("deferred action failed")
 
     def perform(self, action: Any, state: CoordState) -> None:
@@ -271,7 +271,7 @@ class Executor:
             self.run_deferred()  # any later action sees the restore steps started, as before
         try:
             self.handlers[type(action)](action, state)
-        except Exception as exc:  # noqa: BLE001 - an action that crashed is a failed action
+        except Exception as exc:
             log.exception("action failed", action=name)
             failed = FAILURE_OF.get(type(action))
             if failed is not None:

@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 
 from torchpass import auth, layout, zmqio
-from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState, encode_events
+from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm.base import SlurmClient
 

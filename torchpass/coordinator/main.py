@@ -20,9 +20,9 @@ from torchpass.coordinator.decide import resumed_from_stop
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.executor_ports import TpassdClient
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.policy import load_policy
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
-from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.stopped import read_stopped
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber

@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import secrets
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +36,8 @@ import zmq
 from torchpass import auth, jobauth, layout, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.model import CoordState
 from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
@@ -537,7 +537,7 @@ class CoordinatorServer:
             while not self._stop.is_set():
                 try:
                     alive = check()
-                except Exception:  # noqa: BLE001 - a bug in the check is not the job ending
+                except Exception:
                     log.exception("liveness check failed")
                     alive = True
                 if not alive:
@@ -593,7 +593,7 @@ class CoordinatorServer:
         if self.driver is not None:
             try:
                 self.driver.pump(force=force)
-            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+            except Exception:
                 log.exception("driver error")
 
     def _serve_batch(self) -> None:
@@ -634,7 +634,7 @@ class CoordinatorServer:
             if self.driver is not None:
                 try:
                     self.driver.end_batch()
-                except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+                except Exception:
                     log.exception("driver error")
         self._run_later()
         self._reply_batch(batch)
@@ -753,7 +753,7 @@ class CoordinatorServer:
         while not self._later.empty():
             try:
                 self._later.get_nowait()()
-            except Exception:  # noqa: BLE001 - never stop serving the job over a bug
+            except Exception:
                 log.exception("deferred call failed")
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import os
+
 from torchpass import envnames
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 import torch.distributed as dist
+
 from torchpass import envnames
 
 
