@@ -14,7 +14,7 @@ from torchpass import config as tconfig
 from torchpass import layout
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
-from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG
+from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG  # noqa: F401 - tpassd/main.py imports it
 from torchpass.tpassd_ports import ENV_PREFIX, tpassd_config_path
 
 PROVIDERS = ("auto", "nvml", "fake", "none")

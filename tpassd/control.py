@@ -76,7 +76,7 @@ import zmq
 
 from torchpass import auth, wire, zmqio
 from torchpass.checkpoint.criu import DUMP_TIMEOUT_S
-from torchpass.errors import AuthError, ProtocolError, RemoteError, TorchpassError
+from torchpass.errors import AuthError, ProtocolError, TorchpassError
 
 log = structlog.get_logger("tpassd.control")
 audit_log = structlog.get_logger("tpassd.audit")
@@ -178,9 +178,10 @@ class PeerGuard:
     """At most ``max_peers`` TCP connections on a ROUTER socket, seen through its monitor socket.
     Beyond that, each new connection closes the oldest one that never sent an authenticated
     request, else the one whose last authenticated request is the oldest (a client that reconnects
-    by itself), each open MIN_AGE_S at least; none such: the new one is closed. Its own thread reads the monitor: a connection is closed within microseconds of
-    its accept, not when the front thread is done with a 1 MiB frame (ZeroMQ's I/O thread reads
-    every accepted peer meanwhile: 300 MB under 1,000 peers when the front thread closed them)."""
+    by itself), each open MIN_AGE_S at least; none such: the new one is closed. Its own thread reads
+    the monitor: a connection is closed within microseconds of its accept, not when the front thread
+    is done with a 1 MiB frame (ZeroMQ's I/O thread reads every accepted peer meanwhile: 300 MB under
+    1,000 peers when the front thread closed them)."""
 
     def __init__(self, sock: zmq.Socket, max_peers: int, clock: Callable[[], float] = time.monotonic):
         self.max_peers = max_peers

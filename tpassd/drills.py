@@ -135,7 +135,8 @@ class Drills:
         f = pdir / "counters" / counter
         _write(f, f"{int(f.read_text().strip() or 0) + n}\n")
 
-    def apply(self, kind: str, gpu: int | None = None, port: str | None = None, count: int | None = None) -> DrillResult:
+    def apply(self, kind: str, gpu: int | None = None, port: str | None = None,
+              count: int | None = None) -> DrillResult:
         if not self.enabled:
             _fail("forbidden", "fault drills are disabled on this tpassd (set drills = true with a fake provider)")
         if kind not in KINDS:

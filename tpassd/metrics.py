@@ -20,14 +20,20 @@ log = structlog.get_logger("tpassd.metrics")
 
 # (metric key in the sample, family, type, help, extra labels)
 GPU_METRICS: list[tuple[str, str, str, str, dict[str, str]]] = [
-    ("ecc_sbe_volatile", "tpassd_gpu_ecc_errors", "gauge", "ECC errors by type (sbe = corrected, dbe = uncorrected) and counter (volatile = since driver load, aggregate = lifetime).", {"type": "sbe", "counter": "volatile"}),
+    ("ecc_sbe_volatile", "tpassd_gpu_ecc_errors", "gauge",
+     "ECC errors by type (sbe = corrected, dbe = uncorrected) and counter "
+     "(volatile = since driver load, aggregate = lifetime).",
+     {"type": "sbe", "counter": "volatile"}),
     ("ecc_dbe_volatile", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "dbe", "counter": "volatile"}),
     ("ecc_sbe_aggregate", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "sbe", "counter": "aggregate"}),
     ("ecc_dbe_aggregate", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "dbe", "counter": "aggregate"}),
-    ("retired_pages_sbe", "tpassd_gpu_retired_pages", "gauge", "Retired memory pages by cause.", {"cause": "multiple_sbe"}),
+    ("retired_pages_sbe", "tpassd_gpu_retired_pages", "gauge", "Retired memory pages by cause.",
+     {"cause": "multiple_sbe"}),
     ("retired_pages_dbe", "tpassd_gpu_retired_pages", "gauge", "", {"cause": "dbe"}),
-    ("retired_pages_pending", "tpassd_gpu_retired_pages_pending", "gauge", "1 if a page retirement waits for a GPU reset.", {}),
-    ("remap_correctable", "tpassd_gpu_remapped_rows", "gauge", "Remapped memory rows by cause.", {"cause": "correctable"}),
+    ("retired_pages_pending", "tpassd_gpu_retired_pages_pending", "gauge",
+     "1 if a page retirement waits for a GPU reset.", {}),
+    ("remap_correctable", "tpassd_gpu_remapped_rows", "gauge", "Remapped memory rows by cause.",
+     {"cause": "correctable"}),
     ("remap_uncorrectable", "tpassd_gpu_remapped_rows", "gauge", "", {"cause": "uncorrectable"}),
     ("remap_pending", "tpassd_gpu_remapped_rows_pending", "gauge", "1 if a row remap waits for a GPU reset.", {}),
     ("remap_failure", "tpassd_gpu_remapped_rows_failure", "gauge", "1 if a row remap failed (no spare rows).", {}),
@@ -95,7 +101,8 @@ class _Families:
         return "\n".join(out) + "\n"
 
 
-def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]], xid_counts: dict[tuple[str, int], int]) -> str:
+def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]],
+           xid_counts: dict[tuple[str, int], int]) -> str:
     f = _Families()
     if sample:
         node = sample["node"]
@@ -103,8 +110,8 @@ def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]], x
             f.add("tpassd_node_health", "gauge", "1 for the node's current health state.",
                   {"node": node, "state": state.value}, int(sample["state"] == state.value))
         for name, c in sorted(sample["collectors"].items()):
-            f.add("tpassd_scrape_collector_duration_seconds", "gauge", "How long the collector took in the last sample.",
-                  {"collector": name}, c["duration_s"])
+            f.add("tpassd_scrape_collector_duration_seconds", "gauge",
+                  "How long the collector took in the last sample.", {"collector": name}, c["duration_s"])
             f.add("tpassd_scrape_collector_success", "gauge", "1 if the collector succeeded in the last sample.",
                   {"collector": name}, int(c["ok"]))
         for comp, c in sorted(sample["components"].items()):
@@ -138,7 +145,8 @@ def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]], x
                         f.add(fam, type_, help_, {}, m[key])
                 i = 0
                 while f"disk.{i}.path" in m:
-                    f.add("tpassd_host_directory_free_bytes", "gauge", "Free space in the state and snapshot directories.",
+                    f.add("tpassd_host_directory_free_bytes", "gauge",
+                          "Free space in the state and snapshot directories.",
                           {"path": m[f"disk.{i}.path"]}, m.get(f"disk.{i}.free_bytes"))
                     i += 1
     for (comp, xid), n in sorted(xid_counts.items()):
@@ -258,7 +266,8 @@ class MetricsServer:
                 body = self._render().encode()
             except Exception:
                 log.exception("metrics rendering failed")
-                self._answer(c, _response("500 Internal Server Error", b"metrics rendering failed; see the tpassd log\n"))
+                self._answer(c, _response("500 Internal Server Error",
+                                          b"metrics rendering failed; see the tpassd log\n"))
                 return
             resp = _response("200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
             if line[0] == b"HEAD":

@@ -250,7 +250,8 @@ class PynvmlProvider:
 
     def register_events(self) -> None:
         nv = self._nv
-        wanted = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeSingleBitEccError | nv.nvmlEventTypeDoubleBitEccError
+        wanted = (nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeSingleBitEccError
+                  | nv.nvmlEventTypeDoubleBitEccError)
         self._event_set = self._call(nv.nvmlEventSetCreate)
         for h in self._handles:
             supported = self._call(nv.nvmlDeviceGetSupportedEventTypes, h)
@@ -285,8 +286,8 @@ def _pristine_gpu(index: int, links: int) -> dict[str, Any]:
         "ecc": {"sbe_volatile": 0, "dbe_volatile": 0, "sbe_aggregate": 0, "dbe_aggregate": 0},
         "retired": {"sbe": 0, "dbe": 0, "pending": 0},
         "remap": {"correctable": 0, "uncorrectable": 0, "pending": 0, "failure": 0},
-        "nvlinks": [{"link": l, "active": 1, "crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}
-                    for l in range(links)],
+        "nvlinks": [{"link": link, "active": 1, "crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}
+                    for link in range(links)],
         "pcie_replay": 0,
         "temperature_c": 38.0 + index,
         "power_w": 70.0 + index,

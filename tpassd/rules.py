@@ -113,7 +113,8 @@ def gpu_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Poli
         return f.verdict()
     dbe = m.get("ecc_dbe_volatile")
     if isinstance(dbe, int) and dbe > 0:
-        f.add(p.ecc.dbe_volatile_severity, f"{comp}: {dbe} uncorrectable (double-bit) ECC error(s) since the driver loaded")
+        f.add(p.ecc.dbe_volatile_severity,
+              f"{comp}: {dbe} uncorrectable (double-bit) ECC error(s) since the driver loaded")
     if p.ecc.sbe_storm_count > 0:
         n = h.increase("ecc_sbe_volatile", now, p.ecc.window_s)
         if n >= p.ecc.sbe_storm_count:
@@ -149,7 +150,8 @@ def gpu_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Poli
         f.add(State.DEGRADED, f"{comp}: hardware clock slowdown for over {p.thermal.hw_slowdown_min_s:g} s "
                               f"(throttle reasons 0x{m.get('throttle_reasons', 0):x})")
     temp = m.get("temperature_c")
-    if p.thermal.temperature_c_degraded > 0 and isinstance(temp, (int, float)) and temp >= p.thermal.temperature_c_degraded:
+    if (p.thermal.temperature_c_degraded > 0 and isinstance(temp, (int, float))
+            and temp >= p.thermal.temperature_c_degraded):
         f.add(State.DEGRADED, f"{comp}: temperature {temp:g} C (threshold {p.thermal.temperature_c_degraded:g})")
     _unknown_checks(f, comp, r)
     return f.verdict()
@@ -165,7 +167,8 @@ def ib_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Polic
     if "state" in m and m["state"].upper() != "ACTIVE":
         f.add(p.ib.link_down_severity, f"{comp}: link state {m['state_code']}: {m['state']} (expected ACTIVE)")
     if "phys_state" in m and m["phys_state"] != "LinkUp":
-        f.add(p.ib.link_down_severity, f"{comp}: physical state {m['phys_state_code']}: {m['phys_state']} (expected LinkUp)")
+        f.add(p.ib.link_down_severity,
+              f"{comp}: physical state {m['phys_state_code']}: {m['phys_state']} (expected LinkUp)")
     if p.ib.flap_count > 0:
         n = h.increase("link_downed", now, p.ib.window_s)
         if n >= p.ib.flap_count:
@@ -188,7 +191,8 @@ def host_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Pol
     hp = p.host
     avail = m.get("mem_available_percent")
     if hp.mem_available_percent_degraded > 0 and avail is not None and avail < hp.mem_available_percent_degraded:
-        f.add(State.DEGRADED, f"host: memory pressure: {avail:.1f}% available (threshold {hp.mem_available_percent_degraded:g}%)")
+        f.add(State.DEGRADED, f"host: memory pressure: {avail:.1f}% available "
+                              f"(threshold {hp.mem_available_percent_degraded:g}%)")
     swap = m.get("swap_used_percent")
     if hp.swap_used_percent_degraded > 0 and swap is not None and swap >= hp.swap_used_percent_degraded:
         f.add(State.DEGRADED, f"host: {swap:.1f}% of swap used (threshold {hp.swap_used_percent_degraded:g}%)")

@@ -41,7 +41,8 @@ class Asking:
     def _ask(self, ask: Callable[[int], set[int]], job_id: int) -> None:
         try:
             self._value = ask(job_id)
-        except BaseException as exc:  # re-raised in the thread that waits for the answer
+        except BaseException as exc:  # noqa: BLE001 - every one, SystemExit too, is re-raised by answer()
+            # in the thread that waits: one let out here would end this thread, and answer() would return no pids.
             self._error = exc
 
     def answer(self) -> set[int]:

@@ -786,7 +786,8 @@ def _owner_tree(pid: int, creds: Creds | None, info: dict) -> list[dict] | None:
     info.setdefault("init", procs.ns_pid(pid) == 1)
     tree = procs.check_tree_creds(pid, creds.uid, init=bool(info["init"]))
     info["tree"] = tree
-    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": tree[0]["groups"]}  # the root's, for the restore
+    # the root's, for the restore
+    info["criu_creds"] = {"uid": creds.uid, "gid": creds.gid, "groups": tree[0]["groups"]}
     return tree
 
 

@@ -117,7 +117,9 @@ class CudaCheckpoint:
         try:
             return ProcessState(out.value)
         except ValueError:
-            raise CheckpointError(f"cuCheckpointProcessGetState(pid {pid}) returned unknown state {out.value}") from None
+            raise CheckpointError(
+                f"cuCheckpointProcessGetState(pid {pid}) returned unknown state {out.value}"
+            ) from None
 
     def lock(self, pid: int, timeout_ms: int = 10_000) -> None:
         args = _LockArgs(timeoutMs=timeout_ms)

@@ -269,7 +269,8 @@ def pin(pid: int, *, job_id: int, job_pids: set[int], owner: int, parent: int | 
                                            "its rank record names; refused")
         if same_namespaces and (kinds := foreign_namespaces(pid, proc)):
             raise RemoteError("forbidden", f"pid {pid} runs in {'/'.join(kinds)} namespace(s) of its own; "
-                                           "tpassd runs criu only for ranks in its own mount and user namespaces; refused")
+                                           "tpassd runs criu only for ranks in its own mount and user namespaces; "
+                                           "refused")
         pinned = Pinned(pid, pidfd, st.start)
         if not pinned.alive():
             raise RemoteError("not_found", f"pid {pid} exited while it was checked")
@@ -279,5 +280,5 @@ def pin(pid: int, *, job_id: int, job_pids: set[int], owner: int, parent: int | 
         raise
 
 
-__all__ = ["creds_of", "check_tree_creds", "SCONTROL_TIMEOUT_S", "SHARED_NAMESPACES", "ENTERED_NAMESPACES", "slurm_job_pids", "Stat", "read_stat", "read_uids",
-           "foreign_namespaces", "Pinned", "pin"]
+__all__ = ["creds_of", "check_tree_creds", "SCONTROL_TIMEOUT_S", "SHARED_NAMESPACES", "ENTERED_NAMESPACES",
+           "slurm_job_pids", "Stat", "read_stat", "read_uids", "foreign_namespaces", "Pinned", "pin"]

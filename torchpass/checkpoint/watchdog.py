@@ -12,7 +12,6 @@ normal operation: it stops the tasks it dumps, which are not its children
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Sequence

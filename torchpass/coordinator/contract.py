@@ -556,8 +556,8 @@ class SnapshotCommitFailed:
 
 Outcome = Union[
     RankRegistered, RankProgress, NodeHealthChanged, SpareAdded, Armed, RankUnprotected, Quiesced, Resumed,
-    SpareGranted, SpareUnavailable, SpareLost, MigrationDumpDone, MigrationDumpFailed, TransferDone, TransferFailed, RestoreDone,
-    RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
+    SpareGranted, SpareUnavailable, SpareLost, MigrationDumpDone, MigrationDumpFailed, TransferDone, TransferFailed,
+    RestoreDone, RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
     CheckpointCompleted, CheckpointLoaded, JobStopFailed,
 ]
@@ -568,8 +568,9 @@ __all__ = [
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Relaunch", "RelaunchPossible", "Event", "Action",
     "CheckpointCompleted", "CheckpointLoaded",
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
-    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed", "TransferDone",
-    "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed",
+    "TransferDone", "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained",
+    "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
     "DumpRank", "SnapImage", "CommitSnapshot", "DiscardSnapshot", "OperatorSnapshot", "RankDumped",
     "RankDumpFailed", "SnapshotCommitted", "SnapshotCommitFailed", "StopJob", "ForgetStopped", "JobStopFailed",

@@ -66,8 +66,12 @@ class JobSnapshotActions:
         def run() -> None:
             for node in a.nodes:
                 try:
-                    self.ports.tpassd.request(node, "tpassd.snapshot", {"job_id": self.ports.job_id, "rank": 0, "op": "discard",
-                                                                  "snapshot": a.snapshot}, 30.0)
+                    self.ports.tpassd.request(
+                        node,
+                        "tpassd.snapshot",
+                        {"job_id": self.ports.job_id, "rank": 0, "op": "discard", "snapshot": a.snapshot},
+                        30.0,
+                    )
                 except TorchpassError as exc:
                     log.warning("could not remove a failed snapshot's images", snapshot=a.snapshot, node=node,
                                 error=str(exc))

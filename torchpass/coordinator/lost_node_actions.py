@@ -119,8 +119,12 @@ class LostNodeActions:
             tried = []
             for node in witnesses:
                 try:
-                    res = self.ports.tpassd.request(node, "tpassd.drain", {"job_id": self.ports.job_id, "reason": a.reason,
-                                                                     "node": a.node}, DRAIN_TIMEOUT_S)
+                    res = self.ports.tpassd.request(
+                        node,
+                        "tpassd.drain",
+                        {"job_id": self.ports.job_id, "reason": a.reason, "node": a.node},
+                        DRAIN_TIMEOUT_S,
+                    )
                 except TorchpassError as exc:
                     tried.append(f"{node}: {exc}")
                     if isinstance(exc, RemoteError) and exc.code in ("forbidden", "bad_request", "conflict"):
@@ -161,7 +165,8 @@ class LostNodeActions:
             why = ("the job is an allocation, not a batch job" if not job.batch
                    else "slurmctld does not say whether the job may be requeued" if job.requeue is None
                    else "the job is not requeueable (--no-requeue, or JobRequeue=0 in slurm.conf)")
-            steps = tuple(s.step_id for s in self.ports.slurm.steps(self.ports.job_id) if s.user_step and node in s.nodes)
+            steps = tuple(s.step_id for s in self.ports.slurm.steps(self.ports.job_id)
+                          if s.user_step and node in s.nodes)
             for step in steps:
                 self.ports.slurm.cancel_step(step)
             if not steps:

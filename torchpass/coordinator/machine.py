@@ -616,8 +616,9 @@ class ReasonLog:
 
 __all__ = [
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
-    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed", "TransferDone",
-    "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained", "DrainFailed",
+    "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed",
+    "TransferDone", "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained",
+    "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",
     "freeze_acks", "JobStopFailed", "APPLY",

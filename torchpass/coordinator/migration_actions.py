@@ -201,7 +201,8 @@ class MigrationActions:
             durations = {k: res[k] for k in ("criu_dump_s", "total_s") if isinstance(res.get(k), (int, float))}
             durations["image_mb"] = round(res.get("bytes", 0) / 1e6, 1)
             for r in ranks:
-                self.ports.post(ct.MigrationDumpDone(a.migration, r, res["images"], res["checksum"], durations, result=res))
+                self.ports.post(ct.MigrationDumpDone(a.migration, r, res["images"], res["checksum"], durations,
+                                                     result=res))
 
         self.ports.thread(run, f"snapshot-{task}")
 
@@ -391,8 +392,12 @@ class MigrationActions:
         # delayed every rank's resume as long.
         def mark(r: int) -> None:
             try:
-                self.ports.tpassd.request(node, "tpassd.snapshot", {"job_id": self.ports.job_id, "rank": r, "op": "abort",
-                                                              "rank_dir": str(self.ports.rank_dir)}, 5.0)
+                self.ports.tpassd.request(
+                    node,
+                    "tpassd.snapshot",
+                    {"job_id": self.ports.job_id, "rank": r, "op": "abort", "rank_dir": str(self.ports.rank_dir)},
+                    5.0,
+                )
             except TorchpassError as exc:
                 log.warning("could not mark the hand-off aborted", rank=r, node=node, error=str(exc))
 

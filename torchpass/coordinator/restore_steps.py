@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -84,9 +83,10 @@ class RestoreSteps:
             wait = (p.pause_timeout_s * (1 + p.max_pause_rearms) + p.dump_timeout_s
                     + p.transfer_timeout_s * p.max_spare_attempts + 60.0)
             prog = ["-m", RESTORE_GATE_MODULE, str(gate), f"{wait:g}", "--"]
-        step = overlap_step_argv(self.ports.srun, jobid or self.ports.job_id, a.target, name=f"{RESTORE_STEP_NAME}{a.rank}",
-                                 output=self.job_output())
-        return [*step, self.ports.python, *prog, "--state-dir", str(self.ports.rank_dir), "--error-file", str(self.restore_err(a))]
+        step = overlap_step_argv(self.ports.srun, jobid or self.ports.job_id, a.target,
+                                 name=f"{RESTORE_STEP_NAME}{a.rank}", output=self.job_output())
+        return [*step, self.ports.python, *prog, "--state-dir", str(self.ports.rank_dir),
+                "--error-file", str(self.restore_err(a))]
 
     def gate_file(self, migration: str, rank: int) -> Path:
         return layout.restore_go_file(self.ports.state_dir, self.ports.job_id, migration, rank)

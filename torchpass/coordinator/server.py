@@ -327,7 +327,8 @@ class CoordinatorServer:
         if prev is None or prev.node != b["node"] or prev.pid != b["pid"] or restored:
             how = f", restored from snapshot {restored}" if restored else ""
             self.job.record(self.wall(), "rank.registered", f"rank {b['rank']} on {b['node']} (pid {b['pid']}{how})",
-                            rank=b["rank"], node=b["node"], pid=b["pid"], **({"restored": restored} if restored else {}))
+                            rank=b["rank"], node=b["node"], pid=b["pid"],
+                            **({"restored": restored} if restored else {}))
             log.info("rank registered", job_id=self.job.job_id, rank=b["rank"], node=b["node"], pid=b["pid"])
             if (self.driver is not None and self.driver.executor is not None and prev is None
                     and len(self.state.ranks) + 1 == b["world_size"]):

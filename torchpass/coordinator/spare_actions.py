@@ -44,7 +44,8 @@ class SpareActions:
             limit = max(1, int((info.end_time - self.ports.wall()) // 60) + 1)  # never outlive the job
         return SpareRequest(
             job_id=self.ports.job_id, name=f"torchpass-spare-{self.ports.job_id}",
-            comment=f"torchpass: {a.strategy} spare for job {self.ports.job_id} ({a.migration}, replacing {a.for_node})",
+            comment=(f"torchpass: {a.strategy} spare for job {self.ports.job_id} "
+                     f"({a.migration}, replacing {a.for_node})"),
             exclude=tuple(exclude), partition=info.partition, account=info.account, qos=info.qos,
             time_limit_min=limit, immediate_s=max(1, int(min(self.ports.policy.spare_timeout_s, 60.0))),
             expand=a.strategy == SpareHow.EXPAND,
