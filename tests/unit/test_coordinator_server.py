@@ -213,6 +213,7 @@ def driven(munge):
 WHY = "process group 'tp' (DeviceMesh) cannot be moved yet"
 
 
+@pytest.mark.host  # a private munged
 def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_conflict(driven):
     server, ep, munge = driven
     assert req(ep, "job.status")["unprotected"] is None
@@ -236,6 +237,7 @@ def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_
     assert server.driver.state.migration is None and server.driver.state.operator_requests == ()
 
 
+@pytest.mark.host  # a private munged
 def test_an_armed_refusal_saying_unprotected_rolls_the_pause_back_at_once(driven):
     server, ep, _ = driven
     done = threading.Event()
