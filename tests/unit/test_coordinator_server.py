@@ -1,5 +1,6 @@
 """The coordinator over real ZeroMQ sockets on loopback, with an injected clock."""
 
+import functools
 import threading
 import time
 
@@ -17,6 +18,9 @@ from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
 from torchpass.health_state import State
 from torchpass.slurm.base import JobInfo
+
+from support.fake_slurm import FakeSlurm
+from support.wait import until
 
 
 class Clock:
@@ -99,17 +103,11 @@ def test_unreachable_endpoint_times_out_with_a_clear_error():
         zmqio.request("tcp://127.0.0.1:9", "job.status", {}, timeout_s=0.1, retries=1)
 
 
-class FakeSlurm:
+def _answering(answers) -> FakeSlurm:
     """Only the job() query the liveness tick makes; answers are scripted."""
-
-    def __init__(self, answers):
-        self.answers = list(answers)
-
-    def job(self, job_id):
-        a = self.answers.pop(0)
-        if isinstance(a, Exception):
-            raise a
-        return a
+    slurm = FakeSlurm()
+    slurm.script("job", *answers)
+    return slurm
 
 
 def _job(state):
@@ -117,16 +115,16 @@ def _job(state):
 
 
 def test_liveness_tick_ends_the_coordinator_only_when_the_job_ends():
-    tick = job_liveness_check(FakeSlurm([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
+    tick = job_liveness_check(_answering([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
                                          _job("COMPLETED")]), 42)
     assert [tick(), tick(), tick(), tick()] == [True, True, True, False]
-    assert job_liveness_check(FakeSlurm([None]), 42)() is False
+    assert job_liveness_check(_answering([None]), 42)() is False
 
 
 def test_slurmctld_down_for_long_never_ends_the_coordinator_and_says_so_once_each_way():
     clock = Clock()
     changes = []
-    slurm = FakeSlurm([SlurmError("Unable to contact slurm controller")] * 60 + [_job("RUNNING"), _job("COMPLETED")])
+    slurm = _answering([SlurmError("Unable to contact slurm controller")] * 60 + [_job("RUNNING"), _job("COMPLETED")])
     tick = job_liveness_check(slurm, 42, clock=clock, on_change=lambda ok, why: changes.append((ok, why)),
                               unavailable_after_s=15.0)
     alive = []
@@ -525,11 +523,7 @@ def test_shutdown_answers_the_parked_polls(parking):
     assert res is not None and "command" not in res
 
 
-def _until(cond, timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "not within the time-out"
-        time.sleep(0.01)
+_until = functools.partial(until, what="the serve loop's state", timeout_s=5.0)
 
 
 def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_outcome(served):
