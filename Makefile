@@ -18,7 +18,7 @@ CLUSTER_WORKERS ?= 2
 JOB_VENV ?= /opt/torchpass-dev/jobvenv
 export TORCHPASS_JOB_VENV := $(JOB_VENV)
 
-.PHONY: all deps venv jobvenv spank lint-imports test test-fast unit integration demo bench clean
+.PHONY: all deps venv jobvenv spank lint lint-imports test test-fast unit integration demo bench clean
 
 all: venv spank
 
@@ -54,6 +54,10 @@ unit: venv
 # reference runs share that worker's cluster).
 integration: deps venv jobvenv spank
 	$(PY) -m pytest tests/integration -n $(CLUSTER_WORKERS) --dist loadfile -q $(PYTEST_ARGS)
+
+# pyflakes, pycodestyle, import order and the `noqa`s' rules: pyproject.toml [tool.ruff].
+lint: venv
+	$(VENV)/bin/ruff check .
 
 # Which package may import which: the contracts in pyproject.toml [tool.importlinter].
 lint-imports: venv

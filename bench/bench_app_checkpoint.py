@@ -1,4 +1,4 @@
-"""How long training stands still for one application checkpoint (issue 12, deliver 4).
+"""How long training stands still for one application checkpoint.
 
     .venv/bin/python bench/bench_app_checkpoint.py [--sizes 10M,100M] [--reps 3] [--world 2]
 
@@ -47,9 +47,8 @@ def worker(args) -> None:
     import torch.distributed.checkpoint as dcp
 
     sys.path.insert(0, str(REPO / "examples"))
-    from train_ddp import start
-
     import torchpass.checkpoint as tpc
+    from train_ddp import start
 
     job = start(argparse.Namespace(params=args.size, lr=1e-3, batch=16))
     rank, model, ddp, opt = job.rank, job.model, job.ddp, job.opt
@@ -70,7 +69,6 @@ def worker(args) -> None:
     ckpt = tpc.Checkpointer(root / "torchpass", keep=1)
     steps(3)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + Adam's two moments
-    rows = []
     for rep in range(args.reps):
         for i in range(len(METHODS)):
             method = METHODS[(rep + i) % len(METHODS)]

@@ -25,7 +25,7 @@ What runs, per size (ranks, 8 per node, plus one hot spare node):
   many sockets), speaking the rank protocol of torchpass.runtime.control:
   ``rank.register``, then ``rank.progress`` every 0.5 s (or less often, as
   the coordinator's ``report_every_s`` asks), each a long poll of that
-  interval as the runtime sends it since issue 13's running long polls
+  interval, as the rank runtime sends it
   (``wait_s``: the coordinator answers at once with a command, else at the
   end of the interval, and the next report goes then; ``--running-poll
   short``: a plain report, the next 0.5 s after its reply, as before); while
@@ -613,7 +613,8 @@ class LoadGen:
     def stats(self, rtts: bool = False) -> dict[str, Any]:
         return {"totals": dict(self.totals), "window": dict(self.window), "late_s": list(self.late_s),
                 "late_types": dict(self.late_types),
-                "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks), "rtts": list(self.rtts) if rtts else [],
+                "asked_per_s": sum(1.0 / max(PROGRESS_INTERVAL_S, rk.hint_s) for rk in self.ranks),
+                "rtts": list(self.rtts) if rtts else [],
                 "registered": sum(r.registered for r in self.ranks), "resumed_since": len(self.resumed_since),
                 "holding": sum(r.holding for r in self.ranks), "paused": sum(r.paused for r in self.ranks)}
 
@@ -1320,23 +1321,23 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--connection", choices=("per-request", "persistent", "relay", "both", "per-node-ab"),
                     default="relay",
                     help="relay: the ranks of a node share one DEALER to the coordinator, as the node relay "
-                         "forwards them (torchpass.runtime.relay, what the rank runtime does since issue 13's "
-                         "per-node aggregation); persistent: one DEALER socket per rank (torchpass.zmqio.Client, "
+                         "forwards them (torchpass.runtime.relay, what the rank runtime does); "
+                         "persistent: one DEALER socket per rank (torchpass.zmqio.Client, "
                          "the runtime before the relay); per-request: a new REQ socket per request "
                          "(torchpass.zmqio.request, the runtime before that); both: per-request, then persistent; "
                          "per-node-ab: persistent, then relay, each size")
     ap.add_argument("--paused-poll", choices=("long", "short", "both"), default="long",
                     help="long: a paused rank's poll carries wait_s and waits at the coordinator for its command "
-                         "(the rank runtime since issue 13's long polls); short: a poll every 20 ms (or "
+                         "(what the rank runtime does); short: a poll every 20 ms (or "
                          "paused_every_s), as before; both: each size with short, then long")
     ap.add_argument("--running-poll", choices=("long", "short", "both"), default="long",
                     help="long: a running rank's report carries wait_s (its report interval) and waits at the "
-                         "coordinator, which answers it at once with a pause (the rank runtime since issue 13's "
-                         "running long polls); short: a plain report every 0.5 s (or report_every_s), as before; "
+                         "coordinator, which answers it at once with a pause (what the rank runtime "
+                         "does); short: a plain report every 0.5 s (or report_every_s), as before; "
                          "both: each size with short, then long")
     ap.add_argument("--reply-timeout", choices=("hinted", "fixed", "both"), default="hinted",
                     help="hinted: a request waits for its answer the larger of 2 s and the coordinator's "
-                         "reply_within_s (the rank runtime since issue 13's fan-in hint); fixed: 2 s, as before; "
+                         "reply_within_s (what the rank runtime does); fixed: 2 s, as before; "
                          "both: each size with fixed, then hinted")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the coordinator under cProfile; write coordinator-<ranks>.prof here")
@@ -1401,7 +1402,8 @@ def main() -> int:
         "client": {"progress_interval_s": PROGRESS_INTERVAL_S, "paused_interval_s": PAUSED_INTERVAL_S,
                    "timeout_s": REQUEST_TIMEOUT_S, "heartbeat_s": HEARTBEAT_S,
                    "collectives_per_s": COLLECTIVES_PER_S},
-        # the coordinator before issue 13's fixes, measured by this harness (kept for the plot)
+        # the coordinator of 2026-12-03, before fan-in hints, kept connections and long polls,
+        # measured by this harness (kept for the plot)
         **{k: old[k] for k in ("before", "before_generated") if k in old},
         "sizes": merged}, indent=1) + "\n")
     print(f"wrote {args.out}", flush=True)

@@ -8,8 +8,8 @@ says; a connection per rank would only add file descriptors). For each size ever
 poll parked, with the hints a rank.progress reply carries, and a pause command from the executor
 (``Executor._do_PauseAt``: one command object for every rank that is not held; two ranks held).
 Measured: ``_answer_parked()``, which sends every reply, against the baseline in the same run: the
-same replies encoded one by one with ``wire.encode_ok`` and sent, as the server did before
-(b07b4a3), and ``sealed``: the same ``_answer_parked()`` with the job secret's MAC on every reply
+same replies encoded one by one with ``wire.encode_ok`` and sent (what the server did before it
+encoded a shared result once), and ``sealed``: the same ``_answer_parked()`` with the job secret's MAC on every reply
 (a coordinator started with a secret, jobauth.ReplySealer; each poll parked with its request's
 sender and seq). Median of ``--repeat`` runs each, interleaved. Results: bench/results/fanout.json.
 """

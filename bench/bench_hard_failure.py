@@ -1,4 +1,4 @@
-"""What a node lost outright costs a job (issue 12): torchpass's relaunch inside the allocation, from
+"""What a node lost outright costs a job: torchpass's relaunch inside the allocation, from
 an application checkpoint or from a whole-job snapshot, against checkpoint-restart through Slurm's
 requeue, side by side in the same run.
 
@@ -25,8 +25,9 @@ Per run, from the job's output lines as they arrived: ``resumed_s``, from the cr
 step line after it (detection, the new step or job, imports, the checkpoint's load); ``lost_s``,
 from the crash until the job first prints the step after the last one it printed before the crash,
 less one step time (the time the job lost, recomputing included); the checkpoint used (or the
-first step the restored ranks printed) and the steps computed again. Every run must print the same loss lines, step for step, as every other (the
-relaunch is bit-identical): a difference is a bug, not a cost. node2 is revived and resumed after
+first step the restored ranks printed) and the steps computed again. Every run must print the
+same loss lines, step for step, as every other (the relaunch is bit-identical): a difference is a
+bug, not a cost. node2 is revived and resumed after
 each run. The order inside a pair alternates.
 
 Writes bench/results/hard_failure.json; docs/benchmarks.md quotes the table, and
@@ -52,7 +53,6 @@ sys.path.insert(0, str(BENCH))
 
 from bench_migration import Tail, first_arrivals, machine, per_step  # noqa: E402
 from bench_overhead import as_user, devcluster, job_state, user_workdir  # noqa: E402
-
 from torchpass.devcluster import Devcluster  # noqa: E402
 
 CRASHED = "node2"
@@ -196,7 +196,8 @@ def main() -> int:
             "params": "1M", "runs": runs, "summary": summary,
             # tpassctl goodput --measured: lm_relaunch_s (this devcluster's SlurmdTimeout is 20 s)
             "hard_failure_relaunch_s": {"mean": round(statistics.mean(resumed), 2),
-                                        "p50": round(statistics.median(resumed), 2), "n": len(resumed)}, "load_at_start": [round(x, 2) for x in load0],
+                                        "p50": round(statistics.median(resumed), 2), "n": len(resumed)},
+            "load_at_start": [round(x, 2) for x in load0],
             "machine": machine(), "bench_seconds": round(time.monotonic() - t_all, 1),
             "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)

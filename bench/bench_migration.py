@@ -621,7 +621,8 @@ def print_table(results: dict) -> None:
     for size, r in results.items():
         m = r["migration"]
         if "floor" in m:
-            print(f"{size:>6} image {m['image_mb']:.0f} MB, stall {m['stall_s']:.3f} s = {m['effective_gb_s']:.3f} GB/s;"
+            print(f"{size:>6} image {m['image_mb']:.0f} MB, stall {m['stall_s']:.3f} s"
+                  f" = {m['effective_gb_s']:.3f} GB/s;"
                   f" first-touch floor {m['floor']['gb_s']:.3f} GB/s ({m['floor']['seconds']:.3f} s for the same"
                   f" bytes); effective / floor {m['effective_to_floor']:.2f}"
                   f"; freed before the dump {m['tool_durations'].get('quiesce.released_mb', 0):.0f} MB")

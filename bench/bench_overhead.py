@@ -52,7 +52,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 from bench_migration import Tail, as_user, first_arrivals, machine, per_step  # noqa: E402
-
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
 SIDES = {"A": ("plain", []), "B": ("torchpass", ["--torchpass"]),
@@ -147,10 +146,12 @@ def split_summary(pairs: list[dict]) -> dict:
     med_c = statistics.median(p["runtime_off_step_s"] for p in pairs)
     off = [p["runtime_off_ratio"] for p in pairs]
     own = [p["runtime_ratio"] for p in pairs]
-    return {"runtime_off_step_s_median": round(med_c, 5), "runtime_off_overhead_pct": round((med_c / med_a - 1) * 100, 2),
+    return {"runtime_off_step_s_median": round(med_c, 5),
+            "runtime_off_overhead_pct": round((med_c / med_a - 1) * 100, 2),
             "runtime_off_ratio_min": min(off), "runtime_off_ratio_max": max(off),
             "runtime_off_ratio_median": statistics.median(off),
-            "runtime_ratio_min": min(own), "runtime_ratio_max": max(own), "runtime_ratio_median": statistics.median(own)}
+            "runtime_ratio_min": min(own), "runtime_ratio_max": max(own),
+            "runtime_ratio_median": statistics.median(own)}
 
 
 def main() -> int:
@@ -233,7 +234,8 @@ def main() -> int:
     os.replace(tmp_out, args.out)
     print(f"{'pair':>4} {'order':>5} | {'plain ms/step':>13} {'torchpass ms/step':>17} {'ratio':>7} | {'load':>5}")
     for p in pairs:
-        print(f"{p['pair']:>4} {p['order']:>5} | {p['plain_step_s'] * 1000:>13.2f} {p['torchpass_step_s'] * 1000:>17.2f}"
+        print(f"{p['pair']:>4} {p['order']:>5} | {p['plain_step_s'] * 1000:>13.2f}"
+              f" {p['torchpass_step_s'] * 1000:>17.2f}"
               f" {p['ratio']:>7.4f} | {p['load']:>5}")
     print(f"median: plain {med_a * 1000:.2f} ms/step, torchpass {med_b * 1000:.2f} ms/step: "
           f"{data['overhead_pct']:+.2f} % (per-pair ratio {min(ratios):.4f} .. {max(ratios):.4f}); "

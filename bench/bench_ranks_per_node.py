@@ -1,4 +1,4 @@
-"""The stall of a migration at 1, 2 and 4 ranks per node, on the devcluster (issue 11, deliver 4).
+"""The stall of a migration at 1, 2 and 4 ranks per node, on the devcluster.
 
     .venv/bin/python bench/bench_ranks_per_node.py [--per-node 1,2,4] [--steps 100] [--params 100K]
 
@@ -31,7 +31,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from drill import Drill, leave_clean, migrate  # noqa: E402
-
 from torchpass.devcluster import Devcluster, DevclusterSpec  # noqa: E402
 
 PHASES = ("pause", "dump", "transfer", "restore", "kill_source", "paused", "total")

@@ -1,4 +1,4 @@
-"""The cost of periodic whole-job snapshots (issue 12): the same job with and without
+"""The cost of periodic whole-job snapshots: the same job with and without
 ``snapshot_every``, interleaved A/B pairs, per model size.
 
     .venv/bin/python bench/bench_snapshot.py [--sizes 10M,100M] [--pairs 2] [--every 10]
@@ -39,7 +39,6 @@ sys.path.insert(0, str(BENCH))
 
 from bench_migration import first_arrivals, machine, per_step  # noqa: E402
 from bench_overhead import devcluster, one_run, user_workdir  # noqa: E402
-
 from torchpass import layout  # noqa: E402
 from torchpass.devcluster import Devcluster  # noqa: E402
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from train_ddp import add_args, start  # noqa: E402
+from train_ddp import add_args, start
 
 
 def save(ckpt: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,

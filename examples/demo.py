@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import pwd
+import random
 import re
 import shutil
 import subprocess
@@ -162,7 +162,8 @@ def main() -> int:
         if job.state != "RUNNING":
             return
         if not injected and last_step(out) >= fault_step:
-            print(f"\nroot$ tpassctl inject --node {node} --fault ecc-sbe-storm   (training is at step {last_step(out)})",
+            print(f"\nroot$ tpassctl inject --node {node} --fault ecc-sbe-storm"
+                  f"   (training is at step {last_step(out)})",
                   flush=True)
             subprocess.run([TPASSCTL, "inject", "--node", node, "--fault", "ecc-sbe-storm"], text=True)
             injected = True

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_ddp import add_args, start  # noqa: E402
-
-import torchpass.checkpoint as tpc  # noqa: E402
+import torchpass.checkpoint as tpc
+from train_ddp import add_args, start
 
 
 class RankGenerator:

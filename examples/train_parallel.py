@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_ddp import setup_env  # noqa: E402 - beside this file, also in a job dir
+from train_ddp import setup_env  # beside this file, also in a job dir
 
 WIDTH = 32
 

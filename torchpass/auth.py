@@ -98,7 +98,8 @@ def _ctx(lib, socket: str | None, ttl: int | None):
     if not ctx:
         raise DependencyError("munge_ctx_create failed (out of memory?)")
     if socket:
-        rc = lib.munge_ctx_set(ctypes.c_void_p(ctx), ctypes.c_int(MUNGE_OPT_SOCKET), ctypes.c_char_p(os.fsencode(socket)))
+        rc = lib.munge_ctx_set(ctypes.c_void_p(ctx), ctypes.c_int(MUNGE_OPT_SOCKET),
+                               ctypes.c_char_p(os.fsencode(socket)))
         if rc != 0:
             lib.munge_ctx_destroy(ctx)
             raise DependencyError(f"cannot set munge socket {socket}: error {rc}")
@@ -159,7 +160,8 @@ def verify(cred: str | None, payload: bytes, socket: str | None = None) -> Ident
                               ctypes.byref(uid), ctypes.byref(gid))
         data = ctypes.string_at(buf, length.value) if buf and length.value > 0 else b""
         if rc in _SERVICE_ERRORS:
-            raise DependencyError(f"munged could not be asked via {socket or 'the default socket'}: {_err(lib, ctx, rc)}")
+            raise DependencyError(
+                f"munged could not be asked via {socket or 'the default socket'}: {_err(lib, ctx, rc)}")
         if rc == EMUNGE_CRED_EXPIRED:
             raise AuthFailure("unauthenticated", "munge credential expired")
         if rc == EMUNGE_CRED_REPLAYED:

@@ -49,7 +49,7 @@ MAX_INTERVAL_S = 3600.0  # a heartbeat interval above an hour is no heartbeat
 # The subscriber follows one SUB socket per tpassd and waits on their ZMQ_FDs with epoll, which
 # returns only the sockets that have something. A zmq.Poller walks every socket on every call:
 # one call per publication made the subscriber of a 1,024-node job (~1,000 heartbeats a second)
-# spend a third of a core in it (issue 13, measured with the coordinator harness).
+# spend a third of a core in it (measured with bench/bench_coordinator.py).
 DRAIN_MAX = 64  # publications read from one socket per pass (a flooding publisher starves no other)
 MAX_SEQ = 2**63 - 1
 _STATES = frozenset(s.value for s in State)
@@ -248,7 +248,7 @@ class HealthSubscriber:
         while not self._stop.is_set():
             try:
                 self.poll_once(100)
-            except Exception:  # noqa: BLE001 - keep following; log the bug
+            except Exception:  # keep following; log the bug
                 log.exception("health subscriber loop error")
                 self._stop.wait(0.1)
 

@@ -150,5 +150,5 @@ def share_with_owner(fd: int, uid: int, gid: int | None, *, directory: bool) -> 
     return None
 
 
-__all__ = ["MAX_REGISTRATION_BYTES", "private_group", "share_with_owner", "open_jobs_dir", "is_job_name", "open_job_dir", "job_names", "read_file",
-           "read_json", "registration"]
+__all__ = ["MAX_REGISTRATION_BYTES", "private_group", "share_with_owner", "open_jobs_dir", "is_job_name",
+           "open_job_dir", "job_names", "read_file", "read_json", "registration"]

@@ -123,7 +123,7 @@ coordinator_pid = _job_file(COORDINATOR_PID)
 coordinator_log = _job_file(COORDINATOR_LOG)
 hostfile = _job_file(HOSTFILE)
 relaunch_file = _job_file(RELAUNCH)
-# A job stopped by `tpassctl snapshot --stop` (issue 12): its coordinator writes STOPPED (key=value
+# A job stopped by `tpassctl snapshot --stop`: its coordinator writes STOPPED (key=value
 # lines: the snapshot, the Slurm step it stopped, ...) before it requeue-holds the job; `tpassctl
 # resume` copies the job's output (and error) file there as STOPPED.out (.err), which the SPANK
 # plugin writes back at the start of the resumed batch step (Slurm truncates the files on a
@@ -251,7 +251,7 @@ def restore_token(tokens: PathLike, node: str, job: int | str, kind: str, rank: 
     return restore_token_dir(tokens, node) / f"{_job_name(job)}.{tag}{TOKEN_SUFFIX}"
 
 
-# --- Whole-job snapshots (issue 12, engineer F) ------------------------------------------------
+# --- Whole-job snapshots ---------------------------------------------------------------------
 # SNAPSHOT_DIR/snapshots/jobJ/ID/rankR/   snapshot_images_dir(): CRIU images of rank R in job snapshot ID
 #                                         (root only; never under SNAPSHOT_DIR/jobJ, which the job's end sweeps)
 # STATE_DIR/jobs/J/snapshots/ID.json      snapshot_manifest(): the job manifest, written by root (tpassd);
@@ -302,11 +302,12 @@ __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_WAKE", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
     "DEFAULT_RANK_DIR", "JOBS_DIR_MODE", "JOB_DIR_MODE", "JOB_FILE_MODE", "JOB_UMASK",
-    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file", "stopped_file", "stopped_out", "stopped_err", "STOPPED", "STOPPED_OUT", "STOPPED_ERR",
+    "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file",
+    "stopped_file", "stopped_out", "stopped_err", "STOPPED", "STOPPED_OUT", "STOPPED_ERR",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
     "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
     "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",
-    # whole-job snapshots (issue 12)
+    # whole-job snapshots
     "SNAPSHOTS", "SNAPSHOT_MANIFEST_SUFFIX", "valid_snapshot_id", "snapshot_tree", "snapshot_images_dir",
     "parse_snapshot_images_dir", "snapshot_manifests_dir", "snapshot_manifest",
     # restore tokens

@@ -44,15 +44,15 @@ from torchpass.errors import ProtocolError, RemoteError
 
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: the largest honest message is a node snapshot
-# The node relay's bundle (torchpass/runtime/relay.py; issue 13): the frames of several ranks of one
+# The node relay's bundle (torchpass/runtime/relay.py): the frames of several ranks of one
 # node in one ZeroMQ message [RELAY_BUNDLE, pack_bundle(items)] each way (the coordinator's ROUTER
 # adds and strips the relay's own identity in front). An item is a rank's socket identity at the
 # relay and one whole request or reply of this schema, signed by its rank as when sent alone. One
 # frame, not a frame per item: pyzmq sends and reads each frame by itself, and 8,192 replies in
-# 18-frame messages took longer than the replies themselves (issue 13, cProfile at 8,192 ranks).
+# 18-frame messages took longer than the replies themselves (cProfile of the coordinator at 8,192 ranks).
 RELAY_BUNDLE = b"torchpass.bundle/1"
 
-# A fan-in (issue 13): a pause or a resume makes every rank acknowledge at once (rank.armed,
+# A fan-in: a pause or a resume makes every rank acknowledge at once (rank.armed,
 # rank.quiesced, rank.resumed), and a job's start makes every rank register at once: 8,192
 # requests at 8,192 ranks, which the coordinator answers at about FAN_IN_PER_S; the last waits
 # world / FAN_IN_PER_S. So every rank.* reply says ``reply_within_s`` (reply_within_s() times the
@@ -142,18 +142,18 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str),
         "pid": _f(int),
         "generation": _f(int, required=False),
-        # (issue 11, runtime) present once the rank refuses every pause: why
+        # present once the rank refuses every pause: why
         # (e.g. the job made a subgroup the runtime cannot move yet). The job
         # is then unprotected; it runs as without torchpass.
         "unprotected": _f(str, required=False),
-        # (issue 11, torchrun) the Slurm task the rank runs in: the key of its rank record, which
+        # (torchrun) the Slurm task the rank runs in: the key of its rank record, which
         # tpassd dumps (rankR.json, R = the task's RANK or SLURM_PROCID). Absent: the rank itself.
         # Several ranks share one task under torchrun (its workers are the task's children).
         "task": _f(int, required=False),
-        # (issue 11, torchrun) why the rank's node cannot move (e.g. torchrun's agent there
+        # (torchrun) why the rank's node cannot move (e.g. torchrun's agent there
         # serves a TCP store that every node connects to); the rest of the job stays protected.
         "pinned": _f(str, required=False),
-        # (issue 12) a copy of the rank restored from whole-job snapshot ID after a lost node
+        # a copy of the rank restored from whole-job snapshot ID after a lost node
         # (the relaunch from a snapshot): it registers again, paused at the snapshot's pause
         # point, and waits for the coordinator's resume.
         "restored": _f(str, required=False),
@@ -170,15 +170,15 @@ BODIES: dict[str, dict[str, F]] = {
         # coordinator aligns the pause point T to step boundaries)
         "boundary": _f(int, required=False),
         "boundary_step": _f(int, required=False),
-        "unprotected": _f(str, required=False),  # as in rank.register (issue 11, runtime)
-        # (issue 13, long poll) a paused rank's poll: the coordinator may hold the reply up to
+        "unprotected": _f(str, required=False),  # as in rank.register
+        # (long poll) a paused rank's poll: the coordinator may hold the reply up to
         # this many seconds (at most its wait_max_s) until the rank has a command. Sent only to a
         # coordinator whose replies carry wait_max_s.
         "wait_s": _f(float, int, required=False),
     },
     # The coordinator's reply to every rank.* message may carry, besides "command", the
     # backpressure hints "report_every_s" and "paused_every_s" (seconds): report (poll while
-    # paused) no more often than that (torchpass.runtime.control; issue 13); and "wait_max_s":
+    # paused) no more often than that (torchpass.runtime.control); and "wait_max_s":
     # it parks a rank.progress carrying wait_s (a long poll) for up to that long.
     # --- tpassd (owner: tpassd; see docs/tpassd.md) ------------------------
     # Publications on tpassd's PUB socket, multipart [topic, frame] with the
@@ -257,7 +257,7 @@ BODIES: dict[str, dict[str, F]] = {
         "generation": _f(int),
         "collectives": _f(int),
         "accepted": _f(bool),  # False: already past T (or stale generation); pick another T
-        # (issue 11, runtime) with accepted False: the rank is unprotected and
+        # with accepted False: the rank is unprotected and
         # refuses every pause (no other T will do): cancel the pause.
         "unprotected": _f(str, required=False),
     },
@@ -271,7 +271,7 @@ BODIES: dict[str, dict[str, F]] = {
         "node": _f(str),
         "pid": _f(int),  # pid as seen from the node (host pid namespace when known)
         "hold": _f(bool),  # True: it now closes its link and waits for hold_file
-        # (issue 13) a held rank: resident memory its allocator caches gave back before the dump
+        # a held rank: resident memory its allocator caches gave back before the dump
         "released_mb": _f(float, int, required=False),
     },
     "rank.resumed": {
@@ -284,7 +284,7 @@ BODIES: dict[str, dict[str, F]] = {
         "moved": _f(bool),  # its network namespace or hostname changed since start
         "cancelled": _f(bool, required=False),  # the pause was cancelled: nothing rebuilt
     },
-    # An application checkpoint (torchpass.checkpoint, issue 12) completed or failed: rank 0
+    # An application checkpoint (torchpass.checkpoint) completed or failed: rank 0
     # says so once the checkpoint's .metadata and torchpass.json are written (or it gave up).
     # The coordinator records checkpoint.completed / checkpoint.failed.
     "rank.checkpoint": {
@@ -310,7 +310,7 @@ BODIES: dict[str, dict[str, F]] = {
     # (already queued or in flight, spare not free, ranks missing),
     # bad_request (to == node).
     "job.migrate": {"node": _f(str), "to": _f(str, required=False)},
-    # --- operator -> coordinator: whole-job snapshot (tpassctl snapshot; issue 12, F) ---
+    # --- operator -> coordinator: whole-job snapshot (tpassctl snapshot) -----------------
     # Snapshot every rank, leaving the job running; the owner or an admin, proven by
     # munge (as job.migrate). Reply result: {"snapshot": ID}; follow it with job.events
     # (snapshot.completed / snapshot.failed). Errors: conflict (a migration or another
@@ -330,7 +330,7 @@ BODIES: dict[str, dict[str, F]] = {
     #               checked before any is killed, all killed at once; result also `tasks`
     #               (one {rank, pid, killed, discarded_mb} each)
     #   op "abort": the move is off: hand-off marker "abort", images discarded
-    # Whole-job snapshots (issue 12, F; torchpass.checkpoint.service._job_snapshot), `snapshot` = its id:
+    # Whole-job snapshots (torchpass.checkpoint.service._job_snapshot), `snapshot` = its id:
     #   op "snap":    dump the held rank into SNAPSHOT_DIR/snapshots/jobJ/ID/rankR (no hand-off marker);
     #                 result as dump
     #   op "commit":  (rank 0: any) verify `parts` [{rank, node, images, checksum}], write the job manifest,
@@ -558,7 +558,7 @@ def encode_ok(id: str, result: dict[str, Any] | None = None) -> bytes:
 
 def encode_result(result: dict[str, Any]) -> bytes:
     """A reply's result on its own, for encode_ok_raw: a fan-out encodes one result once for many
-    replies (the coordinator's pause and resume to every rank; issue 13)."""
+    replies (the coordinator's pause and resume to every rank)."""
     return _dump(result)
 
 

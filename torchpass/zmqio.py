@@ -349,7 +349,7 @@ def reply_for(msg: wire.Message, run: Callable[[], dict[str, Any] | None], *,
             counters["auth_failed"] = counters.get("auth_failed", 0) + 1
         log.warning("request refused", type=msg.type, error=str(exc))
         return wire.encode_error(msg.id, _error_code(exc), str(exc))
-    except Exception:  # noqa: BLE001 - a handler bug must not kill the server
+    except Exception:  # a handler bug must not kill the server
         log.exception("request handler failed", type=msg.type)
         return wire.encode_error(msg.id, "internal", f"{msg.type} failed inside the server; see its log")
 

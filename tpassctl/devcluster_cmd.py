@@ -11,7 +11,8 @@ import click
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import DEFAULT_BASE_DIR, DEFAULT_JOB_USERS
 
-name_option = click.option("--name", default="dev", show_default=True, help="Cluster name (1-8 lowercase letters/digits).")
+name_option = click.option("--name", default="dev", show_default=True,
+                           help="Cluster name (1-8 lowercase letters/digits).")
 base_option = click.option("--base-dir", type=click.Path(path_type=Path, file_okay=False), default=DEFAULT_BASE_DIR,
                            show_default=True, help="Where cluster run directories live.")
 
@@ -30,7 +31,8 @@ def devcluster():
 @name_option
 @base_option
 @click.option("--nodes", type=click.IntRange(1, 16), default=4, show_default=True)
-@click.option("--subnet", default="10.77.0", show_default=True, help="First three octets of a private /24 for the nodes.")
+@click.option("--subnet", default="10.77.0", show_default=True,
+              help="First three octets of a private /24 for the nodes.")
 @click.option("--no-tpassd", is_flag=True, help="Do not start a tpassd on each node.")
 @click.option("--user", "users", multiple=True,
               help="An ordinary job user to create if missing (repeatable) [default: tpuser1, tpuser2].")

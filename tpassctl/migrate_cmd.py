@@ -86,7 +86,8 @@ def migrate(obj, job_id, node, to, endpoints, no_drain, as_json, timeout_s):
     where = f" to {res.get('to') or to}" if (res.get("to") or to) else ""
     queued = res.get("queued_behind") or []
     after = f", queued behind {', '.join(queued)}" if queued else ""
-    click.echo(f"migration {mid} of {node}{where} accepted for job {job_id}{after}; follow it: tpassctl events {job_id}")
+    click.echo(f"migration {mid} of {node}{where} accepted for job {job_id}{after};"
+               f" follow it: tpassctl events {job_id}")
     if drained is not None and drained.get("error"):
         click.echo(f"warning: {node} not drained: {drained['error']}", err=True)
     elif drained is not None:

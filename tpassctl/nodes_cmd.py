@@ -85,7 +85,8 @@ _common = [
                  help="Ask this tpassd instead of discovering nodes from Slurm (repeatable)."),
     click.option("--control-port", type=int, default=None,
                  help="tpassd control port on nodes discovered from Slurm "
-                      "[default: control_port of tpassd's config, /etc/torchpass/tpassd.toml or $TORCHPASS_TPASSD_CONFIG]."),
+                      "[default: control_port of tpassd's config, /etc/torchpass/tpassd.toml or "
+                      "$TORCHPASS_TPASSD_CONFIG]."),
     click.option("--munge-socket", envvar="TORCHPASS_MUNGE_SOCKET", default=None,
                  help="munged socket (env TORCHPASS_MUNGE_SOCKET)."),
     click.option("--timeout", "timeout_s", type=float, default=1.0, show_default=True,

@@ -1,4 +1,4 @@
-"""`tpassctl snapshot JOBID` and `tpassctl snapshots [JOBID] [--delete ID]`: whole-job snapshots (issue 12).
+"""`tpassctl snapshot JOBID` and `tpassctl snapshots [JOBID] [--delete ID]`: whole-job snapshots.
 
 ``snapshot`` asks the job's coordinator (munge: the job's owner or an
 admin) to save every rank and leave the job running; it prints the
@@ -28,8 +28,7 @@ from typing import Any
 import click
 
 from torchpass import auth, jobdir, layout, zmqio
-from torchpass.checkpoint import safeio
-from torchpass.checkpoint import job_manifest
+from torchpass.checkpoint import job_manifest, safeio
 from torchpass.errors import AuthError, DependencyError, RemoteError, TorchpassError, UnreachableError
 from torchpass.slurm.conf import job_privacy
 from torchpass.tpassd_ports import tpassd_ports

@@ -1,4 +1,4 @@
-"""One fault drill of a training job on the devcluster, for any script (issue 11).
+"""One fault drill of a training job on the devcluster, for any script.
 
 ``Drill`` names a job: a script written into the job dir (beside
 examples/train_ddp.py, whose ``setup_env`` it may import), its arguments,
@@ -150,7 +150,7 @@ def migrate(cluster, d: Drill, job_dir: Path, user: str | None, seed: int, jobs:
     out_path = job_dir / f"mig.{job_id}.out"
     wait_step(cluster, job_id, out_path, at, what)
     if d.per_node > 1:
-        # The ranks of a node share one connection to the coordinator (the node relay, issue 13).
+        # The ranks of a node share one connection to the coordinator (the node relay).
         end, conns = time.monotonic() + 5, -1
         while conns != d.nodes and time.monotonic() < end:
             conns = coordinator_connections(cluster, job_id, (*d.training_nodes, d.spare))

@@ -1,8 +1,8 @@
-"""An admin's `tpassctl migrate` of an ordinary user's job drains the healthy node (issue 9, "Drains
-by root"): root runs tpassctl, the job's coordinator (the job user) accepts and carries out the
+"""An admin's `tpassctl migrate` of an ordinary user's job drains the healthy node (drains by root):
+root runs tpassctl, the job's coordinator (the job user) accepts and carries out the
 move, and tpassctl asks the node's own tpassd to drain it; tpassd grants it because munge proves
 the requester is root. The owner's own request leaves a healthy node in service
-(test_migration.py). On 5ac7044 nobody drained the node after an admin's request of a user's job.
+(test_migration.py). Without the drain nobody drains the node after an admin's request of a user's job.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torchpass.checkpoint in an ordinary user's --torchpass job, through a live migration (issue 12, deliver 4).
+"""torchpass.checkpoint in an ordinary user's --torchpass job, through a live migration.
 
 examples/train_checkpointed.py (train_ddp.py plus ``Checkpointer``, a save every 5 steps) runs
 as tpuser1 under plain sbatch (the reference) and under ``--torchpass=spares=1`` with an ECC

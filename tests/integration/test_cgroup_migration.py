@@ -1,4 +1,4 @@
-"""A migration under Slurm's cgroup plugins, as production clusters run them (issue 9, item 6).
+"""A migration under Slurm's cgroup plugins, as production clusters run them.
 
 A devcluster of its own (``DevclusterSpec(cgroups=True)``: proctrack/cgroup,
 task/cgroup + task/affinity, ConstrainCores, ConstrainRAMSpace, cgroup v1;

@@ -1,4 +1,4 @@
-"""Never left paused, never silently off (issue 9): the coordinator killed mid-move, slurmctld away.
+"""Never left paused, never silently off: the coordinator killed mid-move, slurmctld away.
 
 Every job is ``sbatch -N4 --torchpass=spares=1,policy=tpcoordloss-c`` of
 examples/train_ddp.py (3 gloo DDP ranks on node1..node3, hot spare node4),

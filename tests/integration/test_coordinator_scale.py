@@ -21,7 +21,7 @@ RANKS = 512
 
 pytestmark = pytest.mark.integration
 
-# Before issue 13's fixes (2026-12-03, load average 2-3) this coordinator answered 528 of the
+# Without batched decisions and paced ranks (2026-12-03, load average 2-3) the coordinator answered 528 of the
 # 1,024 reports/s wanted, and 551 requests timed out during the pauses. Now it decides once per
 # batch of messages and paces the ranks (report_every_s): see docs/benchmarks.md.
 @pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""A DDP job whose DataLoader has 2 worker processes (issue 11, deliver 5): unprotected, no harm.
+"""A DDP job whose DataLoader has 2 worker processes: unprotected, no harm.
 
 The script (knows nothing about torchpass): gloo DDP, 2 ranks, one per
 training node; its batches come from ``DataLoader(num_workers=2,
@@ -12,9 +12,9 @@ sockets of its children and says it is unprotected in one line (an event
 records it; the first refusal cancels the pause for all), the coordinator
 rolls the move back and training goes on: the job keeps its id, Restarts=0,
 ends COMPLETED 0:0, and every step appears exactly once per rank with the
-losses of the same script under plain sbatch, bit for bit. (On 5ac7044 the
-ranks paused, the dump failed on the sockets after the pause, and the job
-never said it was unprotected.)
+losses of the same script under plain sbatch, bit for bit. (Without the socket check the
+ranks pause, the dump fails on the sockets after the pause, and the job
+never says it is unprotected.)
 
 Randomness: node and step from one seed, printed; ``TORCHPASS_TEST_SEED=N``
 replays a run.

@@ -1,4 +1,4 @@
-"""Do no harm (issue 11, deliver 1): what the runtime does not protect runs as without --torchpass.
+"""Do no harm: what the runtime does not protect runs as without --torchpass.
 
 One batch script, run by the tests' ordinary job user twice on 2 nodes (1
 rank each): under plain sbatch (the reference) and under ``--torchpass``.

@@ -1,4 +1,4 @@
-"""A full image disk on the devcluster rolls the move back with a clear event (issue 9, deliver 5).
+"""A full image disk on the devcluster rolls the move back with a clear event.
 
 The bad node's snapshot_dir is a small tmpfs, mounted over
 the devcluster's shared snapshot_dir for this test in that node's mount namespace only

@@ -1,4 +1,4 @@
-"""A training node lost outright (issue 12): with no restore point Slurm's normal behaviour
+"""A training node lost outright: with no restore point Slurm's normal behaviour
 applies, with a clear event; with an application checkpoint the job's step is relaunched.
 
 The first test:

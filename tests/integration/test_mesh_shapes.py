@@ -1,4 +1,4 @@
-"""Real training shapes move on the devcluster (issue 11, subgroups: "Done means").
+"""Real training shapes move on the devcluster.
 
 examples/train_parallel.py, a script that knows nothing about torchpass and
 makes its own process groups from its first lines, in three layouts:

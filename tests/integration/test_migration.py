@@ -1,4 +1,4 @@
-"""Live migration end to end on the devcluster (issue 4).
+"""Live migration end to end on the devcluster.
 
 Every job is ``sbatch -N4 --torchpass=spares=1`` of a 3-rank gloo DDP job
 (examples/train_ddp.py, unchanged): node1..node3 train, node4 is the hot

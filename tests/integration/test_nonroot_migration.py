@@ -1,4 +1,4 @@
-"""An ordinary user's moved rank, looked at from the kernel and Slurm (issue 9, deliver 1).
+"""An ordinary user's moved rank, looked at from the kernel and Slurm.
 
 test_migration.py and test_second_fault.py run the drills (a move, a rollback,
 a second move, a called-off second move) as the job user and compare losses.

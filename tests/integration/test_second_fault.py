@@ -1,4 +1,4 @@
-"""Two faults on two different nodes of one job, handled one after the other (issue 4).
+"""Two faults on two different nodes of one job, handled one after the other.
 
 ``sbatch -N3 --torchpass=spares=1`` of a 2-rank gloo DDP job
 (examples/train_ddp.py, unchanged): node1 and node2 train, node3 is the hot

@@ -1,4 +1,4 @@
-"""Whole-job snapshots, leave-running (issue 12), of a 3-node job, as the ordinary job user.
+"""Whole-job snapshots, leave-running, of a 3-node job, as the ordinary job user.
 
 `tpassctl snapshot` at a random step: every rank pauses at one collective and is dumped by its node's
 tpassd, then resumes in place; the job ends COMPLETED 0:0, never requeued, with the losses of the same

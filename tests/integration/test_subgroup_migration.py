@@ -1,4 +1,4 @@
-"""A DeviceMesh job moves like a DDP job (issue 11, subgroups).
+"""A DeviceMesh job moves like a DDP job.
 
 The job: data x tensor parallel on a 2-D CPU DeviceMesh, 6 ranks, 2 per
 node: ``init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))``,

@@ -1,12 +1,12 @@
-"""A job that ends during a move leaves no image, hold file or process (issue 9: "scancel during
-a migration leaves no process, image or hold file behind"; tpassd/sweep.py).
+"""A job that ends during a move leaves no image, hold file or process (scancel during a
+migration leaves no process, image or hold file behind; tpassd/sweep.py).
 
-The move is stood in for as the issue allows: tpassd dumps a rank of an ordinary user's running
+The move is stood in for: tpassd dumps a rank of an ordinary user's running
 --torchpass job (left running, as the first phase of a move leaves it), the user's coordinator
 would have written a hold file, and the user also planted a symlink among the hold files. Then the
 job is cancelled, and either the node's Epilog helper (``tpassd --sweep-job``) runs inside the
 node, or the node's tpassd sweeps on its own (at its start; then every sweep_interval_s).
-On 5ac7044 the images and the hold files stayed (there was no sweep)."""
+Without tpassd/sweep.py the images and the hold files stay."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_bu
     assert not layout.job_dir(cluster.state_dir, job_id).exists()
 
 
-# Steps whose outcome the task wrapper must not change (issue 11, do no harm): stdin that
+# Steps whose outcome the task wrapper must not change: stdin that
 # srun forwards, an exit code, a step ended by SIGKILL (srun's answer to a SIGTERM) and
 # one ended by scancel's SIGTERM. The task output goes through the wrapper's relay.
 TRANSPARENT_STEPS = """#!/bin/bash

@@ -1,4 +1,4 @@
-"""``srun torchrun`` under --torchpass: a degrading node's workers move (issue 11, deliver 3).
+"""``srun torchrun`` under --torchpass: a degrading node's workers move.
 
 The job (as the tests' ordinary user, 3 training nodes): ``srun torchrun
 --nnodes=3 --nproc-per-node=2 --rdzv-backend=c10d
@@ -23,8 +23,8 @@ per worker with the reference's losses bit for bit; each worker's
 ``TORCHELASTIC_RESTART_COUNT`` still 0 at the end (the agent never saw a
 worker die); one ``migration.completed`` for the drilled node with both of
 its workers moved; the store's node answered by ``migration.skipped`` naming
-the store; no ``unprotected`` line. (On 17f4b54 every torchrun job ran
-unprotected: the drill was answered by migration.skipped.)
+the store; no ``unprotected`` line. (Without the task key every torchrun
+job runs unprotected: the drill is answered by migration.skipped.)
 
 A second job uses docs/runtime.md's recipe (the batch script serves the rendezvous store, no
 agent hosts it) in torchrun's elastic form, ``--nnodes=2:3``, and the drill lands on node1.

@@ -17,7 +17,7 @@ def _harness():
 
 def test_the_default_connection_is_the_node_relays_and_the_earlier_ones_stay_available():
     # torchpass.runtime.control sends every request through its node's relay, one connection per
-    # node (torchpass.runtime.relay; issue 13), and the relay's constants are the harness's.
+    # node (torchpass.runtime.relay), and the relay's constants are the harness's.
     h = _harness()
     parser = h.arg_parser()
     assert parser.parse_args([]).connection == "relay"
@@ -30,7 +30,7 @@ def test_the_default_connection_is_the_node_relays_and_the_earlier_ones_stay_ava
 
 
 def test_paused_ranks_long_poll_by_default_and_the_old_polling_stays_available():
-    # torchpass.runtime.control long-polls while paused (wait_s; issue 13).
+    # torchpass.runtime.control long-polls while paused (wait_s).
     parser = _harness().arg_parser()
     assert parser.parse_args([]).paused_poll == "long"
     assert parser.parse_args(["--paused-poll", "both"]).paused_poll == "both"

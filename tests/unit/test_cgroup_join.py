@@ -1,4 +1,4 @@
-"""The restore agent joins its task's cgroups before criu restores into them (issue 9):
+"""The restore agent joins its task's cgroups before criu restores into them:
 torchpass.checkpoint.cgroup_join, on a fake /proc and on the machine's own cgroup v1 freezer."""
 from __future__ import annotations
 

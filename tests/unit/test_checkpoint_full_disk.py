@@ -1,4 +1,4 @@
-"""A full image disk and an aborted dump of a GPU rank (issue 9, "never left paused").
+"""A full image disk and an aborted dump of a GPU rank (never left paused).
 
 Real CRIU dumps a real rank into a small tmpfs mounted in a private mount
 namespace (``unshare -m``: the mount vanishes with the namespace, nothing to

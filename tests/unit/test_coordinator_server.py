@@ -7,6 +7,8 @@ import time
 import pytest
 import zmq
 
+from support.fake_slurm import FakeSlurm
+from support.wait import until
 from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import server as srv
@@ -18,9 +20,6 @@ from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
 from torchpass.health_state import State
 from torchpass.slurm.base import JobInfo
-
-from support.fake_slurm import FakeSlurm
-from support.wait import until
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """The coordinator's open-file limit: raised to the hard limit at start, with one line when even
-that is below what the job's ranks need (issue 13: a kept connection per rank)."""
+that is below what the job's ranks need (a kept connection per rank)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several ranks of one node dumped at once (issue 11, deliver 4), and the working directory
+"""Several ranks of one node dumped at once, and the working directory
 that makes it possible.
 
 CRIU's parasite, inside the root of each dumped tree (tpass-init, PID 1 of the

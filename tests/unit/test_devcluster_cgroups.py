@@ -1,4 +1,4 @@
-"""The devcluster's cgroup mode (torchpass/devcluster/cgroups.py; issue 9): each node's cgroup
+"""The devcluster's cgroup mode (torchpass/devcluster/cgroups.py): each node's cgroup
 subtree and namespace, Slurm's configuration for it, and its removal. The pure parts run
 against trees under tmp_path; one test makes a node's subtree in this machine's real cgroup v1
 hierarchies (root) and checks what a slurmd started by it would see, and that it is removed."""

@@ -1,4 +1,4 @@
-"""tpassd dumps an ordinary user's rank tree rooted at the plugin's tpass-init (issue 9, deliver 1).
+"""tpassd dumps an ordinary user's rank tree rooted at the plugin's tpass-init.
 
 The rank record names the tree's root (``pid``: tpass-init, the wrapper's
 child) and the rank (``rank_pid``: tpass-init's child). tpassd checks both

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
+from support.wait import until
 from torchpass import layout
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
@@ -22,9 +24,6 @@ from torchpass.coordinator.executor import Driver, Executor, resume_port
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError
-
-from support.fake_slurm import FakeSlurm
-from support.wait import until
 
 
 class FakeTpassd:

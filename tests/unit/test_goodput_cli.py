@@ -265,7 +265,7 @@ def test_weibull_flag_reaches_the_simulator():
     assert sim["failure_process"] == "weibull(shape=0.7)"
 
 
-# --measured --model-size: the migration pause of the model the user asks about (issue 13, item 4)
+# --measured --model-size: the migration pause of the model the user asks about
 def _by_model_results(path: Path) -> Path:
     # As bench_migration writes it: the headline "mean" is the largest model's stall.
     path.write_text(json.dumps({

@@ -159,7 +159,7 @@ def test_check_publication_ranges():
 
 
 def test_many_publishers_are_read_by_readiness_and_a_flood_starves_no_other():
-    """The subscriber waits on its sockets' ZMQ_FDs with epoll (issue 13: a zmq.Poller walked all
+    """The subscriber waits on its sockets' ZMQ_FDs with epoll (a zmq.Poller walked all
     1,025 sockets per publication). Every publication of every publisher is read, a burst queued
     on one socket beyond DRAIN_MAX included, and another publisher's is read meanwhile."""
     from torchpass import health

@@ -1,4 +1,4 @@
-"""A node lost outright (issue 12): its tpassd falls silent; the coordinator asks slurmctld, and
+"""A node lost outright: its tpassd falls silent; the coordinator asks slurmctld, and
 only when slurmctld does not hear the node either is it lost: one ``node.lost`` event that says
 no snapshot exists and what Slurm will do, ``HandToSlurm``, no pause, no migration.
 

@@ -1,7 +1,7 @@
 """An admin's `tpassctl migrate` of another user's job drains the (healthy) node through its
-tpassd; the owner's own request does not (issue 9, "Drains by root"). A real tpassd on loopback
+tpassd; the owner's own request does not (drains by root). A real tpassd on loopback
 (munge-authenticated, Slurm faked for the job's owner and the drain itself) and a stub
-coordinator that accepts the move. On 5ac7044 tpassctl never asked tpassd to drain."""
+coordinator that accepts the move. Without the drain request tpassctl leaves the node in service."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
+from support.fake_slurm import FakeSlurm
 from torchpass import layout, zmqio
 from torchpass.coordinator.server import write_registration
 from tpassctl.cli import cli
 from tpassctl.migrate_cmd import admin_moves_others_job, migrate
 from tpassd.daemon import Tpassd
 from tpassd.testing import fake_node_config
-
-from support.fake_slurm import FakeSlurm
 
 if migrate.name not in cli.commands:
     cli.add_command(migrate)

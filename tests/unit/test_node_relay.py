@@ -1,4 +1,4 @@
-"""The node relay: the ranks of a node share one connection to the coordinator (issue 13).
+"""The node relay: the ranks of a node share one connection to the coordinator.
 
 Real links (torchpass.runtime.control.ControlLink, their real threads) and a real relay
 (torchpass.runtime.relay.NodeRelay) against the stand-in coordinator of test_runtime_control (a

@@ -1,4 +1,4 @@
-"""The one send/recv pattern the pause does not cover, and that it does no harm (issue 11).
+"""The one send/recv pattern the pause does not cover, and that it does no harm.
 
 Three gloo ranks train (gradients all-reduced by hand, the loss all-reduced after the step);
 ranks 0 and 1 alone exchange a tensor by send/recv on the default group between the step's last

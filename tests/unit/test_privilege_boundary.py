@@ -24,14 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import until
 from torchpass import auth, layout, wire
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import procs, rankwrap, safeio
 from torchpass.checkpoint.criu import find_criu
 from torchpass.checkpoint.service import CheckpointService
 from torchpass.errors import RemoteError
-
-from support.wait import until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays root (tpassd) against a user: needs root")
 

@@ -1,4 +1,4 @@
-"""A move rolled back after its restore succeeded (issue 4, second move of a rank).
+"""A move rolled back after its restore succeeded (the second move of a rank).
 
 The rank moved node2 -> node3 once (its first task wrapper, the one Slurm
 tracks, waits for the moved rank's exit code); it is moved again node3 ->
@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import until
 from torchpass import auth, layout, wire
 from torchpass.errors import RemoteError
 from torchpass.checkpoint import rankwrap as rw
 from torchpass.checkpoint.criu import tree_pids
 from torchpass.checkpoint.service import CheckpointService
-
-from support.wait import until
 
 ROOT = auth.Identity(uid=0, gid=0)
 JOB, RANK = 5, 1

@@ -1,4 +1,4 @@
-"""The rank wrapper's --restore-snapshot (a step relaunched from a whole-job snapshot, issue 12):
+"""The rank wrapper's --restore-snapshot (a step relaunched from a whole-job snapshot):
 which images it asks the root agent for, and the one line it says when it cannot."""
 
 from __future__ import annotations

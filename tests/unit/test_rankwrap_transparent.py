@@ -1,4 +1,4 @@
-"""The task wrapper does not change what a task sees (issue 11, do no harm).
+"""The task wrapper does not change what a task sees.
 
 Real wrappers (``python -m torchpass.checkpoint.rankwrap``) around real tasks,
 as root (the wrapper makes the rank's PID namespace) and as an ordinary user

@@ -109,8 +109,8 @@ def pause(at: int, gen: int, **kw) -> dict:
 @pytest.mark.parametrize("mode", ["missing", "wrong-key", "other-seq", "forged-field"])
 def test_a_forged_reply_is_dropped_and_the_real_one_taken(peers, tmp_path, capfd, mode):
     # Report 2 is answered twice: first a forged pause (at 5, generation 3), then the genuine
-    # empty answer; report 6 gets a genuine pause (at 9, generation 4). On 1df7b05 the link obeyed
-    # the first answer to come: it armed the forged pause.
+    # empty answer; report 6 gets a genuine pause (at 9, generation 4). A link that obeys
+    # the first answer to come arms the forged pause.
     pg = FakePG(size=2, rank=RANK)
     peer = peers({2: [[mode, pause(5, 3)], ["good", {}]], 6: [["good", pause(9, 4)]]})
     link = start_link(peer.endpoint, pg, tmp_path)
@@ -233,7 +233,7 @@ def test_a_hold_file_elsewhere_is_refused(peers, tmp_path, capfd, case):
     # A pause that comes sealed (its coordinator is the job's) but names a hold file outside the
     # layout's place for this rank: the file's contents could send a restored copy to another
     # coordinator and secret. The rank refuses the pause as unprotected (rank.armed accepted
-    # false, with why), never arms, and trains on. On 1df7b05 it armed and would have held.
+    # false, with why), never arms, and trains on. A rank that trusted the hold file would arm and hold.
     hold = _elsewhere(tmp_path)[case]
     pg = FakePG(size=2, rank=RANK)
     peer = peers({2: [["good", pause(5, 3, hold_file=hold)]]})

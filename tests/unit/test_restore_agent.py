@@ -1,4 +1,4 @@
-"""The root restore agent trusts only Slurm and its own checks (issue 9, deliver 1).
+"""The root restore agent trusts only Slurm and its own checks.
 
 The agent runs as root in an ordinary user's restore step
 (torchpass.checkpoint.restore_agent). Everything the user hands it (the

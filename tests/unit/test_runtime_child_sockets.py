@@ -1,5 +1,5 @@
 """``child_sockets``: the sockets a rank's descendants hold, which make its tree undumpable
-(issue 11, deliver 5; DataLoader workers). Real processes: a child and a grandchild."""
+(DataLoader workers). Real processes: a child and a grandchild."""
 
 from __future__ import annotations
 

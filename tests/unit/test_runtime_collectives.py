@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
                       "cancelled": cancelled}), flush=True)
     # plain torch 2.13 sometimes aborts at a normal exit after destroy_process_group with tensors
     # still alive ("terminate called without an active exception"; docs/runtime.md, "Unprotected
-    # jobs"): seen here twice in a row under load on 17f4b54's successor
+    # jobs"): seen here twice in a row under load
     os._exit(0)
     """
 )

@@ -1,4 +1,4 @@
-"""torchrun's workers are ranks, and the other fallbacks tell the coordinator (issue 11, deliver 1, 3).
+"""torchrun's workers are ranks, and the other fallbacks tell the coordinator.
 
 A worker of torchrun (``TORCHELASTIC_RUN_ID`` in its environment) gets a
 ``ReconfigurablePG`` like a task srun started; its first store is its agent's
@@ -17,8 +17,8 @@ boot/sitecustomize.py as in a job, against a MiniCoordinator, in two forms:
 Each: the same losses bit for bit as with the runtime switched off, a pause in
 the middle of training where both workers hold and close every socket, a
 resume at a new rendezvous, exit 0 and ``TORCHELASTIC_RESTART_COUNT`` 0; each
-worker registers its task (the rank wrapper's ``TORCHPASS_TASK``). (On
-17f4b54 every worker fell back to torch's own group, unprotected.)
+worker registers its task (the rank wrapper's ``TORCHPASS_TASK``). (Without
+the task key every worker falls back to torch's own group, unprotected.)
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_torchrun_workers_are_ranks_that_pause_hold_and_resume_bit_identically(t
 
 def test_a_fallback_for_a_store_of_the_script_tells_the_coordinator_too(tmp_path):
     """The same report from every fallback that started training: here init_process_group(store=...)
-    (on e994c1d such a rank never spoke to the coordinator: no event, status showed nothing)."""
+    (without the report such a rank never speaks to the coordinator: no event, status shows nothing)."""
     with MiniCoordinator(world_size=2, job_id=JOB_ID) as coord:
         outs, errs = run_ranks(SCRIPT, 2, tmp_path, "store", runtime=True, env={"FORM": "store"}, timeout=120,
                                job_id=JOB_ID, coordinator=coord.endpoint)

@@ -1,4 +1,4 @@
-"""The runtime's modules import each other in one direction only (issue 10):
+"""The runtime's modules import each other in one direction only:
 no cycle, counting imports inside functions too."""
 
 from __future__ import annotations

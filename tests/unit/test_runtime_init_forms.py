@@ -1,4 +1,4 @@
-"""The common ways of starting a job, with and without the runtime (issue 11, deliver 6).
+"""The common ways of starting a job, with and without the runtime.
 
 Each form runs as 2 real gloo ranks on 127.0.0.1, once with the runtime
 loaded through boot/sitecustomize.py and once with it switched off
@@ -14,8 +14,8 @@ why in one line.
 * a store passed by the script: do no harm (unprotected, one line).
 * under srun without RANK/WORLD_SIZE (only SLURM_PROCID/SLURM_NTASKS): torch
   fails (its env:// rendezvous reads no SLURM_* variable); with the runtime it
-  fails the same way, with the same exit code (on 5ac7044 the runtime read
-  SLURM_PROCID and the job ran where it fails without torchpass).
+  fails the same way, with the same exit code (a runtime that read
+  SLURM_PROCID would run the job where it fails without torchpass).
 """
 
 from __future__ import annotations

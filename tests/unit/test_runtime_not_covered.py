@@ -1,4 +1,4 @@
-"""Collective patterns the pause does not fully cover do no harm (issue 11).
+"""Collective patterns the pause does not fully cover do no harm.
 
 ``_coalescing_manager``: two gloo ranks run blocks of two all_reduces inside ``dist._coalescing_manager`` (synchronous in
 even steps, ``async_ops=True`` with ``cm.wait()`` in odd ones), then one plain all_reduce per step.

@@ -1,4 +1,4 @@
-"""Subgroups under the runtime, driven through the control link (issue 11).
+"""Subgroups under the runtime, driven through the control link.
 
 A job that makes process groups besides the default one (new_group,
 DeviceMesh) runs exactly as without the runtime (same losses bit for bit,

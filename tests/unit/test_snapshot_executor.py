@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
+from test_executor import _pump_until
 from torchpass import layout
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Driver, Executor
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.state import JobState
 from torchpass.errors import RemoteError
-from test_executor import _pump_until
 from torchpass.slurm.base import StepInfo
-
-from support.fake_slurm import FakeSlurm
 
 NODES = ("n1", "n2", "n3")
 

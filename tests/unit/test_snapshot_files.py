@@ -1,4 +1,4 @@
-"""Files a rank keeps appending to after a leave-running snapshot (issue 12: logs, metrics).
+"""Files a rank keeps appending to after a leave-running snapshot (logs, metrics).
 
 A whole-job snapshot leaves the job running, so by the time it is restored the rank's log has
 grown, or been rotated or removed. What CRIU 4.1.1 does then, with torchpass's own dump and

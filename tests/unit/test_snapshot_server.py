@@ -1,4 +1,4 @@
-"""`job.snapshot` on the coordinator's socket (issue 12): the job's owner or an admin, proven by munge;
+"""`job.snapshot` on the coordinator's socket: the job's owner or an admin, proven by munge;
 accepted, it queues the snapshot and records who asked; a second one, or one beside a migration, is a
 conflict; anyone else is forbidden."""
 

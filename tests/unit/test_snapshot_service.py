@@ -1,4 +1,4 @@
-"""Whole-job snapshots on tpassd's side (issue 12): a real CRIU dump into the snapshot's own directory
+"""Whole-job snapshots on tpassd's side: a real CRIU dump into the snapshot's own directory
 (no hand-off marker), the root-written job manifest (checked parts, owner-only), retention, deletion,
 and `tpassctl snapshots` listing only what the caller may see."""
 

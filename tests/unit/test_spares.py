@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from support.fake_slurm import FakeSlurm
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
@@ -15,8 +16,6 @@ from torchpass.coordinator.state import JobState
 from torchpass.errors import SlurmError
 from torchpass.health import HealthSubscriber
 from torchpass.slurm.base import StepInfo
-
-from support.fake_slurm import FakeSlurm
 
 
 def _slurm(*, grant="n4", merge_fails=False, steps=()) -> FakeSlurm:

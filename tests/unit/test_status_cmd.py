@@ -7,13 +7,12 @@ import threading
 import pytest
 from click.testing import CliRunner
 
+from support.fake_slurm import FakeSlurm
+from torchpass import zmqio
 from torchpass.coordinator.server import CoordinatorServer, write_registration
 from torchpass.coordinator.state import JobState
-from torchpass import zmqio
 from tpassctl import status_cmd
 from tpassctl.cli import cli
-
-from support.fake_slurm import FakeSlurm
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Subgroups are reconfigurable (issue 11): pauses of jobs that make their own groups.
+"""Subgroups are reconfigurable: pauses of jobs that make their own groups.
 
 Real gloo, several ranks on 127.0.0.1, the runtime loaded through
 boot/sitecustomize.py as in a job. Each rank arms its default group itself

@@ -1,4 +1,4 @@
-"""torchrun's agent lets go of its rendezvous connection while its node moves (issue 11, deliver 3).
+"""torchrun's agent lets go of its rendezvous connection while its node moves.
 
 * ``ReconnectingStore``: the agent's c10d client. ``hold()`` waits for the
   call in flight, then closes the connection (no socket left: CRIU can dump

@@ -1,4 +1,4 @@
-"""tpass-init, PID 1 of a rank's PID namespace, with the real rank wrapper (issue 9, deliver 1).
+"""tpass-init, PID 1 of a rank's PID namespace, with the real rank wrapper.
 
 What the SPANK plugin's task_init_privileged does, done here by a small
 root script: unshare(CLONE_NEWPID), fork, exec slurm_spank/tpass-init UID

@@ -1,8 +1,8 @@
-"""tpassd's control endpoint never blocks one request on another (issue 9, "Every control request
-has a deadline, so no request can block another"). Real ZeroMQ sockets on 127.0.0.1; the slow
+"""tpassd's control endpoint never blocks one request on another (every control request
+has a deadline, so no request can block another). Real ZeroMQ sockets on 127.0.0.1; the slow
 handlers are fakes that sleep: the point is the concurrency, not CRIU.
 
-On 5ac7044 one thread served every request in turn, so a health request waited for a dump."""
+With one thread serving every request in turn, a health request would wait for a dump."""
 
 from __future__ import annotations
 

@@ -10,15 +10,13 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+from support.fake_slurm import FakeSlurm
 from torchpass import auth, wire, zmqio
 from torchpass.errors import RemoteError
 from torchpass.health import HealthSubscriber, State
 from tpassd.collectors.base import Collector
 from tpassd.daemon import Tpassd
 from tpassd.testing import call, credential_as, fake_node_config, wait_for
-
-from support.fake_slurm import FakeSlurm
-
 
 SLURM_USER = 64030
 

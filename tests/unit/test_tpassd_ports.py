@@ -1,7 +1,6 @@
 """Every tpassd port is configurable, and tpassd's callers read the ports from tpassd's own
-configuration (torchpass/tpassd_ports.py; issue 9, "the coordinator reads tpassd's ports from the
-same configuration"). On 5ac7044 callers used the defaults of torchpass/ports.py whatever tpassd
-was configured with (there was no torchpass/tpassd_ports.py)."""
+configuration (torchpass/tpassd_ports.py). Without it, callers would use the defaults of torchpass/ports.py
+whatever tpassd was configured with."""
 
 from __future__ import annotations
 

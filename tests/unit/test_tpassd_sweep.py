@@ -1,7 +1,7 @@
 """tpassd removes an ended job's migration images and hold files, and follows no link a user
-planted (tpassd/sweep.py; issue 9, "Migration images are removed when the job ends, whatever way it
-ends"). Slurm's job list comes from a fake client (the Tpassd/Sweeper seam for the Slurm client);
-every path and process is real. On 5ac7044 nothing removed them (there was no tpassd/sweep.py)."""
+planted (tpassd/sweep.py: migration images are removed when the job ends, whatever way it ends).
+Slurm's job list comes from a fake client (the Tpassd/Sweeper seam for the Slurm client);
+every path and process is real. Without tpassd/sweep.py nothing removes them."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import sys
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
 from torchpass import layout
 from tpassd.main import sweep_job
 from tpassd.sweep import Sweeper, dump_processes
 from tpassd.testing import wait_for
-
-from support.fake_slurm import FakeSlurm
 
 
 @pytest.fixture(autouse=True)
@@ -179,8 +178,8 @@ def test_tpassd_sweeps_at_start(tmp_path, munge):
 
 
 def test_sweep_interval_is_validated(tmp_path):
-    from tpassd.config import load_config
     from torchpass.errors import ConfigError
+    from tpassd.config import load_config
 
     assert load_config(tmp_path / "none.toml", flags={"sweep_interval_s": 0}).sweep_interval_s == 0
     with pytest.raises(ConfigError, match="sweep_interval_s must be 0"):

@@ -200,7 +200,7 @@ def test_the_coordinator_serves_signed_rank_requests_over_one_connection(ctx):
 
 
 def test_a_wait_given_up_returns_none_and_keeps_the_connection(peer_factory, ctx):
-    # A long poll (issue 13): the server holds the first request; the client gives the wait up when
+    # A long poll: the server holds the first request; the client gives the wait up when
     # asked to (a report to send), and its next request goes over the same connection; the held
     # request's late answer is never taken for the next one's.
     held: list[bytes] = []

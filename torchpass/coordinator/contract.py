@@ -160,13 +160,13 @@ class HandToSlurm:
 
 @dataclass(frozen=True)
 class Relaunch:
-    """A node of the job is lost outright and the job has a restore point (an application
-    checkpoint that torchpass.checkpoint reported complete, or a whole-job snapshot): start the job's training step again
-    on the surviving nodes with the spare in the lost node's place. The executor rewrites the
-    job's host file (the lost node's lines name the spare) and writes the relaunch verdict that
-    srun's exit hook (the SPANK plugin) reads: the user's srun, ended by Slurm for the node
-    failure, execs itself again with its own arguments and environment, and the job script's
-    srun takes the relaunched step's exit status. No outcome: the relaunched ranks register."""
+    """A node of the job is lost outright and the job has a restore point (an application checkpoint
+    that torchpass.checkpoint reported complete, or a whole-job snapshot): start the job's training
+    step again on the surviving nodes with the spare in the lost node's place. The executor rewrites
+    the job's host file (the lost node's lines name the spare) and writes the relaunch verdict that
+    srun's exit hook (the SPANK plugin) reads: the user's srun, ended by Slurm for the node failure,
+    execs itself again with its own arguments and environment, and the job script's srun takes the
+    relaunched step's exit status. No outcome: the relaunched ranks register."""
 
     count: int  # relaunches decided in this job so far, this one included
     replaced: tuple[tuple[str, str], ...]  # (lost node, the spare in its place)
@@ -221,7 +221,7 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-# --- whole-job snapshots (tpassctl snapshot; issue 12) -------------------------------
+# --- whole-job snapshots (tpassctl snapshot) ----------------------------------------
 @dataclass(frozen=True)
 class DumpRank:
     """tpassd on ``node``: CRIU dump of the quiesced, held ``rank`` into job snapshot ``snapshot``
@@ -510,7 +510,7 @@ class SlurmReachability:
     why: str = ""
 
 
-# --- whole-job snapshots (issue 12) ------------------------------------------------------
+# --- whole-job snapshots ---------------------------------------------------------------
 @dataclass(frozen=True)
 class OperatorSnapshot:
     """`tpassctl snapshot JOBID`: take snapshot ``snapshot`` (its id, chosen when accepted)."""

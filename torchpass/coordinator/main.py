@@ -24,15 +24,15 @@ from torchpass.coordinator.state import JobState
 from torchpass.coordinator.stopped import read_stopped
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
-from torchpass.tpassd_ports import tpassd_ports
 from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy, slurm_munge_socket
+from torchpass.tpassd_ports import tpassd_ports
 
 MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and headroom above it
 # Open files: every rank keeps a connection (torchpass.zmqio.Client), and a rank whose request
 # timed out makes a new one before the old one is gone; each node's tpassd has a subscription and
 # a control connection; the rest (log, state files, zmq's own fds) fits in the slack. The soft
-# limit a job's processes start with is often 1,024: too few for 8,192 ranks (issue 13).
+# limit a job's processes start with is often 1,024: too few for 8,192 ranks.
 FDS_PER_RANK = 2
 FDS_PER_NODE = 2
 FDS_SLACK = 256
@@ -152,7 +152,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
     try:
         pubs = {n: (f"tcp://{address_of(n)}:{ports.pub_port}", f"tcp://{address_of(n)}:{tp.port}") for n in nodes}
         # One SUB socket per node on the shared context, whose default limit is 1,023 sockets (a
-        # 1,024-node job needs more; issue 13). Set before the context makes its first socket.
+        # 1,024-node job needs about 2,050). Set before the context makes its first socket.
         zmq.Context.instance().set(zmq.MAX_SOCKETS, max(MIN_MAX_SOCKETS, 2 * len(pubs) + MIN_MAX_SOCKETS))
 
         def on_change(_view, _before) -> None:
@@ -187,7 +187,8 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
 @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Shared torchpass state directory; registration goes to STATE_DIR/jobs/JOBID/.")
-@click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True, help="Hot spare nodes in the allocation.")
+@click.option("--spares", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Hot spare nodes in the allocation.")
 @click.option("--policy", default="default", show_default=True, help="Policy name (from --torchpass=policy=).")
 @click.option("--snapshot-every", "snapshot_every", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Seconds between periodic whole-job snapshots (--torchpass=snapshot_every=); "

@@ -79,7 +79,7 @@ class CoordinatorPolicy:
     # the pause leaves in the reply at once (milliseconds), so only the
     # decision and the reply's way to the rank are left to cover. T nearer by
     # (0.5 - 0.1) s x the job's rate: at 10M on the devcluster about one step
-    # (docs/benchmarks.md, "Decision to standstill").
+    # (docs/benchmark-history.md, "Decision to standstill").
     pause_slack_listening_s: float = 0.1
     # The pause to every long-polling rank leaves as one batch of replies; the
     # last rank of a large job hears it this much later per 1,000 ranks
@@ -122,7 +122,7 @@ class CoordinatorPolicy:
     # can still run `tpassctl migrate`).
     max_attempts_per_node: int = 3
 
-    # --- whole-job snapshots (tpassctl snapshot; issue 12) ------------------------
+    # --- whole-job snapshots (tpassctl snapshot) ---------------------------------
     # Complete snapshots kept per job: when one more completes, root (tpassd) removes the older ones.
     snapshot_keep: int = 2
     # Seconds of training between the end of one whole-job snapshot and the start of the next
@@ -172,7 +172,8 @@ class CoordinatorPolicy:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.rendezvous_port_range()
         if self.snapshot_every_s < 0:
-            raise ConfigError(f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
+            raise ConfigError(
+                f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
         if self.snapshot_keep < 1:
             raise ConfigError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
         if self.max_pause_rearms < 0:
@@ -210,6 +211,7 @@ def load_policy(
     if name != "default" and not path.exists():
         have = sorted(p.stem for p in Path(policies_dir).glob("*.toml")) if Path(policies_dir).is_dir() else []
         raise ConfigError(
-            f"policy {name!r} not found: no {path}; available: {', '.join(['default', *[h for h in have if h != 'default']])}"
+            f"policy {name!r} not found: no {path}; available: "
+            f"{', '.join(['default', *[h for h in have if h != 'default']])}"
         )
     return tconfig.load(CoordinatorPolicy, path=path, flags=flags)

@@ -1,4 +1,4 @@
-"""The stop marker of a job stopped with `tpassctl snapshot --stop` (layout.stopped_file; issue 12).
+"""The stop marker of a job stopped with `tpassctl snapshot --stop` (layout.stopped_file).
 
 Written by the stopping coordinator just before it requeue-holds the job, read by `tpassctl
 resume` and by the coordinator of the resumed run (both as the job user or an admin: root reads

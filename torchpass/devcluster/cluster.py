@@ -286,9 +286,11 @@ class Devcluster:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise DevclusterError(f"no devcluster named {name!r} is up; start one with 'tpassctl devcluster up'") from None
+            raise DevclusterError(f"no devcluster named {name!r} is up; "
+                                  "start one with 'tpassctl devcluster up'") from None
         except (OSError, json.JSONDecodeError) as exc:
-            raise DevclusterError(f"{path} is unreadable ({exc}); run 'tpassctl devcluster down --name {name}'") from None
+            raise DevclusterError(f"{path} is unreadable ({exc}); "
+                                  f"run 'tpassctl devcluster down --name {name}'") from None
         spec_d = data["spec"]
         spec_d["base_dir"] = Path(spec_d["base_dir"])
         for key in ("plugin", "job_python"):
@@ -502,7 +504,8 @@ class Devcluster:
     def _index(self, node: str) -> int:
         m = re.fullmatch(r"node(\d+)", node)
         if not m or not 1 <= int(m.group(1)) <= self.spec.nodes:
-            raise DevclusterError(f"no node {node!r} in devcluster {self.spec.name!r}; nodes: {', '.join(self.node_names)}")
+            raise DevclusterError(f"no node {node!r} in devcluster {self.spec.name!r}; "
+                                  f"nodes: {', '.join(self.node_names)}")
         return int(m.group(1))
 
     def _up_locked(self, timeout_s: float) -> None:
@@ -590,7 +593,7 @@ class Devcluster:
     def _write_configs(self) -> None:
         spec, rd = self.spec, self.run_dir
         host = socket.gethostname()
-        hosts = [f"127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
+        hosts = ["127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
         hosts += [f"{spec.node_address(i)} {spec.node_name(i)}" for i in range(1, spec.nodes + 1)]
         (rd / "etc" / "hosts").write_text("\n".join(hosts) + "\n")
         (rd / "etc" / "tpassd-ports.toml").write_text("\n".join(ports_toml(spec.tpassd_ports)) + "\n")

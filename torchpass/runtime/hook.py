@@ -291,7 +291,8 @@ def _creator(store, rank, size, timeout):
     return pg
 
 
-def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name="", pg_options=None, device_id=None, **kw):
+def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name="",
+          pg_options=None, device_id=None, **kw):
     global _pending
     call = dict(
         backend=backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,
@@ -307,7 +308,6 @@ def _init(orig, backend=None, init_method=None, timeout=None, world_size=-1, ran
         out = orig(**call)
         _report_unprotected(why)
         return out
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     with _lock:
@@ -518,7 +518,8 @@ def patch() -> None:
 
     @functools.wraps(orig)
     def init_process_group(*args, **kwargs):
-        names = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options", "device_id")
+        names = ("backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options",
+                 "device_id")
         kwargs.update(zip(names, args))
         return _init(orig, **kwargs)
 

@@ -1,4 +1,4 @@
-"""One connection per node to the coordinator: the node relay (issue 13).
+"""One connection per node to the coordinator: the node relay.
 
 Every rank used to keep its own TCP connection to the job's coordinator. At 1,024 nodes × 8
 ranks that is 8,192 connections, and libzmq keeps 28-52 KB of queues and buffers for each
@@ -383,5 +383,5 @@ class NodeRelay:
                     self.dropped += 1
 
 
-__all__ = ["NodeRelay", "available", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir", "relay_enabled",
-           "relay_path"]
+__all__ = ["NodeRelay", "available", "is_node_leader", "listening", "local_rank", "private_dir", "relay_dir",
+           "relay_enabled", "relay_path"]

@@ -178,8 +178,8 @@ class MiniCoordinator:
             while not pred():
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"mini coordinator: timed out waiting for {what}: "
-                                       f"{ {r: (v.collectives, v.armed, bool(v.quiesced)) for r, v in self.ranks.items()} }")
+                    seen = {r: (v.collectives, v.armed, bool(v.quiesced)) for r, v in self.ranks.items()}
+                    raise TimeoutError(f"mini coordinator: timed out waiting for {what}: {seen}")
                 self._lock.wait(min(left, 0.1))
 
     def wait_registered(self, timeout: float = 60) -> None:

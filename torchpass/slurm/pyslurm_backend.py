@@ -25,7 +25,7 @@ def _slurm_version() -> str:
 
 def pyslurm_matches() -> tuple[bool, str]:
     try:
-        import pyslurm  # noqa: F401
+        import pyslurm
     except ImportError:
         return False, "pyslurm is not installed"
     have = getattr(pyslurm, "__version__", "")

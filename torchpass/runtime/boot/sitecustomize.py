@@ -38,7 +38,8 @@ def _torchpass_boot():
             hook.install()
     except Exception as exc:  # noqa: BLE001 - never break the training process
         try:
-            sys.stderr.write(f"torchpass: runtime not loaded ({type(exc).__name__}: {exc}); training runs unprotected\n")
+            sys.stderr.write(
+                f"torchpass: runtime not loaded ({type(exc).__name__}: {exc}); training runs unprotected\n")
         except Exception:  # noqa: BLE001
             pass
     try:
