@@ -53,7 +53,7 @@ unit: venv
 # One devcluster per worker; a module's tests stay on one worker (its module-scoped jobs and
 # reference runs share that worker's cluster).
 integration: deps venv jobvenv spank
-	$(PY) -m pytest tests/integration -n $(CLUSTER_WORKERS) --dist loadfile -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration -m cluster -n $(CLUSTER_WORKERS) --dist loadfile -q $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle, import order and the `noqa`s' rules: pyproject.toml [tool.ruff].
 lint: venv
@@ -65,8 +65,8 @@ lint-imports: venv
 
 test: deps venv jobvenv spank lint-imports
 	$(PY) -m pytest tests/unit -m pure -n $(PYTEST_WORKERS) -q -p no:cacheprovider $(PYTEST_ARGS)
-	$(PY) -m pytest tests/unit -m host -q -p no:cacheprovider $(PYTEST_ARGS)
-	$(PY) -m pytest tests/integration -n $(CLUSTER_WORKERS) --dist loadfile -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration -m host -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration -m cluster -n $(CLUSTER_WORKERS) --dist loadfile -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: deps venv jobvenv spank
 	$(PY) examples/demo.py
