@@ -8,13 +8,17 @@ PY     := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FIND_LINKS_FLAG := $(if $(WHEELS),--find-links $(WHEELS),)
 PYTEST_ARGS ?=
+# pytest-xdist processes for the pure tier, and devclusters side by side for the cluster tier
+# (the integration tests mostly wait on jobs: two clusters share 2 cores well).
+PYTEST_WORKERS ?= 2
+CLUSTER_WORKERS ?= 2
 # The job Python: a venv from the system Python that every job user can read
 # (root's Python and this checkout may not be). A second checkout on the same
 # machine can keep its own: make test JOB_VENV=/opt/torchpass-dev/jobvenv-2.
 JOB_VENV ?= /opt/torchpass-dev/jobvenv
 export TORCHPASS_JOB_VENV := $(JOB_VENV)
 
-.PHONY: all deps venv jobvenv spank lint lint-imports test unit integration demo bench clean
+.PHONY: all deps venv jobvenv spank lint lint-imports test test-fast unit integration demo bench clean
 
 all: venv spank
 
@@ -37,11 +41,19 @@ jobvenv: deps venv
 spank: deps
 	$(MAKE) -C slurm_spank
 
+# The test tiers (tests/support/tiers.py): pure (this process only), host (root, CRIU, munged,
+# rank processes) and cluster (a devcluster per pytest-xdist worker).
+# The pure tier, on PYTEST_WORKERS processes: under a minute.
+test-fast: venv
+	$(PY) -m pytest tests/unit -m pure -n $(PYTEST_WORKERS) -q -p no:cacheprovider $(PYTEST_ARGS)
+
 unit: venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
+# One devcluster per worker; a module's tests stay on one worker (its module-scoped jobs and
+# reference runs share that worker's cluster).
 integration: deps venv jobvenv spank
-	$(PY) -m pytest tests/integration -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration -m cluster -n $(CLUSTER_WORKERS) --dist loadfile -q $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle, import order and the `noqa`s' rules: pyproject.toml [tool.ruff].
 lint: venv
@@ -52,7 +64,9 @@ lint-imports: venv
 	$(VENV)/bin/lint-imports --no-cache
 
 test: deps venv jobvenv spank lint-imports
-	$(PY) -m pytest tests/unit tests/integration -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m pure -n $(PYTEST_WORKERS) -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/integration -m host -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration -m cluster -n $(CLUSTER_WORKERS) --dist loadfile -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: deps venv jobvenv spank
 	$(PY) examples/demo.py

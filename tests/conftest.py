@@ -1,8 +1,63 @@
-"""Settings for the whole test suite (unit and integration)."""
+"""Settings for the whole test suite: strict transitions, and the three tiers.
+
+Every test belongs to one tier, by what it needs (support/tiers.py says which unit file is
+which):
+
+- ``pure``: Python in this process only. No root, CRIU, munged, Slurm, and no child process
+  of torch or of those programs. ``make test-fast`` runs these, 60 s each at most.
+- ``host``: this machine as root: CRIU, a private munged, tpass-init, rank processes that load
+  torch, cgroups.
+- ``cluster``: a devcluster (tests/integration): real Slurm in network namespaces.
+
+A test marked pure that asks for a host fixture, or starts a host program, fails at once with
+a line saying which: the fast tier stays fast and runs on any machine.
+"""
 
 import os
+import subprocess
+
+import pytest
+
+from support import tiers
 
 # An illegal phase transition in the coordinator's core raises instead of rolling back
 # (torchpass/coordinator/phases.py). Set in the environment, so the coordinators that the
 # integration tests' jobs start (sbatch exports it) are strict too.
 os.environ["TORCHPASS_STRICT_TRANSITIONS"] = "1"
+
+
+def pytest_configure(config):
+    for tier, what in tiers.TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tiers.tier_of(item)
+        item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(tiers.TIMEOUT_S[tier]))
+
+
+@pytest.fixture(autouse=True)
+def _pure_stays_pure(request, monkeypatch):
+    """A pure test that asks for a host fixture, or starts a host program, fails naming it."""
+    if request.node.get_closest_marker("pure") is None:
+        yield
+        return
+    used = sorted(set(request.fixturenames) & tiers.HOST_FIXTURES)
+    if used:
+        pytest.fail(f"{request.node.nodeid} is in the pure tier but uses the host fixture(s) {used}: "
+                    f"list its file in tests/support/tiers.py HOST_MODULES", pytrace=False)
+    real_init = subprocess.Popen.__init__
+
+    def checked_init(self, args, *a, **kw):
+        program = tiers.host_program(args, kw.get("executable"))
+        if program:
+            pytest.fail(f"{request.node.nodeid} is in the pure tier but starts {program!r}: "
+                        f"list its file in tests/support/tiers.py HOST_MODULES", pytrace=False)
+        real_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_init)
+    yield

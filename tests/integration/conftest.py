@@ -3,6 +3,10 @@
 The cluster's name and subnet come from TORCHPASS_TEST_CLUSTER and
 TORCHPASS_TEST_SUBNET (defaults "t" and 10.78.0, apart from the demo's
 10.77.0) so that a developer's own devcluster keeps running beside the tests.
+Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) each worker brings
+up a cluster of its own: worker gwN's is NAME+N on 10.X.(Y+N). A module's tests
+stay on one worker, so its module-scoped jobs and reference runs stay on one
+cluster.
 
 Jobs are submitted as an ordinary user (``job_user``, tpuser1: real clusters
 have no root jobs) with the cluster's job Python (``cluster.job_python``), in
@@ -44,14 +48,28 @@ def plugin_built() -> Path:
     return plugin
 
 
+def worker_cluster(name: str, subnet: str, worker: str | None) -> tuple[str, str]:
+    """The devcluster of one pytest-xdist worker ("gw0", "gw1", ...; None: no xdist): its name
+    (the base name, cut to leave room, and the worker's number) and its subnet (the third octet
+    plus the number). The devcluster derives slurmctld's port and its job ids from the subnet."""
+    if not worker:
+        return name, subnet
+    n = int(worker.removeprefix("gw"))
+    a, b, c = subnet.split(".")
+    return f"{name[:8 - len(str(n))]}{n}", f"{a}.{b}.{int(c) + n}"
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The session's devcluster. Bring-up writes plugstack.conf, so a
     plugin built after this point is not loaded: build it first."""
     _preflight()
+    name, subnet = worker_cluster(os.environ.get("TORCHPASS_TEST_CLUSTER", "t"),
+                                  os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0"),
+                                  os.environ.get("PYTEST_XDIST_WORKER"))
     spec = DevclusterSpec(
-        name=os.environ.get("TORCHPASS_TEST_CLUSTER", "t"),
-        subnet=os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0"),
+        name=name,
+        subnet=subnet,
         nodes=4,
         tpassd=os.environ.get("TORCHPASS_TEST_NO_TPASSD") != "1",
     )

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.integration
 # Without batched decisions and paced ranks (2026-12-03, load average 2-3) the coordinator answered 528 of the
 # 1,024 reports/s wanted, and 551 requests timed out during the pauses. Now it decides once per
 # batch of messages and paces the ranks (report_every_s): see docs/benchmarks.md.
+# It measures the coordinator's throughput on this machine's cores and needs no devcluster: the
+# host tier runs it alone. Beside two devclusters' training jobs it answered 785 of the 1,024
+# reports/s wanted (819 needed).
+@pytest.mark.host
 @pytest.mark.timeout(180)
 def test_every_rank_report_is_answered_at_512_ranks(tmp_path):
     out = tmp_path / "coordinator.json"

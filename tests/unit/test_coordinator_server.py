@@ -1,11 +1,14 @@
 """The coordinator over real ZeroMQ sockets on loopback, with an injected clock."""
 
+import functools
 import threading
 import time
 
 import pytest
 import zmq
 
+from support.fake_slurm import FakeSlurm
+from support.wait import until
 from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import server as srv
@@ -99,17 +102,11 @@ def test_unreachable_endpoint_times_out_with_a_clear_error():
         zmqio.request("tcp://127.0.0.1:9", "job.status", {}, timeout_s=0.1, retries=1)
 
 
-class FakeSlurm:
+def _answering(answers) -> FakeSlurm:
     """Only the job() query the liveness tick makes; answers are scripted."""
-
-    def __init__(self, answers):
-        self.answers = list(answers)
-
-    def job(self, job_id):
-        a = self.answers.pop(0)
-        if isinstance(a, Exception):
-            raise a
-        return a
+    slurm = FakeSlurm()
+    slurm.script("job", *answers)
+    return slurm
 
 
 def _job(state):
@@ -117,16 +114,16 @@ def _job(state):
 
 
 def test_liveness_tick_ends_the_coordinator_only_when_the_job_ends():
-    tick = job_liveness_check(FakeSlurm([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
+    tick = job_liveness_check(_answering([_job("RUNNING"), SlurmError("ctld down"), _job("RUNNING"),
                                          _job("COMPLETED")]), 42)
     assert [tick(), tick(), tick(), tick()] == [True, True, True, False]
-    assert job_liveness_check(FakeSlurm([None]), 42)() is False
+    assert job_liveness_check(_answering([None]), 42)() is False
 
 
 def test_slurmctld_down_for_long_never_ends_the_coordinator_and_says_so_once_each_way():
     clock = Clock()
     changes = []
-    slurm = FakeSlurm([SlurmError("Unable to contact slurm controller")] * 60 + [_job("RUNNING"), _job("COMPLETED")])
+    slurm = _answering([SlurmError("Unable to contact slurm controller")] * 60 + [_job("RUNNING"), _job("COMPLETED")])
     tick = job_liveness_check(slurm, 42, clock=clock, on_change=lambda ok, why: changes.append((ok, why)),
                               unavailable_after_s=15.0)
     alive = []
@@ -213,6 +210,7 @@ def driven(munge):
 WHY = "process group 'tp' (DeviceMesh) cannot be moved yet"
 
 
+@pytest.mark.host  # a private munged
 def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_conflict(driven):
     server, ep, munge = driven
     assert req(ep, "job.status")["unprotected"] is None
@@ -236,6 +234,7 @@ def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_
     assert server.driver.state.migration is None and server.driver.state.operator_requests == ()
 
 
+@pytest.mark.host  # a private munged
 def test_an_armed_refusal_saying_unprotected_rolls_the_pause_back_at_once(driven):
     server, ep, _ = driven
     done = threading.Event()
@@ -523,11 +522,7 @@ def test_shutdown_answers_the_parked_polls(parking):
     assert res is not None and "command" not in res
 
 
-def _until(cond, timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "not within the time-out"
-        time.sleep(0.01)
+_until = functools.partial(until, what="the serve loop's state", timeout_s=5.0)
 
 
 def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_outcome(served):

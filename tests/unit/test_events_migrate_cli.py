@@ -1,9 +1,8 @@
-"""`tpassctl events` and `tpassctl migrate` against a real CoordinatorServer on loopback.
+"""`tpassctl events` and `tpassctl migrate` against the real CoordinatorServer on loopback.
 
-The lead's server does not serve job.migrate yet: ``MigratingServer`` below
-adds the handler exactly as specified for it (munge-authenticated, owner or
-root, accept_operator on the decision state, a job event recorded), and the
-CLI is tested against that. Credentials come from a private munged.
+The server has a decision driver (no executor: the migration it starts goes no further than
+its first decision) with 4 ranks on node1 and node2 and hot spares node3 and node4. Credentials
+come from a private munged, so job.migrate's owner check runs for real.
 """
 
 from __future__ import annotations
@@ -15,55 +14,20 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from torchpass import auth, layout, wire
-from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState
+from torchpass import layout, zmqio
+from torchpass.coordinator import contract as ct
+from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, write_registration
 from torchpass.coordinator.job_record import JobState
+from torchpass.health_state import State
 from tpassctl.cli import cli
 from tpassctl.events_cmd import events
-from tpassctl.migrate_cmd import auth_target, migrate
+from tpassctl.migrate_cmd import migrate
 
 for _cmd in (events, migrate):
     if _cmd.name not in cli.commands:
         cli.add_command(_cmd)
-
-
-class MigratingServer(CoordinatorServer):
-    """CoordinatorServer + the job.migrate handler the lead is to add."""
-
-    def __init__(self, job, *, decision: CoordState, owner_uid: int, munge_socket: str, **kw):
-        super().__init__(job, **kw)
-        self.decision = decision
-        self.owner_uid = owner_uid
-        self.munge_socket = munge_socket
-        self.handlers["job.migrate"] = self._on_migrate
-
-    def _on_migrate(self, msg: wire.Message):
-        ident = auth.verify(msg.auth, auth.request_digest(msg.type, msg.body, auth_target(self.job.job_id)),
-                            self.munge_socket)
-        if ident.uid not in (0, self.owner_uid):
-            raise auth.AuthFailure("forbidden", f"uid {ident.uid} does not own job {self.job.job_id}")
-        node, to = msg.body["node"], msg.body.get("to")
-        # OperatorRejected carries the wire code (not_found / conflict / bad_request).
-        self.decision, mid = mc.accept_operator(self.decision, node, to, self.clock())
-        ahead = ([self.decision.migration.id] if self.decision.migration else []) + [
-            r.id for r in self.decision.operator_requests if r.id != mid]
-        self.job.record(self.wall(), "migration.requested",
-                        f"{mid}: operator (uid {ident.uid}) asked to move {node}" + (f" to {to}" if to else ""),
-                        migration=mid, node=node, to=to, uid=ident.uid)
-        return {"migration": mid, "node": node, "to": to, "queued_behind": ahead}
-
-
-def _decision_state() -> CoordState:
-    st = CoordState(job_id=12)
-    for rank, node in enumerate(("node1", "node1", "node2", "node2")):
-        st = mc.apply(st, mc.RankRegistered(rank, node, 4), 0.0)
-    for n in ("node1", "node2", "node3", "node4"):
-        st = mc.apply(st, mc.NodeHealthChanged(n, "healthy"), 0.0)
-    for s in ("node3", "node4"):
-        st = mc.apply(st, mc.SpareAdded(s), 0.0)
-    return st
 
 
 @pytest.fixture
@@ -71,17 +35,29 @@ def served(tmp_path, munge, monkeypatch):
     monkeypatch.setenv("MUNGE_SOCKET", munge.socket)
     monkeypatch.delenv("TORCHPASS_MUNGE_SOCKET", raising=False)
     job = JobState(job_id=12, spares=2)
-    server = MigratingServer(job, decision=_decision_state(), owner_uid=os.getuid(), munge_socket=munge.socket,
-                             bind_address="127.0.0.1", wall=lambda: 1_700_000_000.0)
+    driver = Driver(job, CoordinatorPolicy(), spares=("node3", "node4"), wall=lambda: 1_700_000_000.0)
+    for n in ("node1", "node2", "node3", "node4"):
+        driver.feed(ct.NodeHealthChanged(n, State.HEALTHY))
+    server = CoordinatorServer(job, bind_address="127.0.0.1", wall=lambda: 1_700_000_000.0, driver=driver,
+                               munge_socket=munge.socket)
     t = threading.Thread(target=server.serve, daemon=True)
     t.start()
     ep = f"tcp://127.0.0.1:{server.port}"
+    for rank, node in enumerate(("node1", "node1", "node2", "node2")):
+        zmqio.request(ep, "rank.register", {"job_id": 12, "rank": rank, "world_size": 4, "node": node,
+                                            "pid": 100 + rank}, timeout_s=2, retries=0)
     write_registration(tmp_path, 12, {"job_id": 12, "endpoint": ep, "pid": os.getpid(), "host": "h",
                                       "uid": os.getuid()})
     yield server, tmp_path
     server.stop()
     t.join(5)
     assert not t.is_alive()
+
+
+def _asked(server) -> tuple[str | None, list[tuple]]:
+    """The migration the driver started (its id) and the operator requests queued behind it."""
+    st = server.driver.state
+    return (st.migration.id if st.migration else None), [(r.id, r.node, r.to) for r in st.operator_requests]
 
 
 def run(state_dir, *args):
@@ -102,9 +78,10 @@ def test_migrate_queues_and_prints_the_migration_id(served):
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == {"job_id": 12, "migration": "m2", "node": "node1", "to": "node4",
                                       "queued_behind": ["m1"]}
-    assert [(r.id, r.node, r.to) for r in server.decision.operator_requests] == [("m1", "node2", None),
-                                                                                ("m2", "node1", "node4")]
-    assert [e.kind for e in server.job.events] == ["migration.requested", "migration.requested"]
+    # The first request started at once (the driver decides after each); the second waits behind it.
+    assert _asked(server) == ("m1", [("m2", "node1", "node4")])
+    assert server.driver.state.migration.node == "node2"
+    assert [e.kind for e in server.job.events if e.kind == "migration.requested"] == ["migration.requested"] * 2
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -143,7 +120,7 @@ def test_migrate_without_munge_says_so(served, monkeypatch, tmp_path):
     monkeypatch.setenv("MUNGE_SOCKET", str(tmp_path / "no-munged.socket"))
     res = run(sd, "migrate", "12", "--node", "node2")
     assert res.exit_code == 1 and "job 12: cannot authenticate to the coordinator:" in res.output
-    assert server.decision.operator_requests == ()
+    assert _asked(server) == (None, [])
 
 
 def test_migrate_against_a_coordinator_without_the_handler(served):
@@ -155,6 +132,8 @@ def test_migrate_against_a_coordinator_without_the_handler(served):
 
 def test_events_table_and_json_show_phase_durations(served):
     server, sd = served
+    registered = len(server.job.events)  # rank.registered, one per rank
+    assert registered == 4
     assert run(sd, "migrate", "12", "--node", "node2").exit_code == 0
     server.job.record(1_700_000_100.0, "migration.completed",
                       "m1: moved ranks [2, 3] from node2 to node3; node2 drained and released",
@@ -163,26 +142,37 @@ def test_events_table_and_json_show_phase_durations(served):
     res = run(sd, "events", "12")
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
+    assert lines[0].endswith("rank.registered      rank 0 on node1 (pid 100)")
+    lines = lines[registered:]
     assert len(lines) == 3
     assert lines[0].endswith("migration.requested  m1: operator (uid %d) asked to move node2" % os.getuid())
     assert "migration.completed  m1: moved ranks [2, 3] from node2 to node3" in lines[1]
     assert lines[2].strip() == "phases: detect 0.00s  pause 0.50s  dump 0.30s  paused 1.21s  total 3.00s"
     res = run(sd, "events", "12", "--json")
     jobs = json.loads(res.output)["jobs"]
-    assert [e["kind"] for e in jobs[0]["events"]] == ["migration.requested", "migration.completed"]
-    assert jobs[0]["events"][1]["data"]["phase_durations"]["pause"] == 0.5
-    res = run(sd, "events", "12", "--since", "1", "--json")
-    assert [e["seq"] for e in json.loads(res.output)["jobs"][0]["events"]] == [2]
+    assert [e["kind"] for e in jobs[0]["events"]] == ["rank.registered"] * 4 + ["migration.requested",
+                                                                                 "migration.completed"]
+    assert jobs[0]["events"][-1]["data"]["phase_durations"]["pause"] == 0.5
+    res = run(sd, "events", "12", "--since", str(registered + 1), "--json")
+    assert [e["seq"] for e in json.loads(res.output)["jobs"][0]["events"]] == [registered + 2]
 
 
 def test_events_of_every_job_and_errors(served):
     _, sd = served
+    quiet = CoordinatorServer(JobState(job_id=15), bind_address="127.0.0.1")  # no rank yet: no events
+    t = threading.Thread(target=quiet.serve, daemon=True)
+    t.start()
+    write_registration(sd, 15, {"job_id": 15, "endpoint": f"tcp://127.0.0.1:{quiet.port}", "pid": os.getpid(),
+                                "host": "h", "uid": os.getuid()})
     write_registration(sd, 13, {"job_id": 13, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
                                 "uid": os.getuid()})
     res = run(sd, "events", "--timeout", "0.1")
     assert res.exit_code == 0, res.output
-    assert "job 12  coordinator tcp://127.0.0.1:" in res.output and "  no events" in res.output
+    assert "job 12  coordinator tcp://127.0.0.1:" in res.output and "rank.registered  rank 3 on node2" in res.output
     assert "job 13  coordinator tcp://127.0.0.1:9\n  ERROR: coordinator unreachable: no reply" in res.output
+    assert f"job 15  coordinator tcp://127.0.0.1:{quiet.port}\n  no events" in res.output
+    quiet.stop()
+    t.join(5)
     res = run(sd, "events", "13", "--timeout", "0.1")
     assert res.exit_code == 1 and res.output.startswith("Error: job 13: coordinator unreachable: no reply from")
     res = run(sd, "events", "14")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
+from support.wait import until
 from torchpass import layout
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
@@ -36,14 +38,6 @@ class FakeTpassd:
         if type_ == "tpassd.snapshot" and body["op"] == "dump" and self.fail_dump:
             raise RemoteError("failed", "criu dump of pid 7 failed (exit 1): boom; the rank was left running")
         return {}
-
-
-class FakeSlurm:
-    def __init__(self):
-        self.drained: list[tuple[str, str]] = []
-
-    def drain(self, node, reason):
-        self.drained.append((node, reason))
 
 
 def fake_srun(tmp_path) -> Path:
@@ -105,14 +99,6 @@ def _pump_until(d, pred, timeout_s=5.0):
     raise AssertionError(f"not reached; reason now: {d.reasons.last}")
 
 
-def _until(pred, what: str, timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.01)
-
-
 def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     tp = FakeTpassd(fail_dump=True)
     d, slurm = _driver(tmp_path, tp)
@@ -141,7 +127,7 @@ def test_failed_snapshot_rolls_back_and_resumes_in_place(tmp_path):
     # ... and how long the ranks of that fallback wait for each other before failing (the rebuild's timeout)
     assert all(pause[r]["join_s"] == ex.policy.rebuild_timeout_s for r in range(3))
     # the held source copy wakes up where it is, once its hand-off is marked aborted (off the serve thread)
-    _until(hf.exists, "the hold file")
+    until(hf.exists, "the hold file", 5.0)
     assert ("n2", "tpassd.snapshot") in [(n, t) for n, t, b in tp.calls if b["op"] == "abort"]
     for r in range(3):
         ex.acknowledge(r, "resume", gen)
@@ -655,7 +641,7 @@ def test_a_rollback_does_not_wait_in_the_serve_thread_for_a_slow_source_tpassd(t
     assert all(ex.command_for(r)["command"] == "resume" for r in range(4))
     holds = [layout.hold_file(tmp_path, 42, "m1", r) for r in (1, 2)]
     assert not any(h.exists() for h in holds)
-    _until(lambda: all(h.exists() for h in holds), "both hold files", 15.0)
+    until(lambda: all(h.exists() for h in holds), "both hold files", 15.0)
     assert not both.broken
     assert sorted(b["rank"] for _, _, b in tp.calls if b["op"] == "abort") == [1, 2]
 

@@ -14,9 +14,9 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
+from support.fake_slurm import FakeSlurm
 from torchpass import layout, zmqio
 from torchpass.coordinator.server import write_registration
-from torchpass.slurm import JobInfo
 from tpassctl.cli import cli
 from tpassctl.migrate_cmd import admin_moves_others_job, migrate
 from tpassd.daemon import Tpassd
@@ -29,26 +29,13 @@ USER = 1001  # tpuser1 (docs: a second unprivileged user exists on this machine)
 JOB = 12
 
 
-class FakeSlurm:
-    def __init__(self):
-        self.drained: list[tuple[str, str]] = []
-
-    def job(self, job_id):
-        return JobInfo(job_id, "train", "tpuser1", USER, "RUNNING", ("node1", "node2"))
-
-    def jobs(self, *, user=None, states=("RUNNING",)):
-        return [self.job(JOB)]
-
-    def drain(self, node, reason):
-        self.drained.append((node, reason))
-
-
 @pytest.fixture
 def world(tmp_path, munge, monkeypatch):
     monkeypatch.setenv("MUNGE_SOCKET", munge.socket)
     monkeypatch.delenv("TORCHPASS_MUNGE_SOCKET", raising=False)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-slurm.conf"))  # admins: root alone
     slurm = FakeSlurm()
+    slurm.run_job(JOB, user="tpuser1", uid=USER, nodes=("node1", "node2"))
     node = Tpassd(fake_node_config(tmp_path, "node1", munge.socket, interval_s=0.2, collector_timeout_s=0.15),
                   slurm_client=slurm, admin_uids=lambda: frozenset({0})).start()
     ctx = zmq.Context()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import until
 from torchpass import auth, layout, wire
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import procs, rankwrap, safeio
@@ -69,15 +70,6 @@ def _stop(*ps: subprocess.Popen) -> None:
         if p.poll() is None:
             p.kill()
         p.wait()
-
-
-def _until(pred, what: str, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := pred():
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"{what}: not within {timeout:g}s")
 
 
 def _recording_criu(d: Path) -> tuple[Path, Path]:
@@ -377,12 +369,12 @@ def test_a_rank_in_its_own_user_and_mount_namespace_gets_nothing_run_as_root(tmp
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, user=user.pw_uid,
                                group=user.pw_gid, extra_groups=[], env={**os.environ, **RANK_ENV}, cwd="/")
     try:
-        rank = _until(lambda: pidfile.exists() and int(pidfile.read_text()), "the user's rank")
+        rank = until(lambda: pidfile.exists() and int(pidfile.read_text()), "the user's rank")
         # The bind mount is there, seen from the wrapper's mount namespace.
-        _until(lambda: subprocess.run(["nsenter", "-t", str(wrapper.pid), "--mount", "--", "cat", real],
+        until(lambda: subprocess.run(["nsenter", "-t", str(wrapper.pid), "--mount", "--", "cat", real],
                                       capture_output=True, timeout=10).stdout.startswith(b"#!/bin/sh"),
                "the bind mount over criu")
-        _until(lambda: procs.read_stat(rank).ppid == wrapper.pid, "the rank under its wrapper")
+        until(lambda: procs.read_stat(rank).ppid == wrapper.pid, "the rank under its wrapper")
         _record(tmp_path, {"pid": rank, "wrapper_pid": wrapper.pid})
         svc = _service(tmp_path, lambda: {wrapper.pid, rank}, owner=user.pw_uid)
         _refused(lambda: _dump(svc), "namespace\\(s\\) of its own")
@@ -497,7 +489,7 @@ def test_a_namespace_prepared_by_root_is_used_not_made_again(user, user_pythonpa
                          stderr=subprocess.PIPE)
     try:
         paths = rankwrap.Paths(str(state), str(JOB), str(RANK))
-        rec = _until(lambda: paths.read_record(), "the wrapper's record")
+        rec = until(lambda: paths.read_record(), "the wrapper's record")
         assert rec["wrapper_pid"] == p.pid
         prepared = os.readlink(f"/proc/{p.pid}/ns/pid_for_children")
         assert os.readlink(f"/proc/{rec['pid']}/ns/pid") == prepared != os.readlink(f"/proc/{p.pid}/ns/pid")

@@ -14,6 +14,7 @@ way by hand; tests/integration covers the dump itself).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import until
 from torchpass import auth, layout, wire
 from torchpass.errors import RemoteError
 from torchpass.checkpoint import rankwrap as rw
@@ -48,14 +50,8 @@ sys.exit(rw.finish_restored(paths, images, rw.Relay({}).wait(rank.pid)))
 """
 
 
-def _until(pred, what: str, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout:g}s")
+# A restore and its record take seconds on a loaded machine.
+_until = functools.partial(until, timeout_s=30.0)
 
 
 def _copy(state_dir: Path, images: str, go: Path) -> subprocess.Popen:

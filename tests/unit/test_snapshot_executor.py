@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
+from test_executor import _pump_until
 from torchpass import layout
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.driver import Driver
@@ -13,7 +15,7 @@ from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError
-from test_executor import _pump_until
+from torchpass.slurm.base import StepInfo
 
 NODES = ("n1", "n2", "n3")
 
@@ -127,26 +129,14 @@ def test_the_driver_asks_for_a_periodic_snapshot_and_records_it(tmp_path):
     assert {d.executor.command_for(r)["command"] for r in range(3)} == {"pause"}
 
 
-class FakeSlurm:
-    """What StopJob asks of slurmctld: the job's steps, then requeuehold."""
-
-    def __init__(self, refuse: str | None = None):
-        self.refuse = refuse
-        self.held: list[int] = []
-
-    def steps(self, job_id):
-        from torchpass.slurm.base import StepInfo
-
-        return [StepInfo(f"{job_id}.batch", "batch", ("n1",), "RUNNING"),
-                StepInfo(f"{job_id}.0", "hostname", ("n1",), "RUNNING"),
-                StepInfo(f"{job_id}.1", "python", NODES, "RUNNING")]
-
-    def requeue_hold(self, job_id):
-        from torchpass.errors import SlurmError
-
-        if self.refuse:
-            raise SlurmError(self.refuse)
-        self.held.append(job_id)
+def _slurm(refuse: str | None = None) -> FakeSlurm:
+    """What StopJob asks of slurmctld: job 42's steps, then requeuehold (``refuse``: its error)."""
+    slurm = FakeSlurm(steps={42: [StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+                                  StepInfo("42.0", "hostname", ("n1",), "RUNNING"),
+                                  StepInfo("42.1", "python", NODES, "RUNNING")]})
+    if refuse:
+        slurm.refuse("requeue_hold", refuse)
+    return slurm
 
 
 def _stop(tmp_path, slurm):
@@ -162,9 +152,9 @@ def _stop(tmp_path, slurm):
 
 
 def test_stop_writes_the_marker_of_the_ranks_step_and_holds_the_job_with_no_resume(tmp_path):
-    slurm = FakeSlurm()
+    slurm = _slurm()
     d, sid, read_stopped = _stop(tmp_path, slurm)
-    _pump_until(d, lambda: slurm.held == [42])
+    _pump_until(d, lambda: slurm.calls_of("requeue_hold") == [(42,)])
     stopped = read_stopped(tmp_path, 42)
     assert stopped == {"snapshot": sid, "step": 1, "snapshot_step": d.state.snapshot.step, "generation": 1,
                        "world_size": 3, "step_offset": 0}  # step 1: the one on every rank's node
@@ -175,7 +165,7 @@ def test_stop_writes_the_marker_of_the_ranks_step_and_holds_the_job_with_no_resu
 
 
 def test_a_refused_hold_removes_the_marker_and_resumes_every_rank(tmp_path):
-    slurm = FakeSlurm(refuse="'scontrol requeuehold 42' failed: Access/permission denied")
+    slurm = _slurm(refuse="'scontrol requeuehold 42' failed: Access/permission denied")
     d, sid, read_stopped = _stop(tmp_path, slurm)
     _pump_until(d, lambda: d.executor.command_for(0) is not None and d.executor.command_for(0)["command"] == "resume")
     assert read_stopped(tmp_path, 42) is None

@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from support.fake_slurm import FakeSlurm
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
@@ -14,44 +15,23 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
 from torchpass.errors import SlurmError
 from torchpass.health import HealthSubscriber
-from torchpass.slurm.base import JobInfo, StepInfo
+from torchpass.slurm.base import StepInfo
 
 
-class RecordingSlurm:
-    """Answers like slurmctld would for one running job (42 on n1..n3, batch host n1)."""
+def _slurm(*, grant="n4", merge_fails=False, steps=()) -> FakeSlurm:
+    """Answers like slurmctld would for one running job (42 on n1..n3, batch host n1); a spare
+    is donor job 77 on ``grant`` (None: no node is free)."""
+    slurm = FakeSlurm(steps={42: list(steps)}, grant=None if grant is None else (77, grant))
+    slurm.run_job(42, uid=1000, nodes=("n1", "n2", "n3"), batch_host="n1", partition="gpu", account="proj",
+                  qos="normal", end_time=int(time.time()) + 600)
+    if merge_fails:
+        slurm.script("merge_into", SlurmError("job 42 did not take the nodes of donor 77"))
+    return slurm
 
-    def __init__(self, *, grant="n4", merge_fails=False, steps=()):
-        self.nodes = ["n1", "n2", "n3"]
-        self.grant = grant
-        self.merge_fails = merge_fails
-        self.step_list = list(steps)
-        self.calls: list = []
 
-    def job(self, job_id):
-        return JobInfo(job_id, "train", "u", 1000, "RUNNING", tuple(self.nodes), batch_host="n1",
-                       partition="gpu", account="proj", qos="normal", end_time=int(time.time()) + 600)
-
-    def allocate(self, req):
-        self.calls.append(("allocate", req))
-        if self.grant is None:
-            raise SlurmError("salloc of a spare for job 42 failed: Immediate execution impossible")
-        return 77, self.grant
-
-    def merge_into(self, donor, job_id):
-        self.calls.append(("merge", donor, job_id))
-        if self.merge_fails:
-            raise SlurmError("job 42 did not take the nodes of donor 77")
-        self.nodes.append(self.grant)
-
-    def cancel(self, job_id):
-        self.calls.append(("cancel", job_id))
-
-    def steps(self, job_id):
-        return self.step_list
-
-    def shrink(self, job_id, keep):
-        self.calls.append(("shrink", job_id, tuple(keep)))
-        self.nodes = list(keep)
+def _changes(slurm: FakeSlurm) -> list[tuple]:
+    """What the executor asked Slurm to do (its questions left out), in order."""
+    return [c for c in slurm.calls if c[0] not in ("job", "jobs", "nodes", "steps", "expand_nodelist")]
 
 
 class Posted(list):
@@ -87,12 +67,12 @@ def _state(*spares):
 
 
 def test_expand_allocates_a_donor_like_the_job_and_merges_it(tmp_path):
-    slurm, followed = RecordingSlurm(), []
+    slurm, followed = _slurm(), []
     ex, posted = _executor(tmp_path, slurm, followed)
     ex.perform(dc.RequestSpare("m2", "expand", "n3"), _state(dc.SpareView("n3", "hot", "used")))
     assert _wait(posted) == [mc.SpareGranted("m2", "n4", "expand", allocation=77)]
-    (_, req), merge = slurm.calls
-    assert merge == ("merge", 77, 42)
+    (_, req), merge = _changes(slurm)
+    assert merge == ("merge_into", 77, 42)
     assert req.expand and req.exclude == ("n1", "n2", "n3")
     assert (req.partition, req.account, req.qos) == ("gpu", "proj", "normal")
     assert req.name == "torchpass-spare-42" and "expand spare for job 42 (m2, replacing n3)" in req.comment
@@ -101,7 +81,7 @@ def test_expand_allocates_a_donor_like_the_job_and_merges_it(tmp_path):
 
 
 def test_failed_merge_cancels_the_donor_and_reports_unavailable(tmp_path):
-    slurm = RecordingSlurm(merge_fails=True)
+    slurm = _slurm(merge_fails=True)
     ex, posted = _executor(tmp_path, slurm)
     ex.perform(dc.RequestSpare("m1", "expand", "n2"), _state())
     (out,) = _wait(posted)
@@ -110,7 +90,7 @@ def test_failed_merge_cancels_the_donor_and_reports_unavailable(tmp_path):
 
 
 def test_no_free_node_is_unavailable_with_slurms_words(tmp_path):
-    ex, posted = _executor(tmp_path, RecordingSlurm(grant=None))
+    ex, posted = _executor(tmp_path, _slurm(grant=None))
     ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
     (out,) = _wait(posted)
     assert out == mc.SpareUnavailable("m1", "companion", "salloc of a spare for job 42 failed: "
@@ -118,11 +98,11 @@ def test_no_free_node_is_unavailable_with_slurms_words(tmp_path):
 
 
 def test_companion_runs_the_restore_step_and_is_cancelled_at_close(tmp_path):
-    slurm = RecordingSlurm()
+    slurm = _slurm()
     ex, posted = _executor(tmp_path, slurm)
     ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
     assert _wait(posted) == [mc.SpareGranted("m1", "n4", "companion", allocation=77)]
-    assert not slurm.calls[0][1].expand and ex.companions == {77: "n4"}
+    assert not _changes(slurm)[0][1].expand and ex.companions == {77: "n4"}
     st = _state(dc.SpareView("n4", "companion", "reserved", allocation=77))
     argv = ex.restore_argv(dc.Restore("m1", 1, "n4", "/img", "sha"),
                            st.spare("n4").allocation)
@@ -132,7 +112,7 @@ def test_companion_runs_the_restore_step_and_is_cancelled_at_close(tmp_path):
 
 
 def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
-    slurm = RecordingSlurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+    slurm = _slurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
                                   StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
     ex, posted = _executor(tmp_path, slurm)
     ex.perform(dc.Shrink("m1", ("n2",)), _state())
@@ -143,7 +123,7 @@ def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
 
 
 def test_shrink_releases_a_node_no_step_runs_on(tmp_path):
-    slurm = RecordingSlurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+    slurm = _slurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
                                   StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
     ex, posted = _executor(tmp_path, slurm)
     ex.perform(dc.Shrink("m2", ("n3",)), _state())
@@ -152,14 +132,14 @@ def test_shrink_releases_a_node_no_step_runs_on(tmp_path):
 
 
 def test_shrink_never_releases_the_batch_host(tmp_path):
-    ex, posted = _executor(tmp_path, RecordingSlurm())
+    ex, posted = _executor(tmp_path, _slurm())
     ex.perform(dc.Shrink("m1", ("n1",)), _state())
     (out,) = _wait(posted)
     assert isinstance(out, mc.ShrinkFailed) and "batch host" in out.why
 
 
 def test_shrink_of_a_companion_node_cancels_its_allocation(tmp_path):
-    slurm = RecordingSlurm()
+    slurm = _slurm()
     ex, posted = _executor(tmp_path, slurm)
     ex.companions[77] = "n4"
     ex.perform(dc.Shrink("m3", ("n4",)), _state(dc.SpareView("n4", "companion", "used", allocation=77)))

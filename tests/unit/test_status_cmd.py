@@ -7,10 +7,10 @@ import threading
 import pytest
 from click.testing import CliRunner
 
+from support.fake_slurm import FakeSlurm
+from torchpass import zmqio
 from torchpass.coordinator.server import CoordinatorServer, write_registration
 from torchpass.coordinator.job_record import JobState
-from torchpass import zmqio
-from torchpass.slurm.base import JobInfo
 from tpassctl import status_cmd
 from tpassctl.cli import cli
 
@@ -88,14 +88,11 @@ def test_an_unprotected_job_shows_why_in_text_and_json(tmp_path, coordinator, no
     assert res.exit_code == 0 and f"UNPROTECTED: rank 0 unprotected: {why}" in res.output
 
 
-class _Slurm:
+def _slurm(state) -> FakeSlurm:
     """Slurm's view only: it runs job 9 (state as given)."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def jobs(self, states=()):
-        return [JobInfo(job_id=9, name="train", user="u", user_id=os.getuid(), state=self.state, nodes=("node1",))]
+    slurm = FakeSlurm()
+    slurm.run_job(9, uid=os.getuid(), nodes=("node1",), state=state)
+    return slurm
 
 
 @pytest.mark.parametrize("slurm_state", ["RUNNING", "COMPLETING"])
@@ -108,7 +105,7 @@ def test_a_dead_coordinator_of_a_running_job_shows_as_lost(tmp_path, monkeypatch
     assert zmqio.request(ep, "job.status", {}, timeout_s=2)["job_id"] == 9
     server.stop()  # the coordinator dies: nothing listens on its endpoint any more
     t.join(5)
-    monkeypatch.setattr(status_cmd, "client", lambda: _Slurm(slurm_state))
+    monkeypatch.setattr(status_cmd, "client", lambda: _slurm(slurm_state))
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--timeout", "0.1"])
     assert res.exit_code == 0, res.output
     job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json",

@@ -10,35 +10,13 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
+from support.fake_slurm import FakeSlurm
 from torchpass import auth, wire, zmqio
 from torchpass.errors import RemoteError
 from torchpass.health import HealthSubscriber, State
-from torchpass.slurm import JobInfo, NodeInfo
 from tpassd.collectors.base import Collector
 from tpassd.daemon import Tpassd
 from tpassd.testing import call, credential_as, fake_node_config, wait_for
-
-
-class FakeSlurm:
-    """What tpassd asks Slurm for a drain: a job's owner and nodes; the drain itself."""
-
-    def __init__(self):
-        self.jobs: dict[int, JobInfo] = {}
-        self.drained: list[tuple[str, str]] = []
-        self.node_states: dict[str, tuple[str, ...]] = {}
-
-    def nodes(self):
-        return [NodeInfo(n, n, st) for n, st in self.node_states.items()]
-
-    def run(self, job_id: int, uid: int, nodes: tuple[str, ...]) -> None:
-        self.jobs[job_id] = JobInfo(job_id, "train", f"u{uid}", uid, "RUNNING", nodes)
-
-    def job(self, job_id):
-        return self.jobs.get(job_id)
-
-    def drain(self, node, reason):
-        self.drained.append((node, reason))
-
 
 SLURM_USER = 64030
 
@@ -174,8 +152,8 @@ def drain_refused(node, uid, job_id, munge, **kw) -> RemoteError:
 
 
 def test_a_job_owner_drains_only_a_degraded_node_running_their_job(node, munge):
-    node.slurm.run(7, 1001, ("node1", "node2"))
-    node.slurm.run(8, 1002, ("node2",))
+    node.slurm.run_job(7, user="u1001", uid=1001, nodes=("node1", "node2"))
+    node.slurm.run_job(8, user="u1002", uid=1002, nodes=("node2",))
     assert wait_for(lambda: (node.last_sample or {}).get("state") == "healthy")
     with capture_logs() as logs:
         e = drain_refused(node, 1001, 7, munge)  # healthy in tpassd's own view: the owner's word is not enough
@@ -213,19 +191,20 @@ def test_root_and_slurm_user_may_drain_a_healthy_node(node, munge):
 def test_a_job_owner_drains_a_node_of_their_job_that_slurmctld_no_longer_hears(node, munge):
     """A node lost outright has no tpassd: another node of the job witnesses for it, on
     slurmctld's word (the job's owner, the job on both nodes, the lost node not answering)."""
-    node.slurm.run(7, 1001, ("node1", "node2"))
-    node.slurm.run(8, 1002, ("node2", "node3"))
-    node.slurm.node_states.update(node1=("MIXED",), node2=("MIXED",), node3=("IDLE",))
+    node.slurm.run_job(7, user="u1001", uid=1001, nodes=("node1", "node2"))
+    node.slurm.run_job(8, user="u1002", uid=1002, nodes=("node2", "node3"))
+    for name, state in (("node1", "MIXED"), ("node2", "MIXED"), ("node3", "IDLE")):
+        node.slurm.set_node(name, state)
     reason = "torchpass: node2 failed outright (tpassd silent); no clean dump possible"
     with capture_logs() as logs:
         e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node2")  # slurmctld still hears it
         assert e.code == "conflict" and "slurmctld still hears node2 (MIXED)" in e.remote_message
-        node.slurm.node_states["node2"] = ("MIXED", "NOT_RESPONDING")
+        node.slurm.set_node("node2", "MIXED", "NOT_RESPONDING")
         e = drain_refused(node, 1002, 7, munge, reason=reason, lost="node2")  # not their job
         assert e.code == "forbidden" and "uid 1002 does not own job 7" in e.remote_message
         e = drain_refused(node, 1002, 8, munge, reason=reason, lost="node2")  # their job, not on this witness
         assert e.code == "forbidden" and "does not run on both node1 and node2" in e.remote_message
-        node.slurm.node_states["node3"] = ("IDLE", "NOT_RESPONDING")
+        node.slurm.set_node("node3", "IDLE", "NOT_RESPONDING")
         e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node3")  # not in the job
         assert e.code == "forbidden" and "does not run on both node1 and node3" in e.remote_message
         for bad in ("node[2-3]", "node2,node3", "-x"):
@@ -240,7 +219,7 @@ def test_a_job_owner_drains_a_node_of_their_job_that_slurmctld_no_longer_hears(n
     assert [(a["requester_uid"], a["node"], a["outcome"]) for a in audit][-1] == (1001, "node2", "ok")
     assert all(a["witness"] == "node1" for a in audit) and len(audit) == 9
     # root and SlurmUser need no witness evidence, as for any drain
-    node.slurm.node_states["node3"] = ("IDLE",)
+    node.slurm.set_node("node3", "IDLE")
     assert drain(node, SLURM_USER, 99, munge, reason=reason, lost="node3")["node"] == "node3"
     # naming this node itself is an ordinary drain of it (its own health view decides)
     e = drain_refused(node, 1001, 7, munge, reason=reason, lost="node1")
@@ -428,8 +407,8 @@ def test_subscriber_socket_closes(tmp_path):
 def test_a_user_may_not_drain_a_degraded_node_that_runs_another_users_job(node, munge):
     """A degraded node still serves the jobs on it: user 1001's drain request must not take it from
     user 1002's job. A node that tpassd itself sees failed is drained on tpassd's own evidence."""
-    node.slurm.run(7, 1001, ("node1",))
-    node.slurm.run(8, 1002, ("node1",))
+    node.slurm.run_job(7, user="u1001", uid=1001, nodes=("node1",))
+    node.slurm.run_job(8, user="u1002", uid=1002, nodes=("node1",))
     node.job_owners.update({1001, 1002})  # Slurm's view: both users' jobs run on node1
     call(node.ctl, "node1", "tpassd.drill", {"kind": "ecc-sbe-storm", "gpu": 0}, munge.socket)
     assert wait_for(lambda: (node.last_sample or {}).get("state") == "degraded")

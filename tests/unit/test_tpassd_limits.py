@@ -220,23 +220,15 @@ def test_1000_unauthenticated_peers_sending_maximum_frames_keep_tpassd_under_its
         p.wait(10)
 
 
-class _Slurm:
-    """slurmctld's word on job owners, counted; the drain itself is never reached here."""
+def _owners(owners: dict[int, int]):
+    """slurmctld's word on job owners (job -> uid), each question counted; the drain itself is
+    never reached here."""
+    from support.fake_slurm import FakeSlurm
 
-    def __init__(self, owners: dict[int, int]):
-        import threading
-
-        self.owners = owners
-        self.asked: list[int] = []
-        self.lock = threading.Lock()
-
-    def job(self, job_id):
-        from torchpass.slurm import JobInfo
-
-        with self.lock:
-            self.asked.append(job_id)
-        uid = self.owners.get(job_id)
-        return None if uid is None else JobInfo(job_id, "train", f"u{uid}", uid, "RUNNING", ("node1",))
+    slurm = FakeSlurm()
+    for job_id, uid in owners.items():
+        slurm.run_job(job_id, user=f"u{uid}", uid=uid, nodes=("node1",))
+    return slurm
 
 
 def _node(tmp_path, munge, slurm, **over):
@@ -260,7 +252,7 @@ def test_refused_and_unauthenticated_requests_cost_no_slurm_work_and_leave_one_a
     from torchpass import zmqio
     from torchpass.errors import RemoteError
 
-    slurm = _Slurm({7: 1001})
+    slurm = _owners({7: 1001})
     d = _node(tmp_path, munge, slurm)
     listed: list[int] = []
     with d:
@@ -279,7 +271,7 @@ def test_refused_and_unauthenticated_requests_cost_no_slurm_work_and_leave_one_a
                     zmqio.request(ctl, "tpassd.snapshot", body, auth=_as(1002, "tpassd.snapshot", body, munge),
                                   timeout_s=5, retries=0)
                 assert ei.value.code == "forbidden" and "uid 1002 does not own job 7" in ei.value.remote_message
-    assert slurm.asked == [7], slurm.asked  # asked once for 20 requests: cached per job
+    assert slurm.calls_of("job") == [(7,)], slurm.calls  # asked once for 20 requests: cached per job
     assert listed == []
     audit = [e for e in logs if e["event"] == "privileged action"]
     assert [(a["requester_uid"], a["job_id"], a["action"], a["outcome"]) for a in audit] == (
@@ -298,7 +290,7 @@ def test_a_uid_may_have_requests_of_two_jobs_in_flight_and_a_jobs_ranks_count_as
     from torchpass.errors import RemoteError
     from tpassd.control import USER
 
-    slurm = _Slurm({7: 1001, 8: 1001, 9: 1001, 10: 1002})
+    slurm = _owners({7: 1001, 8: 1001, 9: 1001, 10: 1002})
     d = _node(tmp_path, munge, slurm)
     release = threading.Event()
     running: list[tuple[int, int]] = []

@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
+from support.fake_slurm import FakeSlurm
 from torchpass import layout
-from torchpass.errors import SlurmError
-from torchpass.slurm import JobInfo
 from tpassd.main import sweep_job
 from tpassd.sweep import Sweeper, dump_processes
 from tpassd.testing import wait_for
@@ -26,22 +25,14 @@ def _own_state_dir_only(monkeypatch):
     monkeypatch.delenv("TORCHPASS_STATE_DIR", raising=False)
 
 
-class FakeSlurm:
-    def __init__(self, states: dict[int, str] | None = None, fail: bool = False):
-        self.states = states or {}
-        self.fail = fail
-        self.asked = 0
-
-    def jobs(self, *, user=None, states=("RUNNING",)):
-        self.asked += 1
-        if self.fail:
-            raise SlurmError("'squeue --json' did not finish in 15 s; is slurmctld up?")
-        return [JobInfo(j, "train", "u", 1001, s, ("n1",)) for j, s in self.states.items()
-                if not states or s in states]
-
-    def job(self, job_id):
-        s = self.states.get(job_id)
-        return None if s is None else JobInfo(job_id, "train", "u", 1001, s, ("n1",))
+def _slurm(states: dict[int, str] | None = None, fail: bool = False) -> FakeSlurm:
+    """slurmctld running these jobs of user u (id -> state); ``fail``: squeue does not answer."""
+    slurm = FakeSlurm()
+    for job_id, state in (states or {}).items():
+        slurm.run_job(job_id, state=state)
+    if fail:
+        slurm.refuse("jobs", "'squeue --json' did not finish in 15 s; is slurmctld up?")
+    return slurm
 
 
 def images(snap, job, rank, gen=1, size=1000):
@@ -79,7 +70,7 @@ def test_ended_jobs_files_go_running_jobs_stay(tree):
     ended, running, completing = images(snap, 5, 1), images(snap, 6, 0), images(snap, 9, 0)
     h5, h6 = hold(state, 5), hold(state, 6)
     (layout.job_dir(state, 5) / "events.json").write_text("[]")  # the event log outlives the job
-    slurm = FakeSlurm({6: "RUNNING", 9: "COMPLETING"})
+    slurm = _slurm({6: "RUNNING", 9: "COMPLETING"})
     res = Sweeper(snap, state, lambda: slurm).sweep()
     assert not ended.exists() and not layout.snapshot_job_dir(snap, 5).exists()
     assert not h5.parent.exists() and layout.events_json(state, 5).exists()
@@ -90,15 +81,15 @@ def test_ended_jobs_files_go_running_jobs_stay(tree):
 def test_nothing_is_removed_when_slurm_cannot_say(tree):
     snap, state, _ = tree
     d, h = images(snap, 5, 1), hold(state, 5)
-    res = Sweeper(snap, state, lambda: FakeSlurm(fail=True)).sweep()
+    res = Sweeper(snap, state, lambda: _slurm(fail=True)).sweep()
     assert d.exists() and h.exists() and "nothing removed" in res.skipped
 
 
 def test_no_candidate_no_slurm_call(tree):
     snap, state, _ = tree
-    slurm = FakeSlurm()
+    slurm = _slurm()
     assert Sweeper(snap, state, lambda: slurm).sweep().removed == []
-    assert slurm.asked == 0
+    assert slurm.count("jobs") == 0
 
 
 def test_planted_symlinks_are_unlinked_never_followed(tree):
@@ -115,7 +106,7 @@ def test_planted_symlinks_are_unlinked_never_followed(tree):
     layout.job_dir(state, 7).mkdir(parents=True)
     (layout.job_dir(state, 7) / layout.HOLD).symlink_to(victim / "hold")  # the hold dir itself a link
     layout.job_dir(state, 8).symlink_to(victim)  # an intermediate directory a link (victim/hold exists)
-    res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+    res = Sweeper(snap, state, lambda: _slurm({})).sweep()
     unchanged(victim)
     assert set(os.listdir(victim)) == {"precious", "hold"}
     assert not os.path.lexists(layout.snapshot_job_dir(snap, 5))
@@ -136,7 +127,7 @@ def test_a_dump_still_running_when_its_job_ended_is_aborted_then_removed(tree):
     try:
         assert wait_for(lambda: [p.pid for p in dump_processes(snap, 5)] == [fake.pid])
         busy = lambda: {5} if fake.poll() is None else set()  # noqa: E731 - the op ends when its criu does
-        res = Sweeper(snap, state, lambda: FakeSlurm({6: "RUNNING"}), busy_jobs=busy).sweep()
+        res = Sweeper(snap, state, lambda: _slurm({6: "RUNNING"}), busy_jobs=busy).sweep()
         assert res.aborted == [fake.pid] and fake.wait(5) == -9
         assert not d.exists() and res.kept_busy == []
         assert bystander.poll() is None and other.exists()
@@ -150,7 +141,7 @@ def test_a_dump_still_running_when_its_job_ended_is_aborted_then_removed(tree):
 def test_an_op_that_does_not_end_keeps_the_files(tree):
     snap, state, _ = tree
     d = images(snap, 5, 1)
-    res = Sweeper(snap, state, lambda: FakeSlurm({}), busy_jobs=lambda: {5}, busy_wait_s=0.1).sweep()
+    res = Sweeper(snap, state, lambda: _slurm({}), busy_jobs=lambda: {5}, busy_wait_s=0.1).sweep()
     assert res.kept_busy == [5] and d.exists()
 
 
@@ -160,13 +151,13 @@ def test_sweep_job_for_the_epilog(tree, capsys):
     snap, state, _ = tree
     cfg = fake_node_config(snap.parent / "node", snapshot_dir=snap, state_dir=state)
     d, h = images(snap, 5, 1), hold(state, 5)
-    assert sweep_job(cfg, 5, FakeSlurm({5: "RUNNING"})) == 1
+    assert sweep_job(cfg, 5, _slurm({5: "RUNNING"})) == 1
     assert "is RUNNING" in capsys.readouterr().err and d.exists() and h.exists()
-    assert sweep_job(cfg, 5, FakeSlurm({5: "COMPLETING"})) == 0
+    assert sweep_job(cfg, 5, _slurm({5: "COMPLETING"})) == 0
     assert not d.exists() and not h.exists()
     assert '"job_id": 5' in capsys.readouterr().out
     d = images(snap, 5, 2)
-    assert sweep_job(cfg, 5, FakeSlurm(fail=True)) == 0  # the Epilog's word is enough
+    assert sweep_job(cfg, 5, _slurm(fail=True)) == 0  # the Epilog's word is enough
     assert not d.exists()
 
 
@@ -178,7 +169,7 @@ def test_tpassd_sweeps_at_start(tmp_path, munge):
                            sweep_interval_s=300)
     d, h = images(cfg.snapshot_dir, 5, 1), hold(cfg.state_dir, 5)
     kept = images(cfg.snapshot_dir, 6, 1)
-    node = Tpassd(cfg, slurm_client=FakeSlurm({6: "RUNNING"})).start()
+    node = Tpassd(cfg, slurm_client=_slurm({6: "RUNNING"})).start()
     try:
         assert wait_for(lambda: not d.exists() and not h.exists())
         assert kept.exists()
@@ -187,8 +178,8 @@ def test_tpassd_sweeps_at_start(tmp_path, munge):
 
 
 def test_sweep_interval_is_validated(tmp_path):
-    from tpassd.config import load_config
     from torchpass.errors import ConfigError
+    from tpassd.config import load_config
 
     assert load_config(tmp_path / "none.toml", flags={"sweep_interval_s": 0}).sweep_interval_s == 0
     with pytest.raises(ConfigError, match="sweep_interval_s must be 0"):
@@ -237,7 +228,7 @@ def test_a_1500_deep_hold_directory_is_removed_and_other_jobs_are_still_swept(tm
     _deep(h5.parent, 1500)
     d7 = images(snap, 7, 0)
     try:
-        res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+        res = Sweeper(snap, state, lambda: _slurm({})).sweep()
         assert res.failed == [] and not h5.parent.exists() and not h7.parent.exists() and not d7.exists()
         assert str(h5.parent) in res.removed
     finally:  # pytest's own clean-up of tmp_path recurses too: never leave the deep tree to it
@@ -258,7 +249,7 @@ def test_one_jobs_failing_sweep_does_not_stop_the_others(tmp_path, monkeypatch):
         return real(self, job, res)
 
     monkeypatch.setattr(sweep_mod.Sweeper, "sweep_job", failing)
-    res = Sweeper(snap, state, lambda: FakeSlurm({})).sweep()
+    res = Sweeper(snap, state, lambda: _slurm({})).sweep()
     assert res.failed == [5] and h5.exists() and not h6.exists()
 
 
@@ -275,7 +266,7 @@ def test_ended_jobs_state_directories_go_after_their_retention(tmp_path):
     layout.snapshot_manifests_dir(state, 8).mkdir()  # a snapshot to relaunch from: kept
     for job, age_h in ((5, 200), (6, 1), (7, 200), (8, 200)):
         os.utime(dirs[job], (now - age_h * 3600, now - age_h * 3600))
-    res = Sweeper(snap, state, lambda: FakeSlurm({7: "RUNNING"}), job_dir_retention_s=168 * 3600,
+    res = Sweeper(snap, state, lambda: _slurm({7: "RUNNING"}), job_dir_retention_s=168 * 3600,
                   wall=lambda: now).sweep()
     assert not dirs[5].exists()  # ended a week+ ago
     assert dirs[6].exists() and dirs[7].exists() and dirs[8].exists()  # recent, running, has snapshots

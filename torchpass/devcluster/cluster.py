@@ -31,6 +31,11 @@ DEFAULT_BASE_DIR = Path("/run/torchpass/devcluster")
 REPO_ROOT = Path(torchpass.__file__).resolve().parent.parent
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _SUBNET_RE = re.compile(r"^10\.(\d{1,3})\.(\d{1,3})$")
+# slurmctld's port (DevclusterSpec.ctld_port) and job ids (first_job_id), per subnet.
+CTLD_PORT_BASE = 7000
+CTLD_PORT_SLOTS = 25000
+JOB_ID_BLOCK = 10000
+JOB_ID_BLOCKS = 6000
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,30}$")
 # Unprivileged users made on bring-up if missing (nodes share the host's /etc/passwd).
 DEFAULT_JOB_USERS = ("tpuser1", "tpuser2")
@@ -86,9 +91,29 @@ class DevclusterSpec:
         return Path(self.base_dir) / self.name
 
     @property
+    def subnet_index(self) -> int:
+        """10.X.Y as X*256 + Y: distinct for distinct subnets, and two clusters on one machine
+        never share a subnet (their bridges would route the same /24)."""
+        _, x, y = (int(part) for part in self.subnet.split("."))
+        return x * 256 + y
+
+    @property
     def ctld_port(self) -> int:
-        # One slurmctld per cluster in the root namespace: ports must differ.
-        return 6800 + int(self.subnet.split(".")[1])
+        """slurmctld's port. It is the one port a cluster takes in the root network namespace
+        (slurmd and tpassd listen inside their nodes' namespaces), so it comes from the whole
+        subnet: 10.78.0 and 10.78.1 get different ports. 7000..31999 stays below Linux's
+        ephemeral range (32768..60999), where a client's connection could hold it. Two subnets
+        whose indexes differ by a multiple of CTLD_PORT_SLOTS share a port: ``up`` refuses the
+        second with one line (cluster_conflicts)."""
+        return CTLD_PORT_BASE + self.subnet_index % CTLD_PORT_SLOTS
+
+    @property
+    def first_job_id(self) -> int:
+        """Slurm's FirstJobId. Files outside the cluster's own directory that are named by job and
+        node (a node relay's socket, ``/tmp/torchpass-relay-UID/jobJ.S-nodeN.sock``, shared by
+        every cluster of the machine) must not meet: each cluster numbers its jobs from its own
+        block of JOB_ID_BLOCK ids (Slurm's MaxJobId, 67,043,328, bounds the blocks)."""
+        return 1 + (self.subnet_index % JOB_ID_BLOCKS) * JOB_ID_BLOCK
 
     @property
     def bridge(self) -> str:
@@ -198,6 +223,32 @@ def power_cut(pids: Callable[[], list[int]], *, rounds: int = 50,
     return stopped
 
 
+def cluster_conflicts(spec: DevclusterSpec) -> list[str]:
+    """What keeps ``spec`` from coming up beside the clusters recorded under its base_dir: the
+    same subnet, slurmctld port or job-id block as one of them (empty if nothing does)."""
+    found = []
+    try:
+        records = sorted(Path(spec.base_dir).glob("*/cluster.json"))
+    except OSError:
+        return found
+    for path in records:
+        try:
+            other_d = json.loads(path.read_text())["spec"]
+            other = DevclusterSpec(name=other_d["name"], subnet=other_d["subnet"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if other.name == spec.name:
+            continue
+        shared = [what for what, mine, theirs in (
+            ("subnet", spec.subnet, other.subnet),
+            (f"slurmctld port {spec.ctld_port}", spec.ctld_port, other.ctld_port),
+            (f"first job id {spec.first_job_id}", spec.first_job_id, other.first_job_id),
+        ) if mine == theirs]
+        if shared:
+            found.append(f"devcluster {other.name!r} ({other.subnet}) has the same {' and '.join(shared)}")
+    return found
+
+
 class Devcluster:
     """A handle on one local cluster (running or not)."""
 
@@ -217,6 +268,10 @@ class Devcluster:
         _check_dependencies()
         with cluster._lock():
             cluster._down_locked()
+            conflicts = cluster_conflicts(spec)
+            if conflicts:
+                raise DevclusterError(f"devcluster {spec.name!r} ({spec.subnet}) cannot come up beside "
+                                      f"{'; '.join(conflicts)}: pick another --subnet")
             try:
                 cluster._up_locked(timeout_s)
             except BaseException:
@@ -232,9 +287,11 @@ class Devcluster:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise DevclusterError(f"no devcluster named {name!r} is up; start one with 'tpassctl devcluster up'") from None
+            raise DevclusterError(f"no devcluster named {name!r} is up; "
+                                  "start one with 'tpassctl devcluster up'") from None
         except (OSError, json.JSONDecodeError) as exc:
-            raise DevclusterError(f"{path} is unreadable ({exc}); run 'tpassctl devcluster down --name {name}'") from None
+            raise DevclusterError(f"{path} is unreadable ({exc}); "
+                                  f"run 'tpassctl devcluster down --name {name}'") from None
         spec_d = data["spec"]
         spec_d["base_dir"] = Path(spec_d["base_dir"])
         for key in ("plugin", "job_python"):
@@ -448,7 +505,8 @@ class Devcluster:
     def _index(self, node: str) -> int:
         m = re.fullmatch(r"node(\d+)", node)
         if not m or not 1 <= int(m.group(1)) <= self.spec.nodes:
-            raise DevclusterError(f"no node {node!r} in devcluster {self.spec.name!r}; nodes: {', '.join(self.node_names)}")
+            raise DevclusterError(f"no node {node!r} in devcluster {self.spec.name!r}; "
+                                  f"nodes: {', '.join(self.node_names)}")
         return int(m.group(1))
 
     def _up_locked(self, timeout_s: float) -> None:
@@ -536,7 +594,7 @@ class Devcluster:
     def _write_configs(self) -> None:
         spec, rd = self.spec, self.run_dir
         host = socket.gethostname()
-        hosts = [f"127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
+        hosts = ["127.0.0.1 localhost", f"{spec.controller_address} {host} controller"]
         hosts += [f"{spec.node_address(i)} {spec.node_name(i)}" for i in range(1, spec.nodes + 1)]
         (rd / "etc" / "hosts").write_text("\n".join(hosts) + "\n")
         (rd / "etc" / "tpassd-ports.toml").write_text("\n".join(ports_toml(spec.tpassd_ports)) + "\n")
@@ -568,6 +626,7 @@ class Devcluster:
 ClusterName=tp{spec.name}
 SlurmctldHost={host}({spec.controller_address})
 SlurmctldPort={spec.ctld_port}
+FirstJobId={spec.first_job_id}
 SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root

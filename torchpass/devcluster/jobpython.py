@@ -178,7 +178,8 @@ def check_usable(python: Path, users: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchpass.devcluster.jobpython", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--venv", type=Path, default=None, help=f"where (default $TORCHPASS_JOB_VENV or {DEFAULT_JOB_VENV})")
+    ap.add_argument("--venv", type=Path, default=None,
+                    help=f"where (default $TORCHPASS_JOB_VENV or {DEFAULT_JOB_VENV})")
     ap.add_argument("--find-links", default=None, help="a wheel directory for pip (e.g. /opt/wheels)")
     args = ap.parse_args(argv)
     try:
