@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import training_jobs as tj
-
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env
 from torchpass import layout
 

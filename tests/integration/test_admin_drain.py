@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import training_jobs as tj
-from training_jobs import TPASSCTL, drain_audit
 
+import training_jobs as tj
 from torchpass import layout
 from tpassd.testing import wait_for
+from training_jobs import TPASSCTL, drain_audit
 
 pytestmark = pytest.mark.integration
 

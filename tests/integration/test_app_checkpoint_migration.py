@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from drill import Drill, events, leave_clean, migrate, reference
 
 pytestmark = pytest.mark.integration

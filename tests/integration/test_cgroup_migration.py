@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
 from conftest import JobUser, _job_user, _preflight, make_job_dir
 from drill import Drill, diagnosis, events, leave_clean, reference, submit
-
 from torchpass import layout
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster import cgroups as dc_cgroups

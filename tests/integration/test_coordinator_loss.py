@@ -32,15 +32,15 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
 from slurm_helpers import until as _until
-from training_jobs import TPASSCTL
-
 from torchpass import coordinator_lost, layout
 from torchpass.errors import SlurmError
 from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm.cli import CliSlurmClient
+from training_jobs import TPASSCTL
 
 pytestmark = pytest.mark.integration
 

@@ -10,12 +10,11 @@ import time
 
 import pytest
 
+from slurm_helpers import job_id_of, sbatch, wait_job
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
 from torchpass.errors import DevclusterError
 from torchpass.slurm import client
-
-from slurm_helpers import job_id_of, sbatch, wait_job
 
 
 def test_nodes_idle_with_own_names_and_addresses(cluster):

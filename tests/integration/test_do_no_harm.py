@@ -31,8 +31,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import training_jobs as tj
 
+import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env
 
 pytestmark = pytest.mark.integration

@@ -18,6 +18,7 @@ import re
 import subprocess
 
 import pytest
+
 from test_migration import (  # noqa: F401 - fixtures: the module's reference run, the cleanup
     FAULT_STEPS,
     TRAINING_NODES,

@@ -50,12 +50,12 @@ import random
 import time
 from pathlib import Path
 
-import drill
 import pytest
+
+import drill
 import training_jobs as tj
 from drill import Drill
 from slurm_helpers import until as _until
-
 from torchpass import layout
 from torchpass.coordinator.decide import ENDED_LIKE_SLURM, SLURM_ON_LOST_NODE
 from torchpass.devcluster.cluster import pid_alive

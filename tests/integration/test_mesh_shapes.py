@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from drill import Drill, leave_clean, migrate, reference
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,8 @@ import subprocess
 import time
 
 import pytest
-from slurm_helpers import (job_id_of, job_python, sbatch, scancel, squeue, submit_env, tpassctl, wait_job,
-                           wait_running)
 
+from slurm_helpers import job_id_of, job_python, sbatch, scancel, squeue, submit_env, tpassctl, wait_job, wait_running
 from torchpass import layout
 from torchpass.ports import TPASSD_CONTROL_PORT
 from torchpass.slurm import client

@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
-from slurm_helpers import job_python, sbatch, job_id_of, submit_env
+from slurm_helpers import job_id_of, job_python, sbatch, submit_env
+from torchpass import layout
 from training_jobs import TPASSCTL
 from training_jobs import run as _run
-
-from torchpass import layout
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
+from torchpass import layout
 from training_jobs import TPASSCTL, drain_audit
 from training_jobs import job as _job
 from training_jobs import node as _node
@@ -46,8 +48,6 @@ from training_jobs import per_step as _per_step
 from training_jobs import run as _run
 from training_jobs import steps as _steps
 from training_jobs import wait_end as _wait_end
-
-from torchpass import layout
 
 pytestmark = pytest.mark.integration
 

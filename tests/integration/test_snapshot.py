@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
 from conftest import make_job_dir
 from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
-
 from slurm_helpers import job_id_of, sbatch, tpassctl
 from slurm_helpers import until as _until
-
 from torchpass import layout
 
 NODES = ("node1", "node2", "node3", "node4")

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from slurm_helpers import job_id_of, job_python, sbatch, submit_env, user_run, wait_job, wait_running
 from torchpass import layout
 from torchpass.slurm import client
-
-from slurm_helpers import job_id_of, job_python, sbatch, submit_env, user_run, wait_job, wait_running
 
 pytestmark = pytest.mark.integration
 
@@ -318,14 +317,14 @@ def test_an_srun_that_places_itself_runs_as_in_a_job_without_torchpass(cluster, 
     so such an srun gets the allocation's environment back. The same script
     under plain sbatch is the reference: every srun's exit code and task
     count match, and the hosts where the options fix them."""
-    script = f"""#!/bin/sh
+    script = """#!/bin/sh
 report="$1"
-run() {{
+run() {
   name=$1; shift
   out=$("$@" 2>&1); rc=$?
   echo "$name rc=$rc tasks=$(echo "$out" | grep -c '^node') hosts=$(echo "$out" | grep '^node' | sort -u | tr '\\n' ' ')" >> "$report"
   echo "$out" | grep -v '^node' >> "$report.err"
-}}
+}
 run N1 srun -N1 -n1 hostname
 run N2 srun -N2 hostname
 run nodes2 srun --overlap --nodes 2 hostname

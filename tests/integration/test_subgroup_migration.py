@@ -26,6 +26,7 @@ import textwrap
 import time
 
 import pytest
+
 from drill import Drill, leave_clean, migrate, reference
 
 pytestmark = pytest.mark.integration

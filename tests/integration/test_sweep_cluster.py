@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from slurm_helpers import as_user, job_id_of, sbatch, scancel, wait_job, wait_running
 
+from slurm_helpers import as_user, job_id_of, sbatch, scancel, wait_job, wait_running
 from torchpass import layout
 from torchpass.ports import TPASSD_CONTROL_PORT
 from tpassd.testing import call, wait_for

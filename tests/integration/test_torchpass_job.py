@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 from slurm_helpers import job_id_of, job_python, sbatch, tpassctl, wait_job, wait_running
-from training_jobs import train_script
-
 from torchpass import layout
+from training_jobs import train_script
 
 
 def coordinator_pids(job_id: int) -> list[int]:

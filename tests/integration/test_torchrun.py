@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 import training_jobs as tj
 from drill import diagnosis, events, leave_clean
-
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
 
 pytestmark = pytest.mark.integration

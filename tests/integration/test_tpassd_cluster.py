@@ -15,8 +15,8 @@ import sys
 import time
 
 import pytest
-from slurm_helpers import tpassctl as tpassctl_as
 
+from slurm_helpers import tpassctl as tpassctl_as
 from torchpass import auth, zmqio
 from torchpass.health import HealthSubscriber, State
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_PUB_PORT

@@ -35,10 +35,9 @@ NO_SPACE = re.compile(r"no space for rank 1's image on (\S+): need ~(\d+) MB, (\
 
 def _scenario(case: str, tmp: Path) -> dict:
     """Run in a private mount namespace: a tmpfs snapshot_dir, a rank, one dump request."""
-    from test_criu_checkpoint import FakeLib  # noqa: PLC0415 - this file's directory, as __main__
-
-    from torchpass.checkpoint import cuda as cuda_mod  # noqa: PLC0415
-    from torchpass.checkpoint.service import CheckpointService  # noqa: PLC0415
+    from test_criu_checkpoint import FakeLib
+    from torchpass.checkpoint import cuda as cuda_mod
+    from torchpass.checkpoint.service import CheckpointService
 
     size_mb, rank_mb = {"precheck": (8, 48), "midwrite": (2, 8), "cuda-midwrite": (2, 8),
                         "cuda-after-suspend": (8, 1)}[case]
@@ -163,11 +162,10 @@ def test_gpu_state_too_large_for_the_disk_after_the_suspend_rolls_cuda_back(tmp_
 def test_the_rollback_event_quotes_the_no_space_line():
     """What the coordinator gets (the tpassd reply's message, as RemoteError words it) is
     the reason of its rollback and of the event it publishes."""
-    from test_decide import Sim  # noqa: PLC0415 - tests/unit is on sys.path (no __init__.py)
-
-    from torchpass.coordinator import machine as mc  # noqa: PLC0415
-    from torchpass.coordinator.decide import Event, ResumeInPlace  # noqa: PLC0415
-    from torchpass.errors import RemoteError  # noqa: PLC0415
+    from test_decide import Sim
+    from torchpass.coordinator import machine as mc
+    from torchpass.coordinator.decide import Event, ResumeInPlace
+    from torchpass.errors import RemoteError
 
     line = str(criu.no_space("rank 3", "/var/lib/torchpass/snapshots", 70_000_000, 8_000_000))
     sim = Sim()

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 
 from torchpass import auth, layout, wire
-from torchpass.errors import CheckpointError, RemoteError
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import procs
 from torchpass.checkpoint.criu import tree_pids
 from torchpass.checkpoint.node_settings import maps_nvidia_device
 from torchpass.checkpoint.service import CheckpointService
-
+from torchpass.errors import CheckpointError, RemoteError
 
 ROOT = auth.Identity(uid=0, gid=0)
 

@@ -13,10 +13,10 @@ from torchpass import auth, jobauth, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import server as srv
 from torchpass.coordinator.driver import Driver
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, Facts, job_liveness_check
-from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError, SlurmError, UnreachableError
 from torchpass.health_state import State
 from torchpass.slurm.base import JobInfo

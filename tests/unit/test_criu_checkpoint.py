@@ -17,10 +17,10 @@ from pathlib import Path
 import blake3
 import pytest
 
-from torchpass.errors import CheckpointError, DependencyError, RemoteError
 from torchpass import auth, layout, wire
 from torchpass.checkpoint import criu, cuda, manifest
 from torchpass.checkpoint.service import CheckpointService
+from torchpass.errors import CheckpointError, DependencyError, RemoteError
 
 
 def fake_criu(tmp_path: Path, version_line: str) -> Path:

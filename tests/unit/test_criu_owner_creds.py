@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from test_privilege_boundary import _dump as _svc_dump
+from test_privilege_boundary import _record, _refused, _service, user
+from test_tpass_init import init_program  # noqa: F401
 from torchpass.checkpoint import criu, procs
 from torchpass.errors import CheckpointError, RemoteError
-from test_privilege_boundary import _dump as _svc_dump, _record, _refused, _service, user  # noqa: F401
-from test_tpass_init import init_program  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="root dumps and restores a user's tree here")
 

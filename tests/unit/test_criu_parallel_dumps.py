@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.checkpoint import criu, manifest
-from torchpass.errors import CheckpointError
 from test_privilege_boundary import RANK_ENV, USER_PYTHON
 from test_rankwrap_transparent import _record
 from test_tpass_init import PLUGIN, init_program  # noqa: F401
+from torchpass.checkpoint import criu, manifest
+from torchpass.errors import CheckpointError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tpass-init is started by root, and root dumps here")
 NOBODY = 65534

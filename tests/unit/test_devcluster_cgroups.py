@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tpassctl.cli import cli
-from torchpass.devcluster import Devcluster, DevclusterSpec
-from torchpass.devcluster import cgroups
+from torchpass.devcluster import Devcluster, DevclusterSpec, cgroups
 from torchpass.devcluster.cluster import _State
 from torchpass.errors import DevclusterError
+from tpassctl.cli import cli
 
 PROC_CGROUP = """12:pids:/
 6:freezer:/

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tpassctl.cli import cli
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import pid_alive, power_cut
 from torchpass.errors import DevclusterError
+from tpassctl.cli import cli
 
 # A parent that records its child's death the moment it sees it: what a slurmstepd does when
 # its task dies (it reports the task's end). A power cut must leave it no chance to.

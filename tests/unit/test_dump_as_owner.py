@@ -15,9 +15,9 @@ import time
 
 import pytest
 
+from test_privilege_boundary import _dump, _record, _refused, _service, _stop, shared_tmp, user  # noqa: F401
 from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint.rankwrap import children
-from test_privilege_boundary import _dump, _record, _refused, _service, _stop, shared_tmp, user  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tpassd runs as root")
 

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from torchpass import layout, zmqio
 from torchpass.coordinator import contract as ct
-from torchpass.coordinator.executor import Driver
+from torchpass.coordinator.driver import Driver
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer, write_registration
-from torchpass.coordinator.job_record import JobState
 from torchpass.health_state import State
 from tpassctl.cli import cli
 from tpassctl.events_cmd import events

@@ -22,9 +22,9 @@ from torchpass.coordinator import machine as mc
 from torchpass.coordinator import migration_actions
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
-from torchpass.coordinator.rank_commands import resume_port
-from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.policy import CoordinatorPolicy
+from torchpass.coordinator.rank_commands import resume_port
 from torchpass.errors import RemoteError
 
 

@@ -10,8 +10,8 @@ import typing
 
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator.executor import FAILURE_OF, OWN_OUTCOMES, Executor
-from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.policy import CoordinatorPolicy
 
 ACTIONS = set(typing.get_args(ct.Action))
 OUTCOMES = set(typing.get_args(ct.Outcome))

@@ -10,7 +10,7 @@ import structlog
 import zmq
 
 from torchpass import wire
-from torchpass.health import HealthSubscriber, State, check_publication, OutOfRange
+from torchpass.health import HealthSubscriber, OutOfRange, State, check_publication
 
 
 def hb(node, seq, *, sender=None, interval_s=1.0, inc="a", **over):

@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from torchpass import auth, jobauth, wire, zmqio
-from torchpass.slurm.conf import job_privacy
-from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.server import CoordinatorServer
 from torchpass.errors import ConfigError, RemoteError
+from torchpass.slurm.conf import job_privacy
 from tpassd.testing import credential_as
 
 SECRET_A = jobauth.parse_secret("0123456789abcdef" * 4)

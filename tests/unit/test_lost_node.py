@@ -14,9 +14,9 @@ from torchpass.coordinator import machine as mc
 from torchpass.coordinator.decide import SLURM_ON_LOST_NODE, check_snapshot_request
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.lost_node_actions import slurm_lost
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.job_record import JobState
 from torchpass.slurm.base import JobInfo, NodeInfo, StepInfo
 
 NODES = ("n1", "n2", "n3", "n4")

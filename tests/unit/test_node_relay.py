@@ -14,9 +14,9 @@ import time
 
 import pytest
 import zmq
+
 from test_never_left_paused import FakePG
 from test_runtime_control import RESUME, coordinator, peers, socket_inodes, wait_for  # noqa: F401 - fixtures
-
 from torchpass import layout, wire, zmqio
 from torchpass.coordinator import server as srv
 from torchpass.runtime import control, relay

@@ -10,9 +10,9 @@ from test_never_left_paused import FALLBACK, make
 from torchpass import wire
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator.executor import Executor
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.model import CoordState, RankView
 from torchpass.coordinator.policy import CoordinatorPolicy
-from torchpass.coordinator.job_record import JobState
 
 # One command of each kind, as the coordinator sends it.
 SAMPLES = {

@@ -27,10 +27,10 @@ import pytest
 
 from support.wait import until
 from torchpass import auth, layout, wire
-from torchpass.errors import RemoteError
 from torchpass.checkpoint import rankwrap as rw
 from torchpass.checkpoint.criu import tree_pids
 from torchpass.checkpoint.service import CheckpointService
+from torchpass.errors import RemoteError
 
 ROOT = auth.Identity(uid=0, gid=0)
 JOB, RANK = 5, 1

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from test_privilege_boundary import RANK_ENV, _as_user_wrapper, shared_tmp, user, user_pythonpath  # noqa: F401
 from torchpass import layout
 from torchpass.checkpoint import rankwrap as rw
 from torchpass.checkpoint.criu import tree_pids
-from test_privilege_boundary import RANK_ENV, _as_user_wrapper, shared_tmp, user, user_pythonpath  # noqa: F401
 
 JOB, RANK = RANK_ENV["TORCHPASS_JOB_ID"], RANK_ENV["RANK"]
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the wrapper's PID namespace needs root")

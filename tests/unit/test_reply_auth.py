@@ -18,12 +18,12 @@ import threading
 import time
 
 import pytest
+
 from test_never_left_paused import FakePG
 from test_runtime_control import StandInPeer
-
 from torchpass import jobauth, layout
-from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.server import CoordinatorServer
 from torchpass.runtime import control
 
 SECRET = b"5" * 64

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from test_privilege_boundary import shared_tmp, user  # noqa: F401
 from torchpass import layout
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import restore_agent as ra
-from test_privilege_boundary import shared_tmp, user  # noqa: F401
 
 JOB, RANK, GEN = 7, 1, 3
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the agent's checks are about root-owned directories")

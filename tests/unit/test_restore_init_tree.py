@@ -21,13 +21,13 @@ import time
 
 import pytest
 
+from test_privilege_boundary import RANK_ENV
+from test_rankwrap_transparent import _record
+from test_tpass_init import PLUGIN, init_program  # noqa: F401
 from torchpass import layout
 from torchpass.checkpoint import criu
 from torchpass.checkpoint import rankwrap as rw
 from torchpass.checkpoint.procs import read_stat
-from test_privilege_boundary import RANK_ENV
-from test_rankwrap_transparent import _record
-from test_tpass_init import PLUGIN, init_program  # noqa: F401
 
 JOB, RANK = RANK_ENV["TORCHPASS_JOB_ID"], RANK_ENV["RANK"]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="tpass-init is started by root, and root restores here")

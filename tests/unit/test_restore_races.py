@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from test_privilege_boundary import USER_PYTHON, shared_tmp, user  # noqa: F401
 from torchpass import layout
 from torchpass.checkpoint import criu
 from torchpass.checkpoint import manifest as mf
 from torchpass.checkpoint import restore_agent as ra
-from test_privilege_boundary import USER_PYTHON, shared_tmp, user  # noqa: F401
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays root (the restore agent) against a user")
 

@@ -14,11 +14,11 @@ import stat
 
 import pytest
 
+from test_snapshot_service import OTHER, OWNER, ROOT, _commit, _service
 from torchpass import auth, layout, wire
 from torchpass.auth import AuthFailure
 from torchpass.checkpoint import restore_token as rt
 from torchpass.errors import RemoteError
-from test_snapshot_service import OTHER, OWNER, ROOT, _commit, _service
 
 ME = os.geteuid()
 

@@ -16,13 +16,13 @@ import threading
 import time
 
 import pytest
+
 from test_coordinator_server import RESUME, CommandsDriver
 from test_never_left_paused import FALLBACK, FakePG
-
 from torchpass import layout
 from torchpass.coordinator import server as srv
-from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.server import CoordinatorServer
 from torchpass.runtime import control
 from torchpass.runtime.pg import Rendezvous
 

@@ -33,7 +33,6 @@ import pytest
 import torch.distributed as dist
 
 from test_runtime_init_forms import SCRIPT as INIT_FORMS_SCRIPT
-
 from torchpass.runtime import boot_dir, hook
 from torchpass.runtime.control import AGENT_SERVES_WHY
 from torchpass.runtime.pg import count_sockets

@@ -12,8 +12,8 @@ from torchpass import layout
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
-from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.errors import RemoteError
 from torchpass.slurm.base import StepInfo
 

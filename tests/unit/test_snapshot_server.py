@@ -11,9 +11,9 @@ import pytest
 from torchpass import auth, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator.driver import Driver
+from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.server import CoordinatorServer
-from torchpass.coordinator.job_record import JobState
 from torchpass.errors import RemoteError
 from torchpass.health_state import State
 

@@ -11,8 +11,8 @@ from support.fake_slurm import FakeSlurm
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
-from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.errors import SlurmError
 from torchpass.health import HealthSubscriber
 from torchpass.slurm.base import StepInfo

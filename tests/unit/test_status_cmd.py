@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from support.fake_slurm import FakeSlurm
 from torchpass import zmqio
-from torchpass.coordinator.server import CoordinatorServer, write_registration
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.server import CoordinatorServer, write_registration
 from tpassctl import status_cmd
 from tpassctl.cli import cli
 

@@ -10,8 +10,14 @@ from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector, parse_rate, parse_state
 from tpassd.collectors.nvml import NvmlCollector
 from tpassd.drills import write_fixture_tree
-from tpassd.nvml_provider import (NVML_ERROR_NOT_SUPPORTED, BrokenProvider, FakeNvmlProvider, NvmlError,
-                                  PynvmlProvider, select_provider)
+from tpassd.nvml_provider import (
+    NVML_ERROR_NOT_SUPPORTED,
+    BrokenProvider,
+    FakeNvmlProvider,
+    NvmlError,
+    PynvmlProvider,
+    select_provider,
+)
 
 
 def fake(n=2):

@@ -233,8 +233,8 @@ def test_the_executor_drains_through_the_nodes_tpassd(node, munge, tmp_path):
     from torchpass.coordinator import contract as ct
     from torchpass.coordinator.executor import Executor
     from torchpass.coordinator.executor_ports import TpassdClient
-    from torchpass.coordinator.policy import CoordinatorPolicy
     from torchpass.coordinator.job_record import JobState
+    from torchpass.coordinator.policy import CoordinatorPolicy
 
     posted = queue.Queue()
     tp = TpassdClient(lambda n: "127.0.0.1", port=node.control.port, munge_socket=munge.socket)
@@ -379,7 +379,7 @@ def test_subscriber_expiry_gap_and_restart():
         s.ingest(hb(0, -1, inc="b"))
         assert s.state("n1") is State.UNKNOWN
         clock.t += 2
-        s._views["n1"]  # noqa: B018
+        s._views["n1"]
         s._snapshot = lambda n, e: snapshot_result(0, -1, inc="b")
         s._fetch_snapshots()
         assert s.state("n1") is State.HEALTHY and s.view("n1").incarnation == "b"

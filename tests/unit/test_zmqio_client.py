@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from torchpass import jobauth, wire, zmqio
-from torchpass.coordinator.server import CoordinatorServer
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.server import CoordinatorServer
 from torchpass.errors import RemoteError, UnreachableError
 
 

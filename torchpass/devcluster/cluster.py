@@ -18,8 +18,8 @@ from pathlib import Path
 
 import structlog
 
-from torchpass import envnames
 import torchpass
+from torchpass import envnames
 from torchpass.devcluster import cgroups, jobpython
 from torchpass.devcluster.tpassd_node import ports_toml, start_args
 from torchpass.errors import DependencyError, DevclusterError

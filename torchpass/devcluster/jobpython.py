@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchpass import envnames
 import torchpass
+from torchpass import envnames
 from torchpass.errors import DevclusterError
 
 DEFAULT_JOB_VENV = Path("/opt/torchpass-dev/jobvenv")
