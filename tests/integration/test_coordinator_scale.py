@@ -40,9 +40,10 @@ def test_every_rank_report_is_answered_at_512_ranks(tmp_path):
     if proc.returncode != 0:  # the harness itself failed: never an expected failure
         pytest.fail(f"bench_coordinator.py exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     (row,) = json.loads(out.read_text())["sizes"]
-    summary = {k: row.get(k) for k in ("registered", "replies_per_s", "wanted_per_s", "asked_per_s", "replies_fraction",
-                                       "replies_fraction_all", "timeouts_total", "error_replies_total", "progress_p99_ms",
-                                       "trials_complete", "status_p99_ms", "coordinator_log_errors")}
+    summary = {k: row.get(k) for k in ("registered", "replies_per_s", "wanted_per_s", "asked_per_s",
+                                       "replies_fraction", "replies_fraction_all", "timeouts_total",
+                                       "error_replies_total", "progress_p99_ms", "trials_complete", "status_p99_ms",
+                                       "coordinator_log_errors")}
     assert row["registered"] == RANKS, summary
     assert row["trials"] == 2 and row["trials_complete"] == 2, summary  # every rank paused and resumed
     # Every request every rank sent was answered, without an error, within its 2 s.

@@ -43,7 +43,8 @@ def test_job_users_exist_and_run_the_job_python(cluster, job_user, other_user):
     assert 0 < job_user.uid != other_user.uid > 0
     plug = (cluster.run_dir / "etc" / "plugstack.conf").read_text()
     bindir = cluster.job_python.parent
-    assert f"coordinator={bindir / 'tpass-coordinator'} " in plug and f"rank_wrapper={bindir / 'tpass-rankwrap'}" in plug
+    assert (f"coordinator={bindir / 'tpass-coordinator'} " in plug
+            and f"rank_wrapper={bindir / 'tpass-rankwrap'}" in plug)
     assert str(REPO_ROOT) not in plug, plug  # the plugin too is a copy in the run dir
     assert plug.startswith(f"optional {cluster.run_dir / 'lib' / 'torchpass.so'} ")
     for user in (job_user, other_user):
@@ -80,7 +81,7 @@ def test_env_command_points_plain_slurm_commands_at_the_cluster(cluster):
 def test_up_after_a_crashed_run_and_down_leave_nothing():
     """A cluster whose daemons were SIGKILLed and whose record is gone still comes down and back up."""
     spec = DevclusterSpec(name="crash", nodes=2, subnet="10.76.0", tpassd=False)
-    c = Devcluster.up(spec)
+    Devcluster.up(spec)
     ctld = json.loads((spec.run_dir / "cluster.json").read_text())["pids"]["slurmctld"]
     os.kill(ctld, signal.SIGKILL)
     (spec.run_dir / "cluster.json").unlink()  # as if the machine crashed mid-write

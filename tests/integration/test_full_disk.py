@@ -40,8 +40,8 @@ pytestmark = pytest.mark.integration
 DISK_MB = 32
 
 
-def test_a_full_image_disk_rolls_the_move_back_with_the_reason_in_its_event(cluster, reference, job_dir, clean,
-                                                                             job_user):
+def test_a_full_image_disk_rolls_the_move_back_with_the_reason_in_its_event(
+        cluster, reference, job_dir, clean, job_user):  # noqa: F811 - test_migration's fixtures, used by name
     rng = _rng("full-disk")
     node, at = rng.choice(TRAINING_NODES), rng.randint(*FAULT_STEPS)
     what = f"{DISK_MB} MB snapshot_dir on {node}, ecc-sbe-storm there at step {at}"

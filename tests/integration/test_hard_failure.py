@@ -138,7 +138,8 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
         (lost,) = lost_events()
         print(f"node.lost after {time.monotonic() - t0:.1f} s: {lost['message']}")
         assert lost["data"]["node"] == node and lost["data"]["snapshot"] is None, diag()
-        assert "no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint) of the job to relaunch it from" in lost["message"], diag()
+        assert ("no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint)"
+                " of the job to relaunch it from" in lost["message"]), diag()
         assert SLURM_ON_LOST_NODE in lost["message"] and ENDED_LIKE_SLURM in lost["message"], diag()
         assert "tpassd silent; slurmctld reports" in lost["message"], diag()
 

@@ -148,7 +148,8 @@ def clean(cluster):
         if idle and health and all(r["state"] == "healthy" for r in health):
             return
         time.sleep(0.5)
-    raise AssertionError(f"cluster not clean after the test: {[(n, _node(n)['state']) for n in (*TRAINING_NODES, SPARE)]}"
+    raise AssertionError("cluster not clean after the test: "
+                         f"{[(n, _node(n)['state']) for n in (*TRAINING_NODES, SPARE)]}"
                          f" health {health}")
 
 
@@ -183,7 +184,8 @@ def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluste
     pd = done[0]["data"]["phase_durations"]
     for ph in ("detect", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "paused", "total"):
         assert ph in pd, (pd, diag)
-    print(f"migration {node} -> {SPARE} (drill at step {at}): phases {pd} tools {done[0]['data'].get('tool_durations')}")
+    print(f"migration {node} -> {SPARE} (drill at step {at}): phases {pd}"
+          f" tools {done[0]['data'].get('tool_durations')}")
 
 
 def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_dir, clean, job_user):
@@ -274,7 +276,8 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
     # (a refused drain's audit line names no health: tpassd refused before it recorded one)
     audit = [(a["requester_uid"], a.get("health"), a["outcome"]) for a in drain_audit(cluster, node, job_id)]
     if owner == 0:
-        assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (n["state"], n.get("reason"), diag)
+        assert "DRAIN" in n["state"] and n["reason"] == "torchpass: operator request", (
+            n["state"], n.get("reason"), diag)
         assert audit == [(0, "healthy", "ok")], (audit, diag)
     else:
         assert "DRAIN" not in n["state"], (n["state"], n.get("reason"), diag)

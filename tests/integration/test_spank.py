@@ -322,7 +322,8 @@ report="$1"
 run() {
   name=$1; shift
   out=$("$@" 2>&1); rc=$?
-  echo "$name rc=$rc tasks=$(echo "$out" | grep -c '^node') hosts=$(echo "$out" | grep '^node' | sort -u | tr '\\n' ' ')" >> "$report"
+  hosts=$(echo "$out" | grep '^node' | sort -u | tr '\\n' ' ')
+  echo "$name rc=$rc tasks=$(echo "$out" | grep -c '^node') hosts=$hosts" >> "$report"
   echo "$out" | grep -v '^node' >> "$report.err"
 }
 run N1 srun -N1 -n1 hostname
@@ -346,7 +347,8 @@ exit 0
     for name in ("N1", "N2", "nodes2", "x1", "m", "w"):
         assert "rc=0" in plain[name], (plain[name], (job_dir / "plain.err").read_text())
         # -N and -m leave the nodes to slurmctld (the first free ones): compare counts
-        fields = lambda line: line.split(" hosts=")[0] if name in ("N1", "N2", "nodes2", "m") else line
+        def fields(line, name=name):
+            return line.split(" hosts=")[0] if name in ("N1", "N2", "nodes2", "m") else line
         assert fields(tp[name]) == fields(plain[name]), (name, tp[name], plain[name], errors)
     # a plain srun still keeps off the spare
     assert tp["plain"] == "plain rc=0 tasks=3 hosts=node1 node2 node3 ", tp["plain"]

@@ -80,7 +80,7 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
 
     job = wait_job(job_id, timeout_s=120)
     assert (job.state, job.exit_code, job.restarts) == ("COMPLETED", 0, 0), (job_dir / "out.txt").read_text()[-2000:]
-    lines = [l for l in (job_dir / "out.txt").read_text().splitlines() if l.startswith("step=")]
+    lines = [ln for ln in (job_dir / "out.txt").read_text().splitlines() if ln.startswith("step=")]
     assert lines[-1].startswith("step=59 "), lines[-3:]
 
     # The coordinator goes with the job.
@@ -91,7 +91,8 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
 
 
 def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_built, job_dir, job_user):
-    script = "#!/bin/bash\n#SBATCH -N2\nsrun -l sh -c 'env | grep ^TORCHPASS_ | wc -l; echo pythonpath=${PYTHONPATH:-}'\n"
+    script = ("#!/bin/bash\n#SBATCH -N2\n"
+              "srun -l sh -c 'env | grep ^TORCHPASS_ | wc -l; echo pythonpath=${PYTHONPATH:-}'\n")
     job_id = job_id_of(sbatch(["-o", str(job_dir / "plain.txt")], script, cwd=job_dir, user=job_user.name))
     job = wait_job(job_id, timeout_s=60)
     assert job.state == "COMPLETED"

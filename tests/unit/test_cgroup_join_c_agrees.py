@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cgroup_join import MOUNTINFO, _fake
+from test_cgroup_join import _fake
 from torchpass.checkpoint.cgroup_join import join_cgroups_of
 from torchpass.errors import CheckpointError
 

@@ -49,7 +49,8 @@ def req(ep, type_, body=None):
 def test_ranks_register_report_and_show_in_status(served):
     server, ep, clock = served
     for rank in range(3):
-        req(ep, "rank.register", {"job_id": 42, "rank": rank, "world_size": 3, "node": f"node{rank + 1}", "pid": 100 + rank})
+        req(ep, "rank.register",
+            {"job_id": 42, "rank": rank, "world_size": 3, "node": f"node{rank + 1}", "pid": 100 + rank})
     req(ep, "rank.progress", {"job_id": 42, "rank": 1, "step": 7, "collectives": 30})
     clock.t += 2.5
     st = req(ep, "job.status")
@@ -551,7 +552,7 @@ def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_o
     assert "5.0 MB" in events[0]["message"] and "blocked 0.020 s" in events[0]["message"]
     assert "No space left" in events[1]["message"]
     assert "loaded the application checkpoint of step 100" in events[2]["message"]
-    _until(lambda: served[0].state.step_offset == 97)  # its step 3 is the job's 100  # the runtime had counted 3 steps: its step 3 is the job's 100
+    _until(lambda: served[0].state.step_offset == 97)  # the runtime had counted 3 steps: its step 3 is the job's 100
 
 
 def test_a_fan_out_encodes_a_shared_command_once_and_every_reply_is_the_same_bytes():

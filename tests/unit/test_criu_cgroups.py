@@ -69,7 +69,8 @@ def test_the_restored_tree_lands_in_the_restorers_cgroup(tmp_path):
         criu.dump(criu.find_criu(), sleeper.pid, tmp_path / "images")
         sleeper.kill()
         sleeper.wait()
-        out = subprocess.run([sys.executable, "-c", RESTORE, str(dst), str(tmp_path / "images")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", RESTORE, str(dst), str(tmp_path / "images")],
+                             capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         restored = int(out.stdout.split()[-1])
         # before: /<name>-src again (CRIU put it back where it was dumped from)

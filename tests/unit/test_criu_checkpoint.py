@@ -3,7 +3,6 @@ the CUDA checkpoint wrapper's error paths and call sequence (no GPU here)."""
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -184,7 +183,8 @@ def test_dump_of_a_process_reading_a_terminal_is_refused_and_it_runs_on(tmp_path
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         time.sleep(0.3)
-        with pytest.raises(CheckpointError, match=r"criu dump of pid \d+ failed .*tty.*the rank was left running") as ei:
+        with pytest.raises(CheckpointError,
+                           match=r"criu dump of pid \d+ failed .*tty.*the rank was left running") as ei:
             criu.dump(criu.find_criu(), proc.pid, tmp_path / "snap")
         assert "\n" not in str(ei.value)
         assert proc.poll() is None and not (tmp_path / "snap").exists()
@@ -343,7 +343,8 @@ def test_real_dump_hashes_while_criu_writes_and_the_manifest_verifies(tmp_path):
     wrote match the files (the restore side's check would refuse them otherwise)."""
     c = criu.find_criu()
     out = open(tmp_path / "out", "w")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(48 << 20); b[::4096] = b'x' * (48 << 8); "
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import time; b = bytearray(48 << 20); b[::4096] = b'x' * (48 << 8); "
                              "time.sleep(60)"],
                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from test_privilege_boundary import _dump as _svc_dump
-from test_privilege_boundary import _record, _refused, _service, user
+from test_privilege_boundary import _record, _refused, _service, user  # noqa: F401 - a pytest fixture, used by name
 from test_tpass_init import init_program  # noqa: F401
 from torchpass.checkpoint import criu, procs
 from torchpass.errors import CheckpointError, RemoteError

@@ -37,7 +37,8 @@ from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health import State
 
 P = CoordinatorPolicy(
-    stall_s=30.0, pause_margin_collectives=8, pause_fallback_collectives=8, spare_timeout_s=30.0, pause_timeout_s=10.0, dump_timeout_s=20.0,
+    stall_s=30.0, pause_margin_collectives=8, pause_fallback_collectives=8, spare_timeout_s=30.0, pause_timeout_s=10.0,
+    dump_timeout_s=20.0,
     transfer_timeout_s=10.0, restore_timeout_s=20.0, kill_timeout_s=5.0, rebuild_timeout_s=10.0,
     finalize_timeout_s=10.0, max_spare_attempts=2, max_resume_attempts=2, retry_backoff_s=100.0,
     spare_retry_s=200.0, max_attempts_per_node=3,
@@ -391,7 +392,8 @@ def test_second_fault_moves_the_hot_spare_rank_on_to_a_slurmctld_spare():
                            "allocation": 31}
     assert "allocation 31 merged into job 7" in chosen.message
     sim.quiesce_all()
-    assert sim.of(sim.decisions[-1], MigrationDump) == [MigrationDump("m2", 2, "node4"), MigrationDump("m2", 3, "node4")]
+    assert sim.of(sim.decisions[-1], MigrationDump) == [MigrationDump("m2", 2, "node4"),
+                                                         MigrationDump("m2", 3, "node4")]
     sim.dump_all()
     sim.transfer_all()
     d = sim.restore_all()
@@ -428,7 +430,8 @@ def test_companion_spare_event_names_its_allocation():
     sim = Sim(spares=(), policy=replace(P, spare_strategies=("hot", "companion")))
     d = sim.degrade("node2")
     assert sim.of(d, RequestSpare) == [RequestSpare("m1", "companion", "node2")]
-    sim.tick(1, mc.SpareGranted("m1", "node9", "companion", allocation=55), mc.NodeHealthChanged("node9", State.HEALTHY))
+    sim.tick(1, mc.SpareGranted("m1", "node9", "companion", allocation=55),
+             mc.NodeHealthChanged("node9", State.HEALTHY))
     assert sim.state.spare("node9").allocation == 55 and sim.m.target_how == "companion"
     (chosen,) = sim.events("spare.chosen")
     assert chosen.data["allocation"] == 55 and "companion allocation 55" in chosen.message
@@ -522,13 +525,15 @@ def test_rebuild_timeout_resends_resume_then_hands_stuck_ranks_to_slurm():
     d = sim.tick(9)
     assert sim.of(d, Resume) == [Resume("m1", 1, "node1")] and sim.events("resume.retried")
     d = sim.tick(10)
-    assert sim.of(d, HandToSlurm) == [HandToSlurm("node3", "torchpass: ranks on node3 did not resume after migration m1")]
+    assert sim.of(d, HandToSlurm) == [
+        HandToSlurm("node3", "torchpass: ranks on node3 did not resume after migration m1")]
     assert sim.m is None and sim.state.history[-1].outcome == "stuck"
 
 
 def test_node_failed_outright_is_handed_to_slurm_once():
     sim = Sim()
-    d = sim.tick(1, mc.NodeHealthChanged("node3", State.FAILED, ("tpassd unreachable", "gpu1: Xid 79"), reachable=False))
+    d = sim.tick(1, mc.NodeHealthChanged("node3", State.FAILED, ("tpassd unreachable", "gpu1: Xid 79"),
+                                         reachable=False))
     (h,) = sim.of(d, HandToSlurm)
     assert h.node == "node3" and h.reason.startswith("torchpass: node3 failed outright")
     (ev,) = sim.of(d, Event)
@@ -679,7 +684,7 @@ def test_operator_target_gone_by_the_time_it_runs_is_rejected_without_pausing():
 def test_recovery_before_anything_is_paused_cancels_the_move():
     sim = Sim(spares=())
     sim.degrade("node2")
-    d = sim.tick(1, mc.NodeHealthChanged("node2", State.HEALTHY))
+    sim.tick(1, mc.NodeHealthChanged("node2", State.HEALTHY))
     assert sim.events("migration.cancelled") and sim.m is None
     assert not any(isinstance(a, PauseAt) for a in sim.actions)
 
@@ -1166,8 +1171,9 @@ def _scenarios():
         sim.tick(0.5, mc.Drained("m1", "node2"))
         sim.end_job()
 
-    return [happy, job_ended_in_drain, job_ended_in_shrink, spare_cancelled, spare_none, spare_rejected, spare_source_lost, pause_timeout_then_stuck,
-            pause_source_lost, dump_failed_rolled_back, dump_source_lost, rollback_source_lost, transfer_failed,
+    return [happy, job_ended_in_drain, job_ended_in_shrink, spare_cancelled, spare_none, spare_rejected,
+            spare_source_lost, pause_timeout_then_stuck, pause_source_lost, dump_failed_rolled_back,
+            dump_source_lost, rollback_source_lost, transfer_failed,
             transfer_target_lost, transfer_source_lost, restore_failed, restore_target_lost, restore_source_lost,
             kill_failed, kill_source_lost, rebuild_stuck]
 

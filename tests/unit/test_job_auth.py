@@ -158,7 +158,8 @@ def test_private_job_is_shown_to_its_owner_and_admins_only(private_job, type_, b
 
     assert ask(auth.make_credential(digest, sock)) is not None  # the owner
     assert ask(credential_as(64030, 64030, digest, sock)) is not None  # SlurmUser
-    with pytest.raises(RemoteError, match=r"uid 65534 does not own job 42 \(only its owner or an admin may see it\)") as ei:
+    with pytest.raises(RemoteError,
+                       match=r"uid 65534 does not own job 42 \(only its owner or an admin may see it\)") as ei:
         ask(credential_as(65534, 65534, digest, sock))
     assert ei.value.code == "forbidden"
     with pytest.raises(RemoteError, match="no munge credential") as ei:

@@ -70,7 +70,8 @@ def test_the_scan_sees_a_spelled_name(tmp_path):
     p = tmp_path / "probe.py"
     p.write_text('from pathlib import Path\nd = Path("/s") / "jobs" / f"rank{1}.json"\nm = "manifest.json"\n'
                  'ok = {"jobs": 1}["jobs"], Path("/s") / "data" / f"{1}.out"\n')
-    assert sorted(s.split(": ", 1)[1] for s in _spelled(p, tmp_path)) == ["'jobs'", "'manifest.json'", "f'rank{1}.json'"]
+    assert sorted(s.split(": ", 1)[1] for s in _spelled(p, tmp_path)) == [
+        "'jobs'", "'manifest.json'", "f'rank{1}.json'"]
 
 
 def test_the_layout_and_the_manifest_each_live_in_one_module():

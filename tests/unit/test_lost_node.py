@@ -101,7 +101,8 @@ def test_silent_tpassd_and_slurmctld_not_hearing_the_node_is_a_lost_node(tmp_pat
     (ev,) = _lost_events(d)
     assert "n2 failed and is unreachable (tpassd silent; slurmctld reports MIXED+NOT_RESPONDING (Not responding))" \
         in ev.message, ev.message
-    assert "no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint) of the job to relaunch it from" in ev.message and SLURM_ON_LOST_NODE in ev.message
+    assert ("no complete snapshot (snapshot_every) or application checkpoint (torchpass.checkpoint)"
+            " of the job to relaunch it from" in ev.message) and SLURM_ON_LOST_NODE in ev.message
     assert ev.data["node"] == "n2" and ev.data["snapshot"] is None and ev.data["ranks"] == [1]
     assert d.state.handed == frozenset({"n2"}) and d.state.migration is None
     assert all(d.executor.command_for(r) is None for r in range(3))  # nobody paused

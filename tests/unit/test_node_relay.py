@@ -41,7 +41,7 @@ def progress(peer, n: int) -> bool:
     return sum(t == "rank.progress" for _, t in list(peer.seen)) >= n
 
 
-def test_the_ranks_of_a_node_share_one_connection_through_the_relay(peers, relay_dir):
+def test_the_ranks_of_a_node_share_one_connection_through_the_relay(peers, relay_dir):  # noqa: F811
     # Before, each rank kept its own connection: 3 identities at the coordinator here, 8,192 at
     # 1,024 nodes x 8 ranks.
     peer = peers()
@@ -59,7 +59,7 @@ def test_the_ranks_of_a_node_share_one_connection_through_the_relay(peers, relay
     assert not path.exists()  # the relay removed its socket when it stopped
 
 
-def test_a_rank_with_no_relay_connects_itself_and_takes_the_relay_once_it_listens(peers, relay_dir, monkeypatch):
+def test_a_rank_with_no_relay_connects_itself_and_takes_the_relay_once_it_listens(peers, relay_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(relay, "FIRST_WAIT_S", 0.2)
     monkeypatch.setattr(relay, "RELAY_RETRY_S", 0.5)
     peer = peers()
@@ -83,7 +83,7 @@ def test_a_rank_with_no_relay_connects_itself_and_takes_the_relay_once_it_listen
             host.stop()
 
 
-def test_time_outs_through_the_relay_send_the_next_try_to_the_coordinator_itself(peers, relay_dir, monkeypatch):
+def test_time_outs_through_the_relay_send_the_next_try_to_the_coordinator_itself(peers, relay_dir, monkeypatch):  # noqa: F811
     # A relay that stopped forwarding (here: bound, never read) must not cut the rank off: after
     # relay.TIMEOUTS_BEFORE_DIRECT time-outs in a row the rank goes to the coordinator itself.
     monkeypatch.setattr(relay, "RELAY_RETRY_S", 60.0)
@@ -214,7 +214,7 @@ def test_the_relay_host_and_its_socket_come_from_the_task_environment(tmp_path):
     assert relay.relay_dir({}, uid=1001) == "/tmp/torchpass-relay-1001"
 
 
-def test_a_held_relay_host_keeps_no_socket_and_relays_again_after_the_hold(peers, relay_dir, tmp_path):
+def test_a_held_relay_host_keeps_no_socket_and_relays_again_after_the_hold(peers, relay_dir, tmp_path):  # noqa: F811
     hold = layout.hold_file(tmp_path, 7, "m1", 0)
     hold.parent.mkdir(parents=True)
     pg = FakePG(size=2, rank=0)

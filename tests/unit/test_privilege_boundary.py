@@ -459,8 +459,8 @@ def test_an_ordinary_user_without_a_prepared_namespace_runs_the_task_unprotected
     # The task: a Python program that reports its pid and stdin on the inherited fd `w`.
     task = (f"exec {USER_PYTHON} -c 'import os, sys; os.write({w}, f\"pid {{os.getpid()}}\\n\".encode()); "
             f"os.write({w}, (\"got \" + sys.stdin.readline()).encode()); sys.exit(7)'")
-    p = _as_user_wrapper(user, user_pythonpath, state, task, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         pass_fds=(w,))
+    p = _as_user_wrapper(user, user_pythonpath, state, task, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, pass_fds=(w,))
     os.close(w)
     out, err = p.communicate(b"hello\n", timeout=30)
     with os.fdopen(r) as f:

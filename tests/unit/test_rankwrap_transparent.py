@@ -67,7 +67,7 @@ def test_stdin_inherited_fds_and_exit_code_reach_the_rank(tmp_path):
     _stdin_and_fd5(lambda task, **kw: _wrapper(tmp_path, task, **kw))
 
 
-def test_same_as_an_ordinary_user_in_a_namespace_root_prepared(user, user_pythonpath, shared_tmp):
+def test_same_as_an_ordinary_user_in_a_namespace_root_prepared(user, user_pythonpath, shared_tmp):  # noqa: F811
     state = shared_tmp / "ranks"
     state.mkdir()
     os.chown(state, user.pw_uid, user.pw_gid)

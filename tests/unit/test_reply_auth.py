@@ -13,7 +13,6 @@ of HMAC, so the wire format is checked against a second implementation.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 

@@ -59,7 +59,8 @@ def test_a_rank_of_a_whole_job_snapshot_is_accepted_and_another_ranks_refused(tm
                           "criu_creds": {"uid": OWNER, "gid": OWNER, "groups": [OWNER]}})
     path, manifest = ra.check_images(str(d), JOB, RANK, OWNER)
     assert path == d and manifest["meta"]["snapshot"] == "snap-7"
-    for other in (layout.snapshot_images_dir(root, JOB, "snap-7", 2), layout.snapshot_images_dir(root, 8, "snap-7", RANK),
+    for other in (layout.snapshot_images_dir(root, JOB, "snap-7", 2),
+                  layout.snapshot_images_dir(root, 8, "snap-7", RANK),
                   d.parent / ".." / "snap-7" / d.name):
         with pytest.raises(ra.Refused, match="refused"):
             ra.check_images(str(other), JOB, RANK, OWNER)

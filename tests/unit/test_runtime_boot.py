@@ -76,5 +76,6 @@ def test_uncovered_init_falls_back_with_one_line(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ProcessGroup"
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("torchpass:")] == [
-        f"torchpass: init_method 'file://{tmp_path}/rdv' is not covered (env:// and tcp:// are); training runs unprotected"
+        f"torchpass: init_method 'file://{tmp_path}/rdv' is not covered (env:// and tcp:// are);"
+        " training runs unprotected"
     ]

@@ -74,7 +74,8 @@ SCRIPT = textwrap.dedent(
     dist.all_to_all(outs, list(base().chunk(w))); rec(outs)
     dist.barrier(); rec(torch.zeros(1))
     t = base(); dist.all_reduce_coalesced([t]) if hasattr(dist, "all_reduce_coalesced") else dist.all_reduce(t); rec(t)
-    objs = [None] * w; dist.all_gather_object(objs, {"r": r}); res.append(objs); counts.append(pg.collectives if wrapped else -1)
+    objs = [None] * w; dist.all_gather_object(objs, {"r": r}); res.append(objs)
+    counts.append(pg.collectives if wrapped else -1)
     h = base(); work = dist.all_reduce(h, async_op=True); work.wait(); del work; rec(h)
     if r == 0: dist.send(base(), dst=1)
     else:
@@ -98,7 +99,8 @@ def run(runtime: bool, pause_before: int = -1, cancel: bool = False) -> list[dic
     for r in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
         env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PORT2=str(port2), PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID="7", PAUSE_BEFORE=str(pause_before), CANCEL="1" if cancel else "0")
+                   PORT2=str(port2), PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID="7", PAUSE_BEFORE=str(pause_before),
+                   CANCEL="1" if cancel else "0")
         if not runtime:
             env["TORCHPASS_RUNTIME"] = "0"
         procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from torchpass.runtime import boot_dir
 from torchpass.runtime.testing import free_port
 

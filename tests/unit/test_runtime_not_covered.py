@@ -1,7 +1,7 @@
 """Collective patterns the pause does not fully cover do no harm.
 
-``_coalescing_manager``: two gloo ranks run blocks of two all_reduces inside ``dist._coalescing_manager`` (synchronous in
-even steps, ``async_ops=True`` with ``cm.wait()`` in odd ones), then one plain all_reduce per step.
+``_coalescing_manager``: two gloo ranks run blocks of two all_reduces inside ``dist._coalescing_manager``
+(synchronous in even steps, ``async_ops=True`` with ``cm.wait()`` in odd ones), then one plain all_reduce per step.
 Each rank arms its default group itself (as the coordinator would) at several pause points. The
 results are the plain run's bit for bit at every pause point. At a pause between a block's
 all_reduces the rank holds no socket (a dump could go ahead); at a pause before the first

@@ -231,8 +231,6 @@ def test_a_collectives_buffers_are_freed_a_few_collectives_later():
     kept: the buffers of a step go a few collectives later."""
     import weakref
 
-    from torchpass.runtime import pg as pgmod
-
     pgs = _pair()
     alive: dict[int, list] = {0: [], 1: []}
     errors: list[BaseException] = []

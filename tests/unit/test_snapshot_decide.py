@@ -199,7 +199,8 @@ def test_never_left_paused_whatever_comes_back(seed):
                 elif s.phase == "resume":
                     evs.append(mc.Resumed(r, s.generation, cancelled=rng.random() < 0.2))
         if s.phase == "resume" and rng.random() < 0.5:
-            evs.append(ct.SnapshotCommitted("s1", "/m", 1) if rng.random() < 0.8 else ct.SnapshotCommitFailed("s1", "x"))
+            evs.append(ct.SnapshotCommitted("s1", "/m", 1) if rng.random() < 0.8
+                       else ct.SnapshotCommitFailed("s1", "x"))
         rng.shuffle(evs)
         sim.tick(rng.choice((0.1, 1.0, 5.0)), *evs)
     pauses = [i for i, a in enumerate(sim.actions) if isinstance(a, ct.PauseAt)]

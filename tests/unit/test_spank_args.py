@@ -37,8 +37,8 @@ def test_plugin_exports_only_the_spank_interface():
                           text=True, check=True)
     names = {line.split()[-1] for line in proc.stdout.splitlines() if line.strip()}
     assert {"slurm_spank_init", "slurm_spank_init_post_opt", "slurm_spank_user_init", "slurm_spank_task_init",
-            "slurm_spank_task_init_privileged", "slurm_spank_exit", "slurm_spank_job_epilog", "plugin_name", "plugin_type", "plugin_version",
-            "spank_plugin_version"} <= names
+            "slurm_spank_task_init_privileged", "slurm_spank_exit", "slurm_spank_job_epilog", "plugin_name",
+            "plugin_type", "plugin_version", "spank_plugin_version"} <= names
     leaked = sorted(n for n in names if not re.match(r"^(slurm_spank_|plugin_|spank_plugin_version$)", n))
     assert leaked == [], f"torchpass.so exports internal symbols: {leaked}"
     strings = subprocess.run(["strings", str(SPANK_DIR / "torchpass.so")], capture_output=True, text=True,

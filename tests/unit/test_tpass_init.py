@@ -21,7 +21,6 @@ import pytest
 
 from test_privilege_boundary import RANK_ENV
 from test_rankwrap_transparent import _record
-from torchpass.checkpoint import rankwrap as rw
 from torchpass.checkpoint.procs import read_stat
 
 REPO = Path(__file__).resolve().parents[2]

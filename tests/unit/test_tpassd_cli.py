@@ -3,7 +3,6 @@
 import json
 import time
 
-import pytest
 from click.testing import CliRunner
 
 from tpassctl.nodes_cmd import inject, nodes

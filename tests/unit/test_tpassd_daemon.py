@@ -269,7 +269,8 @@ def test_status_and_metrics(node, munge):
                    "tpassd_control_auth_failed_total"):
         assert f"# HELP {family} " in text and f"# TYPE {family} " in text, family
     assert 'tpassd_node_health{node="node1",state="healthy"} 1' in text
-    assert 'tpassd_gpu_ecc_errors{gpu="0",uuid="GPU-fake-0000-0000-0000-0000-000000000000",type="sbe",counter="volatile"} 0' in text
+    assert ('tpassd_gpu_ecc_errors{gpu="0",uuid="GPU-fake-0000-0000-0000-0000-000000000000",'
+            'type="sbe",counter="volatile"} 0' in text)
 
 
 class Hang(Collector):

@@ -70,7 +70,6 @@ def test_a_criu_its_owner_stops_is_killed_within_seconds(tmp_path):
     import time
 
     import psutil
-    import pytest
 
     from torchpass.checkpoint import criu as criu_mod
     from torchpass.errors import CheckpointError

@@ -35,7 +35,8 @@ frames = st.one_of(
     st.binary(max_size=300),
     envelopes.map(lambda d: json.dumps(d).encode()),
     st.sampled_from([b"", b"{}", b"[]", b"null", b'{"v":1}', b'{"v":1,"type":"tpassd.health","body":[]}',
-                     b'{"v":NaN}', b"\xff\xfe", b"{" * 5000, b'{"v":1,"type":"tpassd.health"}' + b" " * wire.MAX_FRAME_BYTES]),
+                     b'{"v":NaN}', b"\xff\xfe", b"{" * 5000,
+                     b'{"v":1,"type":"tpassd.health"}' + b" " * wire.MAX_FRAME_BYTES]),
 )
 
 
@@ -73,7 +74,8 @@ def test_control_always_replies_with_a_stable_code(server, frame):
     reply = wire.decode_reply(server.handle(frame))
     assert not reply.ok and reply.code in wire.ERROR_CODES
     assert "Traceback" not in (reply.message or "")
-    counted = (server.counters["malformed"] - before["malformed"]) + (server.counters["auth_failed"] - before["auth_failed"])
+    counted = ((server.counters["malformed"] - before["malformed"])
+               + (server.counters["auth_failed"] - before["auth_failed"]))
     assert counted == 1 or reply.code == "unknown_type"
 
 
