@@ -63,7 +63,7 @@ lint: venv
 lint-imports: venv
 	$(VENV)/bin/lint-imports --no-cache
 
-test: deps venv jobvenv spank lint-imports
+test: deps venv jobvenv spank lint lint-imports
 	$(PY) -m pytest tests/unit -m pure -n $(PYTEST_WORKERS) -q -p no:cacheprovider $(PYTEST_ARGS)
 	$(PY) -m pytest tests/unit tests/integration -m host -q -p no:cacheprovider $(PYTEST_ARGS)
 	$(PY) -m pytest tests/integration -m cluster -n $(CLUSTER_WORKERS) --dist loadfile -q -p no:cacheprovider $(PYTEST_ARGS)
