@@ -1095,7 +1095,7 @@ static void test_placement(void)
 		/*
 		 * Task counts whose sum wraps: ULONG_MAX + 2 is 1.  No user sets
 		 * SLURM_TASKS_PER_NODE of a batch step (slurmctld does), so the
-		 * functions are driven directly.  On 1df7b05 the wrapped sum
+		 * functions are driven directly.  Without the overflow check the wrapped sum
 		 * passed the "more tasks than order[] holds" check and the
 		 * block loop wrote node 0's ULONG_MAX tasks into a 1-entry
 		 * heap buffer (ASan: heap-buffer-overflow).

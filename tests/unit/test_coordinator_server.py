@@ -184,7 +184,7 @@ def test_slurmctld_outage_counts_from_the_first_query_that_hung():
 
 
 # ============================================================================
-# An unprotected job (issue 11, "do no harm"): the rank runtime says so in `unprotected`
+# An unprotected job ("do no harm"): the rank runtime says so in `unprotected`
 # ============================================================================
 @pytest.fixture
 def driven(munge):
@@ -301,7 +301,7 @@ def test_the_rank_side_honours_the_hints_within_bounds():
 
 
 # ============================================================================
-# Long polls (issue 13): a paused rank's poll waits at the coordinator for its command
+# Long polls: a paused rank's poll waits at the coordinator for its command
 # ============================================================================
 class Commands:
     """What the serve loop reads of an executor: rank -> the command repeated until acknowledged."""
@@ -556,7 +556,7 @@ def test_the_coordinator_records_each_application_checkpoint_and_refuses_a_bad_o
 
 
 def test_a_fan_out_encodes_a_shared_command_once_and_every_reply_is_the_same_bytes():
-    """server._Replies (issue 13): a result and command that many ranks get alike are encoded once,
+    """server._Replies: a result and command that many ranks get alike are encoded once,
     and each reply is exactly what wire.encode_ok makes of it; a command object of its own, a
     result with a value that cannot be a key, and no command at all are encoded right too."""
     from torchpass import wire

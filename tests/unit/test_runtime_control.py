@@ -139,7 +139,7 @@ def progress(peer: Peer) -> int:
 
 
 def test_every_report_goes_over_one_connection(peers):
-    # On e994c1d each request made a new REQ socket: a new identity at the coordinator's ROUTER,
+    # With a REQ socket per request, each request is a new identity at the coordinator's ROUTER,
     # and a TCP connect and handshake each time.
     peer = peers()
     link = start_link(peer.endpoint)
@@ -248,7 +248,7 @@ def test_a_paused_rank_long_polls_and_its_resume_arrives_at_once(coordinator):
         wait_for(lambda: 1 in server._parked, "a parked poll")
         n = server.counters.get("long_polls", 0)
         time.sleep(1.0)
-        # At most one poll per wait_s, not one every 20 ms (~50 in that second on e994c1d).
+        # At most one poll per wait_s, not one every 20 ms (~50 in that second with a poll per 20 ms).
         assert server.counters["long_polls"] - n <= 2, server.counters
         server.later(lambda: server.driver.executor.commands.__setitem__(1, dict(RESUME)))
         took = wait_for(lambda: pg.resumes, "the resume")

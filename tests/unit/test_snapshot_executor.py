@@ -1,4 +1,4 @@
-"""A whole-job snapshot through the coordinator's driver and executor with a fake tpassd (issue 12):
+"""A whole-job snapshot through the coordinator's driver and executor with a fake tpassd:
 the tpassd requests it sends (snap per rank, commit to rank 0's node, discard after a failure), the
 pause that holds every rank, and the resume in place that releases them."""
 

@@ -1,5 +1,5 @@
 """The devcluster's cgroup mode (``DevclusterSpec(cgroups=True)``): Slurm's
-proctrack/cgroup and task/cgroup on several slurmd of one host (issue 9).
+proctrack/cgroup and task/cgroup on several slurmd of one host.
 
 Slurm's cgroup v1 plugin keeps every job under ``<mountpoint>/<controller>/slurm/
 uid_U/job_J/step_S``: one ``slurm`` tree per host, so the slurmd of two nodes
