@@ -51,7 +51,7 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
     )
     job_id = job_id_of(sbatch(["--torchpass", "-o", str(job_dir / "out.txt")], env_script, cwd=job_dir,
                               user=job_user.name))
-    wait_running(job_id)
+    running = wait_running(job_id)
 
     # Wait until all three ranks have registered and report steps.
     deadline = time.monotonic() + 60
@@ -66,7 +66,10 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
         time.sleep(0.3)
     assert st.get("registered_ranks") == 3, f"status never showed 3 ranks: {st}"
     assert st["world_size"] == 3
-    assert sorted(r["node"] for r in st["ranks"]) == ["node1", "node2", "node3"]
+    # One rank on each node Slurm gave the job (which three depends on what earlier tests on this
+    # devcluster left drained or busy).
+    assert len(running.nodes) == 3, running
+    assert sorted(r["node"] for r in st["ranks"]) == sorted(running.nodes)
     assert all(r["last_report_age_s"] < 5 for r in st["ranks"])
 
     # Progress advances between two looks, and exactly one coordinator runs.
