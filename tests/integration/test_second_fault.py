@@ -102,8 +102,13 @@ def _diag(cluster, job_id: int, out_path: Path):
     def diag() -> str:
         text = out_path.read_text()[-2500:] if out_path.exists() else "no output"
         kinds = [(e["kind"], e["message"]) for e in _events(cluster.state_dir, job_id)]
+        steps = _run(["squeue", "--steps", "--noheader", "--jobs", str(job_id), "--format", "%i %j %N %M"]).stdout
+        rank_dir = layout.rank_records_dir(cluster.state_dir, job_id)
+        records = "\n".join(f"{p.name}: {p.read_text()[:400]}" for p in sorted(rank_dir.rglob("*"))
+                            if p.is_file()) if rank_dir.is_dir() else "(none)"
         return (f"{text}\n--- events ---\n" + "\n".join(f"{k}: {m}" for k, m in kinds)
-                + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-5000:] if coord_log.exists() else ""))
+                + f"\n--- steps ---\n{steps}--- rank records ---\n{records}"
+                + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-8000:] if coord_log.exists() else ""))
 
     return diag
 
@@ -126,7 +131,7 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, refer
         step_at_second = max((int(ln.split()[0][5:]) for ln in _steps(out_path.read_text())), default=-1)
         assert step_at_second < STEPS - 60, f"training nearly done before the second fault\n{diag()}"
         assert _run([*TPASSCTL, "inject", "--node", "node3", "--fault", "ecc-sbe-storm"]).returncode == 0
-        final = _wait_end(job_id)
+        final = _wait_end(job_id, diag=diag)
         text = out_path.read_text()
         assert final["job_id"] == job_id
         assert final["job_state"][0] == "COMPLETED", diag()
@@ -191,7 +196,7 @@ def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir, j
         assert len(nodes) == 2, nodes
         bad = nodes[1]
         assert _run([*TPASSCTL, "inject", "--node", bad, "--fault", "ecc-sbe-storm"]).returncode == 0
-        final = _wait_end(job_id)
+        final = _wait_end(job_id, diag=diag)
         text = out_path.read_text()
         assert final["job_state"][0] == "COMPLETED", diag()
         assert final["exit_code"]["return_code"]["number"] == 0, diag()
@@ -257,7 +262,7 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
         assert armed.returncode == 0, armed.stderr
         assert _run([*TPASSCTL, "inject", "--node", second, "--fault", "ecc-sbe-storm"]).returncode == 0
         _wait(lambda: events("migration.rollback"), 120, "the second move's rollback", diag)
-        final = _wait_end(job_id)
+        final = _wait_end(job_id, diag=diag)
         text = out_path.read_text()
         assert final["job_id"] == job_id
         assert final["job_state"][0] == "COMPLETED", diag()

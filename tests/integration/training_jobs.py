@@ -76,14 +76,17 @@ def drain_audit(cluster, node_name: str, job_id: int) -> list[dict]:
     return lines
 
 
-def wait_end(job_id: int, timeout_s: float = 240, context: str = "") -> dict:
+def wait_end(job_id: int, timeout_s: float = 240, context: str = "", diag=None) -> dict:
+    """The job's record once it has ended. On a timeout the error carries ``context`` and, where
+    given, ``diag()`` (the job's output, events and coordinator log), read at the moment of failure."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         j = job(job_id)
         if not set(j["job_state"]) & ACTIVE:
             return j
         time.sleep(0.5)
-    raise AssertionError(f"{context}job {job_id} still {j['job_state']} after {timeout_s}s")
+    detail = f"\n{diag()}" if diag is not None else ""
+    raise AssertionError(f"{context}job {job_id} still {j['job_state']} after {timeout_s}s{detail}")
 
 
 def excerpt(text: str, limit: int = 3000) -> str:
