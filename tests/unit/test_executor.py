@@ -689,3 +689,53 @@ def test_a_relaunch_from_a_snapshot_is_prepared_on_every_node_before_its_verdict
     assert sorted(seen) == [("n1", False), ("n3", False), ("n4", False)]
     assert {(t, b["op"], b["kind"], b["snapshot"]) for _, t, b in tp.calls} == {
         ("tpassd.restore", "prepare", "snapshot", "s1")}
+
+
+@pytest.mark.parametrize("abort", ["answered", "unanswered"])
+def test_a_restored_copy_whose_abort_tpassd_does_not_answer_gives_the_rank_record_back(tmp_path, abort):
+    """The copy restored on the target names itself in the rank record (its ``previous``: the copy
+    the move started from). tpassd's abort puts ``previous`` back; when tpassd does not answer, the
+    coordinator does it before srun ends the step. Left naming the killed copy, the record would
+    make the surviving copy write no exit code when the rank ends, and the rank's first task
+    wrapper would wait for one for ever (the job never ends)."""
+    import json
+
+    from torchpass.coordinator import decide as dc
+    from torchpass.errors import TorchpassError
+
+    class AbortTpassd(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            super().request(node, type_, body, timeout_s)
+            if type_ == "tpassd.restore" and body["op"] == "abort" and abort == "unanswered":
+                raise TorchpassError("tpassd on n4 did not answer in 10 s")
+            return {}
+
+    tp = AbortTpassd(fail_dump=False)
+    d, _ = _driver(tmp_path, tp)
+    ex = d.executor
+    images = str(tmp_path / "img")
+    record = layout.rank_record(layout.rank_records_dir(tmp_path, 42), 42, 1)
+    record.parent.mkdir(parents=True)
+    source = {"job": "42", "rank": "1", "wrapper_pid": 111, "pid": 7, "node": "n2", "restored_from": "gen1"}
+    restored = {"job": "42", "rank": "1", "wrapper_pid": 222, "pid": 8, "node": "n4", "restored_from": images,
+                "previous": source}
+    record.write_text(json.dumps(restored))
+    ex.move("m1").dumps[1] = {"images": images, "pid": 7}
+    ex.perform(dc.AbortRestore("m1", "n4", (1,)), d.state)
+    for t in ex.move("m1").aborts:
+        t.join(10)
+    want = source if abort == "unanswered" else restored  # answered: tpassd (root) rewrote it, not this fake
+    assert json.loads(record.read_text()) == want
+    assert [(n, t, b["op"]) for n, t, b in tp.calls] == [("n4", "tpassd.restore", "abort")]
+
+
+def test_giving_the_record_back_leaves_a_record_that_names_another_copy(tmp_path):
+    import json
+
+    d, _ = _driver(tmp_path, FakeTpassd(fail_dump=False))
+    record = layout.rank_record(layout.rank_records_dir(tmp_path, 42), 42, 1)
+    record.parent.mkdir(parents=True)
+    other = {"wrapper_pid": 333, "pid": 9, "node": "n3", "restored_from": "gen2", "previous": {"wrapper_pid": 1}}
+    record.write_text(json.dumps(other))
+    d.executor.migrations.give_record_back(1, "n4", str(tmp_path / "img"))
+    assert json.loads(record.read_text()) == other

@@ -308,6 +308,7 @@ class MigrationActions:
                                              "rank_dir": str(self.ports.rank_dir)}, 10.0)
                     except TorchpassError as exc:
                         log.warning("abort of a restored rank failed", rank=r, target=a.target, error=str(exc))
+                        self.give_record_back(r, a.target, images)
                 if proc is not None and proc.poll() is None:
                     try:
                         os.killpg(proc.pid, signal.SIGTERM)
@@ -320,6 +321,35 @@ class MigrationActions:
                                     waited_s=ABORT_WAIT_S)
 
             mv.aborts.append(self.ports.thread(run, f"abort-{r}"))
+
+    def give_record_back(self, task: int, target: str, images: str) -> None:
+        """The target's tpassd did not abort the restored copy (it did not answer, or refused):
+        its rank record still names that copy, which srun's end of the step kills now. Left so,
+        the copy the move started from would write no exit code when the rank ends (the record
+        names another copy) and the killed one none either: the rank's first task wrapper, which
+        Slurm tracks, would wait for an exit code for ever and the job would never end. So the
+        record goes back to the copy the move started from here, as tpassd's abort does (the
+        record is the job's own file, written by its wrappers as the job's user; root acts on
+        none of it without checking the pids itself)."""
+        path = layout.rank_record(self.ports.rank_dir, self.ports.job_id, task)
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(rec, dict) or rec.get("restored_from") != images or rec.get("node") != target:
+            return  # it names another copy already
+        prev = rec.get("previous")
+        back = prev if isinstance(prev, dict) and prev.get("wrapper_pid") else {**rec, "aborted": True}
+        tmp = path.with_name(f".{path.name}.coordinator")
+        try:
+            tmp.write_text(json.dumps(back))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not give the rank record back to the copy the move started from", rank=task,
+                        target=target, error=str(exc))
+            return
+        log.info("rank record given back to the copy the move started from", rank=task, target=target,
+                 record_now="previous" if back is prev else "aborted")
 
     def kill_source(self, a: ct.KillSource, st: CoordState) -> None:
         dumps = {task: self.move(a.migration).dumps.get(lead) for task, lead in tasks_of(st, a.ranks).items()}
