@@ -16,10 +16,13 @@ own tmp dirs are 0700 root).
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +110,60 @@ def cluster():
         leftover = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                     if ns.startswith(f"tp-{spec.name}-")]
         assert not leftover, f"devcluster left namespaces behind: {leftover}"
+
+
+# What a module may find on the worker's devcluster when it starts: every node idle, in
+# service and with no drill armed. The modules of one xdist worker share its cluster, and a
+# module that fails mid-way (or ends while slurmctld still completes its jobs) may leave a job,
+# a drained node or a drill behind for the next one; a test that places ranks on node1..node3
+# then finds them elsewhere.
+MODULE_RESET_S = 90.0
+
+
+def _module_uses_cluster(session, module) -> bool:
+    return any(item.module is module and "cluster" in item.fixturenames for item in session.items)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cluster_as_new_for_each_module(request):
+    """Before each module that uses the devcluster: no job left, no drill, no node drained or
+    down, every node idle (at most MODULE_RESET_S). A reset that cannot finish fails the
+    module's first test with what is left, rather than a test failing later on a busy node."""
+    if not _module_uses_cluster(request.session, request.module):
+        yield
+        return
+    c = request.getfixturevalue("cluster")
+    env = {**os.environ, **c.env()}
+
+    def run(argv):
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+
+    for node in list(c.status().get("crashed", [])):
+        c.revive(node)
+    left = run(["squeue", "--noheader", "--format", "%i"]).stdout.split()
+    for job in left:
+        run(["scancel", job])
+    tpassctl = str(Path(sys.executable).parent / "tpassctl")
+    if c.spec.tpassd:
+        for node in c.node_names:
+            run([tpassctl, "inject", "--node", node, "--fault", "clear"])
+    deadline = time.monotonic() + MODULE_RESET_S
+    while True:
+        busy = run(["squeue", "--noheader", "--format", "%i %T"]).stdout.strip()
+        nodes = {n["name"]: n for n in json.loads(run(["scontrol", "show", "nodes", "--json"]).stdout)["nodes"]}
+        for name, n in nodes.items():
+            if {"DRAIN", "DOWN", "FAIL"} & set(n["state"]):
+                run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
+        not_idle = {name: n["state"] for name, n in nodes.items() if n["state"] != ["IDLE"]}
+        if not busy and not not_idle:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"the devcluster did not come back to idle in {MODULE_RESET_S:g} s before "
+                        f"{request.module.__name__}: jobs {busy!r}, nodes {not_idle}", pytrace=False)
+        time.sleep(0.5)
+    if left:
+        print(f"\n{request.module.__name__}: cancelled jobs {left} an earlier module left on the devcluster")
+    yield
 
 
 @dataclass(frozen=True)
