@@ -89,8 +89,8 @@ def test_another_user_can_neither_see_nor_steer_a_job(cluster, plugin_built, job
         # The owner sees the job (the control: the refusals below are about who asks),
         # once its coordinator has registered.
         deadline = time.monotonic() + 30
-        while (mine := tpassctl("status", str(job_id), "--json", user=owner)).returncode != 0 \
-                and time.monotonic() < deadline:
+        while ((mine := tpassctl("status", str(job_id), "--json", user=owner)).returncode != 0
+               or json.loads(mine.stdout)["jobs"][0]["state"] != "running") and time.monotonic() < deadline:
             time.sleep(0.3)
         assert mine.returncode == 0, mine.stderr
         assert json.loads(mine.stdout)["jobs"][0]["job_id"] == job_id
