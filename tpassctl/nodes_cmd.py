@@ -74,7 +74,8 @@ def node_health(node: str, info: dict[str, Any], munge_socket: str | None, timeo
     try:
         h = _ask(node, info["endpoint"], "tpassd.health", {}, munge_socket, timeout_s)
     except RemoteError as exc:
-        return {**row, "state": "unknown", "reachable": True, "reasons": [f"tpassd refused the request: {exc}"],
+        return {**row, "state": "unknown", "reachable": True, "refused": True,
+                "reasons": [f"tpassd refused the request: {exc}"],
                 "last_heartbeat_age_s": None, "components": {}, "checkpoint": _UNKNOWN_CHECKPOINT}
     except TorchpassError as exc:
         return {**row, "state": "unknown", "reachable": False, "reasons": [str(exc)], "last_heartbeat_age_s": None,
@@ -126,7 +127,7 @@ def _states(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
 def verdict(rows: list[dict[str, Any]], check: str | None) -> CliError | None:
     """The failure a nodes listing ends with. --check: a node at or past the threshold is unhealthy
     (exit 1); else one whose health is not known (exit 3). Without --check: a tpassd that did not
-    answer (exit 3): an empty answer is not a healthy cluster."""
+    answer (exit 3) or refused (exit 1): an empty answer is not a healthy cluster."""
     if check is not None:
         sick = [r["node"] for r in rows if r["state"] in UNHEALTHY_AT[check]]
         if sick:
@@ -138,6 +139,9 @@ def verdict(rows: list[dict[str, Any]], check: str | None) -> CliError | None:
     silent = [r["node"] for r in rows if r.get("reachable") is False]
     if silent:
         return CliError(f"no answer from the tpassd of {', '.join(silent)}", "unreachable")
+    refused = [r["node"] for r in rows if r.get("refused")]
+    if refused:
+        return CliError(f"the tpassd of {', '.join(refused)} refused the request", "refused")
     return None
 
 
@@ -158,8 +162,8 @@ def nodes(only, states, check, endpoints, control_port, munge_socket, timeout_s,
 
     MIGRATION says whether the node can dump and restore ranks (ready: a
     usable CRIU >= 4.0; unavailable: why not, e.g. criu missing or too old).
-    Exit 3 when a tpassd did not answer; with --check, 1 when a node is
-    unhealthy and 3 when one's health is not known.
+    Exit 3 when a tpassd did not answer, 1 when one refused; with --check,
+    1 when a node is unhealthy and 3 when one's health is not known.
     """
     found = discover(endpoints, only, control_port)
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(found)))) as pool:

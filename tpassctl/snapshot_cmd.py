@@ -38,7 +38,7 @@ from tpassctl.exit_codes import REMOTE_NOT_FOUND, CliError
 from tpassctl.follow import Feed, PhaseReport, saved_events, wait_for
 from tpassctl.migrate_cmd import auth_target, wait_option
 from tpassctl.nodes_cmd import discover
-from tpassctl.status_cmd import visible_job
+from tpassctl.status_cmd import no_state_dir, visible_job
 from tpassctl.table import table
 
 SNAPSHOT_EVENTS = ("snapshot.completed", "snapshot.failed")
@@ -184,6 +184,10 @@ def snapshots(obj, job_id, delete_id, endpoints, as_json, timeout_s):
     snapshot_keep (default 2) of a job; older ones are removed when a new one
     completes. --delete ID removes one now.
     """
+    if not obj.state_dir.is_dir():
+        raise no_state_dir(obj.state_dir)
+    if job_id is not None:
+        os.close(visible_job(obj.state_dir, job_id)[0])  # the owner's or an admin's: else the one line
     rows = list_snapshots(obj.state_dir, job_id)
     if delete_id is not None:
         if job_id is None:
