@@ -12,6 +12,7 @@ import click
 
 from torchpass import auth, coordinator_lost, jobdir, zmqio
 from torchpass.errors import RemoteError, TorchpassError, UnreachableError
+from tpassctl import gantt
 from tpassctl.context import state_dir_option
 from tpassctl.exit_codes import CliError, finish
 from tpassctl.follow import POLL_S, Feed, saved_events
@@ -94,6 +95,18 @@ def follow(state_dir: Path, job_id: int, since_seq: int, as_json: bool, timeout_
         time.sleep(POLL_S)
 
 
+def plot(job_id: int, evs: list[dict[str, Any]], path: Path, as_json: bool) -> None:
+    found = gantt.bars(evs)
+    if not found:
+        raise CliError(f"job {job_id}: no migration or snapshot has ended yet (nothing to plot)", "not_found")
+    gantt.draw(job_id, found, path)
+    ops = len({b.operation for b in found})
+    if as_json:
+        click.echo(json.dumps({"job_id": job_id, "plot": str(path), "bars": [vars(b) for b in found]}, indent=1))
+    else:
+        click.echo(f"{path}: {ops} migration(s) and snapshot(s) of job {job_id}, phase by phase")
+
+
 @click.command()
 @click.argument("job_id", type=click.IntRange(min=1), required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (with --follow: one event a line).")
@@ -103,9 +116,12 @@ def follow(state_dir: Path, job_id: int, since_seq: int, as_json: bool, timeout_
               help="Keep printing JOB_ID's events as they come; end when the job ends.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds to wait for each coordinator.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE.png",
+              help="Draw JOB_ID's migrations and snapshots, phase by phase, with the time the ranks stood still "
+                   "(needs matplotlib: pip install 'torchpass[plot]').")
 @state_dir_option
 @click.pass_obj
-def events(obj, job_id, as_json, since_seq, follow_on, timeout_s):
+def events(obj, job_id, as_json, since_seq, follow_on, timeout_s, plot_path):
     """Show the event log of JOB_ID's coordinator (or of every registered job you may see).
 
     A job whose coordinator has ended is read from the event log it saved
@@ -117,11 +133,12 @@ def events(obj, job_id, as_json, since_seq, follow_on, timeout_s):
     command until the last rank reached the pause point T: the ranks train
     on meanwhile. "paused" is the time training stood still: from the last
     rank reaching T to the end of the rebuild (or rollback). --follow prints
-    new events as they come and ends when the job ends.
+    new events as they come and ends when the job ends. --plot draws each
+    migration's and snapshot's phases (a Gantt chart) with the ranks' pause.
     """
+    if (follow_on or plot_path) and job_id is None:
+        raise click.UsageError(f"{'--follow' if follow_on else '--plot'} needs a JOB_ID")
     if follow_on:
-        if job_id is None:
-            raise click.UsageError("--follow needs a JOB_ID")
         os.close(visible_job(obj.state_dir, job_id)[0])  # the owner's or an admin's: else the one line
         follow(obj.state_dir, job_id, since_seq, as_json, timeout_s)
         return
@@ -155,6 +172,9 @@ def events(obj, job_id, as_json, since_seq, follow_on, timeout_s):
         regs = discover_coordinators(obj.state_dir)
         rows = [with_lost_note(obj.state_dir, fetch(j, regs[j], since_seq, timeout_s)) for j in sorted(regs)]
     failure = refusal(job_id, rows)
+    if plot_path is not None and failure is None:
+        plot(job_id, rows[0]["events"], plot_path, as_json)
+        return
     if as_json:
         finish(True, {"jobs": rows}, failure)
         return

@@ -192,8 +192,12 @@ def test_stop_frees_the_nodes_and_resume_goes_on_at_the_same_step(cluster, ref, 
 
         theirs = tpassctl("resume", str(job_id), user=other_user.name)
         assert theirs.returncode == 4 and "only its owner or an admin" in theirs.stderr, theirs.stderr
-        mine = tpassctl("resume", str(job_id), user=job_user.name, timeout=60)
+        # --wait: until every rank is restored from the snapshot and resumed (exit 0)
+        t_resume = time.monotonic()
+        mine = tpassctl("resume", str(job_id), "--wait", "240", user=job_user.name, timeout=300)
         assert mine.returncode == 0 and sid in mine.stdout, (mine.stdout, mine.stderr)
+        assert f"{sid}: starting" in mine.stdout and "resumed" in mine.stdout.splitlines()[-1], mine.stdout
+        print(f"resume --wait: exit 0 after {time.monotonic() - t_resume:.1f} s")
         final = tj.wait_end(job_id, 300, context=f"{what}: resumed: ")
         diag = diagnosis(cluster, job_id, out_path, what)
         assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
