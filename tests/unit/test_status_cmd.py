@@ -209,3 +209,18 @@ def test_a_migration_in_flight_and_the_last_one_show_in_status(tmp_path, no_slur
     finally:
         server.stop()
         t.join(5)
+
+
+@pytest.mark.parametrize("slurm_state,state", [("PENDING", "starting"), ("RUNNING", "starting"),
+                                               ("COMPLETED", "finished")])
+def test_a_job_without_a_coordinator_yet_is_starting_not_an_error(tmp_path, monkeypatch, slurm_state, state):
+    """Slurm runs the job and its coordinator has not registered yet: "starting", exit 0 (a script
+    polls until "running"); once Slurm says it ended: "finished"."""
+    (tmp_path / "jobs" / "9").mkdir(parents=True)
+    monkeypatch.setattr(status_cmd, "client", lambda: _slurm(slurm_state))
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0].split() == ["JOBID", "STATE", "SLURM", "USER", "RANKS", "STEP", "COORDINATOR"]
+    assert res.output.splitlines()[1].split()[:2] == ["9", state], res.output
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9", "--json"]).output)
+    assert job["jobs"][0]["state"] == state and "error" not in job
