@@ -18,8 +18,12 @@ import click
 from torchpass import auth, envnames, zmqio
 from torchpass.drill_kinds import KINDS
 from torchpass.errors import ConfigError, DependencyError, RemoteError, SlurmError, TorchpassError
+from torchpass.health_state import State
 from torchpass.slurm import client
 from torchpass.tpassd_ports import tpassd_ports
+from tpassctl.context import state_dir_option
+from tpassctl.exit_codes import CliError, finish
+from tpassctl.table import table
 
 
 def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
@@ -41,16 +45,17 @@ def discover(endpoints: tuple[str, ...], only: tuple[str, ...], control_port: in
             try:
                 control_port = tpassd_ports().control_port
             except ConfigError as exc:
-                raise click.ClickException(f"{exc}; or pass --control-port")
+                raise CliError(f"{exc}; or pass --control-port", "usage") from None
         try:
             for n in client().nodes():
                 found[n.name] = {"endpoint": f"tcp://{n.address}:{control_port}", "slurm_state": "+".join(n.state)}
         except (SlurmError, DependencyError) as exc:
-            raise click.ClickException(f"cannot list nodes from Slurm ({exc}); pass --endpoint NODE=tcp://HOST:PORT")
+            raise CliError(f"cannot list nodes from Slurm ({exc}); pass --endpoint NODE=tcp://HOST:PORT",
+                           "unreachable") from None
     if only:
         missing = sorted(set(only) - set(found))
         if missing:
-            raise click.ClickException(f"unknown node(s) {', '.join(missing)}; known: {', '.join(sorted(found))}")
+            raise CliError(f"unknown node(s) {', '.join(missing)}; known: {', '.join(sorted(found))}", "not_found")
         found = {n: found[n] for n in only}
     return found
 
@@ -69,12 +74,14 @@ def node_health(node: str, info: dict[str, Any], munge_socket: str | None, timeo
     try:
         h = _ask(node, info["endpoint"], "tpassd.health", {}, munge_socket, timeout_s)
     except RemoteError as exc:
-        return {**row, "state": "unknown", "reasons": [f"tpassd refused the request: {exc}"],
+        return {**row, "state": "unknown", "reachable": True, "refused": True,
+                "reasons": [f"tpassd refused the request: {exc}"],
                 "last_heartbeat_age_s": None, "components": {}, "checkpoint": _UNKNOWN_CHECKPOINT}
     except TorchpassError as exc:
-        return {**row, "state": "unknown", "reasons": [str(exc)], "last_heartbeat_age_s": None, "components": {},
+        return {**row, "state": "unknown", "reachable": False, "reasons": [str(exc)], "last_heartbeat_age_s": None,
+                "components": {},
                 "checkpoint": _UNKNOWN_CHECKPOINT}
-    return {**row, "state": h.get("state", "unknown"), "reasons": list(h.get("reasons", [])),
+    return {**row, "state": h.get("state", "unknown"), "reachable": True, "reasons": list(h.get("reasons", [])),
             "last_heartbeat_age_s": h.get("heartbeat_age_s"), "incarnation": h.get("incarnation"),
             "checkpoint": h.get("checkpoint") or {"state": "unknown", "detail": "tpassd did not say"},
             "components": {c: v.get("state") for c, v in h.get("components", {}).items()}}
@@ -92,6 +99,7 @@ _common = [
     click.option("--timeout", "timeout_s", type=float, default=1.0, show_default=True,
                  help="Seconds to wait for each tpassd."),
     click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+    state_dir_option,
 ]
 
 
@@ -101,33 +109,81 @@ def common(fn):
     return fn
 
 
+STATES = tuple(str(v) for v in State)  # healthy, degraded, failed, unknown (worst last but one)
+# --check's threshold: the node states that count as unhealthy
+UNHEALTHY_AT = {"degraded": ("degraded", "failed"), "failed": ("failed",)}
+
+
+def _states(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    got = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in got if v not in STATES]
+    if bad or not got:
+        raise click.BadParameter(f"{value!r}: a comma-separated list of {', '.join(STATES)}")
+    return got
+
+
+def verdict(rows: list[dict[str, Any]], check: str | None) -> CliError | None:
+    """The failure a nodes listing ends with. --check: a node at or past the threshold is unhealthy
+    (exit 1); else one whose health is not known (exit 3). Without --check: a tpassd that did not
+    answer (exit 3) or refused (exit 1): an empty answer is not a healthy cluster."""
+    if check is not None:
+        sick = [r["node"] for r in rows if r["state"] in UNHEALTHY_AT[check]]
+        if sick:
+            return CliError(f"unhealthy (at or past {check}): {', '.join(sick)}", "unhealthy")
+        unknown = [r["node"] for r in rows if r["state"] == "unknown"]
+        if unknown:
+            return CliError(f"health not known: {', '.join(unknown)}", "unknown")
+        return None
+    silent = [r["node"] for r in rows if r.get("reachable") is False]
+    if silent:
+        return CliError(f"no answer from the tpassd of {', '.join(silent)}", "unreachable")
+    refused = [r["node"] for r in rows if r.get("refused")]
+    if refused:
+        return CliError(f"the tpassd of {', '.join(refused)} refused the request", "refused")
+    return None
+
+
+NODE_HEADERS = ("NODE", "STATE", "HEARTBEAT", "MIGRATION", "REASONS")
+
+
 @click.command("nodes")
 @click.option("--node", "only", multiple=True, help="Only this node (repeatable).")
+@click.option("--state", "states", callback=_states, default=None, metavar="LIST",
+              help=f"Only nodes in these states (comma-separated: {', '.join(STATES)}).")
+@click.option("--check", type=click.Choice(tuple(UNHEALTHY_AT)), is_flag=False, flag_value="degraded", default=None,
+              metavar="[=degraded|failed]",
+              help="For NHC and scripts: exit 1 if a node is at or past this state (default degraded), "
+                   "else 3 if a node's health is unknown, else 0.")
 @common
-def nodes(only, endpoints, control_port, munge_socket, timeout_s, as_json):
+def nodes(only, states, check, endpoints, control_port, munge_socket, timeout_s, as_json):
     """Health of every node's tpassd: state, reasons, last heartbeat age.
 
     MIGRATION says whether the node can dump and restore ranks (ready: a
     usable CRIU >= 4.0; unavailable: why not, e.g. criu missing or too old).
+    Exit 3 when a tpassd did not answer, 1 when one refused; with --check,
+    1 when a node is unhealthy and 3 when one's health is not known.
     """
     found = discover(endpoints, only, control_port)
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(found)))) as pool:
         rows = list(pool.map(lambda n: node_health(n, found[n], munge_socket, timeout_s), sorted(found)))
-    if as_json:
-        click.echo(json.dumps({"t": time.time(), "nodes": rows}, indent=2))
-        return
-    if not rows:
-        click.echo("no nodes")
-        return
-    w = max(len(r["node"]) for r in rows)
-    click.echo(f"{'NODE':<{w}}  {'STATE':<8}  {'HEARTBEAT':>9}  {'MIGRATION':<11}  REASONS")
-    for r in rows:
-        age = r["last_heartbeat_age_s"]
-        age_s = "-" if age is None else f"{age:.1f}s"
-        reasons = r["reasons"] + ([f"migration unavailable: {r['checkpoint']['detail']}"]
-                                  if r["checkpoint"]["state"] == "unavailable" else [])
-        click.echo(f"{r['node']:<{w}}  {r['state']:<8}  {age_s:>9}  {r['checkpoint']['state']:<11}  "
-                   f"{'; '.join(reasons) or '-'}")
+    if states is not None:
+        rows = [r for r in rows if r["state"] in states]
+    failure = verdict(rows, check)
+    if not as_json:
+        if not rows:
+            click.echo("no nodes")
+        else:
+            for line in table(NODE_HEADERS, [
+                    (r["node"], r["state"],
+                     None if r["last_heartbeat_age_s"] is None else f"{r['last_heartbeat_age_s']:.1f}s",
+                     r["checkpoint"]["state"],
+                     "; ".join(r["reasons"] + ([f"migration unavailable: {r['checkpoint']['detail']}"]
+                                              if r["checkpoint"]["state"] == "unavailable" else [])))
+                    for r in rows], right=("HEARTBEAT",)):
+                click.echo(line)
+    finish(as_json, {"t": time.time(), "nodes": rows}, failure)
 
 
 @click.command("inject")
@@ -155,7 +211,7 @@ def inject(node, kind, gpu, port, count, endpoints, control_port, munge_socket, 
         res = _ask(node, info["endpoint"], "tpassd.drill", body, munge_socket, max(timeout_s, 2.0),
                    retries=0)  # a drill is not idempotent: never send it twice
     except RemoteError as exc:
-        raise click.ClickException(f"{node} refused the drill: {exc.remote_message} ({exc.code})") from None
+        raise CliError(f"{node} refused the drill: {exc.remote_message} ({exc.code})", "refused") from None
     if as_json:
         click.echo(json.dumps(res, indent=2))
     else:

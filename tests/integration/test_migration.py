@@ -234,8 +234,8 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
     clean.append(plain_id)
     r = _run([*TPASSCTL, "migrate", str(plain_id), "--node", "node1"])
     _run(["scancel", str(plain_id)])
-    # the one line for any job the caller cannot see as a torchpass job of theirs
-    assert r.returncode == 1 and "no torchpass job of yours with this id" in r.stderr, (r.stdout, r.stderr)
+    # the one line (and exit 4: not found) for any job the caller cannot see as a torchpass job of theirs
+    assert r.returncode == 4 and "no torchpass job of yours with this id" in r.stderr, (r.stdout, r.stderr)
 
     job_id = _submit(job_dir, "op", job_user)
     clean.append(job_id)
@@ -247,15 +247,15 @@ def test_tpassctl_migrate_moves_a_healthy_rank_and_refuses_bad_requests(cluster,
         (with the job Python's tpassctl: root's venv may be unreadable to users)."""
         return tpassctl("migrate", str(job_id), *args, user=(other_user if as_other else job_user).name)
 
-    for args, want in ((("--node", "node9"), "node node9 runs no rank of job"),
-                       (("--node", SPARE), f"node {SPARE} runs no rank of job"),
-                       (("--node", node, "--to", "node9"), "node node9 is not a spare of job"),
-                       (("--node", node, "--to", node), f"--to {node} is the node being migrated")):
+    for args, want, code in ((("--node", "node9"), "node node9 runs no rank of job", 4),
+                             (("--node", SPARE), f"node {SPARE} runs no rank of job", 4),
+                             (("--node", node, "--to", "node9"), "node node9 is not a spare of job", 4),
+                             (("--node", node, "--to", node), f"--to {node} is the node being migrated", 1)):
         r = migrate(*args)
-        assert r.returncode == 1 and want in r.stderr, (args, r.stdout, r.stderr, SEED)
+        assert r.returncode == code and want in r.stderr, (args, r.stdout, r.stderr, SEED)
     r = migrate("--node", node, as_other=True)
     # another user's job: the same line as for a job that does not exist, so nothing is told of it
-    assert r.returncode == 1 and "no torchpass job of yours with this id" in r.stderr, (r.stdout, r.stderr)
+    assert r.returncode == 4 and "no torchpass job of yours with this id" in r.stderr, (r.stdout, r.stderr)
 
     _wait_step(out_path, at)
     r = migrate("--node", node, "--to", SPARE, "--json")

@@ -71,7 +71,7 @@ def _open_each(user: str, paths: list[str]) -> list[str]:
 
 
 def _refusal(cluster, job_id: int) -> str:
-    """tpassctl's one line for a job the caller may not see (tpassctl/status_cmd.py, not_visible)."""
+    """tpassctl's one line for a job the caller may not see (tpassctl/status_cmd.py, not_visible; exit 4)."""
     return (f"Error: job {job_id}: no torchpass job of yours with this id in {cluster.state_dir} (only its owner "
             "or an admin can see a job; check the id and --state-dir)\n")
 
@@ -89,22 +89,24 @@ def test_another_user_can_neither_see_nor_steer_a_job(cluster, plugin_built, job
         # The owner sees the job (the control: the refusals below are about who asks),
         # once its coordinator has registered.
         deadline = time.monotonic() + 30
-        while (mine := tpassctl("status", str(job_id), "--json", user=owner)).returncode != 0 \
-                and time.monotonic() < deadline:
+        while ((mine := tpassctl("status", str(job_id), "--json", user=owner)).returncode != 0
+               or json.loads(mine.stdout)["jobs"][0]["state"] != "running") and time.monotonic() < deadline:
             time.sleep(0.3)
         assert mine.returncode == 0, mine.stderr
         assert json.loads(mine.stdout)["jobs"][0]["job_id"] == job_id
         assert tpassctl("events", str(job_id), "--json", user=owner).returncode == 0
         node = client().job(job_id).batch_host  # runs the coordinator and a task of the job
 
-        # Another user sees nothing of it: the line a job id with no job gets (a script sees exit 1)...
+        # Another user sees nothing of it: the line a job id with no job gets (a script sees exit 4:
+        # not found; under --json the same line as the error's message)...
         for what in ("status", "events"):
             theirs = tpassctl(what, str(job_id), "--json", user=intruder)
-            assert (theirs.returncode, theirs.stdout, theirs.stderr) == (1, "", _refusal(cluster, job_id)), theirs
+            error = {"code": "not_found", "message": _refusal(cluster, job_id).removeprefix("Error: ").rstrip("\n")}
+            assert (theirs.returncode, json.loads(theirs.stdout), theirs.stderr) == (4, {"error": error}, ""), theirs
         # ...and steers nothing: no migration (tpassctl cannot find the coordinator; asked
         # directly, the coordinator refuses), no dump of its ranks, no drain, no drill on its nodes.
         moved = tpassctl("migrate", str(job_id), "--node", node, user=intruder)
-        assert (moved.returncode, moved.stderr) == (1, _refusal(cluster, job_id)), moved
+        assert (moved.returncode, moved.stderr) == (4, _refusal(cluster, job_id)), moved
         endpoint = json.loads(layout.coordinator_json(cluster.state_dir, job_id).read_text())["endpoint"]
         asked = _tpassd_request(cluster, intruder, f"job:{job_id}", "job.migrate", {"node": node}, endpoint=endpoint)
         assert not asked["ok"] and asked["code"] == "forbidden" and f"does not own job {job_id}" in asked["message"], \
@@ -155,6 +157,7 @@ def _an_ended_job_stays_private(cluster, job_id: int, owner: str, intruder: str)
     for what in ("status", "events"):
         for job in (job_id, job_id + 100000):  # the job, and one that never was: the same line
             theirs = tpassctl(what, str(job), "--json", user=intruder)
-            assert (theirs.returncode, theirs.stdout, theirs.stderr) == (1, "", _refusal(cluster, job)), theirs
+            error = {"code": "not_found", "message": _refusal(cluster, job).removeprefix("Error: ").rstrip("\n")}
+            assert (theirs.returncode, json.loads(theirs.stdout), theirs.stderr) == (4, {"error": error}, ""), theirs
     mine = tpassctl("events", str(job_id), "--json", user=owner)
     assert mine.returncode == 0 and json.loads(mine.stdout)["jobs"][0]["events"], mine.stderr

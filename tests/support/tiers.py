@@ -72,6 +72,7 @@ HOST_MODULES = {
     "test_snapshot_files.py": "CRIU dumps of a running process",
     "test_snapshot_service.py": "CRIU (root)",
     "test_status_cmd.py": "files of another uid (chown)",
+    "test_cli_exit_codes.py": "a root-owned STATE_DIR/jobs, as the SPANK plugin (root) makes it",
     "test_tpass_init.py": "tpass-init, started by root",
     "test_tpassd_golden.py": "tpassd's collectors run criu --version",
     # The C plugin, built and inspected with the toolchain.

@@ -84,15 +84,15 @@ def test_migrate_queues_and_prints_the_migration_id(served):
     assert [e.kind for e in server.job.events if e.kind == "migration.requested"] == ["migration.requested"] * 2
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--node", "node9"], "job 12: node node9 runs no rank of job 12 (its nodes: node1, node2)"),
-    (["--node", "node1", "--to", "node7"], "job 12: node node7 is not a spare of job 12 (spares: node3, node4)"),
-    (["--node", "node1", "--to", "node1"], "job 12: --to node1 is the node being migrated"),
+@pytest.mark.parametrize("args,expected,code", [
+    (["--node", "node9"], "job 12: node node9 runs no rank of job 12 (its nodes: node1, node2)", 4),
+    (["--node", "node1", "--to", "node7"], "job 12: node node7 is not a spare of job 12 (spares: node3, node4)", 4),
+    (["--node", "node1", "--to", "node1"], "job 12: --to node1 is the node being migrated", 1),
 ])
-def test_migrate_errors_are_one_line(served, args, expected):
+def test_migrate_errors_are_one_line(served, args, expected, code):
     _, sd = served
     res = run(sd, "migrate", "12", *args)
-    assert res.exit_code == 1
+    assert res.exit_code == code
     assert last_line(res) == f"Error: {expected}"
 
 
@@ -106,11 +106,11 @@ def test_migrate_twice_is_a_conflict(served):
 def test_migrate_unknown_job_and_unreachable_coordinator(served, tmp_path):
     _, sd = served
     res = run(sd, "migrate", "99", "--node", "node1")
-    assert res.exit_code == 1 and "job 99: no torchpass job of yours with this id in" in res.output
+    assert res.exit_code == 4 and "job 99: no torchpass job of yours with this id in" in res.output
     write_registration(sd, 13, {"job_id": 13, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
                                 "uid": os.getuid()})
     res = run(sd, "migrate", "13", "--node", "node1", "--timeout", "0.2")
-    assert res.exit_code == 1
+    assert res.exit_code == 3
     assert res.output.strip() == ("Error: job 13: coordinator at tcp://127.0.0.1:9 did not answer within 0.2s; "
                                   "is the job still running? (tpassctl status 13)")
 
@@ -174,9 +174,9 @@ def test_events_of_every_job_and_errors(served):
     quiet.stop()
     t.join(5)
     res = run(sd, "events", "13", "--timeout", "0.1")
-    assert res.exit_code == 1 and res.output.startswith("Error: job 13: coordinator unreachable: no reply from")
+    assert res.exit_code == 3 and res.output.startswith("Error: job 13: coordinator unreachable: no reply from")
     res = run(sd, "events", "14")
-    assert res.exit_code == 1 and "job 14: no torchpass job of yours with this id in" in res.output
+    assert res.exit_code == 4 and "job 14: no torchpass job of yours with this id in" in res.output
 
 
 def test_events_of_a_finished_job_come_from_its_saved_log(tmp_path):
@@ -198,7 +198,7 @@ def test_events_of_a_finished_job_come_from_its_saved_log(tmp_path):
     # A log that is not JSON is not shown as if it were events.
     events.write_text("{not json")
     res = run(tmp_path, "events", "21")
-    assert res.exit_code == 1 and "job 21 has no torchpass coordinator registered" in res.output
+    assert res.exit_code == 4 and "job 21 has no torchpass coordinator registered" in res.output
 
 
 def test_events_list_a_rank_s_coordinator_lost_note(tmp_path):
@@ -208,7 +208,7 @@ def test_events_list_a_rank_s_coordinator_lost_note(tmp_path):
     write_registration(tmp_path, 23, {"job_id": 23, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
                                       "uid": os.getuid()})
     res = run(tmp_path, "events", "23", "--timeout", "0.1")
-    assert res.exit_code == 1 and "coordinator unreachable" in res.output  # no note yet: as before
+    assert res.exit_code == 3 and "coordinator unreachable" in res.output  # no note yet: as before
     coordinator_lost.create(tmp_path, 23, {"time": 1_700_000_000.0, "rank": 0, "node": "node1", "error": "no reply"})
     res = run(tmp_path, "events", "23", "--timeout", "0.1")
     assert res.exit_code == 0, res.output

@@ -164,8 +164,9 @@ def test_a_registration_is_keyed_by_its_directory_not_by_the_job_id_it_names(sta
         except TimeoutError:
             pass
         assert events.exit_code == 0 and "the owner's event" in events.output, events.output
-        assert status.exit_code == 1 and f"job {JOB} has no torchpass coordinator registered" in status.output
-        assert migrate.exit_code == 1 and f"job {JOB} has no torchpass coordinator registered" in migrate.output
+        # job 9 has no registration of its own: ended (Slurm does not run it), not job 10's coordinator
+        assert status.exit_code == 0 and json.loads(status.output)["jobs"][0]["state"] == "finished", status.output
+        assert migrate.exit_code == 4 and f"job {JOB} has no torchpass coordinator registered" in migrate.output
         # In a listing, job 10's registration is job 10's (its directory), not job 9's.
         listing = _tpassctl(state, "status", "--json", "--timeout", "0.2")
         assert [j["job_id"] for j in json.loads(listing.output)["jobs"]] == [10], listing.output
@@ -184,13 +185,14 @@ def test_another_user_gets_one_line_for_a_job_running_ended_or_absent(state, own
                                                           "host": "h", "uid": owner.pw_uid}), owner)
 
     def line(job: int) -> str:
-        return (f"Error: job {job}: no torchpass job of yours with this id in {state} (only its owner or an admin "
-                "can see a job; check the id and --state-dir)\n")
+        return json.dumps({"error": {"code": "not_found", "message": (
+            f"job {job}: no torchpass job of yours with this id in {state} (only its owner or an admin "
+            "can see a job; check the id and --state-dir)")}}) + "\n"
 
     for what in ("events", "status"):
         for job in (JOB, 4242):
             code, out = _as_user(intruder, lambda: _tpassctl(state, what, str(job), "--json", "--timeout", "0.2"))
-            assert (code, out) == (1, line(job)), (what, job, out)
+            assert (code, out) == (4, line(job)), (what, job, out)
         code, out = _as_user(intruder, lambda: _tpassctl(state, what, "--json", "--timeout", "0.2"))
         assert code == 0 and "secret argv" not in out and f'"job_id": {JOB}' not in out, (what, out)
     code, out = _as_user(owner, lambda: _tpassctl(state, "events", str(JOB), "--json", "--timeout", "0.2"))

@@ -57,21 +57,21 @@ def test_registration_claiming_another_uid_is_ignored(tmp_path, no_slurm):
 
 def test_unknown_job_and_missing_state_dir_give_one_line_errors(tmp_path, no_slurm):
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "77"])
-    assert res.exit_code == 1
+    assert res.exit_code == 4  # not found
     assert res.output == (f"Error: job 77: no torchpass job of yours with this id in {tmp_path} (only its owner "
                           "or an admin can see a job; check the id and --state-dir)\n")
     (tmp_path / "jobs" / "77").mkdir(parents=True)  # a job of ours whose coordinator has gone
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "77"])
-    assert res.exit_code == 1 and "job 77 has no torchpass coordinator registered" in res.output
+    assert res.exit_code == 0 and res.output.splitlines()[1].split()[:2] == ["77", "finished"], res.output
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path / "nope"), "status"])
-    assert res.exit_code == 1 and "no torchpass state directory at" in res.output
+    assert res.exit_code == 2 and "no torchpass state directory at" in res.output
 
 
 def test_unreachable_coordinator_is_reported_not_fatal(tmp_path, no_slurm):
     write_registration(tmp_path, 6, {"job_id": 6, "endpoint": "tcp://127.0.0.1:9", "pid": 1, "host": "h",
                                      "uid": os.getuid()})
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "6", "--timeout", "0.1"])
-    assert res.exit_code == 0
+    assert res.exit_code == 3  # a peer did not answer (Slurm cannot say whether the job runs)
     assert "UNREACHABLE: no reply from tcp://127.0.0.1:9" in res.output
 
 
@@ -107,16 +107,18 @@ def test_a_dead_coordinator_of_a_running_job_shows_as_lost(tmp_path, monkeypatch
     t.join(5)
     monkeypatch.setattr(status_cmd, "client", lambda: _slurm(slurm_state))
     res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--timeout", "0.1"])
-    assert res.exit_code == 0, res.output
-    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json",
-                                              "--timeout", "0.1"]).output)["jobs"][0]
+    as_json = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json", "--timeout", "0.1"])
+    job = json.loads(as_json.output)["jobs"][0]
     if slurm_state == "RUNNING":
+        assert res.exit_code == 3 and as_json.exit_code == 3, res.output  # the coordinator did not answer
         assert "coordinator LOST: the job is unprotected (no migrations)" in res.output
         assert "UNREACHABLE" not in res.output
-        assert job["protected"] is False and job["coordinator_lost"] is True
+        assert job["protected"] is False and job["coordinator_lost"] is True and job["state"] == "lost"
+        assert json.loads(as_json.output)["error"]["code"] == "unreachable"
     else:  # the job is ending: its coordinator exiting is no loss
-        assert "UNREACHABLE" in res.output and "LOST" not in res.output
-        assert job["protected"] is None and job["coordinator_lost"] is False
+        assert res.exit_code == 0 and as_json.exit_code == 0, res.output
+        assert "finished" in res.output and "UNREACHABLE" not in res.output and "LOST" not in res.output
+        assert job["protected"] is None and job["coordinator_lost"] is False and job["state"] == "finished"
 
 
 def _note_lost(state_dir, job_id, uid=None):
@@ -207,3 +209,18 @@ def test_a_migration_in_flight_and_the_last_one_show_in_status(tmp_path, no_slur
     finally:
         server.stop()
         t.join(5)
+
+
+@pytest.mark.parametrize("slurm_state,state", [("PENDING", "starting"), ("RUNNING", "starting"),
+                                               ("COMPLETED", "finished")])
+def test_a_job_without_a_coordinator_yet_is_starting_not_an_error(tmp_path, monkeypatch, slurm_state, state):
+    """Slurm runs the job and its coordinator has not registered yet: "starting", exit 0 (a script
+    polls until "running"); once Slurm says it ended: "finished"."""
+    (tmp_path / "jobs" / "9").mkdir(parents=True)
+    monkeypatch.setattr(status_cmd, "client", lambda: _slurm(slurm_state))
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[0].split() == ["JOBID", "STATE", "SLURM", "USER", "RANKS", "STEP", "COORDINATOR"]
+    assert res.output.splitlines()[1].split()[:2] == ["9", state], res.output
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9", "--json"]).output)
+    assert job["jobs"][0]["state"] == state and "error" not in job

@@ -20,7 +20,9 @@ def test_nodes_and_inject(tmp_path, munge):
         args = ["--endpoint", ep, "--munge-socket", munge.socket]
         time.sleep(0.5)
         out = r.invoke(nodes, args + ["--endpoint", dead, "--json", "--timeout", "0.3"])
-        assert out.exit_code == 0, out.output
+        assert out.exit_code == 3, out.output  # a tpassd did not answer: not a healthy cluster
+        assert json.loads(out.output)["error"] == {"code": "unreachable",
+                                                   "message": "no answer from the tpassd of node9"}
         rows = {n["node"]: n for n in json.loads(out.output)["nodes"]}
         assert rows["node2"]["state"] == "healthy" and rows["node2"]["last_heartbeat_age_s"] < 1.0
         assert rows["node9"]["state"] == "unknown" and "no reply" in rows["node9"]["reasons"][0]
@@ -33,6 +35,13 @@ def test_nodes_and_inject(tmp_path, munge):
         assert row["components"]["gpu3"] == "degraded"
         text = r.invoke(nodes, args)
         assert text.exit_code == 0 and "node2" in text.output and "degraded" in text.output
+        # --check for NHC: degraded is unhealthy at the default threshold, not at "failed"
+        assert r.invoke(nodes, args + ["--check"]).exit_code == 1
+        assert r.invoke(nodes, args + ["--check=failed"]).exit_code == 0
+        unknown = r.invoke(nodes, args + ["--endpoint", dead, "--check=failed", "--timeout", "0.3", "--json"])
+        assert unknown.exit_code == 3 and json.loads(unknown.output)["error"]["code"] == "unknown", unknown.output
+        listed = r.invoke(nodes, args + ["--endpoint", dead, "--state", "unknown", "--json", "--timeout", "0.3"])
+        assert [n["node"] for n in json.loads(listed.output)["nodes"]] == ["node9"]
         assert r.invoke(inject, args + ["--node", "node2", "--fault", "clear"]).exit_code == 0
         time.sleep(0.5)
         assert json.loads(r.invoke(nodes, args + ["--json"]).output)["nodes"][0]["state"] == "healthy"

@@ -44,6 +44,8 @@ def rank_status(rv: RankView, now: float) -> dict[str, Any]:
         "rank": rv.rank,
         "node": rv.node,
         "pid": rv.pid,
+        # the Slurm task whose rank record (RANK_DIR/jobJ/rankT.json) holds it: -1, the rank's own
+        "task": rv.task,
         "generation": rv.generation,
         "step": rv.step,
         "collectives": rv.last_count,
