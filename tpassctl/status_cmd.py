@@ -148,7 +148,7 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             row["reachable"] = True
             row.update({k: st[k] for k in ("world_size", "registered_ranks", "min_step", "max_step",
                                            "ranks", "spares", "policy", "migration", "snapshot",
-                                           "last_migration") if k in st})
+                                           "last_migration", "torch_override") if k in st})
             # "unprotected": why the runtime cannot protect the job (None: it can)
             row["unprotected"] = st.get("unprotected")
             row["protected"] = not st.get("unprotected")
