@@ -17,6 +17,13 @@ ports) under the config's sysfs_root, so a restarted tpassd begins healthy
 as a fresh fake GPU set does. Refused when sysfs_root is the real /sys.
 
 Settings: defaults -> config file -> TPASSD_* environment -> flags.
+
+Signals: SIGTERM and SIGINT stop it; SIGHUP re-reads the policy file (an
+invalid one keeps the policy in force and logs one error). Under systemd
+(``Type=notify``, tpassd/sd_notify.py) it says READY=1 once its sockets
+accept and pings the watchdog while health samples flow. Exit status: 0
+stopped, 1 could not start, 2 an invalid config or policy (the unit's
+``RestartPreventExitStatus=2``: restarting cannot fix it).
 """
 
 from __future__ import annotations
