@@ -157,6 +157,9 @@ BODIES: dict[str, dict[str, F]] = {
         # (the relaunch from a snapshot): it registers again, paused at the snapshot's pause
         # point, and waits for the coordinator's resume.
         "restored": _f(str, required=False),
+        # a torch outside the runtime's tested range that the site allowed ($TORCHPASS_ALLOW_TORCH):
+        # the rank's line saying so. The coordinator keeps the first (job.status torch_override).
+        "torch_override": _f(str, required=False),
     },
     # Progress: step = optimizer steps seen, collectives = collectives issued.
     "rank.progress": {

@@ -230,9 +230,11 @@ class Tpassd:
         self.sweeper: Sweeper | None = None
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
+        self.checkpoint: Any = None  # the checkpoint service, registered by start()
         self.metrics = None
         self.last_sample: dict[str, Any] | None = None
         self.ticks = 0
+        self.last_tick_end: float | None = None  # time.monotonic() at the end of the last tick (the watchdog's)
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._components: dict[str, dict[str, Any]] = {}
         self._node_state = State.UNKNOWN.value
@@ -259,8 +261,7 @@ class Tpassd:
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
                                               kill_fault=self.drills.take_kill_fault)
-        # A whole-job snapshot must leave the free space this tpassd's own health rule wants.
-        self.checkpoint.keep_free_bytes = int(self.policy.host.disk_free_gb_degraded * 1e9)
+        self._apply_policy_limits()
         self.checkpoint.snapshot_quota_bytes = int(cfg.snapshot_quota_gb * 1e9)
         self.checkpoint.snapshot_max_age_s = cfg.snapshot_max_age_h * 3600.0
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
@@ -287,6 +288,21 @@ class Tpassd:
         log.info("tpassd started", node=self.node, incarnation=self.incarnation, gpu=self.provider_note,
                  **self.ports())
         return self
+
+    def _apply_policy_limits(self) -> None:
+        # A whole-job snapshot must leave the free space this tpassd's own health rule wants.
+        self.checkpoint.keep_free_bytes = int(self.policy.host.disk_free_gb_degraded * 1e9)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Apply a new health policy (SIGHUP) from the next sample on. Each component's history
+        (counter windows, Xids, slowdowns) is kept: a rate rule judges the new thresholds against
+        the errors already seen, as if the policy had always been the new one."""
+        with self._tick_lock:
+            self.policy = policy
+            self.engine.policy = policy
+            self.drills.policy = policy
+            if self.checkpoint is not None:
+                self._apply_policy_limits()
 
     def ports(self) -> dict[str, int]:
         return {"pub_port": self.publisher.port if self.publisher else -1,
@@ -404,6 +420,7 @@ class Tpassd:
                     pub.heartbeat(now, time.monotonic() - self._started)
             self.last_sample = sample
             self.ticks += 1
+            self.last_tick_end = time.monotonic()
             self.tick_seconds = time.perf_counter() - t0
             if self._on_tick is not None:
                 self._on_tick(sample)

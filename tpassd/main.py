@@ -17,6 +17,13 @@ ports) under the config's sysfs_root, so a restarted tpassd begins healthy
 as a fresh fake GPU set does. Refused when sysfs_root is the real /sys.
 
 Settings: defaults -> config file -> TPASSD_* environment -> flags.
+
+Signals: SIGTERM and SIGINT stop it; SIGHUP re-reads the policy file (an
+invalid one keeps the policy in force and logs one error). Under systemd
+(``Type=notify``, tpassd/sd_notify.py) it says READY=1 once its sockets
+accept and pings the watchdog while health samples flow. Exit status: 0
+stopped, 1 could not start, 2 an invalid config or policy (the unit's
+``RestartPreventExitStatus=2``: restarting cannot fix it).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import json
 import shutil
 import signal
 import sys
-import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
+
+import structlog
 
 from torchpass import logs, slurm
 from torchpass.errors import TorchpassError
@@ -40,7 +49,10 @@ from tpassd.config import DEFAULT_CONFIG, load_config
 from tpassd.daemon import Tpassd
 from tpassd.drills import write_fixture_tree
 from tpassd.policy import load_policy
+from tpassd.sd_notify import Notifier, SampleWatchdog, watchdog_period_s
 from tpassd.sweep import Sweeper
+
+log = structlog.get_logger("tpassd")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, flags=flags, required_file=args.config is not None)
         policy = load_policy(cfg.policy)
     except TorchpassError as exc:
-        print(f"tpassd: {exc}", file=sys.stderr)
+        logs.say(f"tpassd: {exc}")
         return 2
     if args.check_config:
         def plain(o):
@@ -93,26 +105,115 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_job(cfg, args.sweep_job)
     if args.fixture_sysfs:
         if cfg.sysfs_root.resolve() == Path("/sys"):
-            print("tpassd: --fixture-sysfs needs a sysfs_root other than /sys", file=sys.stderr)
+            logs.say("tpassd: --fixture-sysfs needs a sysfs_root other than /sys")
             return 2
         shutil.rmtree(cfg.sysfs_root, ignore_errors=True)
         write_fixture_tree(cfg.sysfs_root)
     logs.configure(cfg.log_level)
     fixed_mmap_threshold()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = Signals().install()
     try:
-        daemon = Tpassd(cfg, policy=policy).start()
+        daemon = Tpassd(cfg, policy=policy)
     except TorchpassError as exc:
-        print(f"tpassd: {exc}", file=sys.stderr)
+        logs.say(f"tpassd: {exc}")
         return 1
+    return serve(daemon, signals, Notifier.from_environment(), watchdog_period_s())
+
+
+class Signals:
+    """SIGTERM/SIGINT (stop) and SIGHUP (re-read the policy), for ``serve``'s loop on the main
+    thread. The handlers only set flags, which the loop reads every ``POLL_S``: a handler that
+    took a lock (``Event.set``) could wait for ever on one the interrupted main thread holds."""
+
+    POLL_S = 0.2
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.reload = False
+
+    def install(self) -> Signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_reload)
+        return self
+
+    def _on_stop(self, *_: object) -> None:
+        self.stop = True
+
+    def _on_reload(self, *_: object) -> None:
+        self.reload = True
+
+    def wait(self) -> None:
+        """Until a signal came (at most ``POLL_S``: a signal cuts the sleep short)."""
+        if not (self.stop or self.reload):
+            time.sleep(self.POLL_S)
+
+
+def serve(daemon: Tpassd, signals: Signals, notifier: Notifier, watchdog_s: float | None) -> int:
+    """Start ``daemon`` and run it until ``signals.stop``; tell systemd (``notifier``) when it is
+    ready, reloading and stopping, and ping its watchdog (every ``watchdog_s / 2``; None: off)
+    while samples flow. 1 when it cannot start."""
+    cfg = daemon.cfg
     try:
-        while not stop.wait(1.0):
-            pass
+        daemon.start()
+    except TorchpassError as exc:
+        logs.say(f"tpassd: {exc}")
+        return 1
+    watchdog = None
+    try:
+        # start() returned: the PUB, control and metrics sockets are bound (a ZeroMQ bind listens
+        # before it returns) and the control thread answers; only now may systemd call tpassd up.
+        notifier.send(READY=1, STATUS=ready_status(daemon))
+        if watchdog_s is not None:
+            watchdog = SampleWatchdog(notifier, watchdog_s, 2 * cfg.interval_s + cfg.collector_timeout_s,
+                                      lambda: daemon.last_tick_end).start()
+        while not signals.stop:
+            signals.wait()
+            if signals.reload and not signals.stop:
+                signals.reload = False
+                notifier.send(RELOADING=1, MONOTONIC_USEC=time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
+                reload_policy(daemon, cfg.policy)
+                notifier.send(READY=1, STATUS=ready_status(daemon))
+        notifier.send(STOPPING=1)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         daemon.stop()
+        notifier.close()
     return 0
+
+
+def ready_status(daemon: Tpassd) -> str:
+    """The line ``systemctl status tpassd`` shows."""
+    p = daemon.ports()
+    return f"serving {daemon.node}: pub {p['pub_port']}, control {p['control_port']}, metrics {p['metrics_port']}"
+
+
+def reload_policy(daemon: Tpassd, path: Path | None) -> bool:
+    """SIGHUP: read the policy file again and apply it. An invalid file keeps the policy in force
+    and logs one error; True when the new one applies."""
+    try:
+        new = load_policy(path)
+    except (TorchpassError, OSError) as exc:
+        log.error("policy not reloaded: the file is invalid; the policy in force stays", policy=str(path),
+                  error=str(exc))
+        return False
+    changed = changed_keys(asdict(daemon.policy), asdict(new))
+    daemon.set_policy(new)
+    log.info("policy reloaded", policy=str(path) if path else "(defaults)", changed=changed)
+    return True
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested policy dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 # glibc serves an allocation of this size or more with its own mmap, returned at free. By default

@@ -112,3 +112,25 @@ def test_kill_9_is_unknown_then_healthy_after_restart(cluster, subscriber):
     cluster.tpassd_restart("node3")
     wait_for(lambda: subscriber.state("node3") is State.HEALTHY, 20, "node3 healthy after restart")
     assert subscriber.view("node3").incarnation is not None
+
+
+def test_every_tpassd_runs_with_the_systemd_units_capability_bounding_set(cluster):
+    """Each devcluster tpassd (a restarted one too) is bounded as contrib/systemd/tpassd.service
+    bounds it, so the migration tests run with the unit's capabilities."""
+    from torchpass.checkpoint.criu import CAP_NAMES
+    from torchpass.devcluster.tpassd_node import unit_bounding_set, unit_file
+
+    unit = sum(1 << CAP_NAMES.index(c) for c in unit_bounding_set(unit_file().read_text()))
+    with open("/proc/self/status") as f:  # setpriv can only drop: what this machine gives us bounds it too
+        own = int(next(ln for ln in f if ln.startswith("CapBnd:")).split()[1], 16)
+    want = unit & own
+    assert want != own, "the unit's set would drop nothing here; the check would prove nothing"
+    procs = cluster.status()["processes"]
+    tpassds = {role: p["pid"] for role, p in procs.items() if role.startswith("tpassd.") and p["alive"]}
+    assert len(tpassds) == len(cluster.node_names), procs
+    for role, pid in tpassds.items():
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+        assert "tpassd" in open(f"/proc/{pid}/cmdline").read(), role  # setpriv exec'd tpassd: same pid
+        assert int(status["CapBnd"], 16) == want, f"{role}: CapBnd {status['CapBnd']}"
+        assert int(status["CapEff"], 16) == want, f"{role}: CapEff {status['CapEff']}"

@@ -236,6 +236,21 @@ def test_a_rank_saying_unprotected_makes_the_job_unprotected_once_and_migrate_a_
 
 
 @pytest.mark.host  # a private munged
+def test_a_site_allowed_torch_is_shown_in_status_and_the_job_stays_protected(driven):
+    """A torch outside the runtime's tested range that the site allowed: the first rank's line is
+    job.status's torch_override; the job is protected (the runtime patched it)."""
+    _, ep, _ = driven
+    assert req(ep, "job.status")["torch_override"] == ""
+    why = "torch 2.11.0 is outside the tested range (2.13); patched because TORCHPASS_ALLOW_TORCH=2.11"
+    req(ep, "rank.register", {"job_id": 42, "rank": 0, "world_size": 3, "node": "node1", "pid": 100,
+                              "torch_override": why})
+    req(ep, "rank.register", {"job_id": 42, "rank": 1, "world_size": 3, "node": "node2", "pid": 101,
+                              "torch_override": "another"})
+    st = req(ep, "job.status")
+    assert st["torch_override"] == why and st["unprotected"] is None
+
+
+@pytest.mark.host  # a private munged
 def test_an_armed_refusal_saying_unprotected_rolls_the_pause_back_at_once(driven):
     server, ep, _ = driven
     done = threading.Event()

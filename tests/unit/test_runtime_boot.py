@@ -79,3 +79,30 @@ def test_uncovered_init_falls_back_with_one_line(tmp_path: Path):
         f"torchpass: init_method 'file://{tmp_path}/rdv' is not covered (env:// and tcp:// are);"
         " training runs unprotected"
     ]
+
+
+def test_a_torch_outside_the_tested_range_is_not_patched_and_says_so_once(tmp_path: Path):
+    """torch 2.11 (stood in for by TORCHPASS_TEST_TORCH_VERSION: one torch is installed here):
+    the runtime patches nothing, one line says why, and training runs on torch's own group."""
+    code = (
+        "import torch, torch.distributed as d; from torch.distributed import distributed_c10d as c; "
+        "print(hasattr(d.init_process_group, '__torchpass_orig__'), 'TORCHPASS' in d.Backend._plugins); "
+        f"d.init_process_group('gloo', init_method='file://{tmp_path}/rdv', rank=0, world_size=1); "
+        "t = torch.ones(2); d.all_reduce(t); print(type(c._get_default_group()).__name__, t.tolist()); "
+        "d.destroy_process_group()"
+    )
+    r = py(code, {"TORCHPASS_JOB_ID": "12", "TORCHPASS_TEST_TORCH_VERSION": "2.11.0"}, [boot_dir()])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["False False", "ProcessGroup [1.0, 1.0]"]
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("torchpass:")] == [
+        "torchpass: torch 2.11.0 is outside the tested range (2.13); the runtime patches nothing;"
+        " training runs unprotected"], r.stderr
+
+
+def test_a_site_allowed_torch_is_patched_and_says_so(tmp_path: Path):
+    code = "import torch.distributed as d; print(hasattr(d.init_process_group, '__torchpass_orig__'))"
+    r = py(code, {"TORCHPASS_JOB_ID": "12", "TORCHPASS_TEST_TORCH_VERSION": "2.11.0",
+                  "TORCHPASS_ALLOW_TORCH": "2.11"}, [boot_dir()])
+    assert r.stdout.strip() == "True", r.stderr
+    assert r.stderr.splitlines() == ["torchpass: torch 2.11.0 is outside the tested range (2.13); patched because "
+                                     "TORCHPASS_ALLOW_TORCH=2.11"]

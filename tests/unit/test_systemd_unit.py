@@ -3,6 +3,7 @@ passes `systemd-analyze verify`, and criu dumps (not restores) run in their own 
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -76,7 +77,9 @@ def test_exec_paths_are_where_admin_md_installs(service):
     assert unit_dest == "/etc/systemd/system/"
     tpassd = f"{venv}/bin/tpassd"
     assert shlex.split(service["ExecStart"][0]) == [tpassd, "--config", config_dest]
-    assert shlex.split(service["ExecStartPre"][0]) == [tpassd, "--check-config", "--config", config_dest]
+    # No ExecStartPre= check: systemd would restart a failing one despite RestartPreventExitStatus=,
+    # which it matches against the main process only; tpassd exits 2 on a bad config itself.
+    assert "ExecStartPre" not in service
     assert f"{tpassd} --check-config --config {config_dest}" in install  # the check admins run by hand
     for src in re.findall(r"install -m 0644 (contrib/\S+)", install):
         assert (ROOT / src).is_file(), f"admin.md installs {src}, which does not exist"
@@ -205,3 +208,100 @@ def test_restore_stays_in_the_callers_cgroup(tmp_path, recorded_runs):
         criu_mod.restore(criu_mod.Criu("/bin/true", (4, 1)), tmp_path / "img", verified={})
     (call,) = recorded_runs
     assert call["args"][0] == "restore" and call.get("slice_") is None
+
+
+# -- Type=notify, the watchdog, restarts, capabilities --------------------------------------------
+def test_readiness_watchdog_reload_and_restart_settings(service):
+    assert service["Type"] == ["notify"] and service["NotifyAccess"] == ["main"]
+    (watchdog,) = service["WatchdogSec"]
+    assert 0 < int(watchdog) <= 120
+    assert "2" in service["RestartPreventExitStatus"][-1].split(), "a config error would restart every 2 s"
+    assert service["Restart"] == ["on-failure"]
+    assert shlex.split(service["ExecReload"][0]) == ["/bin/kill", "-HUP", "$MAINPID"]
+    assert service["SyslogLevelPrefix"] == ["yes"]
+
+
+def test_no_filter_that_criu_would_inherit(service):
+    """seccomp and device filters reach criu (a child cannot drop them); DeviceAllow= also hides
+    /dev/nvidia*. None is set, and the unit says why in a comment."""
+    for name in ("SystemCallFilter", "DeviceAllow", "MemoryDenyWriteExecute", "ProtectClock"):
+        assert all(v in OFF for v in service.get(name, [])), f"{name}= is inherited by criu"
+    assert all(v in OFF for v in service.get("RestrictNamespaces", []))
+    text = UNIT.read_text()
+    for name in ("SystemCallFilter=", "RestrictNamespaces=", "DeviceAllow=", "ProtectClock=",
+                 "MemoryDenyWriteExecute="):
+        assert name in text, f"the unit's comment does not say why {name} is not set"
+
+
+def _doc_caps() -> list[str]:
+    section = admin_section("### tpassd under systemd")
+    table = section[section.index("| Capability |"):]
+    table = table[:table.index("\n\n")]
+    return [c for row in table_rows(table) for c in re.findall(r"`(CAP_[A-Z_]+)`", row[0])]
+
+
+def test_each_capability_of_the_bounding_set_is_explained_in_admin_md(service):
+    from torchpass.devcluster.tpassd_node import unit_bounding_set
+
+    caps = [c for v in service["CapabilityBoundingSet"] for c in v.split()]
+    assert caps and not any(c.startswith("~") for c in caps)
+    assert sorted(_doc_caps()) == sorted(caps)
+    assert service.get("AmbientCapabilities", [""]) == [""]
+    # The devcluster starts tpassd with the same list (setpriv's names).
+    assert unit_bounding_set(UNIT.read_text()) == [c.lower().removeprefix("cap_") for c in caps]
+
+
+def _security(tmp_path) -> tuple[float, list[dict]]:
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze not found: apt-get install systemd"
+    copy = tmp_path / "tpassd.service"
+    shutil.copy(UNIT, copy)
+    text = subprocess.run([analyze, "security", "--offline=true", "--no-pager", str(copy)],
+                          capture_output=True, text=True, timeout=60)
+    score = re.search(r"Overall exposure level for tpassd\.service: (\d+\.\d+)", text.stdout)
+    assert score, text.stdout + text.stderr
+    items = subprocess.run([analyze, "security", "--offline=true", "--json=short", str(copy)],
+                           capture_output=True, text=True, timeout=60, check=True)
+    return float(score.group(1)), json.loads(items.stdout)
+
+
+def test_systemd_analyze_security_scores_at_most_7_5_and_admin_md_explains_every_remaining_item(tmp_path):
+    score, items = _security(tmp_path)
+    assert score <= 7.5, f"systemd-analyze security rates the unit {score}"
+    section = admin_section("### tpassd under systemd")
+    assert f"**{score} " in section, f"admin.md states another score than the tool's {score}"
+    table = section[section.index("| Item(s) `systemd-analyze security` marks |"):]
+    table = table[:table.index("\n\n")].replace("\\|", "\u2502")  # a \| inside a cell is not a column
+    explained = {name.replace("\u2502", "|") for row in table_rows(table)
+                 for name in re.findall(r"`([^`]+)`", row[0])}
+    remaining = {i["name"] for i in items if i["set"] is False and i["exposure"] not in (None, "0.0")}
+    assert remaining, "the tool's JSON output changed shape"
+    assert sorted(remaining - explained) == [], "admin.md does not explain these items"
+
+
+def test_the_score_check_can_fail(tmp_path, monkeypatch):
+    """Without the bounding set the unit scores above 7.5 (8.4 with systemd 257)."""
+    bare = tmp_path / "bare" / "tpassd.service"
+    bare.parent.mkdir()
+    bare.write_text("\n".join(ln for ln in UNIT.read_text().splitlines()
+                              if not ln.startswith("CapabilityBoundingSet=")))
+    monkeypatch.setattr(sys.modules[__name__], "UNIT", bare)
+    score, _ = _security(tmp_path)
+    assert score > 7.5
+
+
+def test_the_devcluster_reads_the_bounding_set_as_systemd_does():
+    from torchpass.devcluster.tpassd_node import bounded_argv, unit_bounding_set
+    from torchpass.errors import DevclusterError
+
+    two = "[Service]\nCapabilityBoundingSet=CAP_KILL\nCapabilityBoundingSet=CAP_SYS_ADMIN CAP_KILL\n"
+    assert unit_bounding_set(two) == ["kill", "sys_admin"]  # lines add up
+    assert unit_bounding_set(two + "CapabilityBoundingSet=\nCapabilityBoundingSet=CAP_CHOWN\n") == ["chown"]
+    assert unit_bounding_set("[Unit]\nCapabilityBoundingSet=CAP_KILL\n[Service]\nCapabilityBoundingSet=\n") == []
+    for bad in ("[Service]\nType=notify\n", "[Service]\nCapabilityBoundingSet=~CAP_SYS_TIME\n",
+                "[Service]\nCapabilityBoundingSet=SYS_ADMIN\n"):
+        with pytest.raises(DevclusterError):
+            unit_bounding_set(bad)
+    argv = bounded_argv(["/opt/tpassd", "--config", "x"], UNIT)
+    assert argv[0] == "/usr/bin/setpriv" and argv[-4:] == ["--", "/opt/tpassd", "--config", "x"]
+    assert argv[1].startswith("--bounding-set=-all,+chown,")

@@ -87,6 +87,9 @@ class JobState:
     spares: int = 0
     policy: str = "default"
     started_wall: float = 0.0
+    # A torch outside the runtime's tested range that the site allowed ($TORCHPASS_ALLOW_TORCH):
+    # the first rank's line saying so ("" for a tested torch). Shown in job.status.
+    torch_override: str = ""
     events: list[Event] = field(default_factory=list)
     _next_seq: int = 1
 
@@ -132,6 +135,8 @@ class JobState:
             "ranks": [rank_status(ranks[r], now) for r in sorted(ranks)],
             # why the job cannot be protected ("rank R unprotected: ..."); None while it can
             "unprotected": state.job_unprotected,
+            # the site's override of the runtime's tested torch range ("": none; torch_range)
+            "torch_override": self.torch_override,
             **activity_status(state, now),
             "last_event_seq": self.events[-1].seq if self.events else 0,
         }

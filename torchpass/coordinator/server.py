@@ -339,6 +339,10 @@ class CoordinatorServer:
         self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation,
                                      b.get("task", -1), b.get("pinned") or "", b.get("restored") or ""))
         self._note_unprotected(b)
+        if b.get("torch_override") and not self.job.torch_override:
+            self.job.torch_override = b["torch_override"]
+            log.warning("torch outside the tested range, patched on the site's word", job_id=self.job.job_id,
+                        rank=b["rank"], why=b["torch_override"])
         return self._with_command(b["rank"], {"generation": generation})
 
     def _on_progress(self, msg: wire.Message) -> dict[str, Any]:

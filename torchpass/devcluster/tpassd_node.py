@@ -3,6 +3,11 @@ fake NVML (8 GPUs, drills on) and a fixture InfiniBand tree (4 ports, rebuilt
 by ``tpassd --fixture-sysfs`` on every start), bound to the node's address on
 the cluster's tpassd ports (the defaults unless the spec says otherwise), authenticated with the cluster's munged.
 
+Each tpassd runs under ``setpriv --bounding-set`` of the capabilities that the
+systemd unit (contrib/systemd/tpassd.service, ``CapabilityBoundingSet=``)
+leaves it: read from that file at every start, so every migration test runs
+with the unit's capabilities, and a capability the unit lacks fails them.
+
 The devcluster runs the installed ``tpassd`` program; it imports nothing from
 the tpassd package (torchpass never imports tpassd)."""
 
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from importlib import resources
 from pathlib import Path
 
 from torchpass.errors import DevclusterError
@@ -28,6 +34,71 @@ def tpassd_program() -> str:
         raise DevclusterError("tpassd is not installed in this environment (no tpassd program beside "
                               f"{sys.executable} or on PATH); pip install -e .")
     return found
+
+
+UNIT_NAME = "tpassd.service"
+SETPRIV = "/usr/bin/setpriv"
+
+
+def unit_file() -> Path:
+    """contrib/systemd/tpassd.service: in the checkout this package runs from, else in the
+    package's own data (an installed wheel)."""
+    checkout = Path(__file__).resolve().parents[2] / "contrib" / "systemd" / UNIT_NAME
+    candidates = [checkout]
+    try:
+        pkg = Path(str(resources.files("torchpass")))
+        candidates += [pkg / "contrib" / "systemd" / UNIT_NAME, pkg / "data" / "contrib" / "systemd" / UNIT_NAME]
+    except (ModuleNotFoundError, TypeError):
+        pass
+    candidates.append(Path(sys.prefix) / "share" / "torchpass" / "contrib" / "systemd" / UNIT_NAME)
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise DevclusterError(f"tpassd's unit file is not installed (looked at {', '.join(map(str, candidates))}); "
+                          "the devcluster runs tpassd with its CapabilityBoundingSet=")
+
+
+def unit_bounding_set(text: str) -> list[str]:
+    """The capabilities a unit's ``CapabilityBoundingSet=`` lines leave, as setpriv names them
+    ("sys_admin"), in the unit's order. systemd.exec(5): the lines add up and an empty one resets;
+    an inverted list ("~CAP_...") is refused here (this unit lists what it keeps). A unit without
+    the setting keeps every capability: DevclusterError, since the devcluster would then test
+    nothing."""
+    caps: list[str] = []
+    seen = False
+    section = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, _, value = line.partition("=")
+        if section != "Service" or key.strip() != "CapabilityBoundingSet":
+            continue
+        seen = True
+        value = value.strip()
+        if not value:
+            caps = []
+            continue
+        if value.startswith("~"):
+            raise DevclusterError("tpassd's unit inverts CapabilityBoundingSet= (~); list the capabilities it keeps")
+        for name in value.split():
+            if not name.upper().startswith("CAP_"):
+                raise DevclusterError(f"tpassd's unit: {name!r} in CapabilityBoundingSet= is not a capability")
+            short = name.lower().removeprefix("cap_")
+            if short not in caps:
+                caps.append(short)
+    if not seen:
+        raise DevclusterError("tpassd's unit sets no CapabilityBoundingSet=: it would keep every capability")
+    return caps
+
+
+def bounded_argv(argv: list[str], unit: Path | None = None) -> list[str]:
+    """``argv`` under setpriv with the unit's bounding set (setpriv execs it: same pid)."""
+    caps = unit_bounding_set((unit or unit_file()).read_text())
+    return [SETPRIV, "--bounding-set=" + ",".join(["-all", *(f"+{c}" for c in caps)]), "--", *argv]
 
 
 def ports_toml(ports: tuple[int, int, int]) -> list[str]:
@@ -72,4 +143,4 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
         'log_level = "info"',
         "",
     ]))
-    return [tpassd_program(), "--config", str(cfg), "--fixture-sysfs"]
+    return bounded_argv([tpassd_program(), "--config", str(cfg), "--fixture-sysfs"])

@@ -192,6 +192,8 @@ class ControlLink(PauseListener):
         self.pg = pg
         self.job_id = job_id
         self.rank = rank
+        # a torch outside the tested range that the site allowed (torch_range): why, in rank.register
+        self.torch_override = ""
         self._node = node
         self._start_host = socket.gethostname()
         self._start_netns = _netns_inode()
@@ -439,7 +441,8 @@ class ControlLink(PauseListener):
         res = self._request(
             "rank.register",
             {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
-             "generation": self.pg.generation, **self._unprotected(), **task_fields(), **restored},
+             "generation": self.pg.generation, **self._unprotected(), **task_fields(), **restored,
+             **({"torch_override": self.torch_override} if self.torch_override else {})},
             expect_s=wire.reply_within_s(self.pg.size()),
         )
         if res is not None:

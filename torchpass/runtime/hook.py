@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from torchpass import envnames
+from torchpass.runtime import torch_range
 from torchpass.runtime.say import say
 
 TARGET = "torch.distributed"
@@ -58,6 +59,7 @@ _lock = threading.Lock()
 _installed = False
 _patched = False
 _pending: "Plan | None" = None
+_torch: "torch_range.Verdict | None" = None  # judged once, when torch.distributed (or torchrun's agent) loads
 state: dict = {}  # "pg": the ReconfigurablePG, "control": the ControlLink, "fallback": reason
 
 
@@ -191,6 +193,43 @@ def plan_for(backend, init_method, world_size, rank, store, timeout, device_id=N
     return Plan(int(rank), int(world_size), addr, int(port), use_nccl, reported, timeout, served=served), ""
 
 
+def torch_verdict() -> "torch_range.Verdict":
+    """Whether this process's torch is one the runtime patches (torch_range), judged once; the
+    one line it is worth (outside the tested range) is said then."""
+    global _torch
+    with _lock:
+        if _torch is not None:
+            return _torch
+        _torch = torch_range.of_loaded_torch(os.environ)
+    if _torch.support is torch_range.Support.SITE_ALLOWED:
+        say(_torch.why)
+    elif not _torch.patch:
+        state["fallback"] = _torch.why
+        say(f"{_torch.why}; training runs unprotected")
+        _report_once_initialized(_torch.why)
+    return _torch
+
+
+def _report_once_initialized(why: str, *, limit_s: float = REPORT_UNPROTECTED_S, poll_s: float = 0.5) -> None:
+    """Tell the coordinator that the job is unprotected once the script has made its default group
+    (torch's own init_process_group, unpatched: the rank's number is known only then). A thread
+    looks every ``poll_s``; a script that never makes one registers nothing."""
+    if not os.environ.get(envnames.COORDINATOR):
+        return
+
+    def wait() -> None:
+        import torch.distributed as dist
+
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            if dist.is_available() and dist.is_initialized():
+                _report_unprotected(why)
+                return
+            time.sleep(poll_s)
+
+    threading.Thread(target=wait, name="torchpass-unprotected-wait", daemon=True).start()
+
+
 def _patch_torchrun_agent(backend_module) -> None:
     """In torchrun's agent: a c10d rendezvous store client that can be let go of during a move.
 
@@ -204,6 +243,8 @@ def _patch_torchrun_agent(backend_module) -> None:
     (``TORCHPASS_COORDINATOR``), not with the runtime switched off.
     """
     if not os.environ.get(envnames.COORDINATOR) or os.environ.get(envnames.RUNTIME, "1") == "0":
+        return
+    if not torch_verdict().patch:
         return
     orig = getattr(backend_module, "_create_tcp_store", None)
     if orig is None or hasattr(orig, "__torchpass_orig__"):
@@ -496,6 +537,8 @@ def _start_control(pg, plan: Plan) -> None:
         from torchpass.runtime.control import ControlLink
 
         link = ControlLink.from_env(pg)
+        if _torch is not None and _torch.support is torch_range.Support.SITE_ALLOWED:
+            link.torch_override = _torch.why  # in its rank.register: the coordinator shows it
         link.start()
         state["control"] = link
     except Exception as exc:  # noqa: BLE001 - protection lost, training goes on
@@ -503,13 +546,16 @@ def _start_control(pg, plan: Plan) -> None:
 
 
 def patch() -> None:
-    """Register the backend and patch init_process_group (idempotent)."""
+    """Register the backend and patch init_process_group (idempotent); nothing for a torch
+    outside the tested range (torch_range)."""
     global _patched
     if _patched:
         return
     import torch.distributed as dist
 
     if not dist.is_available():
+        return
+    if not torch_verdict().patch:
         return
     from torch.distributed import distributed_c10d as c10d
 
