@@ -123,16 +123,10 @@ def nearest_size(wanted: str, measured: list[str]) -> str:
 
 
 def _for_size(where: str, key: str, raw: Any, model_size: str) -> tuple[float, str, str]:
-    """(figure, statistic, note) from ``key``'s ``by_model`` for ``model_size`` (a BY_MODEL_KEYS key)."""
+    """(figure, statistic, note) from ``key``'s ``by_model`` for ``model_size`` (a BY_MODEL_KEYS key
+    whose figure has a non-empty ``by_model``; ``model_size`` inside its sizes)."""
     what, why = BY_MODEL_KEYS[key]
-    by_model = raw.get("by_model") if isinstance(raw, dict) else None
-    if not isinstance(by_model, dict) or not by_model:
-        value, used = _figure(where, key, raw)
-        of = raw.get("model") if isinstance(raw, dict) else None
-        return value, used, (f"{where} has the {what} of {of} only, not one per model size: "
-                             f"{value:g} s used for {model_size}" if of else
-                             f"{where} does not say which model its {what} ({value:g} s) is from; "
-                             f"used for {model_size}")
+    by_model = raw["by_model"]
     for size in by_model:
         model_params(size)  # a bad key is named, not skipped
     chosen = nearest_size(model_size, list(by_model))
@@ -209,7 +203,8 @@ def parse(data: Any, where: str, model_size: str | None = None) -> Measured | No
             if not inside:
                 not_applied[name] = _size_range(sizes)
                 continue
-            if key in BY_MODEL_KEYS and isinstance(raw, dict) and isinstance(raw.get("by_model"), dict):
+            if key in BY_MODEL_KEYS and isinstance(raw, dict) and isinstance(raw.get("by_model"), dict) \
+                    and raw["by_model"]:
                 value, used, note = _for_size(where, key, raw, model_size)
                 notes.append(note)
             else:
