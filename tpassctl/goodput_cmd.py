@@ -79,6 +79,7 @@ def _document(
     measured_source: str | None,
     plot_path: Path | None,
     warnings: list[str],
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The --json document; its schema is documented in docs/goodput.md."""
     inp = result.inputs
@@ -96,6 +97,8 @@ def _document(
             "hard_failures": s.hard_failures,
             # the share of the hard failures that cost a requeue (the rest are relaunched)
             "hard_failures_requeued_share": model.requeued_share(inp) if name == "live_migration" else 1.0,
+            # the share of the hard failures that are a GPU killed on a live node (recovered in place)
+            "hard_failures_gpu_killed_share": model.gpu_killed_share(inp) if name == "live_migration" else 0.0,
             "soft_failures": s.soft_failures,
             "failures_per_month": s.failures_per_month,
             "lost_hours_per_failure": s.lost_hours_per_failure,
@@ -143,6 +146,7 @@ def _document(
         "strategies": strategies,
         "plot": None if plot_path is None else str(plot_path),
         "warnings": warnings,
+        **(extra or {}),
     }
 
 
@@ -157,14 +161,47 @@ def _money(value: float) -> str:
 
 
 def _hard_failure_text(inp: model.GoodputInputs) -> str:
-    """Which hard failures still cost a requeue (the rest are relaunched inside the allocation)."""
-    share = model.requeued_share(inp)
-    if share >= 1.0:
+    """How live migration's hard failures are recovered: a GPU killed on a live node, a node lost
+    outright relaunched inside the allocation, or (the batch host's, or all without a hot spare) requeued."""
+    if not model.recovers_in_allocation(inp):
         why = ("lm_hard_failure=requeue" if inp.lm_hard_failure != "relaunch"
                else f"a relaunch needs a hot spare (spare_policy={inp.spare_policy})")
         return f"every one is requeued, as under checkpoint-restart ({why})"
-    return (f"relaunched from the newest checkpoint in {inp.lm_relaunch_s:g} s with a hot spare, no requeue; "
-            f"the batch host's ({share:.2%} of them) are still requeued")
+    killed = model.gpu_killed_share(inp)
+    parts = []
+    if killed > 0.0:
+        parts.append(f"{killed:.0%} a GPU killed on a live node, resumed from the newest restore point in "
+                     f"{inp.lm_gpu_killed_s:g} s")
+    parts.append(f"{1.0 - killed:.0%} a node lost outright, relaunched from the newest checkpoint in "
+                 f"{inp.lm_relaunch_s:g} s with a hot spare, no requeue")
+    return "; ".join(parts) + (f"; the batch host's ({model.requeued_share(inp):.2%} of them) are still requeued")
+
+
+def _breakeven_json(solved: dict[str, model.Breakeven], result: model.ModelResult) -> dict[str, Any]:
+    s = result.strategies
+    return {
+        "against": "checkpointless",
+        "goodput_gap": s["live_migration"].goodput - s["checkpointless"].goodput,
+        "solutions": {name: {"state": b.state, "value_s": b.value_s} for name, b in solved.items()},
+    }
+
+
+def _breakeven_text(solved: dict[str, model.Breakeven], result: model.ModelResult) -> str:
+    s = result.strategies
+    lm, cl = s["live_migration"].goodput, s["checkpointless"].goodput
+    lines = [f"breakeven against checkpointless (closed form; live migration {lm:.2%}, checkpointless {cl:.2%}, "
+             f"{(lm - cl) * 100:+.2f} points), each with the other inputs as above:"]
+    for name, b in solved.items():
+        if b.state == model.BREAKEVEN_TIES_AT:
+            said = f"ahead below {b.value_s:,.2f} s, behind above it"
+        elif b.state == model.BREAKEVEN_BEHIND_AT_ZERO:
+            said = "behind even at 0 s: no value of it alone puts live migration ahead"
+        elif b.state == model.BREAKEVEN_AHEAD_AT_ANY:
+            said = "ahead at any value"
+        else:
+            said = "does not apply with these inputs"
+        lines.append(f"  {model.BREAKEVEN_VARIED[name]} [{name}]: {said}")
+    return "\n".join(lines)
 
 
 def _table(result: model.ModelResult, simulation: dict[str, Any] | None, preset: str | None) -> str:
@@ -289,8 +326,10 @@ def _flag_sources(sources: dict[str, str]) -> dict[str, str]:
 )
 @click.option(
     "--model-size", metavar="SIZE",
-    help="With --measured: the model's parameter count (10M, 1.3B, 70B); the migration pause is the one "
-    "measured for that size, else for the nearest measured size.",
+    help="With --measured: the model's parameter count (10M, 1.3B, 70B; default: the preset's model, "
+    "if it names one). The measured figures that grow with the model (migration pause, save blocking, "
+    "relaunch, GPU-killed recovery) apply only inside the sizes they were measured at, each the one "
+    "measured for that size or the nearest.",
 )
 @_input_options
 @click.option(
@@ -305,6 +344,9 @@ def _flag_sources(sources: dict[str, str]) -> dict[str, str]:
               "(needs matplotlib: pip install 'torchpass[plot]').")
 @click.option("--plot-metric", type=click.Choice(["goodput", "usd-lost-per-month"]), default="goodput",
               show_default=True)
+@click.option("--solve-breakeven", is_flag=True,
+              help="Also solve, on the closed form, for the recovery time per hard failure, per GPU-killed "
+              "failure and the restore point's blocking time at which live migration ties checkpointless.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema in docs/goodput.md).")
 def goodput(
     preset: str | None,
@@ -317,6 +359,7 @@ def goodput(
     seed: int,
     plot_path: Path | None,
     plot_metric: str,
+    solve_breakeven: bool,
     as_json: bool,
     **flags: Any,
 ) -> None:
@@ -340,7 +383,7 @@ def goodput(
         raise click.UsageError("--model-size selects among measured migration pauses: use it with --measured")
     try:
         _run(preset, config, measured, simulate, runs, seed, plot_path, plot_metric, as_json, flags,
-             model_size=model_size)
+             model_size=model_size, solve_breakeven=solve_breakeven)
     except TorchpassError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -357,11 +400,18 @@ def _run(
     as_json: bool,
     flags: dict[str, Any],
     model_size: str | None = None,
+    solve_breakeven: bool = False,
 ) -> None:
     notes: list[str] = []
     found: measured_mod.Measured | None = None
+    size_from = None
     if model_size is not None:
         measured_mod.model_params(model_size)  # a bad size is refused even where nothing is found
+        size_from = "--model-size"
+    elif preset and get_preset(preset).model_size:
+        model_size, size_from = get_preset(preset).model_size, f"preset {preset}"
+    if measured is None:
+        model_size = size_from = None  # the model size serves --measured only
     if measured == "auto":
         found, looked = measured_mod.discover(Path.cwd(), model_size)
         if found is None:
@@ -373,6 +423,9 @@ def _run(
         found = measured_mod.load_file(Path(measured), model_size)
     if found is not None:
         notes.extend(f"--measured: {n}" for n in found.notes)
+        refused = measured_mod.not_applied_line(found, model_size, size_from)
+        if refused:
+            notes.append(f"--measured: {refused}")
 
     layers = _layers(preset, config, found, flags)
     try:
@@ -394,13 +447,22 @@ def _run(
         draw(inputs, plot_path, plot_metric, title=f"torchpass goodput: {preset or 'custom job'}")
         notes.append(f"plot written to {plot_path}")
 
+    solved = model.solve_breakeven(inputs) if solve_breakeven else None
     warnings = result.warnings
     if as_json:
+        extra = {
+            "model_size": model_size,
+            "model_size_source": size_from,
+            "measured_not_applied": dict(found.not_applied) if found else {},
+            "breakeven": None if solved is None else _breakeven_json(solved, result),
+        }
         doc = _document(result, simulation, sources, preset, found.source if found else None, plot_path,
-                        warnings + notes)
+                        warnings + notes, extra)
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(_table(result, simulation, preset))
+        if solved is not None:
+            click.echo(_breakeven_text(solved, result))
         for warning in warnings:
             click.echo(f"warning: {warning}", err=True)
     for note in notes:

@@ -49,7 +49,9 @@ def test_json_matches_the_model_and_has_the_documented_shape():
     assert doc["preset"] == "llama3-16k"
     assert set(doc) == {
         "schema", "preset", "inputs", "input_sources", "measured_source", "derived", "strategies", "plot", "warnings",
+        "model_size", "model_size_source", "measured_not_applied", "breakeven",
     }
+    assert (doc["model_size"], doc["breakeven"]) == (None, None)  # the size serves --measured only
     assert set(doc["strategies"]) == set(model.STRATEGIES)
     inputs, _ = build_inputs([("preset", PRESETS["llama3-16k"].values)])
     expected = evaluate(inputs)
@@ -138,10 +140,10 @@ def test_measured_file_sets_live_migration_times(tmp_path):
     results = tmp_path / "bench.json"
     results.write_text(json.dumps({
         "detection_latency_s": {"mean": 2.5, "p50": 2.0, "p95": 4.0, "n": 20},
-        "migration_pause_s": {"p50": 6.5, "p95": 7.0},
+        "migration_pause_s": {"p50": 6.5, "p95": 7.0, "model": "1B"},
         "steady_state_overhead": 0.001,
     }))
-    doc = run_json("--preset", "pretrain-1k", "--measured", str(results), "--no-simulate")
+    doc = run_json("--preset", "pretrain-1k", "--measured", str(results), "--model-size", "1B", "--no-simulate")
     assert doc["inputs"]["lm_detect_s"] == 2.5  # mean preferred
     assert doc["inputs"]["lm_migrate_s"] == 6.5  # p50 when no mean
     assert doc["inputs"]["lm_overhead"] == 0.001
@@ -153,14 +155,16 @@ def test_measured_file_sets_live_migration_times(tmp_path):
 
 def test_measured_relaunch_time_and_which_hard_failures_are_requeued(tmp_path):
     results = tmp_path / "hard_failure.json"
-    results.write_text(json.dumps({"hard_failure_relaunch_s": {"mean": 31.5, "p50": 30.9, "n": 2}}))
-    doc = run_json("--measured", str(results), "--no-simulate")
+    results.write_text(json.dumps({"hard_failure_relaunch_s": {"mean": 31.5, "p50": 30.9, "n": 2}, "params": "1M"}))
+    args = ("--measured", str(results), "--model-size", "1M", "--gpu-killed-fraction", "0", "--no-simulate")
+    doc = run_json(*args)
     assert doc["inputs"]["lm_relaunch_s"] == 31.5
     lm = doc["strategies"]["live_migration"]
     assert lm["hard_failures_requeued_share"] == pytest.approx(1 / 128)  # the batch host of 128 nodes
     assert doc["strategies"]["checkpoint_restart"]["hard_failures_requeued_share"] == 1.0
-    out = CliRunner().invoke(goodput, ["--measured", str(results), "--no-simulate"]).output
-    assert "hard failures under live migration: relaunched from the newest checkpoint in 31.5 s" in out
+    out = CliRunner().invoke(goodput, list(args)).output
+    assert "hard failures under live migration: 100% a node lost outright, relaunched from the newest checkpoint " \
+        "in 31.5 s" in out
     assert "the batch host's (0.78% of them) are still requeued" in out
     out = CliRunner().invoke(goodput, ["--spare-policy", "pool", "--no-simulate"]).output
     assert "every one is requeued, as under checkpoint-restart (a relaunch needs a hot spare" in out
@@ -180,16 +184,17 @@ def test_measured_auto_discovers_results_and_falls_back(tmp_path):
         Path(cwd, "docs").mkdir()
         Path(cwd, "docs/benchmarks.md").write_text(
             "# Benchmarks\n\n```json torchpass-measured\n"
-            '{"detection_latency_s": {"p50": 1.5}, "migration_pause_s": {"p50": 9.0}}\n```\n'
+            '{"detection_latency_s": {"p50": 1.5}, "migration_pause_s": {"p50": 9.0}, "params": "10M"}\n```\n'
         )
-        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        auto = ["--measured", "--model-size", "10M", "--json", "--no-simulate"]
+        doc = json.loads(runner.invoke(goodput, auto).stdout)
         assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (1.5, 9.0)
         assert doc["measured_source"].endswith("docs/benchmarks.md")
         # A results file with the keys wins over the doc.
         Path(cwd, "bench/results/migration.json").write_text(
-            '{"detection_latency_s": 0.8, "migration_pause_s": {"mean": 4.0}}'
+            '{"detection_latency_s": 0.8, "migration_pause_s": {"mean": 4.0, "model": "10M"}}'
         )
-        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        doc = json.loads(runner.invoke(goodput, auto).stdout)
         assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.8, 4.0)
         assert doc["measured_source"].endswith("migration.json")
 
@@ -202,11 +207,12 @@ def test_measured_merges_each_benchmarks_newest_figures(tmp_path):
         res = Path(cwd, "bench/results")
         res.mkdir(parents=True)
         mig, det = res / "migration.json", res / "tpassd.json"
-        mig.write_text('{"detection_latency_s": 0.9, "migration_pause_s": {"mean": 1.2, "n": 1}}')
+        mig.write_text('{"detection_latency_s": 0.9, "migration_pause_s": {"mean": 1.2, "n": 1, "model": "10M"}}')
         det.write_text('{"detection_latency_s": {"p50": 0.03}}')
         now = time.time()
         os.utime(mig, (now - 60, now - 60))  # tpassd.json is the newer file
-        doc = json.loads(runner.invoke(goodput, ["--measured", "--json", "--no-simulate"]).stdout)
+        args = ["--measured", "--model-size", "10M", "--json", "--no-simulate"]
+        doc = json.loads(runner.invoke(goodput, args).stdout)
         assert (doc["inputs"]["lm_detect_s"], doc["inputs"]["lm_migrate_s"]) == (0.03, 1.2)
         assert doc["input_sources"]["lm_detect_s"] == f"measured {det}"
         assert doc["input_sources"]["lm_migrate_s"] == f"measured {mig}"
@@ -280,8 +286,6 @@ def _by_model_results(path: Path) -> Path:
     ("100m", 7.6, "measured with the 100M model"),
     ("30M", 1.2, "from the 10M model, the measured size nearest 30M"),  # 3x from 10M, 3.3x from 100M
     ("50M", 7.6, "from the 100M model, the measured size nearest 50M"),
-    ("70B", 7.6, "from the 100M model, the measured size nearest 70B"),
-    ("1000000", 1.2, "from the 10M model, the measured size nearest 1000000"),
 ])
 def test_measured_pause_is_the_one_for_the_model_size(tmp_path, size, pause, chosen):
     results = _by_model_results(tmp_path / "migration.json")
@@ -291,14 +295,55 @@ def test_measured_pause_is_the_one_for_the_model_size(tmp_path, size, pause, cho
     assert any(chosen in w for w in doc["warnings"]), doc["warnings"]
 
 
-def test_measured_without_model_size_says_the_pause_is_the_headline(tmp_path):
+@pytest.mark.parametrize("size, model_is", [
+    ("70B", "the model is 70B (--model-size)"),
+    ("1000000", "the model is 1000000 (--model-size)"),
+    (None, "no model size given (--model-size)"),
+])
+def test_measured_pause_outside_the_measured_sizes_is_not_applied(tmp_path, size, model_is):
+    """A pause measured with 10M-100M models says nothing about a 70B model's (nor a 1M one's): it is
+    kept at the earlier layer's value, and one line says which figure and why. Detection still applies."""
     results = _by_model_results(tmp_path / "migration.json")
-    result = run("--measured", str(results), "--no-simulate")
+    args = ["--measured", str(results), "--no-simulate"] + (["--model-size", size] if size else [])
+    result = run(*args)
     assert result.exit_code == 0, result.output
-    assert "is " + str(results) + "'s headline figure (the 100M model)" in result.stderr
-    assert "--model-size picks" in result.stderr
-    # The table itself used the headline figure.
-    assert run_json("--measured", str(results), "--no-simulate")["inputs"]["lm_migrate_s"] == 7.6
+    line = [ln for ln in result.stderr.splitlines() if "not applied" in ln]
+    assert line == [f"--measured: not applied: lm_migrate_s (measured at 10M-100M); {model_is}, and these grow "
+                    "with the model's size, so each keeps its preset/config/default value (give --model-size "
+                    "inside a measured range, or measure at your size)"]
+    doc = run_json(*args)
+    assert doc["inputs"]["lm_migrate_s"] == 120.0 and doc["input_sources"]["lm_migrate_s"] == "default"
+    assert doc["inputs"]["lm_detect_s"] == 0.66
+    assert doc["measured_not_applied"] == {"lm_migrate_s": "10M-100M"}
+
+
+def test_a_preset_names_its_model_size_for_measured(tmp_path):
+    """llama3-16k trains Llama 3 405B: a small CPU model's relaunch, save and pause stay out of it
+    unless the user says the model is inside the measured sizes."""
+    results = tmp_path / "hard_failure.json"
+    results.write_text(json.dumps({"hard_failure_relaunch_s": {"mean": 35.8}, "params": "10M",
+                                   "gpu_killed": {"resumed_s": {"mean": 9.5}}}))
+    doc = run_json("--preset", "llama3-16k", "--measured", str(results), "--no-simulate")
+    assert (doc["model_size"], doc["model_size_source"]) == ("405B", "preset llama3-16k")
+    assert (doc["inputs"]["lm_relaunch_s"], doc["inputs"]["lm_gpu_killed_s"]) == (200.0, 70.0)
+    assert doc["measured_not_applied"] == {"lm_relaunch_s": "10M", "lm_gpu_killed_s": "10M"}
+    doc = run_json("--preset", "llama3-16k", "--measured", str(results), "--model-size", "10M", "--no-simulate")
+    assert (doc["inputs"]["lm_relaunch_s"], doc["inputs"]["lm_gpu_killed_s"]) == (35.8, 9.5)
+    assert doc["input_sources"]["lm_gpu_killed_s"] == f"measured {results}"
+    assert doc["model_size_source"] == "--model-size"
+
+
+@pytest.mark.parametrize("figure", [
+    {"gpu_killed": 8.0},
+    {"gpu_killed": {"mean": 8.0, "n": 2}},
+    {"gpu_killed": {"resumed_s": 8.0, "lost_s": 9.0}},
+    {"summary": {"gpu_killed": {"resumed_s": 8.0, "lost_s": 9.0}}},  # a side of bench_hard_failure
+])
+def test_measured_gpu_killed_recovery(tmp_path, figure):
+    results = tmp_path / "hard_failure.json"
+    results.write_text(json.dumps({"params": "10M", **figure}))
+    doc = run_json("--measured", str(results), "--model-size", "10M", "--no-simulate")
+    assert doc["inputs"]["lm_gpu_killed_s"] == 8.0
 
 
 def test_measured_model_size_with_discovered_results(tmp_path, monkeypatch):
@@ -319,9 +364,13 @@ def test_measured_model_size_with_discovered_results(tmp_path, monkeypatch):
 def test_measured_model_size_without_per_model_figures_says_so(tmp_path):
     results = tmp_path / "r.json"
     results.write_text('{"migration_pause_s": {"mean": 4.0, "model": "100M"}}')
-    doc = run_json("--measured", str(results), "--model-size", "7B", "--no-simulate")
+    doc = run_json("--measured", str(results), "--model-size", "100M", "--no-simulate")
     assert doc["inputs"]["lm_migrate_s"] == 4.0
-    assert any("pause of 100M only" in w and "used for 7B" in w for w in doc["warnings"]), doc["warnings"]
+    doc = run_json("--measured", str(results), "--model-size", "7B", "--no-simulate")
+    assert doc["inputs"]["lm_migrate_s"] == 120.0 and doc["measured_not_applied"] == {"lm_migrate_s": "100M"}
+    results.write_text('{"migration_pause_s": {"mean": 4.0}}')  # no size at all: never applied
+    doc = run_json("--measured", str(results), "--model-size", "100M", "--no-simulate")
+    assert doc["measured_not_applied"] == {"lm_migrate_s": "an unstated model size"}
 
 
 def test_measured_checkpoint_blocking_is_the_one_for_the_model_size(tmp_path):
@@ -335,7 +384,7 @@ def test_measured_checkpoint_blocking_is_the_one_for_the_model_size(tmp_path):
     assert doc["input_sources"]["lm_checkpoint_save_s"] == f"measured {results}"
     assert any("torchpass.checkpoint save blocking 0.022 s measured with the 10M model" in w
                for w in doc["warnings"]), doc["warnings"]
-    big = run_json("--measured", str(results), "--no-simulate")
+    big = run_json("--measured", str(results), "--model-size", "100M", "--no-simulate")
     assert big["inputs"]["lm_checkpoint_save_s"] == 0.157
     assert big["inputs"]["checkpoint_save_s"] == 30.0  # checkpoint-restart's own save is the user's
 

@@ -110,7 +110,7 @@ def test_live_migration_hand_worked():
 def test_hard_failures_are_relaunched_with_a_hot_spare_except_the_batch_hosts():
     """25 nodes, hot spares: a node lost outright costs lm_relaunch_s (no requeue, no wait), but the
     batch host's failure (1 of 25) is still requeued: restart 0.5 h. The rollback is unchanged."""
-    hot = dict(spare_policy="hot", spare_nodes=2, lm_relaunch_s=180.0)  # 0.05 h
+    hot = dict(spare_policy="hot", spare_nodes=2, lm_relaunch_s=180.0, gpu_killed_fraction=0.0)  # 0.05 h
     relaunch = model.plans(round_inputs(**hot))["live_migration"]
     share = 1 / 25
     assert model.requeued_share(round_inputs(**hot)) == pytest.approx(share)
@@ -455,3 +455,32 @@ def test_with_job_size_keeps_the_per_gpu_rate_and_scales_spares():
     assert small.spare_nodes == 1  # ceil(4 / 16) = 1, enough for one node
     capped = model.with_job_size(GoodputInputs(gpus=1024, blast_radius_gpus=72, spare_nodes=9), 64)
     assert capped.blast_radius_gpus == 64
+
+
+def test_a_gpu_killed_on_a_live_node_is_its_own_kind_of_hard_failure():
+    """25 nodes, hot spares, 40% of the hard failures a GPU killed on a live node (0.01 h each), the
+    rest nodes lost outright: relaunched (0.05 h), or requeued (0.5 h) when the batch host is lost.
+    A GPU killed on the batch host leaves the coordinator up, so only node losses are requeued."""
+    hot = dict(spare_policy="hot", spare_nodes=2, lm_relaunch_s=180.0, lm_gpu_killed_s=36.0, gpu_killed_fraction=0.4)
+    inp = round_inputs(**hot)
+    plan = model.plans(inp)["live_migration"]
+    requeued = 0.6 / 25
+    assert model.gpu_killed_share(inp) == 0.4
+    assert model.requeued_share(inp) == pytest.approx(requeued)
+    assert [(k.name, k.share) for k in plan.hard_kinds] == [
+        ("gpu_killed", 0.4), ("node_lost_relaunched", pytest.approx(0.6 - requeued)),
+        ("requeued", pytest.approx(requeued))]
+    assert plan.hard_recovery_h == pytest.approx(0.4 * 0.01 + (0.6 - requeued) * 0.05 + requeued * 0.5)
+    # the kinds change only what a hard failure costs: same rate, same restore-point interval
+    none_killed = round_inputs(**{**hot, "gpu_killed_fraction": 0.0})
+    base = model.plans(none_killed)["live_migration"]
+    assert (plan.hard_rate, plan.interval_h) == (base.hard_rate, base.interval_h)
+    a, b = evaluate(inp).strategies["live_migration"], evaluate(none_killed).strategies["live_migration"]
+    assert b.wall_hours - a.wall_hours == pytest.approx(a.hard_failures * (base.hard_recovery_h - plan.hard_recovery_h))
+    # without a relaunch inside the allocation a GPU killed is requeued like any hard failure
+    for outside in (round_inputs(gpu_killed_fraction=0.4), round_inputs(**hot, lm_hard_failure="requeue")):
+        assert model.gpu_killed_share(outside) == 0.0 and model.requeued_share(outside) == 1.0
+        assert [k.name for k in model.plans(outside)["live_migration"].hard_kinds] == ["requeued"]
+    # checkpoint-restart and checkpointless are untouched by it
+    for name in ("checkpoint_restart", "checkpointless"):
+        assert evaluate(inp).strategies[name] == evaluate(none_killed).strategies[name]

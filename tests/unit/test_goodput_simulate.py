@@ -183,3 +183,32 @@ def test_costs_follow_wall_time():
     # cost = 100 GPUs * wall * $2.5 run by run, so the means follow too.
     assert sim.cost_usd.mean == pytest.approx(100 * 2.5 * sim.wall_hours.mean)
     assert math.isfinite(sim.wall_hours_std_error)
+
+
+def gpu_killed_case(**changes) -> GoodputInputs:
+    # 10 nodes with a hot spare: half the hard failures a GPU killed (0.01 h), the rest nodes lost
+    # outright (1 h to relaunch; the batch host's 1 in 10 of those requeued, 0.5 h).
+    values = dict(gpus_per_node=10, spare_policy="hot", spare_nodes=1, gpu_killed_fraction=0.5,
+                  lm_gpu_killed_s=36.0, lm_relaunch_s=3600.0)
+    values.update(changes)
+    return one_hour_segments(**values)
+
+
+@pytest.mark.parametrize("kind_draw, loss", [(0.2, 0.01), (0.7, 1.0), (0.99, 0.5)])
+def test_scripted_hard_failure_pays_its_kinds_recovery(kind_draw, loss):
+    inp = gpu_killed_case()
+    plan = model.plans(inp)["live_migration"]
+    assert [k.share for k in plan.hard_kinds] == pytest.approx([0.5, 0.45, 0.05])
+    # 1.5 h in: hard (0.0 < 0.5), of the kind kind_draw picks; back to 1.0 h, then 2.0 h to the end
+    rng = ScriptedRng(gaps=[1.5, 2.5], uniforms=[0.0, kind_draw])
+    wall, failures = simulate_plan(inp, plan, runs=1, rng=rng)
+    assert wall[0] == pytest.approx(1.5 + loss + 2.0)
+    assert failures[0] == 1
+
+
+def test_simulator_matches_closed_form_with_gpu_killed_failures():
+    _assert_agrees(gpu_killed_case(work_hours=90.0), runs=4000)
+    # and at scale, with the defaults' split
+    inp, _ = build_inputs([("llama3-16k", PRESETS["llama3-16k"].values), ("t", {"gpu_killed_fraction": 0.41})])
+    assert len(model.plans(inp)["live_migration"].hard_kinds) == 3
+    _assert_agrees(inp, runs=1000, seed=3)

@@ -19,13 +19,21 @@ newest checkpoint: ``lm_relaunch_s``), bench_app_checkpoint
 training: ``lm_checkpoint_save_s``). Any of the keys may be missing; a file
 with none of them is not a results file for this purpose.
 
-The pause grows with the model (its image is moved), so bench_migration also
-writes the stall of every model it measured, ``"by_model": {"10M": 1.2,
-"100M": 7.6}`` inside ``migration_pause_s`` (its ``mean`` is the largest
-model's); so does bench_app_checkpoint's ``checkpoint_blocking_s``. With a
-model size (``tpassctl goodput --measured --model-size 1B``) each of these
-is the one measured for that size, else for the nearest measured size (by
-ratio: 1B is nearer 100M than 10B is); a note says which.
+``gpu_killed`` (bench_hard_failure's GPU killed under a rank on a live node to
+every rank training again: ``lm_gpu_killed_s``) is a figure, or an object
+whose ``resumed_s`` is one; it may also sit in the file's ``summary``.
+
+Four of the figures grow with the model, whose state is copied, moved or
+loaded: the migration pause, the save's blocking time, the relaunch and the
+GPU-killed recovery (both load a restore point). Benchmarks run on a CPU
+devcluster with small models, so these are applied only to a model size
+inside the sizes they were measured at (``by_model``'s keys, else the figure's
+or the file's ``model`` or ``params``); otherwise, or with no model size, they
+are not applied and ``not_applied`` says why. Inside the range, a figure with
+``by_model`` (``"by_model": {"10M": 1.2, "100M": 7.6}``) is the one measured
+for that size, else for the nearest measured size (by ratio); a note says
+which. Detection latency and steady-state overhead do not grow with the model
+and always apply.
 """
 
 from __future__ import annotations
@@ -46,7 +54,10 @@ MEASURED_KEYS = {
     "steady_state_overhead": "lm_overhead",
     "hard_failure_relaunch_s": "lm_relaunch_s",
     "checkpoint_blocking_s": "lm_checkpoint_save_s",
+    "gpu_killed": "lm_gpu_killed_s",
 }
+# The figures that grow with the model's state (copied, moved or loaded).
+SIZE_DEPENDENT_KEYS = ("migration_pause_s", "checkpoint_blocking_s", "hard_failure_relaunch_s", "gpu_killed")
 STATISTICS = ("mean", "p50")
 PAUSE_KEY = "migration_pause_s"
 # The figures that grow with the model, measured per size ("by_model"), and what each is called in notes.
@@ -71,6 +82,9 @@ class Measured:
     sources: dict[str, str] = field(default_factory=dict)
     # what the user should know about the figures chosen (the model size a pause is from)
     notes: tuple[str, ...] = ()
+    # goodput input name -> the model sizes its figure was measured at, where it was not applied
+    # because the model asked about is outside them (or not given)
+    not_applied: dict[str, str] = field(default_factory=dict)
 
     def source_of(self, name: str) -> str:
         return self.sources.get(name, self.source)
@@ -109,16 +123,10 @@ def nearest_size(wanted: str, measured: list[str]) -> str:
 
 
 def _for_size(where: str, key: str, raw: Any, model_size: str) -> tuple[float, str, str]:
-    """(figure, statistic, note) from ``key``'s ``by_model`` for ``model_size`` (a BY_MODEL_KEYS key)."""
+    """(figure, statistic, note) from ``key``'s ``by_model`` for ``model_size`` (a BY_MODEL_KEYS key
+    whose figure has a non-empty ``by_model``; ``model_size`` inside its sizes)."""
     what, why = BY_MODEL_KEYS[key]
-    by_model = raw.get("by_model") if isinstance(raw, dict) else None
-    if not isinstance(by_model, dict) or not by_model:
-        value, used = _figure(where, key, raw)
-        of = raw.get("model") if isinstance(raw, dict) else None
-        return value, used, (f"{where} has the {what} of {of} only, not one per model size: "
-                             f"{value:g} s used for {model_size}" if of else
-                             f"{where} does not say which model its {what} ({value:g} s) is from; "
-                             f"used for {model_size}")
+    by_model = raw["by_model"]
     for size in by_model:
         model_params(size)  # a bad key is named, not skipped
     chosen = nearest_size(model_size, list(by_model))
@@ -130,34 +138,93 @@ def _for_size(where: str, key: str, raw: Any, model_size: str) -> tuple[float, s
                          f"{model_size} (measured: {sizes}); {why}")
 
 
+def _raw_figure(data: dict[str, Any], key: str) -> Any:
+    """The figure under ``key``; ``gpu_killed`` may sit in ``summary`` and carry ``resumed_s``."""
+    raw = data.get(key)
+    if raw is None and key == "gpu_killed" and isinstance(data.get("summary"), dict):
+        raw = data["summary"].get(key)
+    if key == "gpu_killed" and isinstance(raw, dict) and "resumed_s" in raw:
+        raw = raw["resumed_s"]
+    return raw
+
+
+def measured_sizes(data: dict[str, Any], key: str) -> list[str]:
+    """The model sizes ``key``'s figure was measured at: its by_model, else its or the file's model."""
+    raw = data.get(key)
+    if isinstance(raw, dict) and isinstance(raw.get("by_model"), dict) and raw["by_model"]:
+        sizes = list(raw["by_model"])
+    else:
+        of = (raw.get("model") if isinstance(raw, dict) else None) or data.get("model") or data.get("params")
+        sizes = [str(of)] if of is not None else []
+    for size in sizes:
+        model_params(size)  # a bad size is named, not skipped
+    return sorted(sizes, key=model_params)
+
+
+def _check(where: str, key: str, raw: Any) -> None:
+    """Refuse a bad figure even where it is not applied: a typo is an error, not "out of range"."""
+    by_model = raw.get("by_model") if isinstance(raw, dict) else None
+    if isinstance(by_model, dict):
+        for size, figure in by_model.items():
+            _figure(where, f"{key}.by_model.{size}", figure)
+    if not isinstance(by_model, dict) or any(stat in raw for stat in STATISTICS):
+        _figure(where, key, raw)
+
+
+def _size_range(sizes: list[str]) -> str:
+    if not sizes:
+        return "an unstated model size"
+    return sizes[0] if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+
+
 def parse(data: Any, where: str, model_size: str | None = None) -> Measured | None:
     """The figures in one results object; None if it has none of the keys.
 
-    ``model_size``: take the migration pause measured for that model size, or the nearest one.
+    ``model_size``: the model the question is about. A figure that grows with the model is applied
+    only inside the sizes it was measured at; with ``by_model``, the one for that size or the nearest.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    present = [k for k in MEASURED_KEYS if k in data]
+    present = [k for k in MEASURED_KEYS if _raw_figure(data, k) is not None]
     if not present:
         return None
     values: dict[str, float] = {}
     stats: dict[str, str] = {}
     notes: list[str] = []
+    not_applied: dict[str, str] = {}
     for key in present:
-        if key in BY_MODEL_KEYS and model_size is not None:
-            value, used, note = _for_size(where, key, data[key], model_size)
-            notes.append(note)
+        raw = _raw_figure(data, key)
+        name = MEASURED_KEYS[key]
+        if key in SIZE_DEPENDENT_KEYS:
+            sizes = measured_sizes(data, key)
+            _check(where, key, raw)
+            inside = (model_size is not None and sizes
+                      and model_params(sizes[0]) <= model_params(model_size) <= model_params(sizes[-1]))
+            if not inside:
+                not_applied[name] = _size_range(sizes)
+                continue
+            if key in BY_MODEL_KEYS and isinstance(raw, dict) and isinstance(raw.get("by_model"), dict) \
+                    and raw["by_model"]:
+                value, used, note = _for_size(where, key, raw, model_size)
+                notes.append(note)
+            else:
+                value, used = _figure(where, key, raw)
         else:
-            value, used = _figure(where, key, data[key])
-            by_model = data[key].get("by_model") if key in BY_MODEL_KEYS and isinstance(data[key], dict) else None
-            if isinstance(by_model, dict) and len(by_model) > 1:
-                notes.append(f"{BY_MODEL_KEYS[key][0]} {value:g} s is {where}'s headline figure"
-                             + (f" (the {data[key]['model']} model)" if data[key].get("model") else "")
-                             + f"; --model-size picks the one measured for your model "
-                             f"(measured: {', '.join(map(str, by_model))})")
-        values[MEASURED_KEYS[key]] = value
-        stats[MEASURED_KEYS[key]] = used
-    return Measured(source=where, values=values, statistics=stats, notes=tuple(notes))
+            value, used = _figure(where, key, raw)
+        values[name] = value
+        stats[name] = used
+    return Measured(source=where, values=values, statistics=stats, notes=tuple(notes), not_applied=not_applied)
+
+
+def not_applied_line(found: Measured, model_size: str | None, size_from: str | None) -> str | None:
+    """One line naming the measured inputs kept at their earlier value, and why; None if none."""
+    if not found.not_applied:
+        return None
+    which = ", ".join(f"{name} (measured at {sizes})" for name, sizes in found.not_applied.items())
+    model = (f"the model is {model_size} ({size_from})" if model_size
+             else "no model size given (--model-size)")
+    return (f"not applied: {which}; {model}, and these grow with the model's size, so each keeps its "
+            "preset/config/default value (give --model-size inside a measured range, or measure at your size)")
 
 
 def load_file(path: Path, model_size: str | None = None) -> Measured:
@@ -208,25 +275,31 @@ def discover(root: Path, model_size: str | None = None) -> tuple[Measured | None
     stats: dict[str, str] = {}
     sources: dict[str, str] = {}
     notes: dict[str, tuple[str, ...]] = {}  # source -> its notes
+    refused: dict[str, str] = {}
     for path in files:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
         if isinstance(data, dict):
-            found = parse(data, str(path), model_size if "lm_migrate_s" not in values else None)
+            found = parse(data, str(path), model_size)
             if found is None:
                 continue
+            taken = False
             for name, value in found.values.items():
-                if name not in values:
+                if name not in values and name not in refused:
                     values[name], stats[name], sources[name] = value, found.statistics[name], found.source
-            if found.notes and sources.get("lm_migrate_s") == found.source:
+                    taken = True
+            for name, sizes in found.not_applied.items():
+                if name not in values and name not in refused:
+                    refused[name] = sizes
+            if found.notes and taken:
                 notes[found.source] = found.notes
-    if values:
-        used = list(dict.fromkeys(sources.values()))  # newest first
+    if values or refused:
+        used = list(dict.fromkeys(sources.values())) or [str(root / RESULTS_GLOB)]  # newest first
         return Measured(source=", ".join(used), values=values, statistics=stats,
                         sources=sources if len(used) > 1 else {},
-                        notes=tuple(n for s in used for n in notes.get(s, ()))), looked
+                        notes=tuple(n for s in used for n in notes.get(s, ())), not_applied=refused), looked
     doc = root / BENCHMARKS_DOC
     if doc.is_file():
         found = _from_markdown(doc.read_text(), str(doc), model_size)

@@ -15,12 +15,17 @@ Three strategies share one evaluator; each is described by a ``StrategyPlan``:
 * checkpointless: every failure is recovered from peers ("soft" for the
   model: no rollback), paid for by a steady-state overhead.
 * live migration: a ``soft_fraction`` of failures is migrated away (pause
-  only); the rest are hard, roll back to the last checkpoint (whose interval
-  is tuned to the lower rate of hard failures) and, with
-  ``lm_hard_failure = relaunch`` and a hot spare, cost ``lm_relaunch_s``
-  instead of a requeue, except a failure of the job's batch host (1 node in
-  ``nodes``), which is still requeued. Its checkpoints block training for
-  ``lm_checkpoint_save_s`` each (torchpass.checkpoint), if given.
+  only); the rest are hard and roll back to the newest restore point (whose
+  interval is tuned to the lower rate of hard failures). With
+  ``lm_hard_failure = relaunch`` and a hot spare a hard failure is one of
+  two kinds: a GPU killed under a rank on a node that stays up
+  (``gpu_killed_fraction`` of them, ``lm_gpu_killed_s`` each), or a node lost
+  outright (``lm_relaunch_s``), except a loss of the job's batch host (1 node
+  in ``nodes``), which is still requeued. Its restore points block training
+  for ``lm_checkpoint_save_s`` each (torchpass.checkpoint), if given.
+
+``solve_breakeven`` finds, by bisection on the closed form, the recovery time or
+restore-point cost at which live migration's goodput ties checkpointless's.
 
 This module needs only the standard library.
 """
@@ -30,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torchpass.errors import ConfigError
 
@@ -177,6 +182,18 @@ INPUT_SPECS: tuple[InputSpec, ...] = (
         0, True, 30 * 86400,
     ),
     InputSpec(
+        "gpu_killed_fraction", float,
+        "Live migration: share of the hard failures where a GPU dies under a rank and its node stays up "
+        "(Xid 79, uncorrectable ECC, an NCCL abort); the rest lose the node outright.",
+        0, True, 1,
+    ),
+    InputSpec(
+        "lm_gpu_killed_s", float,
+        "Live migration, lm_hard_failure=relaunch: seconds from a GPU killed under a rank (its node up) "
+        "until training resumes from the newest restore point on the surviving nodes plus a spare.",
+        0, True, 30 * 86400,
+    ),
+    InputSpec(
         "lm_checkpoint_save_s", float,
         "Live migration: seconds one checkpoint save blocks training when the job saves with "
         "torchpass.checkpoint (the copy to host memory; the write runs in the background). "
@@ -239,6 +256,13 @@ class GoodputInputs:
     # relaunched step's start and checkpoint load (60 s): docs/goodput.md.
     lm_hard_failure: str = "relaunch"
     lm_relaunch_s: float = 200.0
+    # Llama 3 puts 58.7% of its unexpected interruptions on GPUs. Taking every soft failure (30%)
+    # to be one of those leaves 28.7 of the 70 points of hard failures: 0.41, the low end of
+    # the share where a GPU dies and its host stays up (docs/goodput.md, "Honest defaults").
+    gpu_killed_fraction: float = 0.41
+    # Modelled, not measured: lm_relaunch_s's terms less the two that wait for a dead node
+    # (NOT_RESPONDING 100 s, KillWait 30 s), i.e. 10 s detection + 60 s restart and load.
+    lm_gpu_killed_s: float = 70.0
     lm_checkpoint_save_s: float | None = None
     weibull_shape: float | None = None
 
@@ -493,6 +517,20 @@ INTERVAL_FUNCTIONS = {"daly": daly_interval, "young": young_interval, "exact": e
 
 
 @dataclass(frozen=True)
+class HardKind:
+    """One kind of hard failure: its share of the hard failures and what it costs, in hours."""
+
+    name: str
+    share: float
+    recovery_h: float
+    wait_h: float
+
+    @property
+    def loss_h(self) -> float:
+        return self.recovery_h + self.wait_h
+
+
+@dataclass(frozen=True)
 class StrategyPlan:
     """How one strategy meets failures, in hours; shared with the simulator.
 
@@ -515,6 +553,7 @@ class StrategyPlan:
     save_h: float
     interval_h: float | None
     interval_rule: str | None
+    hard_kinds: tuple[HardKind, ...] = ()
 
     @property
     def rate(self) -> float:
@@ -551,12 +590,23 @@ def _interval(inp: GoodputInputs, save_h: float, hard_rate: float) -> tuple[floa
     return INTERVAL_FUNCTIONS[inp.interval_rule](save_h, 1.0 / hard_rate), inp.interval_rule
 
 
+def recovers_in_allocation(inp: GoodputInputs) -> bool:
+    """Whether live migration's hard failures are recovered inside the allocation (a relaunch with
+    a hot spare ready); otherwise every one of them costs checkpoint-restart's requeue."""
+    return inp.lm_hard_failure == "relaunch" and inp.spare_policy == "hot" and inp.spare_nodes >= inp.nodes_per_failure
+
+
+def gpu_killed_share(inp: GoodputInputs) -> float:
+    """The share of live migration's hard failures recovered as a GPU killed on a live node."""
+    return inp.gpu_killed_fraction if recovers_in_allocation(inp) else 0.0
+
+
 def requeued_share(inp: GoodputInputs) -> float:
-    """The share of live migration's hard failures that still cost a requeue: all of them with
-    lm_hard_failure=requeue or without a hot spare; with a relaunch, those of the batch host."""
-    if inp.lm_hard_failure != "relaunch" or inp.spare_policy != "hot" or inp.spare_nodes < inp.nodes_per_failure:
+    """The share of live migration's hard failures that still cost a requeue: all of them without a
+    relaunch inside the allocation; with one, the nodes lost outright that were the batch host."""
+    if not recovers_in_allocation(inp):
         return 1.0
-    return min(1.0, inp.nodes_per_failure / inp.nodes)
+    return (1.0 - inp.gpu_killed_fraction) * min(1.0, inp.nodes_per_failure / inp.nodes)
 
 
 def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
@@ -588,14 +638,24 @@ def plans(inp: GoodputInputs) -> dict[str, StrategyPlan]:
     lm_save_h = save_h if inp.lm_checkpoint_save_s is None else inp.lm_checkpoint_save_s / SECONDS_PER_HOUR
     lm_interval, lm_rule = _interval(inp, lm_save_h, lm_hard)
     # A relaunch replaces the lost node with a hot spare inside the allocation; the batch host's
-    # failure takes the coordinator with it and is requeued (its share: one node in ``nodes``).
+    # loss takes the coordinator with it and is requeued (its share: one node in ``nodes``). A GPU
+    # killed on a live node leaves the coordinator and the node's Slurm daemon up.
+    gpu_killed = gpu_killed_share(inp)
     requeued = requeued_share(inp)
-    lm_hard_recovery_h = requeued * restart_h + (1.0 - requeued) * inp.lm_relaunch_s / SECONDS_PER_HOUR
+    relaunched = 1.0 - gpu_killed - requeued
+    kinds = tuple(k for k in (
+        HardKind("gpu_killed", gpu_killed, inp.lm_gpu_killed_s / SECONDS_PER_HOUR, 0.0),
+        HardKind("node_lost_relaunched", relaunched, inp.lm_relaunch_s / SECONDS_PER_HOUR, 0.0),
+        HardKind("requeued", requeued, restart_h, wait_h),
+    ) if k.share > 0.0)
+    lm_hard_recovery_h = sum(k.share * k.recovery_h for k in kinds)
+    lm_hard_wait_h = sum(k.share * k.wait_h for k in kinds)
     live_migration = StrategyPlan(
         name="live_migration", overhead=inp.lm_overhead, hard_rate=lm_hard, soft_rate=lam * soft,
-        hard_recovery_h=lm_hard_recovery_h, hard_wait_h=requeued * wait_h,
+        hard_recovery_h=lm_hard_recovery_h, hard_wait_h=lm_hard_wait_h,
         soft_recovery_h=(inp.lm_detect_s + inp.lm_migrate_s) / SECONDS_PER_HOUR, soft_wait_h=0.0,
         checkpointing=True, save_h=lm_save_h, interval_h=lm_interval, interval_rule=lm_rule,
+        hard_kinds=kinds,
     )
     return {p.name: p for p in (checkpoint_restart, checkpointless, live_migration)}
 
@@ -829,3 +889,84 @@ def with_job_size(inp: GoodputInputs, gpus: int) -> GoodputInputs:
         needed = math.ceil(blast / inp.gpus_per_node)
         spares = max(needed, math.ceil(inp.spare_nodes * gpus / inp.gpus))
     return dataclasses.replace(inp, gpus=gpus, blast_radius_gpus=blast_gpus, spare_nodes=spares)
+
+
+# --------------------------------------------------------------------------
+# Breakeven: where live migration's goodput meets checkpointless's
+# --------------------------------------------------------------------------
+# Goodput falls as any recovery time or the restore point's blocking save grows (each adds wall
+# time and nothing useful), so the tie is found by bisection on one input with the others held.
+# It answers "what would a hard failure have to cost for torchpass to come out ahead?" with the
+# same model, inputs and assumptions as the table it accompanies.
+
+# Explicit outcomes of one solve, never a bare None.
+BREAKEVEN_TIES_AT = "ties_at"  # live migration is ahead below ``value_s``, behind above it
+BREAKEVEN_BEHIND_AT_ZERO = "behind_at_zero"  # behind even when this costs nothing: no value puts it ahead
+BREAKEVEN_AHEAD_AT_ANY = "ahead_at_any"  # ahead even at the input's largest allowed value
+BREAKEVEN_NOT_APPLICABLE = "not_applicable"  # the input does not enter the model with these inputs
+BREAKEVEN_STATES = (BREAKEVEN_TIES_AT, BREAKEVEN_BEHIND_AT_ZERO, BREAKEVEN_AHEAD_AT_ANY, BREAKEVEN_NOT_APPLICABLE)
+
+# What is varied, in the order the output lists them; each sets one or two inputs to x seconds.
+BREAKEVEN_VARIED = {
+    "lm_hard_recovery_s": "recovery time per hard failure (GPU killed and node lost alike)",
+    "lm_gpu_killed_s": "recovery time per GPU-killed failure (node losses as given)",
+    "lm_checkpoint_save_s": "blocking time per restore point (recovery times as given)",
+}
+_BREAKEVEN_UPPER_S = 30 * 86400.0  # the inputs' own upper bound
+_BREAKEVEN_LOWER_SAVE_S = 1e-6  # lm_checkpoint_save_s must be > 0
+
+
+@dataclass(frozen=True)
+class Breakeven:
+    varied: str
+    state: str
+    value_s: float | None  # the tie, for BREAKEVEN_TIES_AT; else None
+
+
+def goodput_gap(inp: GoodputInputs) -> float:
+    """Live migration's goodput minus checkpointless's; -inf where the run cannot finish."""
+    try:
+        s = evaluate(inp).strategies
+    except ConfigError:
+        return float("-inf")
+    return s["live_migration"].goodput - s["checkpointless"].goodput
+
+
+def _breakeven_setter(inp: GoodputInputs, varied: str) -> Callable[[float], GoodputInputs]:
+    if varied == "lm_hard_recovery_s":
+        return lambda x: dataclasses.replace(inp, lm_relaunch_s=x, lm_gpu_killed_s=x)
+    return lambda x: dataclasses.replace(inp, **{varied: x})
+
+
+def _breakeven_applies(inp: GoodputInputs, varied: str) -> bool:
+    if varied == "lm_hard_recovery_s":
+        return recovers_in_allocation(inp) and inp.soft_fraction < 1.0
+    if varied == "lm_gpu_killed_s":
+        return gpu_killed_share(inp) > 0.0 and inp.soft_fraction < 1.0
+    return inp.soft_fraction < 1.0 or inp.checkpoint_interval_s is not None
+
+
+def solve_breakeven_one(inp: GoodputInputs, varied: str, tolerance_s: float = 1e-3) -> Breakeven:
+    if varied not in BREAKEVEN_VARIED:
+        raise ConfigError(f"cannot solve for {varied!r}; one of {', '.join(BREAKEVEN_VARIED)}")
+    if not _breakeven_applies(inp, varied):
+        return Breakeven(varied, BREAKEVEN_NOT_APPLICABLE, None)
+    at = _breakeven_setter(inp, varied)
+    lo = _BREAKEVEN_LOWER_SAVE_S if varied == "lm_checkpoint_save_s" else 0.0
+    hi = _BREAKEVEN_UPPER_S
+    if goodput_gap(at(lo)) < 0.0:
+        return Breakeven(varied, BREAKEVEN_BEHIND_AT_ZERO, None)
+    if goodput_gap(at(hi)) >= 0.0:
+        return Breakeven(varied, BREAKEVEN_AHEAD_AT_ANY, None)
+    while hi - lo > tolerance_s:
+        mid = (lo + hi) / 2.0
+        if goodput_gap(at(mid)) >= 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return Breakeven(varied, BREAKEVEN_TIES_AT, lo)
+
+
+def solve_breakeven(inp: GoodputInputs) -> dict[str, Breakeven]:
+    """The tie for each input in BREAKEVEN_VARIED, the others held at ``inp``."""
+    return {varied: solve_breakeven_one(inp, varied) for varied in BREAKEVEN_VARIED}

@@ -27,6 +27,9 @@ class Preset:
     summary: str
     values: dict[str, Any] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
+    # The model trained, where the scenario names one: --measured applies the figures that grow
+    # with the model (pause, save, relaunch, GPU-killed recovery) only inside their measured sizes.
+    model_size: str | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -44,6 +47,8 @@ PRESETS: dict[str, Preset] = {
                 # on average; 16 spare nodes (0.8% of the job) run out on <1%.
                 "spare_nodes": 16,
             },
+            # Llama 3 405B was pre-trained on up to 16K H100 GPUs (Dubey et al. 2024, sec. 3.3).
+            model_size="405B",
             sources=(
                 "Dubey et al. 2024, The Llama 3 Herd of Models, sec. 3.3.4: 419 unexpected "
                 "interruptions in 54 days on 16,384 H100 GPUs",

@@ -11,7 +11,9 @@ A run walks a failure-free schedule of exposed time (compute, and for
 checkpointing strategies a save at the end of every segment). Each failure is
 hard with probability hard_rate / rate: the run rolls back to the start of
 its segment (the last completed checkpoint) and pays the hard loss; otherwise
-it pays the soft loss and keeps its progress. Runs are vectorised: one numpy
+it pays the soft loss and keeps its progress. A hard failure's cost is that of
+its kind (a GPU killed on a live node, a node lost outright, a requeue), drawn
+by the kinds' shares. Runs are vectorised: one numpy
 step handles the next failure of every unfinished run at once.
 """
 
@@ -89,6 +91,11 @@ def simulate_plan(
     # position q starts at floor(q / a) * a (the last one starts at (n-1) a).
     segment = sched.segment_h
     hard_share = plan.hard_rate / plan.rate
+    # Where hard failures come in kinds of different cost, each one draws its kind; with one
+    # kind its cost is the plan's (and no extra draw changes the random stream).
+    kinds = plan.hard_kinds if len(plan.hard_kinds) > 1 else ()
+    kind_edges = np.cumsum([k.share for k in kinds])[:-1] if kinds else None
+    kind_losses = np.array([k.loss_h for k in kinds]) if kinds else None
     draw_gap = _gap_sampler(np, rng, plan.rate, inp.weibull_shape)
 
     position = np.zeros(runs)
@@ -105,7 +112,11 @@ def simulate_plan(
         reached = reached[~done]
         gap = gap[~done]
         hard = rng.random(active.size) < hard_share
-        wall[active] += gap + np.where(hard, plan.hard_loss_h, plan.soft_loss_h)
+        if kinds:
+            hard_loss = kind_losses[np.searchsorted(kind_edges, rng.random(active.size), side="right")]
+        else:
+            hard_loss = plan.hard_loss_h
+        wall[active] += gap + np.where(hard, hard_loss, plan.soft_loss_h)
         if plan.checkpointing and hard_share > 0.0:
             reached = np.where(hard, np.floor(reached / segment) * segment, reached)
         position[active] = reached
