@@ -88,6 +88,16 @@ def test_an_unprotected_job_shows_why_in_text_and_json(tmp_path, coordinator, no
     assert res.exit_code == 0 and f"UNPROTECTED: rank 0 unprotected: {why}" in res.output
 
 
+def test_a_torch_version_the_site_allowed_shows_in_text_and_json(tmp_path, coordinator, no_slurm):
+    why = "torch 2.11.0 is outside the tested range 2.13; allowed by TORCHPASS_ALLOW_TORCH=2.11"
+    zmqio.request(coordinator, "rank.register", {"job_id": 9, "rank": 0, "world_size": 1, "node": "node1", "pid": 10,
+                                                 "torch_override": why})
+    job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "--json"]).output)["jobs"][0]
+    assert job["torch_override"] == why
+    res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9"])
+    assert res.exit_code == 0 and f"torch outside the tested range, allowed by the site: {why}" in res.output
+
+
 def _slurm(state) -> FakeSlurm:
     """Slurm's view only: it runs job 9 (state as given)."""
     slurm = FakeSlurm()
