@@ -79,6 +79,7 @@ HOST_MODULES = {
     # The C plugin, built and inspected with the toolchain.
     "test_spank_args.py": "builds the SPANK plugin (make, nm)",
     "test_spank_install.py": "builds and installs the SPANK plugin and tpass-init, root-owned (make install)",
+    "test_versions.py": "runs tpassd and the tpass-* programs, builds the SPANK plugin",
     # Rank processes that load torch (gloo process groups, torchrun, the runtime's hook).
     "test_application_checkpoint.py": "rank processes with torch",
     "test_partial_p2p_pause.py": "rank processes with torch",
