@@ -22,8 +22,14 @@ export TORCHPASS_JOB_VENV := $(JOB_VENV)
 
 all: venv spank
 
+# scripts/install-system-deps.sh is for a devcluster or CI machine, never a cluster node. On
+# Debian 12 it stops before trixie's Slurm and CRIU upgrade the machine's libc6 and base, unless
+# TORCHPASS_ALLOW_TRIXIE_BASE=1, which `make demo` and `make test` (and so CI) set, and say so.
+demo test: export TORCHPASS_ALLOW_TRIXIE_BASE := 1
 deps: .deps.stamp
 .deps.stamp: scripts/install-system-deps.sh
+	@[ "$$TORCHPASS_ALLOW_TRIXIE_BASE" != 1 ] || echo "make: TORCHPASS_ALLOW_TRIXIE_BASE=1:" \
+		"on Debian 12 this machine takes trixie's libc6 and base with its Slurm and CRIU"
 	bash scripts/install-system-deps.sh
 	@touch $@
 
