@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Install the system packages torchpass needs on a Debian 12 or 13 host:
+# Install the system packages torchpass's devcluster and CI need on a Debian 12 or 13 host:
 # munge, Slurm 24.11 (slurmd, slurmctld, client, headers), CRIU >= 4.0,
 # iproute2, gcc, make, systemd-analyze and python3-venv (the job Python, see
 # torchpass/devcluster/jobpython.py, is a venv made from /usr/bin/python3). Idempotent: does nothing when all are present.
 #
-# Debian 12 (bookworm) ships CRIU 3.17, which fails on current kernels, and
-# Slurm 22.05; both come from the Debian 13 (trixie) suite through an APT pin
-# of priority 100, so nothing else on the machine is upgraded by default.
+# It is for a development or CI machine that runs the devcluster, never a cluster node: a
+# cluster's nodes keep the Slurm and CRIU their admins chose (docs/admin.md).
+#
+# Debian 12 (bookworm) ships CRIU 3.17, which fails on current kernels, and Slurm 22.05.
+# Trixie's Slurm 24.11 and CRIU 4.1 need libc6 >= 2.38, so on Debian 12 they cannot come
+# without trixie's base: libc6 and what follows it (base-files, systemd, gcc, ...), which moves
+# the machine to Debian 13 in effect. So on Debian 12 the script first prints, in one line, what
+# trixie would upgrade (read from `apt-get -s`), and goes on only with
+# TORCHPASS_ALLOW_TRIXIE_BASE=1 (`make demo`, `make test` and CI set it). Only Slurm and CRIU
+# are installed with `-t trixie`; the other packages come from the machine's own suite, and the
+# trixie suite stays pinned at priority 100, so a later `apt-get upgrade` takes nothing from it.
 set -euo pipefail
 
 die() { echo "install-system-deps: $*" >&2; exit 1; }
@@ -21,7 +29,10 @@ case "$debian_major" in
   *) die "Debian $(cat /etc/debian_version) is not supported; use Debian 12 or 13" ;;
 esac
 
-packages=(munge slurmd slurmctld slurm-client libslurm-dev criu iproute2 gcc make util-linux procps)
+# From the machine's own suite.
+packages=(munge iproute2 gcc make util-linux procps)
+# From trixie on Debian 12 (-t trixie), from the machine's own suite on 13.
+trixie_packages=(slurmd slurmctld slurm-client libslurm-dev criu)
 # The system Python's venv module (with ensurepip), from the machine's own suite.
 py_packages=(python3 python3-venv)
 
@@ -49,10 +60,12 @@ if all_ok; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
+added_source=0
 
 if [ "$debian_major" = 12 ]; then
   # The trixie suite, pinned low: only what we ask for with -t trixie comes from it.
   if ! grep -rqs "trixie" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    added_source=1
     cat >/etc/apt/sources.list.d/torchpass-trixie.sources <<'EOF'
 Types: deb
 URIs: http://deb.debian.org/debian
@@ -74,12 +87,38 @@ EOF
 fi
 
 apt-get update -qq >/dev/null || die "apt-get update failed; check the machine's package sources"
-if ! apt-get install -y -qq --no-install-recommends "${suite_flag[@]}" "${packages[@]}" >/tmp/torchpass-apt.log 2>&1; then
-  # A half-configured install (e.g. the sysusers problem above) can be finished.
-  dpkg --configure -a >>/tmp/torchpass-apt.log 2>&1 || true
-  apt-get install -y -qq --no-install-recommends "${suite_flag[@]}" "${packages[@]}" >>/tmp/torchpass-apt.log 2>&1 \
-    || die "apt-get install of ${packages[*]} failed; see /tmp/torchpass-apt.log"
+
+# What -t trixie would upgrade of what is installed ("Inst PKG [OLD] (NEW ...)" lines of the
+# simulation), libc6 first: the packages that change the machine's release.
+trixie_upgrades() {
+  apt-get -s install --no-install-recommends -t trixie "${trixie_packages[@]}" 2>/dev/null \
+    | awk '$1 == "Inst" && $3 ~ /^\[/ { old = substr($3, 2, length($3) - 2); new = substr($4, 2);
+             line = $2 " " old " -> " new; if ($2 == "libc6") first = line; else rest = rest ", " line }
+           END { out = first rest; sub(/^, /, "", out); print out }'
+}
+
+if [ "$debian_major" = 12 ]; then
+  upgrades=$(trixie_upgrades)
+  if [ -n "$upgrades" ] && [ "${TORCHPASS_ALLOW_TRIXIE_BASE:-}" != 1 ]; then
+    # The suite and pin stay only where they were already: a refused run leaves apt as it found it.
+    [ "$added_source" = 1 ] && rm -f /etc/apt/sources.list.d/torchpass-trixie.sources \
+      /etc/apt/preferences.d/torchpass-trixie
+    die "on Debian 12, Slurm 24.11 and CRIU 4.x come from trixie and would upgrade this machine's base: $upgrades; this script is for a devcluster or CI machine, never a cluster node: rerun with TORCHPASS_ALLOW_TRIXIE_BASE=1 to go on"
+  fi
+  [ -z "$upgrades" ] || echo "install-system-deps: TORCHPASS_ALLOW_TRIXIE_BASE=1: trixie upgrades $upgrades"
 fi
+
+apt_install() {  # apt_install [-t SUITE] PACKAGE...
+  if ! apt-get install -y -qq --no-install-recommends "$@" >>/tmp/torchpass-apt.log 2>&1; then
+    # A half-configured install (e.g. the sysusers problem above) can be finished.
+    dpkg --configure -a >>/tmp/torchpass-apt.log 2>&1 || true
+    apt-get install -y -qq --no-install-recommends "$@" >>/tmp/torchpass-apt.log 2>&1 \
+      || die "apt-get install $* failed; see /tmp/torchpass-apt.log"
+  fi
+}
+: >/tmp/torchpass-apt.log
+apt_install "${packages[@]}"
+apt_install "${suite_flag[@]}" "${trixie_packages[@]}"
 
 # systemd-analyze checks the tpassd unit (tests/unit/test_systemd_unit.py); from the
 # machine's own suite, never the pinned one.

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import structlog
 
-from torchpass import logs, slurm
+from torchpass import __version__, logs, slurm
 from torchpass.errors import TorchpassError
 from torchpass.slurm import SlurmClient
 from torchpass.tpassd_ports import CONFIG_ENV
@@ -57,6 +57,7 @@ log = structlog.get_logger("tpassd")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpassd", description="torchpass node health daemon")
+    p.add_argument("--version", action="version", version=f"tpassd {__version__}")
     p.add_argument("--config", type=Path, default=None,
                    help=f"config file (default ${CONFIG_ENV} or {DEFAULT_CONFIG}; optional there)")
     p.add_argument("--check-config", action="store_true", help="validate the config and policy, print them, exit")

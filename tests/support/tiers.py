@@ -76,8 +76,11 @@ HOST_MODULES = {
     "test_cli_exit_codes.py": "a root-owned STATE_DIR/jobs, as the SPANK plugin (root) makes it",
     "test_tpass_init.py": "tpass-init, started by root",
     "test_tpassd_golden.py": "tpassd's collectors run criu --version",
+    "test_install_system_deps.py": "a private mount namespace over /etc (unshare, root)",
     # The C plugin, built and inspected with the toolchain.
     "test_spank_args.py": "builds the SPANK plugin (make, nm)",
+    "test_spank_install.py": "builds and installs the SPANK plugin and tpass-init, root-owned (make install)",
+    "test_versions.py": "runs tpassd and the tpass-* programs, builds the SPANK plugin",
     # Rank processes that load torch (gloo process groups, torchrun, the runtime's hook).
     "test_application_checkpoint.py": "rank processes with torch",
     "test_partial_p2p_pause.py": "rank processes with torch",

@@ -23,6 +23,7 @@ def _repo(root):
     (root / "tpassd" / "run.sh").chmod(0o700)
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     (root / "README.md").write_text("readme\n")
+    (root / "LICENSE").write_text("license\n")
     return root
 
 
@@ -32,7 +33,8 @@ def test_sync_copies_readable_files_then_only_what_changed(tmp_path):
         repo, venv = _repo(tmp_path / "repo"), tmp_path / "venv"
         first = jobpython.sync_sources(repo, venv)
         src = venv / "src"
-        assert first == 3 * 2 + 1 + 2  # two modules per package, run.sh, pyproject and README
+        assert first == 3 * 2 + 1 + 3  # two modules per package, run.sh, pyproject, README and LICENSE
+        assert (src / "LICENSE").read_text() == "license\n"  # pyproject's license-files names it
         assert (src / "torchpass" / "sub" / "mod.py").read_text() == "x = 1\n"
         assert not (src / "torchpass" / "__pycache__").exists()
         assert stat.S_IMODE((src / "torchpass" / "sub" / "mod.py").stat().st_mode) == 0o644

@@ -163,7 +163,7 @@ def test_tpassctl_snapshots_lists_and_refuses_a_bad_delete(tmp_path):
     r = CliRunner().invoke(cli, ["--state-dir", str(tmp_path / "state"), "snapshots", "5"])
     assert "s1" in r.output and "0.0 MB" in r.output
     r = CliRunner().invoke(cli, ["--state-dir", str(tmp_path / "state"), "snapshots", "5", "--delete", "nope"])
-    assert r.exit_code == 1 and "has no snapshot nope" in r.output
+    assert r.exit_code == 4 and "has no snapshot nope" in r.output  # not found (docs/cli.md)
 
 
 @contextlib.contextmanager

@@ -78,7 +78,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchpass import layout
+from torchpass import __version__, layout
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWTIME = 0x00000080
@@ -860,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     prog = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m torchpass.checkpoint.rankwrap")
+    ap.add_argument("--version", action="version", version=f"tpass-rankwrap {__version__}")
     ap.add_argument("--state-dir", default=default_state_dir())
     ap.add_argument("--on-handoff", choices=("wait", "exit0"), default="wait")
     ap.add_argument("--timens", action="store_true",

@@ -76,7 +76,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpass import layout
+from torchpass import __version__, layout
 from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint import pidfds, safeio
 from torchpass.checkpoint.cgroup_join import join_cgroups_of
@@ -351,6 +351,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tpass-restore-agent",
                                  description="torchpass's root restore agent; the SPANK plugin starts it in a "
                                              "restore step for which it took a restore token")
+    ap.add_argument("--version", action="version", version=f"tpass-restore-agent {__version__}")
     ap.add_argument("--job", type=int, required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--task-pid", type=int, required=True)

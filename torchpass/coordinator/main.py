@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import zmq
 
-from torchpass import auth, jobauth, layout, logs
+from torchpass import __version__, auth, jobauth, layout, logs
 from torchpass.coordinator.decide import resumed_from_stop
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
@@ -186,6 +186,7 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tpass-coordinator")
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
 @click.option("--state-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="Shared torchpass state directory; registration goes to STATE_DIR/jobs/JOBID/.")

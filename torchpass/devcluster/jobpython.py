@@ -95,7 +95,8 @@ def sync_sources(repo: Path, venv: Path) -> int:
     changed = 0
     for name in _PACKAGES:
         changed += _copy_tree(repo / name, src / name)
-    for name in ("pyproject.toml", "README.md"):
+    # pyproject.toml's license-files names LICENSE: the editable install fails without it.
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         if not (src / name).exists() or (repo / name).read_bytes() != (src / name).read_bytes():
             shutil.copyfile(repo / name, src / name)
             os.chmod(src / name, 0o644)
@@ -142,9 +143,9 @@ def ensure(venv: Path | None = None, *, find_links: str | None = None, repo: Pat
             pyproject = (venv / "src" / "pyproject.toml").read_bytes()
             if not stamp.exists() or stamp.read_bytes() != pyproject:
                 links = ["--find-links", find_links] if find_links else []
-                # setuptools>=68 (pyproject's build requirement) once, then no build isolation:
+                # setuptools>=77 (pyproject's build requirement) once, then no build isolation:
                 # a reinstall then needs no download.
-                _pip(venv, [*links, "setuptools>=68", "wheel"])
+                _pip(venv, [*links, "setuptools>=77", "wheel"])
                 _pip(venv, [*links, "--no-build-isolation", "-e", f"{venv / 'src'}[runtime]"])
                 stamp.write_bytes(pyproject)
             return python
