@@ -16,15 +16,18 @@ own tmp dirs are 0700 root).
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from torchpass import layout
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
 from torchpass.errors import DevclusterError
@@ -107,6 +110,37 @@ def cluster():
         leftover = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                     if ns.startswith(f"tp-{spec.name}-")]
         assert not leftover, f"devcluster left namespaces behind: {leftover}"
+
+
+# The one module whose jobs may record a fail-slow decision.
+FAILSLOW_MODULES = ("test_failslow",)
+
+
+@pytest.fixture(autouse=True)
+def no_failslow_decision_elsewhere(request):
+    """Fail-slow is on in every integration test (the default policy), and only the fail-slow
+    tests may see it decide: a ``failslow.detected`` event in the log of any job that recorded an
+    event during another test fails it (on a shared 2-core machine, a node picked as slow by
+    scheduler noise would be a false move)."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    c = request.getfixturevalue("cluster")
+    started = time.time()
+    yield
+    if request.module.__name__.rsplit(".", 1)[-1] in FAILSLOW_MODULES:
+        return
+    decided = []
+    for events in (c.state_dir / "jobs").glob(f"*/{layout.EVENTS_JSON}"):
+        try:
+            if events.stat().st_mtime < started:
+                continue
+            log = json.loads(events.read_text())
+        except (OSError, ValueError):
+            continue
+        decided += [f"job {events.parent.name}: {e.get('message')}" for e in log
+                    if isinstance(e, dict) and e.get("kind") == "failslow.detected" and e.get("time", 0) >= started]
+    assert not decided, f"a fail-slow decision outside the fail-slow tests: {decided}"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ def activity_status(state: CoordState, now: float) -> dict[str, Any]:
     }
 
 
+STATUS_COMPUTE_STEPS = 10  # per-step compute figures per rank in job.status
+
+
 def rank_status(rv: RankView, now: float) -> dict[str, Any]:
     """One rank in job.status (``now``: coordinator clock)."""
     return {
@@ -48,6 +51,10 @@ def rank_status(rv: RankView, now: float) -> dict[str, Any]:
         "step": rv.step,
         "collectives": rv.last_count,
         "last_report_age_s": round(max(0.0, now - rv.last_report), 3),
+        # its compute time (s) of its newest steps, oldest first (-1: a step that paused), the
+        # last of them step compute_step: what the fail-slow rule compares (decide_failslow)
+        "compute_s": list(rv.compute[-STATUS_COMPUTE_STEPS:]),
+        "compute_step": rv.compute_step,
     }
 
 
