@@ -11,7 +11,10 @@ whole step counts.
 
 How, and what it costs: one monotonic clock read when a collective is issued, and one in a
 completion callback on the collective's future (run by the backend's thread when the
-collective completes: ``Future.add_done_callback``), plus one at each step end. Compute that
+collective completes: ``Future.add_done_callback``), plus one at each step end: no system call
+but the clock's (vDSO). Measured on the 2-core development VM under a load average of ~8: 19 us
+more per collective (a 16-float gloo all-reduce on one rank, 42.9 against 23.6 us, medians of
+ten interleaved runs of 2,000), a few collectives per DDP step of tens of milliseconds. Compute that
 overlaps a collective in flight (DDP's backward pass while an earlier gradient bucket is
 all-reduced) is not counted, the same way on every rank. A step during which the rank paused
 (a migration, a whole-job snapshot) is not measured: the pause is neither compute nor a
