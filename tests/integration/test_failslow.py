@@ -7,7 +7,7 @@ losses as float.hex, every step exactly once per rank. The policy is the default
 
 * ``tpassctl devcluster slow NODE --cpu 10`` on a random training node (not the batch host,
   where the coordinator runs) at a random step: first the ranks' own reported figures
-  (job.status) show its ranks computing at least 1.5x their peers' median; then the
+  (job.status's compute per node) show its ranks computing at least 1.5x their peers' median; then the
   coordinator records ``failslow.detected`` and moves the node's rank to the spare; the job
   completes COMPLETED 0:0, Restarts=0, with the reference's losses.
 * a slowdown of every training node for longer than the rule's sustain time, then a slowdown
@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
-from torchpass import layout
+from torchpass import auth, layout, zmqio
 from torchpass.coordinator.policy import CoordinatorPolicy
+from tpassctl.status_cmd import job_registration
 from training_jobs import TPASSCTL
 from training_jobs import run as _run
 
@@ -95,23 +96,26 @@ def _assert_finished_unchanged(cluster, job_id: int, out_path: Path, reference: 
     return diag
 
 
-def _compute_ratio(job_id: int, node: str) -> tuple[float, float, float] | None:
-    """(ratio, the node's ranks' median compute per step, their peers') from the figures the ranks
-    reported (job.status: each rank's newest steps); None before every rank has some."""
-    r = _run([*TPASSCTL, "status", str(job_id), "--json"])
-    if r.returncode != 0:
+def _job_status(cluster, job_id: int) -> dict:
+    """The coordinator's job.status, asked as tpassctl status asks it (root, munge)."""
+    info = job_registration(cluster.state_dir, job_id)
+    return zmqio.request(info["endpoint"], "job.status", {}, timeout_s=2.0, retries=1,
+                         auth=auth.optional_credential_for("job.status", {}, auth.job_target(job_id)))
+
+
+def _compute_ratio(cluster, job_id: int, node: str) -> tuple[float, float, float] | None:
+    """(ratio, the node's compute per step, the other nodes' median) from the figures the ranks
+    reported (job.status: per node, its slowest rank's median over its newest steps); None until
+    every training node has figures."""
+    try:
+        per_node = _job_status(cluster, job_id).get("compute_per_node_s") or {}
+    except Exception:  # noqa: BLE001 - not registered yet, or a slow answer: ask again
         return None
-    jobs = json.loads(r.stdout or "{}").get("jobs") or [{}]
-    mine, peers = [], []
-    for rank in jobs[0].get("ranks") or []:
-        figures = [f for f in rank.get("compute_s") or [] if f >= 0]
-        if len(figures) < 5:
-            return None
-        (mine if rank["node"] == node else peers).append(statistics.median(figures))
-    if not mine or not peers:
+    peers = [s for n, s in per_node.items() if n != node]
+    if node not in per_node or len(peers) < len(TRAINING_NODES) - 1:
         return None
-    slow, base = max(mine), statistics.median(peers)
-    return (slow / base if base > 0 else float("inf")), slow, base
+    base = statistics.median(peers)
+    return (per_node[node] / base if base > 0 else float("inf")), per_node[node], base
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +166,9 @@ def test_a_slowed_node_moves_to_the_spare_bit_identical(cluster, reference, job_
     _slow(cluster, node, str(CPU_PCT))
 
     # First: the ranks' own figures say the node computes at least 1.5x its peers (before the move).
-    measured, end = None, time.monotonic() + 60
+    measured, got, end = None, None, time.monotonic() + 60
     while time.monotonic() < end:
-        got = _compute_ratio(job_id, node)
+        got = _compute_ratio(cluster, job_id, node)
         if got is not None and got[0] >= 1.5:
             measured = got
             break

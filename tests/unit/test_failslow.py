@@ -242,3 +242,21 @@ def test_fail_slow_off_and_bad_thresholds():
                 {"failslow_min_excess_s": -0.1}):
         with pytest.raises(ConfigError, match="failslow"):
             CoordinatorPolicy(**bad).validate()
+
+
+def test_a_slow_node_among_many_is_found_by_the_job_wide_median():
+    nodes = tuple(f"n{i}" for i in range(failslow.EXACT_PEERS + 6))  # past the exact peers' median
+    job = Job(nodes=nodes, per_node=1)
+    job.train(45, slow_on(job, "n7"))
+    assert [e.data["node"] for e in job.events if e.kind == "failslow.detected"] == ["n7"]
+
+
+def test_job_status_says_what_the_rule_sees_per_node():
+    from torchpass.coordinator.job_record import JobState, compute_status
+
+    job = Job()
+    job.train(20, slow_on(job, "node3"))
+    seen = compute_status(job.state, job.now)
+    assert seen["compute_per_node_s"] == {"node1": FAST, "node2": FAST, "node3": SLOW}
+    assert set(seen["slow_nodes"]) == {"node3"} and seen["slow_nodes"]["node3"]["ratio"] == pytest.approx(2.4)
+    assert JobState(job_id=7).status(job.now, job.state)["compute_per_node_s"] == seen["compute_per_node_s"]

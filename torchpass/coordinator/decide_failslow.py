@@ -21,18 +21,28 @@ sustain time ignore a slowdown shorter than that; comparing with the peers' medi
 slowdown of the whole job (every rank slower: no node stands out); the absolute excess ignores
 steps so short that a scheduler's noise alone makes a ratio. ``failslow.detected`` (at the
 decision) says what was measured against what. ``track`` looks again at most every CHECK_S of
-coordinator time: W x K figures per rank, over every rank.
+coordinator time, once a new window has ended on every rank: W x K figures per rank, over every
+rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from statistics import median
 
 from torchpass.coordinator.model import CoordState, RankView, SlowWatch
 from torchpass.coordinator.policy import CoordinatorPolicy
 
 CHECK_S = 1.0  # seconds of coordinator time between two evaluations
+EXACT_PEERS = 64  # nodes up to which a node's peers' median leaves its own ranks out exactly
+
+
+def median(values) -> float:
+    """statistics.median without its checks: ~3x faster on the 10 figures of a window, which the
+    rule takes for every rank and window."""
+    s = sorted(values)
+    n = len(s)
+    m = n // 2
+    return s[m] if n % 2 else (s[m - 1] + s[m]) / 2
 
 
 def compute_figures(body: dict) -> tuple[tuple[float, ...], int]:
@@ -71,7 +81,7 @@ def evaluate(st: CoordState, policy: CoordinatorPolicy) -> dict[str, SlowWatch]:
     nodes = st.rank_nodes()
     if policy.failslow_ratio <= 0 or len(nodes) < 2 or not st.all_registered():
         return {}
-    last = min(rv.compute_step for rv in st.ranks.values())
+    last = newest_window_end(st, w)
     if last < 0:
         return {}
     per_rank: dict[int, list[float]] = {}
@@ -80,13 +90,17 @@ def evaluate(st: CoordState, policy: CoordinatorPolicy) -> dict[str, SlowWatch]:
         if figures is None:
             return {}  # a rank without the figures: the steps cannot be compared yet
         per_rank[r] = figures
+    # The peers' median per node and window: exact (every other node's ranks) up to EXACT_PEERS
+    # nodes; above, the median of every rank, which one node's few ranks shift by a rank or two
+    # (the exact one, a pass over every rank per node, is quadratic: 1,024 nodes x 8,192 ranks).
+    everyone = [median(per_rank[r][i] for r in per_rank) for i in range(k)] if len(nodes) > EXACT_PEERS else []
     found: dict[str, SlowWatch] = {}
     for node, ranks in nodes.items():
-        peer_ranks = [r for r in per_rank if st.ranks[r].node != node]
         newest: tuple[float, float, float] | None = None
         for i in range(k):
             node_s = max(per_rank[r][i] for r in ranks)
-            peers_s = median(per_rank[r][i] for r in peer_ranks)
+            peers_s = everyone[i] if everyone else median(per_rank[r][i] for n, rs in nodes.items() if n != node
+                                                          for r in rs)
             if not (node_s >= policy.failslow_ratio * peers_s and node_s - peers_s >= policy.failslow_min_excess_s):
                 break
             newest = (node_s / peers_s if peers_s > 0 else float("inf"), node_s, peers_s)
@@ -98,17 +112,30 @@ def evaluate(st: CoordState, policy: CoordinatorPolicy) -> dict[str, SlowWatch]:
     return found
 
 
+def newest_window_end(st: CoordState, w: int) -> int:
+    """The newest step every rank has a figure for, rounded down to a multiple of ``w``: the
+    windows end on the same steps from one evaluation to the next, so a window is judged once
+    (-1: some rank has none)."""
+    last = min((rv.compute_step for rv in st.ranks.values()), default=-1)
+    return -1 if last < w else last // w * w
+
+
 def track(st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
-    """``st`` with ``slow`` brought up to date (at most every CHECK_S): a node found slow keeps the
-    time it was first found so while it stays slow; one found not slow is dropped."""
+    """``st`` with ``slow`` brought up to date: at most every CHECK_S, and only once a new window of
+    steps has ended on every rank (an evaluation at 8,192 ranks, 1,024 nodes, took 56-75 ms of the serve thread on
+    the 2-core development VM). A node found slow keeps the time it was first found so while it
+    stays slow; one found not slow is dropped."""
     if policy.failslow_ratio <= 0:
         return replace(st, slow={}, slow_checked=None) if st.slow else st
-    if st.slow_checked is not None and now - st.slow_checked < CHECK_S:
+    if st.slow_checked is not None and now - st.slow_checked[0] < CHECK_S:
         return st
+    end = newest_window_end(st, policy.failslow_window_steps)
+    if st.slow_checked is not None and end == st.slow_checked[1]:
+        return st.carry_views(replace(st, slow_checked=(now, end)))
     found = evaluate(st, policy)
     slow = {node: replace(watch, since=st.slow[node].since if node in st.slow else now)
             for node, watch in found.items()}
-    return st.carry_views(replace(st, slow=slow, slow_checked=now))
+    return st.carry_views(replace(st, slow=slow, slow_checked=(now, end)))
 
 
 def due(st: CoordState, now: float, policy: CoordinatorPolicy) -> list[SlowWatch]:

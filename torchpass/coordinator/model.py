@@ -364,9 +364,10 @@ class CoordState:
     # The job's step is the runtime's count of optimizer steps plus this (a script that went on from
     # a checkpoint numbers its steps from there: machine.CheckpointLoaded).
     step_offset: int = 0
-    # Nodes the fail-slow rule finds slow now (decide_failslow.track), and when it last looked.
+    # Nodes the fail-slow rule finds slow now (decide_failslow.track), and when it last looked:
+    # (coordinator clock, the step its newest window ended at).
     slow: dict[str, SlowWatch] = field(default_factory=dict)
-    slow_checked: float | None = None
+    slow_checked: tuple[float, int] | None = None
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
