@@ -20,7 +20,9 @@ job, relaunched by torchpass against requeued by Slurm, ~4 minutes a pair) is
 opt-in too: one pair, or two with ``--full``. ``fanout`` (bench_fanout.py: the
 coordinator's serve thread sending a pause to every parked poll, against each
 reply encoded by itself, ~20 s) always runs. ``zmq_memory`` (bench_zmq_memory.py:
-libzmq's memory per connection, 8,192 connections against 1,024, ~1 minute) is opt-in.
+libzmq's memory per connection, 8,192 connections against 1,024, ~1 minute) is opt-in, and so is
+``failslow`` (bench_failslow.py: a node slowed under a job, the time to the coordinator's
+migration.started, ~1.5 minutes a run; one run, three with ``--full``).
 
 bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
 from the newest results file that has it, and bench_migration's end-to-end
@@ -45,8 +47,9 @@ BENCHES = {
     "hard_failure": ("bench_hard_failure.py", ["--pairs", "1"], []),
     "fanout": ("bench_fanout.py", [], []),
     "zmq_memory": ("bench_zmq_memory.py", [], []),
+    "failslow": ("bench_failslow.py", ["--runs", "1"], []),
 }
-OPT_IN = {"coordinator", "hard_failure", "zmq_memory"}  # run only when named in --only
+OPT_IN = {"coordinator", "hard_failure", "zmq_memory", "failslow"}  # run only when named in --only
 
 
 def main() -> int:

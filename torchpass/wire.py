@@ -178,6 +178,12 @@ BODIES: dict[str, dict[str, F]] = {
         # this many seconds (at most its wait_max_s) until the rank has a command. Sent only to a
         # coordinator whose replies carry wait_max_s.
         "wait_s": _f(float, int, required=False),
+        # The rank's compute time (s) of each optimizer step ended since its last answered report,
+        # oldest first (at most 64; torchpass/runtime/compute_time.py): wall time with no
+        # collective in flight. compute_step: the rank's step count at the last of them. The
+        # coordinator's fail-slow rule compares them across nodes.
+        "compute_s": _f(list, required=False),
+        "compute_step": _f(int, required=False),
     },
     # The coordinator's reply to every rank.* message may carry, besides "command", the
     # backpressure hints "report_every_s" and "paused_every_s" (seconds): report (poll while

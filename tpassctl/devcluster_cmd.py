@@ -23,7 +23,8 @@ def devcluster():
 
     Each node is a network, UTS and mount namespace with its own address and
     hostname. Needs root and the system packages ('make deps'). 'crash' and
-    'revive' drill a node lost outright (a power cut) and its return.
+    'revive' drill a node lost outright (a power cut) and its return; 'slow'
+    a node that only slows down.
     """
 
 
@@ -115,6 +116,36 @@ def revive(c: Devcluster, node: str) -> tuple[dict, str]:
     c.revive(node)
     daemons = "slurmd and tpassd" if c.spec.tpassd else "slurmd"
     return {"revived": True}, f"{node} revived: {daemons} started; slurmctld returns it to service when it registers"
+
+
+@devcluster.command()
+@click.argument("node")
+@click.option("--cpu", "cpu", required=True, metavar="PCT|clear",
+              help="CPU quota in percent of one CPU (1-100; 100 or 'clear' lifts it).")
+@click.option("--for", "for_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Lift the quota again after this many seconds.")
+@name_option
+@base_option
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def slow(node, cpu, for_s, name, base_dir, as_json):
+    """Slow NODE down (a fail-slow drill): its job processes (everything running on it but its
+    slurmd and tpassd, and what they start later) get PCT % of one CPU, through a CPU cgroup of
+    their own (cgroup v2 cpu.max, else v1 cpu.cfs_quota_us). '--cpu 100' or '--cpu clear' lifts it."""
+    text = str(cpu).strip().lower()
+    if text == "clear":
+        pct = 100
+    elif text.isdigit() and 1 <= int(text) <= 100:
+        pct = int(text)
+    else:
+        raise click.BadParameter(f"{cpu!r} is not a percentage 1-100 or 'clear'", param_hint="--cpu")
+    result = Devcluster.attach(name, base_dir).slow(node, pct, for_s)
+    if as_json:
+        click.echo(json.dumps({"node": node, **result}))
+    elif pct >= 100:
+        click.echo(f"{node}: CPU quota lifted ({result['processes']} processes)")
+    else:
+        until = f" for {for_s:g} s" if for_s else ""
+        click.echo(f"{node} slowed to {pct} % of one CPU{until} ({result['processes']} processes, {result['cgroup']})")
 
 
 @devcluster.command()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from torchpass import layout
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
 from torchpass.errors import DevclusterError
@@ -164,6 +165,37 @@ def _cluster_as_new_for_each_module(request):
     if left:
         print(f"\n{request.module.__name__}: cancelled jobs {left} an earlier module left on the devcluster")
     yield
+
+
+# The one module whose jobs may record a fail-slow decision.
+FAILSLOW_MODULES = ("test_failslow",)
+
+
+@pytest.fixture(autouse=True)
+def no_failslow_decision_elsewhere(request):
+    """Fail-slow is on in every integration test (the default policy), and only the fail-slow
+    tests may see it decide: a ``failslow.detected`` event in the log of any job that recorded an
+    event during another test fails it (on a shared 2-core machine, a node picked as slow by
+    scheduler noise would be a false move)."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    c = request.getfixturevalue("cluster")
+    started = time.time()
+    yield
+    if request.module.__name__.rsplit(".", 1)[-1] in FAILSLOW_MODULES:
+        return
+    decided = []
+    for events in (c.state_dir / "jobs").glob(f"*/{layout.EVENTS_JSON}"):
+        try:
+            if events.stat().st_mtime < started:
+                continue
+            log = json.loads(events.read_text())
+        except (OSError, ValueError):
+            continue
+        decided += [f"job {events.parent.name}: {e.get('message')}" for e in log
+                    if isinstance(e, dict) and e.get("kind") == "failslow.detected" and e.get("time", 0) >= started]
+    assert not decided, f"a fail-slow decision outside the fail-slow tests: {decided}"
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,20 @@ def test_reconfigurations_mid_backward_are_bit_identical(reference, tmp_path):
                 res = coord.wait_resumed(gen)
                 assert all(res[r]["collectives"] == at for r in res)
             out = finish(procs, tmp_path, "mig")
+            compute = {r: dict(v.compute) for r, v in coord.ranks.items()}
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
     assert out[0] == plain and out[1] == plain
+    # Every step after the first has its compute time (fail-slow); the steps that paused are not
+    # measured (-1); the others are positive and include the script's 50 ms sleep.
+    for r, figures in compute.items():
+        assert set(figures) <= set(range(2, STEPS + 1)) and len(figures) >= STEPS - 3, (r, figures)
+        paused = [s for s, f in figures.items() if f == -1]
+        assert 1 <= len(paused) <= 3, (r, figures)
+        assert all(0.04 < f < 5 for f in figures.values() if f != -1), (r, figures)
     err = (tmp_path / "mig.1.err").read_text()
     assert err.count("(in backward)") == 2, err
     assert err.count("(at a step end)") == 1, err

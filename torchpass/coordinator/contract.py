@@ -305,6 +305,10 @@ class RankProgress:
     # > 0: the report is a long poll, parked at the coordinator for up to this many seconds;
     # until then a command reaches the rank at once (decide.pause_point)
     wait_s: float = 0.0
+    # the rank's compute time of each step ended since its last answered report (oldest first),
+    # and its step count at the last of them (-1: none): decide_failslow compares them
+    compute: tuple[float, ...] = ()
+    compute_step: int = -1
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import replace
 
+from torchpass.coordinator import decide_failslow as failslow
 from torchpass.coordinator.contract import (
     AbortRestore,
     Action,
@@ -166,6 +167,7 @@ _TURNS: dict[Turn, Callable[[_Out, CoordState, float, CoordinatorPolicy], CoordS
 def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     if state.snapshot_clock is None and state.all_registered():  # periodic snapshots count from here
         state = replace(state, snapshot_clock=now)
+    state = failslow.track(state, now, policy)  # which nodes compute slower than their peers, since when
     st = state
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
         # Lost nodes first, and again once a move has ended: its nodes were not handed while involved.

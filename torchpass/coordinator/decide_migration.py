@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from torchpass.coordinator import decide_failslow as failslow
 from torchpass.coordinator.contract import (
     AbortRestore,
     Drain,
@@ -131,6 +132,11 @@ def candidates(now: float, st: CoordState, policy: CoordinatorPolicy) -> list[Ca
             continue
         found[r.node] = Candidate(r.node, f"rank {r.rank} stalled", Trigger.STALL,
                                   r.last_advance + policy.stall_s)
+    for w in failslow.due(st, now, policy) if st.slow else ():
+        if w.node in skip or w.node in found or w.node not in st.rank_nodes() \
+                or st.deferred.get(w.node, float("-inf")) > now or _lost(st.node_health(w.node)):
+            continue
+        found[w.node] = Candidate(w.node, failslow.reason(w), Trigger.FAILSLOW, w.since)
     return sorted(found.values(), key=lambda c: (c.detected, c.node))
 
 
@@ -506,7 +512,8 @@ def _on_kill_source(out: _Out, st: CoordState, m: Migration, now: float, policy:
         ranks = {**st.ranks}
         for r in m.ranks:
             if r in ranks:
-                ranks[r] = replace(ranks[r], node=m.target or ranks[r].node)
+                # its compute figures were measured on the source: the fail-slow rule starts afresh
+                ranks[r] = replace(ranks[r], node=m.target or ranks[r].node, compute=())
         moved = replace(st, ranks=ranks)
         out.add(Resume(m.id, m.generation, _master(moved, None)))
         m2 = _enter(m, Phase.REBUILD, now, now + policy.rebuild_timeout_s, resumed=frozenset(), resume_attempts=1)
@@ -714,6 +721,12 @@ def _start_next(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy
     mid = f"m{st.next_migration}"
     m = _new_migration(st, now, mid=mid, node=c.node, reason=c.reason, trigger=c.trigger,
                        detected=c.detected, to=None, policy=policy)
+    if c.trigger == Trigger.FAILSLOW and c.node in st.slow:
+        w = st.slow[c.node]
+        out.event("failslow.detected", f"{c.node} computes {w.ratio:g}x slower than its peers: "
+                  f"{w.node_s * 1000:.1f} ms per step against their median {w.peers_s * 1000:.1f} ms, in each of "
+                  f"{w.windows} windows of {w.window_steps} steps (to step {w.last_step}), for "
+                  f"{now - w.since:.1f} s; {mid} moves it", migration=mid, **failslow.detected_data(w, now))
     out.event("migration.started", f"{mid}: {c.node} needs to move ({c.reason})", migration=mid, node=c.node,
               trigger=c.trigger, reason=c.reason)
     return replace(st, migration=m, next_migration=st.next_migration + 1,

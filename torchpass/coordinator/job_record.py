@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 from torchpass.coordinator.model import CoordState, RankView
@@ -38,6 +39,9 @@ def activity_status(state: CoordState, now: float) -> dict[str, Any]:
     }
 
 
+STATUS_COMPUTE_STEPS = 10  # the newest steps job.status's compute figures cover
+
+
 def rank_status(rv: RankView, now: float) -> dict[str, Any]:
     """One rank in job.status (``now``: coordinator clock)."""
     return {
@@ -51,6 +55,21 @@ def rank_status(rv: RankView, now: float) -> dict[str, Any]:
         "collectives": rv.last_count,
         "last_report_age_s": round(max(0.0, now - rv.last_report), 3),
     }
+
+
+def compute_status(state: CoordState, now: float) -> dict[str, Any]:
+    """What the fail-slow rule sees, for job.status: per node, its slowest rank's median compute
+    time per step (s) over its newest STATUS_COMPUTE_STEPS measured steps (nodes whose ranks
+    reported none are left out), and the nodes the rule finds slow now. Per node, not per rank:
+    job.status at 8,192 ranks is ~0.93 MB of its 1 MiB frame already."""
+    per_node: dict[str, float] = {}
+    for rv in state.ranks.values():
+        measured = [f for f in rv.compute[-STATUS_COMPUTE_STEPS:] if f >= 0]
+        if measured:
+            per_node[rv.node] = max(per_node.get(rv.node, 0.0), round(median(measured), 4))
+    slow = {n: {"ratio": w.ratio, "node_compute_s": w.node_s, "peers_median_s": w.peers_s,
+                "slow_for_s": round(max(0.0, now - w.since), 1)} for n, w in state.slow.items()}
+    return {"compute_per_node_s": per_node, "slow_nodes": slow}
 
 
 @dataclass
@@ -133,6 +152,7 @@ class JobState:
             "min_step": min(steps) if steps else None,
             "max_step": max(steps) if steps else None,
             "ranks": [rank_status(ranks[r], now) for r in sorted(ranks)],
+            **compute_status(state, now),
             # why the job cannot be protected ("rank R unprotected: ..."); None while it can
             "unprotected": state.job_unprotected,
             # the site's override of the runtime's tested torch range ("": none; torch_range)

@@ -69,6 +69,7 @@ from torchpass.coordinator.decide import (
     snapshot_phase_complete,
 )
 from torchpass.coordinator.model import (
+    COMPUTE_KEPT,
     PINNED_CACHE,
     RANK_NODES_CACHE,
     CoordState,
@@ -251,6 +252,21 @@ def _pace(prev: RankView, ev: RankProgress, now: float, standing_at: tuple[int |
     return out
 
 
+def _compute(prev: RankView, ev: RankProgress) -> dict[str, Any]:
+    """The rank's per-step compute figures with the report's new ones (decide_failslow reads them).
+    A figure of a step it had already reported (a report sent again) is not taken twice; a step
+    count that went back (a copy restored from a snapshot, a relaunched script) starts afresh."""
+    if ev.compute_step < 0 or not ev.compute:
+        return {}
+    if ev.compute_step < prev.compute_step:
+        return {"compute": tuple(ev.compute[-COMPUTE_KEPT:]), "compute_step": ev.compute_step}
+    new = ev.compute_step - prev.compute_step
+    if new <= 0:
+        return {}
+    fresh = ev.compute[-new:] if new < len(ev.compute) else ev.compute
+    return {"compute": (prev.compute + tuple(fresh))[-COMPUTE_KEPT:], "compute_step": ev.compute_step}
+
+
 def _put_rank(st: CoordState, rank: int, rv: RankView, owned: dict[int, RankView] | None) -> CoordState:
     """``st`` with ``ranks[rank] = rv``: in place when the caller owns ``st.ranks`` (a batch of
     reports, Driver.begin_batch: one copy of the ranks per batch instead of one per report),
@@ -358,6 +374,7 @@ def _on_rank_progress(st: CoordState, ev: RankProgress, now: float, owned: Owned
                  node=ev.node or prev.node, last_advance=now if advanced else prev.last_advance,
                  last_report=now, last_count=ev.collectives,
                  listening_until=now + ev.wait_s if ev.wait_s > 0 else None,
+                 **_compute(prev, ev),
                  **_pace(prev, ev, now, (m.pause_at if m is not None else None,
                                          st.snapshot.pause_at if st.snapshot is not None else None)))
     return _put_rank(st, ev.rank, rv, owned)

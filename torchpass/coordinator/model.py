@@ -42,6 +42,7 @@ class Trigger(enum.StrEnum):
 
     HEALTH = "health"  # tpassd says the node is in a policy.migrate_on state
     STALL = "stall"  # a rank of the node stopped advancing
+    FAILSLOW = "failslow"  # the node's ranks compute consistently slower than their peers (decide_failslow)
     OPERATOR = "operator"  # tpassctl migrate
 
 
@@ -89,6 +90,10 @@ class RankView:
     # under srun; under torchrun a task is the agent with all its workers (several ranks).
     task: int = -1
     pinned: str = ""  # why the rank's node cannot move ("": it can), e.g. torchrun's store host
+    # Its compute time per optimizer step (runtime/compute_time.py), the newest COMPUTE_KEPT steps,
+    # oldest first, the last one of step ``compute_step`` (-1: none reported): decide_failslow.
+    compute: tuple[float, ...] = ()
+    compute_step: int = -1
     # What the rank said of itself, for job.status. Decide reads none of these, so they are left
     # out of comparisons: two states that decide cannot tell apart compare equal.
     pid: int = field(default=0, compare=False)
@@ -290,6 +295,27 @@ class RelaunchRun:
         object.__setattr__(self, "phase", RelaunchPhase(self.phase))
 
 
+# Per-step compute figures kept per rank: the fail-slow rule's windows (policy.failslow_windows x
+# failslow_window_steps) must fit in them.
+COMPUTE_KEPT = 128
+
+
+@dataclass(frozen=True)
+class SlowWatch:
+    """A node the fail-slow rule finds slow (decide_failslow): since when (coordinator clock), and
+    what was measured against what in the newest evaluation."""
+
+    node: str
+    since: float
+    ratio: float  # the node's compute per step over the peers' median, in the newest window
+    node_s: float  # the node's compute per step (its slowest rank's median), newest window
+    peers_s: float  # the median of the other nodes' ranks' medians, newest window
+    window_steps: int
+    windows: int
+    last_step: int  # the newest step the windows covered
+    ranks: tuple[int, ...] = ()
+
+
 RANK_NODES_CACHE = "_rank_nodes"  # CoordState.rank_nodes(), kept in the instance's __dict__
 PINNED_CACHE = "_pinned_nodes"  # CoordState.pinned_nodes(), found in the same pass
 # The lowest RankView.last_advance seen over the ranks (decide.stalled_ranks). A rank's
@@ -338,6 +364,10 @@ class CoordState:
     # The job's step is the runtime's count of optimizer steps plus this (a script that went on from
     # a checkpoint numbers its steps from there: machine.CheckpointLoaded).
     step_offset: int = 0
+    # Nodes the fail-slow rule finds slow now (decide_failslow.track), and when it last looked:
+    # (coordinator clock, the step its newest window ended at).
+    slow: dict[str, SlowWatch] = field(default_factory=dict)
+    slow_checked: tuple[float, int] | None = None
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
@@ -400,5 +430,5 @@ __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
     "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState", "SnapshotPoint",
     "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SNAP_STOP", "SnapshotRun", "RelaunchRun",
-    "SnapPhase", "RelaunchKind", "RelaunchPhase",
+    "SnapPhase", "RelaunchKind", "RelaunchPhase", "SlowWatch", "COMPUTE_KEPT",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass import config as tconfig
-from torchpass.coordinator.model import SpareHow
+from torchpass.coordinator.model import COMPUTE_KEPT, SpareHow
 from torchpass.errors import ConfigError
 
 DEFAULT_POLICIES_DIR = Path("/etc/torchpass/policies")
@@ -41,6 +41,22 @@ class CoordinatorPolicy:
     # Must exceed the longest legitimate one-rank pause (rank 0 writing a
     # checkpoint while the others wait in the next collective). 0 disables.
     stall_s: float = 600.0
+    # Fail-slow (decide_failslow.py draws the rule): a node whose ranks' compute time per step
+    # (runtime/compute_time.py: wall time with no collective in flight) is at least
+    # failslow_ratio x the median of the other nodes' ranks, and at least failslow_min_excess_s
+    # more, in each of failslow_windows windows of failslow_window_steps steps (the median step of
+    # each rank in each window), and found so continuously for failslow_sustain_s, gets a planned
+    # migration to a spare. 0 disables. A whole-job slowdown never fires (no node stands out).
+    failslow_ratio: float = 1.5
+    failslow_window_steps: int = 10
+    failslow_windows: int = 3
+    # At a few milliseconds per step a scheduler's noise alone makes a ratio of 1.5: on the
+    # 2-core development VM with two devclusters training side by side, ranks of the same job
+    # differed by up to ~10 ms per step (50-60 ms steps of examples/train_ddp.py --params 1M).
+    failslow_min_excess_s: float = 0.02
+    # Longer than a transient slowdown (a neighbour's burst, a checkpoint's copy on one node):
+    # a slowdown shorter than this moves nothing.
+    failslow_sustain_s: float = 15.0
 
     # --- spares ------------------------------------------------------------
     # Order in which spares are sought: "hot" = an idle node inside the
@@ -176,6 +192,17 @@ class CoordinatorPolicy:
                 f"snapshot_every_s must be >= 0 (0: no periodic snapshots), got {self.snapshot_every_s!r}")
         if self.snapshot_keep < 1:
             raise ConfigError(f"snapshot_keep must be >= 1, got {self.snapshot_keep}")
+        if not (self.failslow_ratio == 0 or self.failslow_ratio > 1):
+            raise ConfigError(f"failslow_ratio must be > 1 (or 0: fail-slow off), got {self.failslow_ratio!r}")
+        if self.failslow_window_steps < 2 or self.failslow_windows < 1:
+            raise ConfigError(f"failslow_window_steps must be >= 2 and failslow_windows >= 1, got "
+                              f"{self.failslow_window_steps} and {self.failslow_windows}")
+        if self.failslow_window_steps * self.failslow_windows > COMPUTE_KEPT:
+            raise ConfigError(f"failslow_window_steps x failslow_windows must be <= {COMPUTE_KEPT} (the steps the "
+                              f"coordinator keeps per rank), got {self.failslow_window_steps * self.failslow_windows}")
+        for name in ("failslow_min_excess_s", "failslow_sustain_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.max_pause_rearms < 0:
             raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
 

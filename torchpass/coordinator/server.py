@@ -36,6 +36,7 @@ import zmq
 from torchpass import auth, jobauth, layout, wire, zmqio
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
+from torchpass.coordinator.decide_failslow import compute_figures
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.model import CoordState
 from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
@@ -353,7 +354,8 @@ class CoordinatorServer:
         self._rank(b)
         wait_s = min(max(float(b.get("wait_s") or 0.0), 0.0), PARK_MAX_S)
         self._feed(mc.RankProgress(b["rank"], b["collectives"], b["step"], b.get("node"),
-                                   b.get("boundary", -1), b.get("boundary_step", -1), wait_s), decide=False)
+                                   b.get("boundary", -1), b.get("boundary_step", -1), wait_s,
+                                   *compute_figures(b)), decide=False)
         self._note_unprotected(b)
         return self._with_command(b["rank"], {}, wait_s=wait_s)
 

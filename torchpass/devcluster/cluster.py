@@ -20,7 +20,7 @@ import structlog
 
 import torchpass
 from torchpass import envnames
-from torchpass.devcluster import cgroups, jobpython
+from torchpass.devcluster import cgroups, cpu_quota, jobpython
 from torchpass.devcluster.tpassd_node import ports_toml, start_args
 from torchpass.errors import DependencyError, DevclusterError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
@@ -440,6 +440,26 @@ class Devcluster:
             log.warning("devcluster node crashed", name=self.spec.name, node=node, killed=len(killed))
             return killed
 
+    def slow(self, node: str, cpu_pct: int, for_s: float | None = None,
+             cgroup_root: Path = cpu_quota.CGROUP_ROOT) -> dict:
+        """Slow ``node`` down (a drill): its job processes (everything in its network namespace
+        but its slurmd and tpassd) under ``cpu_pct`` % of one CPU (100: the quota lifted);
+        ``for_s``: lifted again after that many seconds. What was done, as --json prints it."""
+        state = self._require_state()
+        i = self._index(node)
+        with self._lock():
+            if node in state.crashed:
+                raise DevclusterError(f"{node} is crashed; revive it first")
+            daemons = {pid for role, pid in state.pids.items() if role in (f"slurmd.{node}", f"tpassd.{node}")}
+            pids = [p for p in self._netns_pids(self.spec.netns(i)) if p not in daemons]
+            h = cpu_quota.find_hierarchy(cgroup_root)
+            group = cpu_quota.slow(h, self.spec.name, node, pids, cpu_pct)
+            lifter = cpu_quota.lift_later(h, group, for_s) if for_s and cpu_pct < 100 else None
+        log.warning("devcluster node slowed", name=self.spec.name, node=node, cpu_pct=cpu_pct, for_s=for_s,
+                    processes=len(pids))
+        return {"cpu_pct": min(cpu_pct, 100), "processes": len(pids), "cgroup": str(group),
+                "cgroup_version": h.version, "for_s": for_s if lifter else None}
+
     def revive(self, node: str) -> None:
         """Bring a crashed node back as at bring-up: its link up, a fresh slurmd (its own UTS
         and mount namespaces again) and tpassd. slurmctld returns it to service when its slurmd
@@ -823,6 +843,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
             except DevclusterError:
                 pass  # no v1 hierarchies: nothing was made here
         left = cgroups.remove(sorted(Path(d) for d in subtrees if Path(d).exists()))
+        left += cpu_quota.remove_all(spec.name)  # `devcluster slow`'s
         if left:
             log.error("devcluster cgroups left behind (processes still in them?)", cgroups=[str(d) for d in left])
         links = set(state.links if state else []) | {spec.bridge} | {spec.veth(i) for i in range(1, 17)}

@@ -407,12 +407,17 @@ class ControlLink(PauseListener):
                         **self._unprotected()}
                 if bstep >= 0:
                     body.update(boundary=bcoll, boundary_step=bstep)
+                meter = getattr(self.pg, "meter", None)
+                compute = meter.pending() if meter is not None else {}
+                body.update(compute)  # the steps' compute times the coordinator has not had (fail-slow)
                 wait_s = self.long_poll_s()
                 if wait_s:
                     body["wait_s"] = wait_s
                 asked = self.clock()
                 res = self._request("rank.progress", body)
                 if res is not None:
+                    if compute:
+                        meter.sent(compute["compute_step"])
                     self._handle(res)
                 # A paused rank (quiesced at T, waiting for its resume) asks often:
                 # the resume comes only in a reply, and every rank stands still

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass import envnames
+from torchpass.runtime.compute_time import ComputeMeter
 from torchpass.runtime.say import say
 from torchpass.runtime.store import SwitchableStore, open_tcp_store
 
@@ -161,6 +162,8 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._inner: dist.ProcessGroup | None = None
         self._works: list = []
         self._prune_at = TRACK_PRUNE_MIN  # _track prunes when this many Works are kept
+        # The rank's compute time per step (compute_time.py): the default group's, shared by its subgroups.
+        self.meter: ComputeMeter | None = None
 
     # -- identity -------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
@@ -307,6 +310,8 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._before_collective()
         work = getattr(self._inner, name)(*args, **kwargs)
         self._track("coll", work)
+        if self.meter is not None:
+            self.meter.issued(work)
         return work
 
     def _p2p(self, name: str, args, kwargs):
@@ -391,6 +396,7 @@ class ReconfigurablePG(_ForwardingGroup):
         self._resume: tuple[int, Rendezvous] | None = None
         self.unprotected: str | None = None  # why pauses are refused (mark_unprotected)
         self._on_collective = on_collective
+        self.meter = ComputeMeter()
         self._build(generation, rendezvous)
 
     @property
@@ -726,6 +732,7 @@ class ReconfigurablePG(_ForwardingGroup):
         past every send/recv the rank issued in the step; the drain waits
         until the peers, still in their own step, have matched them.
         """
+        self.meter.step_ended()
         with self._cv:
             self.steps += 1
             if self._p2p_at is not None and self.default_p2p is None:
@@ -745,6 +752,7 @@ class ReconfigurablePG(_ForwardingGroup):
     def _pause_here(self, armed: tuple[int, int], at_step_end: bool = False) -> None:
         at, next_gen = armed
         t0 = time.monotonic()
+        self.meter.paused()
         self._drain_all()
         # Every rank has drained collectives < T before anyone destroys its
         # communicator; a re-arm or cancel before that lets every rank go on.
@@ -835,6 +843,7 @@ class ReconfigurableSubgroup(_ForwardingGroup):
         super().__init__(ranks.index(parent.rank()), len(ranks), timeout, use_nccl)
         self.parent = parent
         self.ranks = ranks
+        self.meter = parent.meter
         self._group_name = group_name
         self._group_desc = group_desc
         self._closed = False

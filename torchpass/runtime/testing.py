@@ -32,6 +32,7 @@ class RankView:
     command: dict | None = None
     unprotected: str = ""  # why the rank refuses pauses (its reports say), "" while it does not
     history: list = field(default_factory=list)
+    compute: dict = field(default_factory=dict)  # step -> its compute time (rank.progress compute_s)
 
 
 class JobUnprotected(RuntimeError):
@@ -125,6 +126,8 @@ class MiniCoordinator:
             v.step = msg.body["step"]
             v.node = msg.body.get("node") or v.node
             v.unprotected = msg.body.get("unprotected") or v.unprotected
+            figures, last = msg.body.get("compute_s") or [], msg.body.get("compute_step", -1)
+            v.compute.update({last - len(figures) + 1 + i: f for i, f in enumerate(figures)})
             self._lock.notify_all()
             return self._reply(v)
 
