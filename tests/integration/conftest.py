@@ -168,7 +168,7 @@ def _cluster_as_new_for_each_module(request):
 
 
 # The one module whose jobs may record a fail-slow decision.
-FAILSLOW_MODULES = ("test_failslow",)
+FAILSLOW_MODULES = ("test_failslow_cluster",)
 
 
 @pytest.fixture(autouse=True)
