@@ -14,9 +14,15 @@ from pathlib import Path
 SPANK_DIR = Path(__file__).resolve().parents[2] / "slurm_spank"
 
 
+# What a calling make passes down (`make test WERROR=1` puts WERROR=1 in MAKEFLAGS): the builds
+# here must see only the variables each test gives.
+_MAKE_ENV_DROPPED = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "WERROR")
+
+
 def _make(*args: str, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _MAKE_ENV_DROPPED}
     return subprocess.run(["make", "-s", "-C", str(SPANK_DIR), *args], capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=300, env=env, **kw)
 
 
 def test_install_puts_the_plugin_and_tpass_init_root_owned_and_writable_by_root_alone(tmp_path):

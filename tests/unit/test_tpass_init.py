@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import until
 from test_privilege_boundary import RANK_ENV
 from test_rankwrap_transparent import _record
 from torchpass.checkpoint.procs import read_stat
@@ -62,7 +63,10 @@ def test_the_rank_runs_under_tpass_init_which_holds_only_cap_sys_admin(tmp_path,
     rec = _record(tmp_path, p)
     init, rank = rec["pid"], rec["rank_pid"]
     assert init != rank and read_stat(rank).ppid == init and read_stat(init).ppid == p.pid
-    st = _status(init)
+    # tpass-init drops its privileges right after it starts, but the rank's record can come first
+    # (seen in CI under load: uid 0 read before the drop); a tpass-init that never drops them fails here
+    st = until(lambda: (s := _status(init))["Uid"] == [str(NOBODY)] * 4 and s, "tpass-init runs as nobody", 10.0,
+               diag=lambda: str(_status(init)["Uid"]))
     assert st["Uid"] == [str(NOBODY)] * 4 and st["Gid"] == [str(NOBODY)] * 4
     assert int(st["CapEff"][0], 16) == 1 << CAP_SYS_ADMIN and int(st["CapInh"][0], 16) == 0
     assert st["NSpid"][-1] == "1" and Path(f"/proc/{init}/comm").read_text().strip() == "tpass-init"
