@@ -16,7 +16,7 @@ from tpassctl import gantt
 from tpassctl.context import state_dir_option
 from tpassctl.exit_codes import CliError, finish
 from tpassctl.follow import POLL_S, Feed, saved_events
-from tpassctl.status_cmd import discover_coordinators, job_registration, refusal, visible_job
+from tpassctl.status_cmd import discover_coordinators, job_registration, refusal, starting_job_of_caller, visible_job
 
 # The order phases happen in (docs/coordinator.md); unknown keys follow, sorted.
 PHASE_ORDER = ("detect", "spare", "pause", "dump", "transfer", "restore", "kill_source", "rebuild", "rollback",
@@ -79,6 +79,21 @@ def event_lines(e: dict[str, Any], width: int) -> list[str]:
 FOLLOW_KIND_WIDTH = 22  # "migration.rolled_back": the kinds line up while they arrive one by one
 
 
+def await_job_dir(state_dir: Path, job_id: int) -> None:
+    """--follow of a job just submitted: the plugin makes STATE_DIR/jobs/J when the job's batch step
+    starts, so a job of the caller's that Slurm holds pending (or is starting) has no directory
+    yet. Wait for it while Slurm says so; any other job gets the one not-found line at once
+    (another user's job included: Slurm names its owner, so nothing leaks)."""
+    while True:
+        try:
+            os.close(visible_job(state_dir, job_id)[0])
+            return
+        except CliError as exc:
+            if exc.code != "not_found" or not starting_job_of_caller(job_id):
+                raise
+        time.sleep(POLL_S)
+
+
 def follow(state_dir: Path, job_id: int, since_seq: int, as_json: bool, timeout_s: float) -> None:
     """Print the job's events as they come, until the job ends (its coordinator gone and its saved
     log read to the end); one JSON object per line under --json."""
@@ -139,7 +154,7 @@ def events(obj, job_id, as_json, since_seq, follow_on, timeout_s, plot_path):
     if (follow_on or plot_path) and job_id is None:
         raise click.UsageError(f"{'--follow' if follow_on else '--plot'} needs a JOB_ID")
     if follow_on:
-        os.close(visible_job(obj.state_dir, job_id)[0])  # the owner's or an admin's: else the one line
+        await_job_dir(obj.state_dir, job_id)  # the owner's or an admin's: else the one line
         follow(obj.state_dir, job_id, since_seq, as_json, timeout_s)
         return
     if job_id is not None:

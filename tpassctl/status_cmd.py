@@ -44,6 +44,19 @@ def _slurm_owner(job_id: int) -> int | None:
     return None if job is None else job.user_id
 
 
+def starting_job_of_caller(job_id: int) -> bool:
+    """Whether Slurm holds ``job_id`` pending or running for the caller (or the caller is an
+    admin): a job whose torchpass directory the plugin has not made yet."""
+    try:
+        job = client().job(job_id)
+    except (SlurmError, DependencyError, TorchpassError):
+        return False
+    if job is None or job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
+        return False
+    uid = os.getuid()
+    return job.user_id == uid or uid in job_privacy()[1]
+
+
 def visible_job(state_dir: Path, job_id: int, uid: int | None = None) -> tuple[int, int]:
     """(directory fd, owner uid) of STATE_DIR/jobs/JOB_ID when the caller may see the job: its
     owner (the owner of the directory, which only root makes) or an admin (root, SlurmUser).

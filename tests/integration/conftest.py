@@ -139,8 +139,16 @@ def _cluster_as_new_for_each_module(request):
     def run(argv):
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
 
-    for node in list(c.status().get("crashed", [])):
+    status = c.status()
+    for node in list(status.get("crashed", [])):
         c.revive(node)
+    restarted = []
+    if c.spec.tpassd:  # a test that killed a tpassd and failed before restarting it
+        for node in c.node_names:
+            proc = status["processes"].get(f"tpassd.{node}")
+            if node not in status.get("crashed", []) and proc is not None and not proc["alive"]:
+                c.tpassd_restart(node)
+                restarted.append(node)
     left = run(["squeue", "--noheader", "--format", "%i"]).stdout.split()
     for job in left:
         run(["scancel", job])
@@ -156,14 +164,17 @@ def _cluster_as_new_for_each_module(request):
             if {"DRAIN", "DOWN", "FAIL"} & set(n["state"]):
                 run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
         not_idle = {name: n["state"] for name, n in nodes.items() if n["state"] != ["IDLE"]}
+        if c.spec.tpassd and run([tpassctl, "nodes", "--json"]).returncode != 0:  # 3: a tpassd did not answer
+            not_idle["tpassd"] = ["NOT ANSWERING"]
         if not busy and not not_idle:
             break
         if time.monotonic() > deadline:
             pytest.fail(f"the devcluster did not come back to idle in {MODULE_RESET_S:g} s before "
                         f"{request.module.__name__}: jobs {busy!r}, nodes {not_idle}", pytrace=False)
         time.sleep(0.5)
-    if left:
-        print(f"\n{request.module.__name__}: cancelled jobs {left} an earlier module left on the devcluster")
+    if left or restarted:
+        print(f"\n{request.module.__name__}: cancelled jobs {left} and restarted the tpassd of {restarted}, "
+              "which an earlier module left on the devcluster")
     yield
 
 

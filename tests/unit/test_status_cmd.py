@@ -234,3 +234,30 @@ def test_a_job_without_a_coordinator_yet_is_starting_not_an_error(tmp_path, monk
     assert res.output.splitlines()[1].split()[:2] == ["9", state], res.output
     job = json.loads(CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "status", "9", "--json"]).output)
     assert job["jobs"][0]["state"] == state and "error" not in job
+
+
+@pytest.mark.parametrize("owner", ["caller", "another user"])
+def test_events_follow_of_a_pending_job_waits_for_its_directory_only_for_its_owner(tmp_path, monkeypatch, owner):
+    """`events --follow` just after sbatch: the plugin makes STATE_DIR/jobs/J when the batch step
+    starts. The owner's follow waits for it; anyone else gets the one not-found line at once."""
+    from torchpass import layout
+    from tpassctl import events_cmd
+
+    slurm = FakeSlurm()
+    uid = os.getuid() if owner == "caller" else os.getuid() + 4242
+    slurm.run_job(9, uid=uid, nodes=("node1",), state="PENDING")
+    monkeypatch.setattr(status_cmd, "client", lambda: slurm)
+    monkeypatch.setattr(status_cmd, "job_privacy", lambda: (False, set()))  # the caller is no admin here
+    followed = []
+    monkeypatch.setattr(events_cmd, "follow", lambda *a: followed.append(a))
+    made = threading.Timer(0.5, lambda: layout.job_dir(tmp_path, 9).mkdir(parents=True))
+    made.start()
+    try:
+        res = CliRunner().invoke(cli, ["--state-dir", str(tmp_path), "events", "9", "--follow", "--json"])
+    finally:
+        made.join()
+    if owner == "caller":
+        assert res.exit_code == 0 and len(followed) == 1, res.output
+    else:
+        assert res.exit_code == 4 and followed == [], res.output
+        assert json.loads(res.output)["error"]["code"] == "not_found"
