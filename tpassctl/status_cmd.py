@@ -17,6 +17,7 @@ from torchpass.slurm import client
 from torchpass.slurm.conf import job_privacy
 from tpassctl.context import state_dir_option
 from tpassctl.exit_codes import CliError, finish
+from tpassctl.follow import SLURM_LIVE  # a job that may still get a coordinator: "starting" until it registers
 from tpassctl.table import table
 
 
@@ -51,7 +52,7 @@ def starting_job_of_caller(job_id: int) -> bool:
         job = client().job(job_id)
     except (SlurmError, DependencyError, TorchpassError):
         return False
-    if job is None or job.state not in ("PENDING", "CONFIGURING", "RUNNING"):
+    if job is None or job.state not in SLURM_LIVE:
         return False
     uid = os.getuid()
     return job.user_id == uid or uid in job_privacy()[1]
@@ -132,8 +133,6 @@ def job_registration(state_dir: Path, job_id: int) -> dict[str, Any]:
     return info
 
 
-# Slurm states of a job that may still get a coordinator: before its registration it is "starting".
-SLURM_LIVE = ("PENDING", "CONFIGURING", "RUNNING")
 RANK_RECORD_MAX_BYTES = 64 * 1024  # rankR.json: a few hundred bytes (argv included)
 _RANK_RECORD = re.compile(r"rank(\d+)" + re.escape(layout.RECORD_SUFFIX))
 
