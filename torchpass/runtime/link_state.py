@@ -7,6 +7,8 @@
         │                       quiesced, │  └─hold file, no pause───┤  │ hold file appeared
         │                          hold   ▼                          ▼  │ (released)
         └──── woken "restored ID" ─────── HOLDING ◄──quiesced, hold──┘──┘
+        ▲
+        └── REPORTING, QUIESCED ── "not_found" (a restarted coordinator does not know the rank yet)
                                           │
       QUIESCED, HOLDING ── no resume by the pause's deadline ──► FELL_BACK (pauses refused for good)
       any state ── stop() ──► STOPPED
@@ -44,8 +46,8 @@ class LinkState(enum.Enum):
 S = LinkState
 TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
     S.REGISTERING: frozenset({S.REPORTING, S.QUIESCED, S.STOPPED}),
-    S.REPORTING: frozenset({S.QUIESCED, S.HOLDING, S.STOPPED}),
-    S.QUIESCED: frozenset({S.REPORTING, S.HOLDING, S.FELL_BACK, S.STOPPED}),
+    S.REPORTING: frozenset({S.QUIESCED, S.HOLDING, S.REGISTERING, S.STOPPED}),
+    S.QUIESCED: frozenset({S.REPORTING, S.HOLDING, S.FELL_BACK, S.REGISTERING, S.STOPPED}),
     S.HOLDING: frozenset({S.QUIESCED, S.REPORTING, S.REGISTERING, S.FELL_BACK, S.STOPPED}),
     S.FELL_BACK: frozenset({S.STOPPED}),
     S.STOPPED: frozenset(),
