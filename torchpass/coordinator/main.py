@@ -10,7 +10,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -25,6 +24,7 @@ from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.policy import CoordinatorPolicy, load_policy
 from torchpass.coordinator.recovery import InFlightWriter, Recovery, RecoveryAction, recover
 from torchpass.coordinator.recovery import read as read_in_flight
+from torchpass.coordinator.recovery_actions import settle
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
 from torchpass.coordinator.stopped import read_stopped
 from torchpass.coordinator.supervisor import Supervisor
@@ -232,35 +232,6 @@ def _restarted(job: JobState, state_dir, restart: int, reason: str, log) -> Reco
     return decision
 
 
-def settle_recovery(job: JobState, driver: Driver, decision: Recovery, log) -> None:
-    """Carry out ``decision`` (recovery.recover): the decision state starts after the dead
-    coordinator's run, the held copies are released, and every rank's next reply is its resume."""
-    run = decision.run
-    if run is None:
-        return
-    st = driver.state
-    driver.state = replace(st, generation=max(st.generation, run.generation),
-                           next_migration=max(st.next_migration, run.next_migration))
-    if decision.action is RecoveryAction.NOTHING:
-        return
-    ex = driver.executor
-    for r in run.held:  # a held copy polls for its hold file with no socket open
-        p = layout.hold_file(ex.state_dir, job.job_id, run.id, r)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.touch()
-    ex.rank_commands.send_resume(range(run.world_size), run.generation, decision.master)
-    kind = {("migration", RecoveryAction.ROLL_BACK): "migration.rolled_back",
-            ("migration", RecoveryAction.COMPLETE): "migration.completed",
-            ("snapshot", RecoveryAction.ROLL_BACK): "snapshot.failed"}[(run.kind.value, decision.action)]
-    data = {"migration": run.id, "node": run.node, "target": run.target} if run.kind.value == "migration" \
-        else {"snapshot": run.id}
-    job.record(time.time(), kind, f"{run.id}: {decision.reason} (the coordinator died mid-{run.kind.value})",
-               recovered=True, **data)
-    ex.save_events()
-    log.warning("settled the pause a dead coordinator left", job_id=job.job_id, action=decision.action.value,
-                run=run.id, generation=run.generation, master=decision.master)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tpass-coordinator")
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
@@ -329,7 +300,8 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
     if driver is not None and driver.executor is not None:
         driver.in_flight = InFlightWriter(state_dir, job_id)
         if recovered is not None:
-            settle_recovery(job, driver, recovered, log)
+            settle(job, driver, recovered)
+            driver.executor.save_events()  # coordinator.restarted on disk at once (tpassctl events, tests)
     log.info("coordinator listening", job_id=job_id, endpoint=endpoint, spares=spares, policy=policy)
 
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -71,6 +71,7 @@ class InFlight:
     master: str = ""  # rank 0's node when the pause began: the resume in place's rendezvous
     moved_rank0: bool = False  # rank 0 is among the moved ranks (its rendezvous moves with it)
     next_migration: int = 1  # the next migration's number, so a new one never reuses an id
+    held_tasks: tuple[int, ...] = ()  # the tasks of ``held`` (their rank records; a task is a rank unless torchrun)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def in_flight_of(st: CoordState) -> InFlight | None:
     m = st.migration
     if m is not None and m.paused:
         return InFlight(RunKind.MIGRATION, m.id, m.phase.value, m.generation, world, tuple(m.ranks), m.node,
-                        m.target or "", master, 0 in m.ranks, st.next_migration)
+                        m.target or "", master, 0 in m.ranks, st.next_migration,
+                        tuple(sorted({st.task_of(r) for r in m.ranks})))
     s = st.snapshot
     if s is not None and s.phase is not SnapPhase.QUEUED:
         return InFlight(RunKind.SNAPSHOT, s.id, s.phase.value, s.generation, world, tuple(r for r, _ in s.ranks),
@@ -138,7 +140,7 @@ def decode(text: str) -> InFlight:
         return InFlight(RunKind(d["kind"]), str(d["id"]), str(d["phase"]), int(d["generation"]),
                         int(d["world_size"]), tuple(int(r) for r in d["held"]), str(d.get("node", "")),
                         str(d.get("target", "")), str(d.get("master", "")), bool(d.get("moved_rank0", False)),
-                        int(d.get("next_migration", 1)))
+                        int(d.get("next_migration", 1)), tuple(int(t) for t in d.get("held_tasks", ())))
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"malformed {IN_FLIGHT_JSON}: {exc}") from None
 
