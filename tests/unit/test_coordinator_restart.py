@@ -177,3 +177,47 @@ def test_the_supervisor_gives_up_after_the_limit_with_an_event(tmp_path, monkeyp
     events = json.loads((tmp_path / "jobs" / "7" / "events.json").read_text())
     assert [e["kind"] for e in events] == ["coordinator.gave_up"]
     assert "2 restarts" in events[0]["message"]
+
+
+# --- the restarted coordinator carries the decision out (a real executor, a stand-in tpassd) -------
+
+def _settled(tmp_path, run: rc.InFlight):
+    from support.fake_slurm import FakeSlurm
+    from support.wait import until
+    from test_executor import FakeTpassd
+
+    from torchpass import layout
+    from torchpass.coordinator.driver import Driver
+    from torchpass.coordinator.executor import Executor
+    from torchpass.coordinator.job_record import JobState
+    from torchpass.coordinator.recovery_actions import settle
+
+    job, pol, tp = JobState(job_id=42, spares=1), CoordinatorPolicy(), FakeTpassd(fail_dump=False)
+    d = Driver(job, pol)
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, tpassd=tp, slurm=FakeSlurm(),
+                          address_of=lambda n: "10.0.0." + n[1:])
+    settle(job, d, rc.recover(run))
+    hold = [layout.hold_file(tmp_path, 42, run.id, r) for r in run.held]
+    until(lambda: all(p.exists() for p in hold), "the hold files released", 5)
+    d.executor.close()
+    return d, tp, job
+
+
+def test_a_restarted_coordinator_rolls_a_move_back_as_the_executor_does(tmp_path):
+    run = rc.InFlight(rc.RunKind.MIGRATION, "m3", "dump", 4, 3, (1,), "n2", "n4", "n1", False, 4, (1,))
+    d, tp, job = _settled(tmp_path, run)
+    assert (d.state.generation, d.state.next_migration) == (4, 4)  # the next pause arms 5, as m4
+    cmds = d.executor.commands
+    assert sorted(cmds) == [0, 1, 2] and {c["generation"] for c in cmds.values()} == {4}
+    assert {c["master_addr"] for c in cmds.values()} == {"10.0.0.1"}  # rank 0's node: the pause's fallback
+    assert [(n, t, b["op"], b["rank"]) for n, t, b in tp.calls] == [("n2", "tpassd.snapshot", "abort", 1)]
+    ev = [e for e in job.events if e.kind == "migration.rolled_back"]
+    assert len(ev) == 1 and ev[0].data["recovered"] and ev[0].data["node"] == "n2"
+
+
+def test_a_restarted_coordinator_completes_a_move_past_the_source_kill(tmp_path):
+    run = rc.InFlight(rc.RunKind.MIGRATION, "m3", "rebuild", 4, 3, (0,), "n1", "n4", "n1", True, 4, (0,))
+    d, tp, job = _settled(tmp_path, run)
+    assert {c["master_addr"] for c in d.executor.commands.values()} == {"10.0.0.4"}  # rank 0 moved to n4
+    assert tp.calls == []  # no hand-off to call off: the source copies are gone
+    assert [e.kind for e in job.events] == ["migration.completed"]
