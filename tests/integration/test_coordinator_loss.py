@@ -42,7 +42,7 @@ pytestmark = pytest.mark.integration
 
 POLICY = "tpcoordloss-c"  # a file name no other test uses (/etc/torchpass/policies is global)
 D = 120  # hold_deadline_s
-STEPS = 500
+STEPS = 250
 NODES = ("node1", "node2", "node3", "node4")
 SPARE = "node4"
 FELL_BACK = "no resume from the coordinator in"
@@ -146,7 +146,7 @@ def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_mo
         cluster, reference, job_dir, job_user, clean):
     seed = int(os.environ.get("TORCHPASS_TEST_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
-    moved, at = rng.choice(("node2", "node3")), rng.randint(5, 60)
+    moved, at = rng.choice(("node2", "node3")), rng.randint(5, 40)
     rank = int(moved[-1]) - 1  # one task per node, in node order
     print(f"\nseed={seed} (replay with TORCHPASS_TEST_SEED={seed}): move {moved} (rank {rank}) at step {at}, "
           "kill -9 of the coordinator between its dump and its restore")

@@ -155,7 +155,15 @@ def _supervise(tmp_path, monkeypatch, dies: int, limit: int):
     sup = Supervisor(["--log", str(log)], job_id=7, state_dir=tmp_path, limit=limit, ready_fd=w,
                      secret=b"ab" * 32, program=[sys.executable, str(script)])
     t0 = time.monotonic()
-    rc_ = sup.run()
+    pid = os.fork()  # the supervisor becomes a subreaper: in a process of its own, never pytest's
+    if pid == 0:
+        code = 1
+        try:
+            code = sup.run()
+        finally:
+            os._exit(code)
+    os.close(w)
+    rc_ = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     ready = os.read(r, 100).decode()
     os.close(r)
     runs = [line.split() for line in log.read_text().splitlines()]
@@ -185,7 +193,6 @@ def _settled(tmp_path, run: rc.InFlight):
     from support.fake_slurm import FakeSlurm
     from support.wait import until
     from test_executor import FakeTpassd
-
     from torchpass import layout
     from torchpass.coordinator.driver import Driver
     from torchpass.coordinator.executor import Executor

@@ -7,8 +7,8 @@ import threading
 import time
 
 from test_coordinator_server import RESUME
-from test_runtime_control import Recording, start_link, wait_for
 from test_never_left_paused import FakePG
+from test_runtime_control import Recording, start_link, wait_for
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.server import CoordinatorServer
 from torchpass.runtime.link_state import LinkState
