@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import zmq
+
 from test_coordinator_server import RESUME
 from test_never_left_paused import FakePG
 from test_runtime_control import Recording, start_link, wait_for
@@ -16,8 +18,16 @@ from torchpass.runtime.pg import Rendezvous
 
 
 def _serve(port: int = 0) -> tuple[CoordinatorServer, threading.Thread]:
-    server = CoordinatorServer(JobState(job_id=7, spares=1), bind_address="127.0.0.1", port=port, wall=lambda: 1e9,
-                               driver=Recording(7, time.monotonic))
+    end = time.monotonic() + 10
+    while True:  # the stopped server's socket is closed by zmq's I/O thread, a moment later
+        try:
+            server = CoordinatorServer(JobState(job_id=7, spares=1), bind_address="127.0.0.1", port=port,
+                                       wall=lambda: 1e9, driver=Recording(7, time.monotonic))
+            break
+        except zmq.ZMQError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.1)
     t = threading.Thread(target=server.serve, daemon=True)
     t.start()
     return server, t
@@ -40,7 +50,7 @@ def test_a_running_rank_registers_again_with_a_restarted_coordinator():
             took = wait_for(lambda: 1 in second.state.ranks, "registered with the restarted coordinator", 10.0)
             # A report in flight when the first one stopped is given up after request_timeout_s (5 s).
             assert took < 5.0 + 3.0
-            assert link._state is LinkState.REPORTING
+            wait_for(lambda: link._state is LinkState.REPORTING, "reporting again", 5.0)
         finally:
             second.stop()
             t.join(5)

@@ -42,6 +42,9 @@ MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and
 FDS_PER_RANK = 2
 FDS_PER_NODE = 2
 FDS_SLACK = 256
+# A restarted coordinator listens where the ranks look (its supervisor passes the port); a port
+# in the ephemeral range can be an outgoing connection's for a moment: it tries again this long.
+RESTART_BIND_WAITS_S = (0.2, 0.5, 1.0, 2.0)
 
 
 def job_size(env=os.environ) -> tuple[int | None, int | None]:
@@ -278,10 +281,16 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
         job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
         recovered = _restarted(job, state_dir, restart, restart_reason, log) if restart else None
         driver = _make_driver(job, state_dir, spares, policy, log, snapshot_every_s=snapshot_every)
-        server = CoordinatorServer(job, bind_address=address, port=port, driver=driver,
-                                   munge_socket=(driver.executor.tpassd.munge_socket if driver
-                                                 else auth.default_socket() or slurm_munge_socket()),
-                                   job_secret=secret, private_jobs=private, admin_uids=admins)
+        munge = driver.executor.tpassd.munge_socket if driver else auth.default_socket() or slurm_munge_socket()
+        for wait_s in (*RESTART_BIND_WAITS_S, None) if restart else (None,):
+            try:
+                server = CoordinatorServer(job, bind_address=address, port=port, driver=driver, munge_socket=munge,
+                                           job_secret=secret, private_jobs=private, admin_uids=admins)
+                break
+            except zmq.ZMQError as exc:  # the ranks' port, briefly taken (an outgoing connection's): again
+                if wait_s is None:
+                    raise TorchpassError(f"cannot listen on {address}:{port} again: {exc}") from None
+                time.sleep(wait_s)
         endpoint = f"tcp://{address}:{server.port}"
         write_registration(state_dir, job_id, {
             "job_id": job_id, "endpoint": endpoint, "pid": os.getpid(), "host": socket.gethostname(),

@@ -186,8 +186,9 @@ class Supervisor:
             ended = ChildExit(None, -status, ready) if status < 0 else ChildExit(status, None, ready)
             orphans = _reap_orphans()
             d = decide_restart(ended, restarts, self.limit, self.stopping)
-            log.info("coordinator ended", job_id=self.job_id, pid=child.pid, how=ended.text(), action=d.action.value,
-                     reason=d.reason, orphans_stopped=orphans)
+            if ready:  # a start that failed: the child's own last line stays the log's (the plugin shows it)
+                log.info("coordinator ended", job_id=self.job_id, pid=child.pid, how=ended.text(),
+                         action=d.action.value, reason=d.reason, orphans_stopped=orphans)
             if d.action is SupervisorAction.DONE:
                 return 0 if ended.code is None else ended.code
             if d.action is SupervisorAction.GIVE_UP:
