@@ -7,10 +7,9 @@
         │                       quiesced, │  └─hold file, no pause───┤  │ hold file appeared
         │                          hold   ▼                          ▼  │ (released)
         └──── woken "restored ID" ─────── HOLDING ◄──quiesced, hold──┘──┘
-        ▲
-        └── REPORTING, QUIESCED ── "not_found" (a restarted coordinator does not know the rank yet)
                                           │
       QUIESCED, HOLDING ── no resume by the pause's deadline ──► FELL_BACK (pauses refused for good)
+      REPORTING, QUIESCED ── answered "not_found" (a restarted coordinator) ──► REGISTERING
       any state ── stop() ──► STOPPED
 
 REGISTERING: no ``rank.register`` answered yet (at the start; and again for a copy restored from a
