@@ -3,7 +3,7 @@
 The answers below were recorded from the devcluster's Slurm 24.11 (2026-12-06): with ``--json``,
 ``scontrol show job J`` prints the same empty answer, exit status 0, for a job slurmctld does not
 know and for a slurmctld it cannot reach. The real commands are exercised in
-tests/integration/test_coordinator_loss.py (slurmctld stopped for minutes).
+tests/integration/test_slurmctld_outage.py (slurmctld stopped for minutes).
 """
 
 from __future__ import annotations

@@ -78,6 +78,9 @@ class Driver:
         self._next_health = 0.0
         self._health_news = False  # health_changed(): a node's state changed since the last poll
         self._snapshots = 0  # snapshots asked of this coordinator (accept_snapshot)
+        # recovery.InFlightWriter: what is paused goes to disk before the actions that pause it run,
+        # so that a coordinator restarted after this one died can settle it (None: not kept).
+        self.in_flight: Any = None
         self._waker: Callable[[], None] | None = None  # the serve loop's wake-up (set_waker)
         for s in spares:
             self.state = mc.apply(self.state, ct.SpareAdded(s, SpareHow.HOT), clock())
@@ -139,6 +142,11 @@ class Driver:
         self.state = self.state.carry_views(d.state)
         if self.reasons.changed(d.reason):
             log.info("decision", job_id=self.job.job_id, reason=d.reason)
+        if self.in_flight is not None:
+            try:
+                self.in_flight.note(self.state)
+            except OSError as exc:
+                log.warning("cannot save the in-flight record", error=str(exc))
         for a in d.actions:
             if self.executor is not None:
                 self.executor.perform(a, self.state)

@@ -21,9 +21,13 @@ from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.executor_ports import TpassdClient
 from torchpass.coordinator.job_record import JobState
-from torchpass.coordinator.policy import load_policy
+from torchpass.coordinator.policy import CoordinatorPolicy, load_policy
+from torchpass.coordinator.recovery import InFlightWriter, Recovery, RecoveryAction, recover
+from torchpass.coordinator.recovery import read as read_in_flight
+from torchpass.coordinator.recovery_actions import settle
 from torchpass.coordinator.server import CoordinatorServer, job_liveness_check, write_registration
 from torchpass.coordinator.stopped import read_stopped
+from torchpass.coordinator.supervisor import Supervisor
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
 from torchpass.slurm import client
@@ -38,6 +42,9 @@ MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and
 FDS_PER_RANK = 2
 FDS_PER_NODE = 2
 FDS_SLACK = 256
+# A restarted coordinator listens where the ranks look (its supervisor passes the port); a port
+# in the ephemeral range can be an outgoing connection's for a moment: it tries again this long.
+RESTART_BIND_WAITS_S = (0.2, 0.5, 1.0, 2.0)
 
 
 def job_size(env=os.environ) -> tuple[int | None, int | None]:
@@ -185,6 +192,49 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
     return driver
 
 
+def _supervise(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_address, port, slurm_poll_s,
+               secret_fd, log_level, log) -> int:
+    """Be the supervisor (supervisor.py) of this job's coordinator; its exit status."""
+    try:
+        limit = load_policy(policy).coordinator_restarts
+    except (TorchpassError, OSError) as exc:  # the coordinator says so itself, and runs without migrations
+        limit = CoordinatorPolicy().coordinator_restarts
+        log.warning("policy not loaded; coordinator restarts as by default", policy=policy, error=str(exc))
+    try:
+        secret = jobauth.read_secret_fd(secret_fd) if secret_fd is not None else None
+    except TorchpassError as exc:
+        click.echo(f"tpass-coordinator: {exc}", err=True)
+        return 1
+    args = ["--job-id", str(job_id), "--state-dir", str(state_dir), "--spares", str(spares), "--policy", policy,
+            "--snapshot-every", repr(float(snapshot_every)), "--slurm-poll-s", repr(float(slurm_poll_s)),
+            "--log-level", log_level]
+    if bind_address:
+        args += ["--bind-address", bind_address]
+    if port:
+        args += ["--port", str(port)]
+    return Supervisor(args, job_id=job_id, state_dir=state_dir, limit=limit, ready_fd=ready_fd,
+                      secret=secret).run()
+
+
+def _restarted(job: JobState, state_dir, restart: int, reason: str, log) -> Recovery:
+    """This coordinator replaces one that died: the saved events go on, and what it left paused is
+    decided on (recovery.recover) before anything else runs."""
+    try:
+        job.carry_on(json.loads(layout.events_json(state_dir, job.job_id).read_text()))
+    except (OSError, ValueError):
+        pass
+    try:
+        decision = recover(read_in_flight(state_dir, job.job_id))
+    except ValueError as exc:
+        decision = Recovery(RecoveryAction.NOTHING, f"unreadable in-flight record ({exc}): nothing resumed by it")
+    job.record(time.time(), "coordinator.restarted", f"coordinator restarted ({reason}; restart {restart}): "
+               f"rebuilding from the ranks' registrations and the saved events; {decision.reason}",
+               restart=restart, previous=reason, recovery=decision.action.value)
+    log.warning("coordinator restarted", job_id=job.job_id, restart=restart, previous=reason,
+                recovery=decision.action.value, why=decision.reason)
+    return decision
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tpass-coordinator")
 @click.option("--job-id", type=click.IntRange(min=1), required=True, help="The Slurm job this coordinator serves.")
@@ -206,22 +256,41 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
               help="Read the job secret (64 hex digits, from the plugin) from this fd; rank.* requests must be "
                    "signed with it. Without it they are accepted unsigned (a coordinator started by hand).")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--supervised", is_flag=True, hidden=True,
+              help="Run the coordinator itself (its supervisor passes this); without it this process supervises.")
+@click.option("--restart", type=click.IntRange(min=0), default=0, hidden=True,
+              help="This coordinator replaces one that died (the supervisor's restart count).")
+@click.option("--restart-reason", default="", hidden=True, help="How the coordinator it replaces ended.")
 def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_address, port, slurm_poll_s, secret_fd,
-         log_level):
-    """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand)."""
+         log_level, supervised, restart, restart_reason):
+    """Per-job torchpass coordinator (started by the SPANK plugin; not run by hand).
+
+    It supervises the coordinator it starts: a coordinator that dies is started again on the same
+    address, at most the policy's coordinator_restarts times (docs/coordinator.md, "The coordinator
+    comes back")."""
     logs.configure(log_level)
     log = logs.get_logger("torchpass.coordinator")
+    if not supervised:
+        sys.exit(_supervise(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_address, port,
+                            slurm_poll_s, secret_fd, log_level, log))
     raise_open_files(*job_size(), log)
     address = bind_address or _own_address()
     try:
         secret = jobauth.read_secret_fd(secret_fd) if secret_fd is not None else None
         private, admins = job_privacy()
         job = JobState(job_id=job_id, spares=spares, policy=policy, started_wall=time.time())
+        recovered = _restarted(job, state_dir, restart, restart_reason, log) if restart else None
         driver = _make_driver(job, state_dir, spares, policy, log, snapshot_every_s=snapshot_every)
-        server = CoordinatorServer(job, bind_address=address, port=port, driver=driver,
-                                   munge_socket=(driver.executor.tpassd.munge_socket if driver
-                                                 else auth.default_socket() or slurm_munge_socket()),
-                                   job_secret=secret, private_jobs=private, admin_uids=admins)
+        munge = driver.executor.tpassd.munge_socket if driver else auth.default_socket() or slurm_munge_socket()
+        for wait_s in (*RESTART_BIND_WAITS_S, None) if restart else (None,):
+            try:
+                server = CoordinatorServer(job, bind_address=address, port=port, driver=driver, munge_socket=munge,
+                                           job_secret=secret, private_jobs=private, admin_uids=admins)
+                break
+            except zmq.ZMQError as exc:  # the ranks' port, briefly taken (an outgoing connection's): again
+                if wait_s is None:
+                    raise TorchpassError(f"cannot listen on {address}:{port} again: {exc}") from None
+                time.sleep(wait_s)
         endpoint = f"tcp://{address}:{server.port}"
         write_registration(state_dir, job_id, {
             "job_id": job_id, "endpoint": endpoint, "pid": os.getpid(), "host": socket.gethostname(),
@@ -237,6 +306,11 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
         except OSError as exc:
             log.warning("could not write the ready line", fd=ready_fd, error=str(exc))
     job.record(time.time(), "coordinator.started", f"coordinator for job {job_id} listening on {endpoint}")
+    if driver is not None and driver.executor is not None:
+        driver.in_flight = InFlightWriter(state_dir, job_id)
+        if recovered is not None:
+            settle(job, driver, recovered)
+            driver.executor.save_events()  # coordinator.restarted on disk at once (tpassctl events, tests)
     log.info("coordinator listening", job_id=job_id, endpoint=endpoint, spares=spares, policy=policy)
 
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -107,6 +107,9 @@ class CoordinatorPolicy:
     pause_fallback_collectives: int = 64
     # A rank already past T refuses the pause; re-arm at a later T this often.
     max_pause_rearms: int = 2
+    # How often the coordinator's supervisor starts a coordinator that died (killed, crashed) again
+    # in one job (restart.py). 0: never; the ranks then go on unprotected, as without a supervisor.
+    coordinator_restarts: int = 3
 
     # --- phase timeouts (seconds); an expired one rolls back ---------------
     pause_timeout_s: float = 60.0  # every rank quiesced at T
@@ -205,6 +208,8 @@ class CoordinatorPolicy:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.max_pause_rearms < 0:
             raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
+        if self.coordinator_restarts < 0:
+            raise ConfigError(f"coordinator_restarts must be >= 0, got {self.coordinator_restarts}")
 
     def max_pause_s(self) -> float:
         """Upper bound on how long one migration can keep training paused.

@@ -390,6 +390,7 @@ class ControlLink(PauseListener):
                             self._cv.notify_all()
                         continue
                     if res is None:
+                        self._forgotten()
                         with self._cv:
                             self._outbox.appendleft(item)  # resend after a pause
                         self._sleep(min(self.interval_s, 0.2))
@@ -419,6 +420,8 @@ class ControlLink(PauseListener):
                     if compute:
                         meter.sent(compute["compute_step"])
                     self._handle(res)
+                elif self._forgotten():
+                    continue
                 # A paused rank (quiesced at T, waiting for its resume) asks often:
                 # the resume comes only in a reply, and every rank stands still
                 # until the last one has it. Measured: up to one interval (0.5 s)
@@ -437,6 +440,18 @@ class ControlLink(PauseListener):
         finally:
             self.channel.stop_relay()
             self.channel.close()
+
+    def _forgotten(self) -> bool:
+        """The coordinator answered that this rank has not registered: one its supervisor started
+        again after the last one died, which rebuilds its view from the ranks' registrations. The
+        rank registers again (a paused rank stays paused: its resume comes in the answer). A rank
+        that fell back stays unprotected and unregistered."""
+        exc = self.refused
+        if getattr(exc, "code", None) != "not_found" or self._state not in (LinkState.REPORTING, LinkState.QUIESCED):
+            return False
+        say("the coordinator does not know this rank (it was restarted): registering again")
+        self._enter(LinkState.REGISTERING)
+        return True
 
     def _register(self) -> None:
         restored = {"restored": self.restored} if self.restored else {}

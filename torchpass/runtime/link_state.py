@@ -9,6 +9,7 @@
         └──── woken "restored ID" ─────── HOLDING ◄──quiesced, hold──┘──┘
                                           │
       QUIESCED, HOLDING ── no resume by the pause's deadline ──► FELL_BACK (pauses refused for good)
+      REPORTING, QUIESCED ── answered "not_found" (a restarted coordinator) ──► REGISTERING
       any state ── stop() ──► STOPPED
 
 REGISTERING: no ``rank.register`` answered yet (at the start; and again for a copy restored from a
@@ -44,8 +45,8 @@ class LinkState(enum.Enum):
 S = LinkState
 TRANSITIONS: dict[LinkState, frozenset[LinkState]] = {
     S.REGISTERING: frozenset({S.REPORTING, S.QUIESCED, S.STOPPED}),
-    S.REPORTING: frozenset({S.QUIESCED, S.HOLDING, S.STOPPED}),
-    S.QUIESCED: frozenset({S.REPORTING, S.HOLDING, S.FELL_BACK, S.STOPPED}),
+    S.REPORTING: frozenset({S.QUIESCED, S.HOLDING, S.REGISTERING, S.STOPPED}),
+    S.QUIESCED: frozenset({S.REPORTING, S.HOLDING, S.FELL_BACK, S.REGISTERING, S.STOPPED}),
     S.HOLDING: frozenset({S.QUIESCED, S.REPORTING, S.REGISTERING, S.FELL_BACK, S.STOPPED}),
     S.FELL_BACK: frozenset({S.STOPPED}),
     S.STOPPED: frozenset(),
