@@ -98,3 +98,19 @@ def test_a_gpu_restore_step_is_a_step_of_its_own_and_a_cpu_one_is_as_before():
     # An overlapping step shares the GRES of the steps beside it: two restore steps could get one GPU.
     assert "--overlap" not in gpu and "--exact" in gpu
     assert gpu[gpu.index("-n1") + 1:gpu.index("--torchpass=off")] == ["--cpus-per-task=8", "--gres=gpu:2"]
+
+
+def test_expand_is_dropped_under_task_affinity_and_the_reason_says_so(tmp_path):
+    from torchpass.slurm.conf import task_plugins
+    from torchpass.slurm.gres import spare_strategies_for
+
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nTaskPlugin=task/cgroup,task/affinity\n")
+    plugins = task_plugins(str(conf))
+    assert plugins == ("task/cgroup", "task/affinity")
+    kept, why = spare_strategies_for(("hot", "expand", "companion"), plugins)
+    assert kept == ("hot", "companion") and "task/affinity" in why and "hot, companion" in why
+    conf.write_text("TaskPlugin=task/cgroup\n")
+    assert spare_strategies_for(("hot", "expand", "companion"), task_plugins(str(conf))) == (
+        ("hot", "expand", "companion"), "")
+    assert spare_strategies_for(("expand",), task_plugins(str(tmp_path / "missing"))) == (("expand",), "")

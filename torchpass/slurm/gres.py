@@ -146,3 +146,16 @@ def check_same_driver(source: str, target: str) -> None:
     if source != target:
         raise PlacementRefused(f"the spare runs NVIDIA driver {target}, the source {source}: a CUDA checkpoint "
                                "is restored by the same driver only; the move is refused")
+
+
+def spare_strategies_for(strategies: tuple[str, ...], plugins: tuple[str, ...] | None) -> tuple[tuple[str, ...], str]:
+    """The policy's spare strategies that work on this cluster, and why any was dropped ("" if none).
+
+    Under ``TaskPlugin=task/affinity`` Slurm 24.11 does not record the cores of a node added by
+    job expansion, and a step launched there fails: "expand" is dropped, the others keep their
+    order. An unreadable slurm.conf (None) keeps the policy as it is."""
+    if plugins is None or "task/affinity" not in plugins or "expand" not in strategies:
+        return strategies, ""
+    kept = tuple(s for s in strategies if s != "expand")
+    return kept, (f"TaskPlugin={','.join(plugins)}: the expand spare strategy fails under task/affinity "
+                  f"(the added node's cores are not recorded); spares use {', '.join(kept) or 'none'}")
