@@ -18,6 +18,7 @@ CLUSTER_WORKERS ?= 2
 JOB_VENV ?= /opt/torchpass-dev/jobvenv
 export TORCHPASS_JOB_VENV := $(JOB_VENV)
 
+.PHONY: gpu-bundle gpu-check
 .PHONY: all deps venv jobvenv spank dist dist-offline release-check lint lint-imports test test-fast unit integration demo bench clean
 
 all: venv spank
@@ -127,3 +128,11 @@ bench: deps venv jobvenv spank
 clean:
 	$(MAKE) -C slurm_spank clean
 	rm -rf $(VENV) .deps.stamp $(DIST_DIR)
+
+# The GPU check's offline bundle (gpu-bundle/, <= 64 MiB: cp312 wheels and criu), built here with
+# network; and the check itself, run on a one-GPU machine from that bundle only (scripts/gpu_check.py).
+gpu-bundle: venv
+	bash scripts/gpu-bundle.sh
+
+gpu-check:
+	$(or $(GPU_CHECK_PYTHON),python3) scripts/gpu_check.py

@@ -96,6 +96,8 @@ class NvmlProvider(Protocol):
     def shutdown(self) -> None: ...
     def device_count(self) -> int: ...
     def uuid(self, gpu: int) -> str: ...
+    def driver_version(self) -> str: ...
+    def mig_enabled(self, gpu: int) -> bool: ...
     def ecc_counts(self, gpu: int) -> dict[str, int]: ...
     def retired_pages(self, gpu: int) -> dict[str, int]: ...
     def remapped_rows(self, gpu: int) -> dict[str, int]: ...
@@ -122,14 +124,16 @@ class PynvmlProvider:
 
     name = "nvml"
 
-    def __init__(self, clock: Callable[[], float] | None = None):
+    def __init__(self, clock: Callable[[], float] | None = None, module: Any = None):
+        """``module`` is the pynvml module to use (tests pass a stand-in); by default, ``import pynvml``."""
         import time
 
-        try:
-            import pynvml
-        except ImportError:  # pragma: no cover - a base dependency
-            raise DependencyError("the nvidia-ml-py package is not installed; pip install nvidia-ml-py") from None
-        self._nv = pynvml
+        if module is None:
+            try:
+                import pynvml as module
+            except ImportError:  # pragma: no cover - a base dependency
+                raise DependencyError("the nvidia-ml-py package is not installed; pip install nvidia-ml-py") from None
+        self._nv = module
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._initialised = False
@@ -186,6 +190,20 @@ class PynvmlProvider:
     def uuid(self, gpu: int) -> str:
         u = self._call(self._nv.nvmlDeviceGetUUID, self._h(gpu))
         return u.decode() if isinstance(u, bytes) else str(u)
+
+    def driver_version(self) -> str:
+        v = self._call(self._nv.nvmlSystemGetDriverVersion)
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def mig_enabled(self, gpu: int) -> bool:
+        """Whether MIG mode is on (current mode); a GPU without MIG support answers False."""
+        try:
+            current, _pending = self._call(self._nv.nvmlDeviceGetMigMode, self._h(gpu))
+        except NvmlError as exc:
+            if exc.not_supported:
+                return False
+            raise
+        return bool(current == self._nv.NVML_DEVICE_MIG_ENABLE)
 
     def ecc_counts(self, gpu: int) -> dict[str, int]:
         nv, h = self._nv, self._h(gpu)
@@ -258,6 +276,18 @@ class PynvmlProvider:
             if supported & wanted:
                 self._call(nv.nvmlDeviceRegisterEvents, h, supported & wanted, self._event_set)
 
+    def _index_of(self, device: Any) -> int:
+        """The index of an event's device, by its handle's address. Asking NVML
+        (nvmlDeviceGetIndex) fails with GPU_IS_LOST on the GPU that Xid 79 has just
+        taken off the bus, which would drop exactly the event that matters most."""
+        import ctypes
+
+        address = ctypes.cast(device, ctypes.c_void_p).value
+        for i, h in enumerate(self._handles):
+            if ctypes.cast(h, ctypes.c_void_p).value == address:
+                return i
+        return int(self._call(self._nv.nvmlDeviceGetIndex, device))
+
     def wait_event(self, timeout_ms: int) -> NvmlEvent | None:
         nv = self._nv
         if self._event_set is None:
@@ -268,7 +298,7 @@ class PynvmlProvider:
             if exc.value == NVML_ERROR_TIMEOUT:
                 return None
             raise NvmlError(exc.value, str(exc)) from None
-        gpu = int(self._call(nv.nvmlDeviceGetIndex, data.device))
+        gpu = self._index_of(data.device)
         if data.eventType & nv.nvmlEventTypeXidCriticalError:
             return NvmlEvent(gpu, EVENT_XID, int(data.eventData), self._clock())
         if data.eventType & nv.nvmlEventTypeDoubleBitEccError:
@@ -293,6 +323,7 @@ def _pristine_gpu(index: int, links: int) -> dict[str, Any]:
         "power_w": 70.0 + index,
         "throttle": 0,
         "util": {"gpu": 0, "memory": 0},
+        "mig": False,
         "failing": set(),  # query names that raise a (non-lost) NVML error
     }
 
@@ -306,9 +337,11 @@ class FakeNvmlProvider:
 
     name = "fake"
 
-    def __init__(self, gpus: int = 8, nvlinks: int = 4, clock: Callable[[], float] | None = None):
+    def __init__(self, gpus: int = 8, nvlinks: int = 4, clock: Callable[[], float] | None = None,
+                 driver_version: str = "fake-0.0"):
         import time
 
+        self._driver_version = driver_version
         self._n = gpus
         self._links = nvlinks
         self._lock = threading.Lock()
@@ -347,6 +380,14 @@ class FakeNvmlProvider:
     def uuid(self, gpu: int) -> str:
         with self._lock:
             return self._get(gpu, "uuid")["uuid"]
+
+    def driver_version(self) -> str:
+        self._check()
+        return self._driver_version
+
+    def mig_enabled(self, gpu: int) -> bool:
+        with self._lock:
+            return bool(self._get(gpu, "mig")["mig"])
 
     def ecc_counts(self, gpu: int) -> dict[str, int]:
         with self._lock:
@@ -443,11 +484,11 @@ class FakeNvmlProvider:
                 row["active"] = int(active)
 
     def set(self, gpu: int, **values: Any) -> None:
-        """Set plain readings: temperature_c, power_w, throttle, pcie_replay, lost."""
+        """Set plain readings: temperature_c, power_w, throttle, pcie_replay, lost, mig."""
         with self._lock:
             g = self._gpu(gpu)
             for k, v in values.items():
-                if k not in ("temperature_c", "power_w", "throttle", "pcie_replay", "lost"):
+                if k not in ("temperature_c", "power_w", "throttle", "pcie_replay", "lost", "mig"):
                     raise KeyError(k)
                 g[k] = v
 

@@ -134,6 +134,43 @@ def open_sockets(pid: int, proc: str = "/proc") -> list[str]:
     return found
 
 
+# Handles CRIU cannot checkpoint. The RDMA verbs devices: NCCL's IB transport opens
+# /dev/infiniband/uverbs* when its network plugin starts and keeps them (and their mmaps) for the
+# life of the process, not of a communicator, and CRIU has no plugin for them. io_uring: CRIU has
+# no support for its rings.
+UNDUMPABLE_PREFIXES = ("/dev/infiniband/", "anon_inode:[io_uring]")
+
+
+def undumpable_handles(pid: int, proc: str = "/proc") -> list[str]:
+    """'PID: what' for every open fd or mapping of the tree rooted at ``pid`` that CRIU cannot
+    dump (UNDUMPABLE_PREFIXES). Read from /proc, as open_sockets does, before the dump touches
+    anything: a dump that would fail half way is refused instead."""
+    found: list[str] = []
+    for p in tree_pids(pid, proc):
+        held: set[str] = set()
+        try:
+            fds = os.listdir(f"{proc}/{p}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"{proc}/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(UNDUMPABLE_PREFIXES):
+                held.add(target)
+        try:
+            with open(f"{proc}/{p}/maps") as f:
+                for line in f:
+                    path = line.split(maxsplit=5)[5].strip() if line.count(" ") >= 5 else ""
+                    if path.startswith(UNDUMPABLE_PREFIXES):
+                        held.add(path)
+        except (OSError, IndexError):
+            pass
+        found.extend(f"{p}: {h}" for h in sorted(held))
+    return found
+
+
 def fd_target(pid: int, fd: int, proc: str = "/proc") -> str | None:
     try:
         return os.readlink(f"{proc}/{pid}/fd/{fd}")

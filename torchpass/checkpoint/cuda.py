@@ -49,8 +49,65 @@ class _CheckpointArgs(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_uint64 * 8)]
 
 
+class _GpuPair(ctypes.Structure):
+    # CUcheckpointGpuPair (cuda.h): two CUuuid, 16 bytes each.
+    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
+
+
 class _RestoreArgs(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+    # CUcheckpointRestoreArgs (cuda.h, driver 570+): 64 bytes, the rest reserved and zeroed.
+    # Later drivers put customStorageInfo_out in what is reserved here; zero means "not used".
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * (52 - 8)), ("reserved1", ctypes.c_uint64)]
+
+
+RESTORE_ARGS_SIZE = 64
+
+
+def uuid_bytes(uuid: str) -> bytes:
+    """The 16 bytes of a GPU UUID as NVML and nvidia-smi print it ("GPU-" and 32 hex digits).
+
+    MIG devices ("MIG-...") are refused: the CUDA checkpoint remaps whole GPUs."""
+    text = uuid.strip()
+    if text.startswith("MIG-"):
+        raise CheckpointError(f"{text} is a MIG device: a rank on MIG devices cannot be moved "
+                              "(the CUDA checkpoint remaps whole GPUs)")
+    hexpart = text.removeprefix("GPU-").replace("-", "")
+    try:
+        raw = bytes.fromhex(hexpart)
+    except ValueError:
+        raw = b""
+    if len(raw) != 16:
+        raise CheckpointError(f"{uuid!r} is not a GPU UUID (GPU- and 32 hex digits)")
+    return raw
+
+
+def gpu_pair_table(source: list[str] | tuple[str, ...], target: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """Source GPU -> target GPU in local order: the rank's n-th GPU on the source becomes the
+    n-th GPU allocated to its restore step. The restored process keeps its source
+    environment (CUDA_VISIBLE_DEVICES too), and CUDA's device n stays device n: only the
+    UUID behind it changes, so the table must cover every GPU the rank used."""
+    if len(target) < len(source):
+        raise CheckpointError(f"the rank used {len(source)} GPU(s) but its restore step has {len(target)}: "
+                              "it is not started without its GPUs")
+    for u in (*source, *target[:len(source)]):
+        uuid_bytes(u)
+    return list(zip(source, target[:len(source)], strict=True))
+
+
+def restore_args(pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> tuple[_RestoreArgs, object]:
+    """CUcheckpointRestoreArgs for ``pairs``; the second value owns the pair array (keep it alive
+    until the call returns)."""
+    args = _RestoreArgs()
+    if not pairs:
+        return args, None
+    array = (_GpuPair * len(pairs))()
+    for slot, (old, new) in zip(array, pairs, strict=True):
+        slot.oldUuid[:] = uuid_bytes(old)
+        slot.newUuid[:] = uuid_bytes(new)
+    args.gpuPairs = ctypes.cast(array, ctypes.POINTER(_GpuPair))
+    args.gpuPairsCount = len(pairs)
+    return args, array
 
 
 class _UnlockArgs(ctypes.Structure):
@@ -128,8 +185,12 @@ class CudaCheckpoint:
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid, ctypes.byref(_CheckpointArgs()))
 
-    def restore(self, pid: int) -> None:
-        self._call("cuCheckpointProcessRestore", pid, ctypes.byref(_RestoreArgs()))
+    def restore(self, pid: int, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...] = ()) -> None:
+        """``pairs``: (source UUID, target UUID) for every GPU the process used, or none to restore
+        onto the same GPUs (an abort on the source)."""
+        args, keep = restore_args(pairs)
+        self._call("cuCheckpointProcessRestore", pid, ctypes.byref(args))
+        del keep
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid, ctypes.byref(_UnlockArgs()))
@@ -150,11 +211,12 @@ class CudaCheckpoint:
         if (st := self.state(pid)) != ProcessState.CHECKPOINTED:
             raise CheckpointError(f"pid {pid} is {st.name} after cuCheckpointProcessCheckpoint, not CHECKPOINTED")
 
-    def resume(self, pid: int) -> None:
-        """Target side after the CRIU restore (or source side on abort): restore, then unlock."""
+    def resume(self, pid: int, pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...] = ()) -> None:
+        """Target side after the CRIU restore (or source side on abort): restore, then unlock.
+        ``pairs`` remaps the source's GPUs onto the target's (``gpu_pair_table``)."""
         st = self.state(pid)
         if st == ProcessState.CHECKPOINTED:
-            self.restore(pid)
+            self.restore(pid, pairs)
             st = self.state(pid)
         if st == ProcessState.LOCKED:
             self.unlock(pid)

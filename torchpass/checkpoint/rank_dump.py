@@ -101,6 +101,13 @@ class RankDumps:
             # turn degraded and its ranks would be moved away): it needs the image plus that reserve.
             estimate = lambda pid_: s.image_estimate(pid_) + s.keep_free_bytes  # noqa: E731
         who = f"rank {rank}"
+        # Handles CRIU cannot dump (the verbs devices NCCL's IB transport keeps open): refused
+        # here, before the marker, the CUDA suspend or CRIU touch anything.
+        if held := criu_mod.undumpable_handles(p.pid, s.proc):
+            raise RemoteError("unavailable", f"rank {rank} of job {job_id} holds handles CRIU cannot checkpoint "
+                                             f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): it "
+                                             "cannot be moved or snapshotted; see docs/runtime.md, NCCL over "
+                                             "InfiniBand")
         if snapshot is not None:
             # The quota is checked again, exactly, at the commit; here, before anything is written, a
             # rank that alone would take its owner past it (its tree's resident memory, the image's

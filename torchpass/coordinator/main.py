@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,7 +32,8 @@ from torchpass.coordinator.supervisor import Supervisor
 from torchpass.errors import TorchpassError
 from torchpass.health import HealthSubscriber
 from torchpass.slurm import client
-from torchpass.slurm.conf import job_privacy, slurm_munge_socket
+from torchpass.slurm.conf import job_privacy, slurm_munge_socket, task_plugins
+from torchpass.slurm.gres import spare_strategies_for
 from torchpass.tpassd_ports import tpassd_ports
 
 MIN_MAX_SOCKETS = 1024  # zmq's default limit of sockets per context (1,023) and headroom above it
@@ -137,6 +139,11 @@ def _make_driver(job, state_dir, spares, policy_name, log, *, snapshot_every_s: 
     except (TorchpassError, OSError) as exc:
         log.warning("migrations disabled for this job", job_id=job.job_id, error=str(exc))
         return None
+    kept, why = spare_strategies_for(pol.spare_strategies, task_plugins())
+    if why:
+        pol = dataclasses.replace(pol, spare_strategies=kept)
+        job.record(time.time(), "spare.strategies", why, dropped=["expand"], strategies=list(kept))
+        log.info("spare strategies chosen from slurm.conf", why=why)
     hot = tuple(nodes[len(nodes) - spares:]) if 0 < spares < len(nodes) else ()
     addresses = {}
     try:

@@ -23,6 +23,7 @@ from torchpass.coordinator.executor_ports import ExecutorPorts
 from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.errors import TorchpassError
 from torchpass.slurm.base import overlap_step_argv
+from torchpass.slurm.gres import parse_step_share, restore_step_options
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -53,6 +54,7 @@ class RestoreSteps:
         # The job's stdout file (cached). Given at the start (main.py has Slurm's record then), so
         # the first restore step, launched in the serve thread at a pause, asks slurmctld nothing.
         self.output: str | None = output or None
+        self.resources: tuple[str, ...] | None = None  # task_resources(), once read
 
 
     def job_output(self) -> str:
@@ -67,6 +69,26 @@ class RestoreSteps:
                     log.warning("cannot read the job's output file from Slurm", error=str(exc))
             self.output = path or str(layout.restored_ranks_out(self.ports.state_dir, self.ports.job_id))
         return self.output
+
+    def task_resources(self) -> tuple[str, ...]:
+        """srun options for what one task of the job's training step had, when it had GPUs
+        (Slurm's ``scontrol show step -d``, read once). A CPU-only job's restore step asks for
+        nothing more than before, and so does one whose share cannot be read (logged)."""
+        if self.resources is None:
+            self.resources = ()
+            slurm = self.ports.slurm
+            if slurm is not None:
+                try:
+                    steps = [s for s in slurm.steps(self.ports.job_id)
+                             if s.user_step and not s.name.startswith(RESTORE_STEP_NAME)]
+                    if steps:
+                        share = parse_step_share(slurm.step_detail(steps[0].step_id))
+                        if share.gpus:
+                            self.resources = tuple(restore_step_options(share))
+                except (OSError, TorchpassError) as exc:
+                    log.warning("cannot read the training step's share from Slurm; restore steps ask for "
+                                "one task's default", error=str(exc))
+        return self.resources
 
     def restore_err(self, a: ct.Restore) -> Path:
         """srun's stderr plus the restore wrapper's reason for failing: the rollback event quotes its
@@ -84,7 +106,8 @@ class RestoreSteps:
                     + p.transfer_timeout_s * p.max_spare_attempts + 60.0)
             prog = ["-m", RESTORE_GATE_MODULE, str(gate), f"{wait:g}", "--"]
         step = overlap_step_argv(self.ports.srun, jobid or self.ports.job_id, a.target,
-                                 name=f"{RESTORE_STEP_NAME}{a.rank}", output=self.job_output())
+                                 name=f"{RESTORE_STEP_NAME}{a.rank}", output=self.job_output(),
+                                 resources=self.task_resources())
         return [*step, self.ports.python, *prog, "--state-dir", str(self.ports.rank_dir),
                 "--error-file", str(self.restore_err(a))]
 

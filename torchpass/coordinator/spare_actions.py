@@ -15,6 +15,7 @@ from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.coordinator.restore_steps import RESTORE_STEP_NAME
 from torchpass.errors import SlurmError, TorchpassError
 from torchpass.slurm.base import SpareRequest
+from torchpass.slurm.gres import parse_job_allocations, spare_options
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -48,8 +49,21 @@ class SpareActions:
                      f"({a.migration}, replacing {a.for_node})"),
             exclude=tuple(exclude), partition=info.partition, account=info.account, qos=info.qos,
             time_limit_min=limit, immediate_s=max(1, int(min(self.ports.policy.spare_timeout_s, 60.0))),
-            expand=a.strategy == SpareHow.EXPAND,
+            expand=a.strategy == SpareHow.EXPAND, resources=self.spare_resources(a.for_node),
         )
+
+    def spare_resources(self, for_node: str) -> tuple[str, ...]:
+        """salloc options for a node shaped like the job's share of ``for_node`` when that share has
+        GPUs (``scontrol show job -d``); a CPU-only job's spare is a whole node, as before."""
+        slurm = self.ports.slurm
+        try:
+            allocs = parse_job_allocations(slurm.job_detail(self.ports.job_id), slurm.expand_nodelist)
+        except (OSError, TorchpassError) as exc:
+            log.warning("cannot read the job's per-node allocation from Slurm; the spare asks for a whole node",
+                        error=str(exc))
+            return ()
+        alloc = allocs.get(for_node)
+        return tuple(spare_options(alloc)) if alloc is not None and alloc.gpus else ()
 
     def request_spare(self, a: ct.RequestSpare, st: CoordState) -> None:
         if a.strategy not in (SpareHow.EXPAND, SpareHow.COMPANION):

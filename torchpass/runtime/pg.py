@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,25 @@ class Rendezvous:
     # Rank 0 serves the store at this address (every rendezvous the coordinator names). False for
     # the first one of a torchrun worker: its agent serves it (TORCHELASTIC_USE_AGENT_STORE).
     served: bool = True
+
+
+class CudaBackendFactory:
+    """Every CUDA backend of the runtime's groups is made and shut down here, and nowhere else.
+
+    NCCL's communicators must be gone before the CUDA checkpoint of a dump, and be made anew
+    after the restore; one factory makes that one place to look at (and the place a test
+    replaces with a stand-in, on a machine without CUDA)."""
+
+    def create(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+    def shutdown(self, backend: Any) -> None:
+        backend.shutdown()  # destroys its communicators
+
+
+CUDA_BACKENDS = CudaBackendFactory()
 
 
 class PauseListener:
@@ -160,6 +180,7 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._use_nccl = use_nccl
         self._inner: dist.ProcessGroup | None = None
+        self._cuda_backend: Any = None  # the inner group's CUDA backend (CUDA_BACKENDS made it)
         self._works: list = []
         self._prune_at = TRACK_PRUNE_MIN  # _track prunes when this many Works are kept
         # The rank's compute time per step (compute_time.py): the default group's, shared by its subgroups.
@@ -206,9 +227,8 @@ class _ForwardingGroup(dist.ProcessGroup):
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
         inner = dist.ProcessGroup(st, self._rank, self._size)
         if self._use_nccl:
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = self._timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", st), self._rank, self._size, nccl_opts)
+            nccl = CUDA_BACKENDS.create(dist.PrefixStore("cuda/", st), self._rank, self._size, self._timeout)
+            self._cuda_backend = nccl
             inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
             inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
             inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
@@ -218,8 +238,16 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._inner = inner
 
     def _drop_inner(self) -> None:
-        """Destroy the inner group (its sockets close when the last reference goes)."""
+        """Destroy the inner group (its sockets close when the last reference goes); its CUDA
+        backend first, through the factory that made it."""
         inner, self._inner = self._inner, None
+        cuda, self._cuda_backend = self._cuda_backend, None
+        if cuda is not None:
+            try:
+                CUDA_BACKENDS.shutdown(cuda)
+            except Exception:  # noqa: BLE001 - best effort, the refs go anyway
+                pass
+            del cuda
         if inner is not None:
             try:
                 inner.shutdown()  # NCCL: destroys communicators; gloo: nothing
@@ -642,9 +670,7 @@ class ReconfigurablePG(_ForwardingGroup):
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         if use_nccl:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, size, opts)
+            nccl = CUDA_BACKENDS.create(dist.PrefixStore("cuda/", prefix), rank, size, timeout)
             pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
             pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
         pg._set_group_name(group_name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from torchpass.errors import SlurmError
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -91,15 +93,24 @@ class SpareRequest:
     time_limit_min: int | None = None
     immediate_s: int = 30
     expand: bool = False
+    # What the node it replaces holds for the job (torchpass.slurm.gres.spare_options): GPUs,
+    # CPUs and memory; empty for a CPU-only job, which asks for a whole node as before.
+    resources: tuple[str, ...] = ()
 
 
-def overlap_step_argv(srun: str, job_id: int, node: str, *, name: str, output: str) -> list[str]:
+def overlap_step_argv(srun: str, job_id: int, node: str, *, name: str, output: str,
+                      resources: tuple[str, ...] | list[str] = ()) -> list[str]:
     """``srun`` options of a one-task step of a running job (or allocation) on ``node``, beside its
     other steps, without torchpass's own plugin, appending to ``output``; the program follows.
+    ``resources``: what the task it replaces had (torchpass.slurm.gres.restore_step_options). A
+    step that asks for GPUs is started without ``--overlap`` and with ``--exact``: an overlapping
+    step shares the GRES of the steps beside it, so two restore steps could be given one GPU;
+    a step of its own gets GPUs no other step holds, and Slurm confines its devices to them.
 
     Steps are started with ``srun`` itself (a subprocess whose end is the step's end), so
     this is the one place that spells that command line."""
-    return [srun, f"--jobid={int(job_id)}", "--overlap", "-w", node, "-N1", "-n1", "--torchpass=off",
+    sharing = ["--exact"] if any(r.startswith("--gres=") for r in resources) else ["--overlap"]
+    return [srun, f"--jobid={int(job_id)}", *sharing, "-w", node, "-N1", "-n1", *resources, "--torchpass=off",
             "-o", output, "--open-mode=append", "-J", name]
 
 
@@ -158,6 +169,15 @@ class SlurmClient(ABC):
     def requeue_hold(self, job_id: int) -> None:
         """Requeue a running batch job and hold it (``scontrol requeuehold``; its owner may): its
         processes end, its nodes are free, and it pends held until released."""
+
+    def job_detail(self, job_id: int) -> str:
+        """``scontrol show job -d JOB``: per node, the CPU ids, memory and GRES indices the job
+        holds (torchpass.slurm.gres reads it). A client that cannot tell raises SlurmError."""
+        raise SlurmError(f"the {self.name} Slurm client cannot read job {job_id}'s per-node allocation")
+
+    def step_detail(self, step_id: str) -> str:
+        """``scontrol show step -d J.S``: the step's TRES and task count (torchpass.slurm.gres)."""
+        raise SlurmError(f"the {self.name} Slurm client cannot read step {step_id}'s allocation")
 
     @abstractmethod
     def release(self, job_id: int) -> None:

@@ -154,6 +154,14 @@ class CliSlurmClient(SlurmClient):
                                 state=state[0] if isinstance(state, list) and state else str(state)))
         return out
 
+    def job_detail(self, job_id: int) -> str:
+        return self._run(["scontrol", "show", "job", "-d", str(int(job_id))])
+
+    def step_detail(self, step_id: str) -> str:
+        if not re.fullmatch(r"\d+\.\d+", step_id):
+            raise SlurmError(f"not a job step: {step_id!r}")
+        return self._run(["scontrol", "show", "step", "-d", step_id])
+
     def allocate(self, req: SpareRequest) -> tuple[int, str]:
         argv = ["salloc", "--no-shell", "-N1", "-n1", "--exclusive", f"--immediate={max(1, int(req.immediate_s))}",
                 "-J", req.name, f"--comment={req.comment}"]
@@ -166,6 +174,7 @@ class CliSlurmClient(SlurmClient):
             argv.append(f"--time={max(1, int(req.time_limit_min))}")
         if req.expand:
             argv.append(f"--dependency=expand:{int(req.job_id)}")
+        argv.extend(req.resources)
         conf = self.environ.get("SLURM_CONF")
         if conf and not os.path.exists(conf):
             raise SlurmError(f"SLURM_CONF={conf} does not exist; fix SLURM_CONF or unset it")

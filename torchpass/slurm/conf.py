@@ -41,3 +41,13 @@ def job_privacy(conf: str | None = None) -> tuple[bool, frozenset[int]]:
     for pm in re.finditer(r"^\s*PrivateData\s*=\s*(\S+)", text, re.M | re.I):
         flags |= {f.strip().lower() for f in pm.group(1).split(",")}
     return bool(flags & {"jobs", "all"}), frozenset(admins)
+
+
+def task_plugins(conf: str | None = None) -> tuple[str, ...] | None:
+    """slurm.conf's TaskPlugin list (e.g. ("task/cgroup", "task/affinity")); None when slurm.conf
+    cannot be read, () when it sets none."""
+    text = _slurm_conf_text(conf)
+    if text is None:
+        return None
+    m = re.search(r"^\s*TaskPlugin\s*=\s*(\S+)", text, re.M | re.I)
+    return tuple(p.strip() for p in m.group(1).split(",") if p.strip()) if m else ()
