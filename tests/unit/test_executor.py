@@ -254,7 +254,9 @@ def test_a_restore_step_slurmctld_keeps_refusing_fails_with_its_reason(tmp_path,
     ex.srun = str(_refusing_srun(tmp_path, 1000))
     rb = _move_n2_until_rollback(d)
     assert "Memory required by task is not available" in rb.message, rb.message
-    assert 2 < (tmp_path / "srun.calls").read_text().count("\n") < 10  # tried again, with backoff, then gave up
+    # Tried again, with backoff, then gave up. Under a loaded machine's process starts the 1 s
+    # retry window held only 2 calls (a 1.8 s run idle held 3), so "again" is at least 2.
+    assert 2 <= (tmp_path / "srun.calls").read_text().count("\n") < 10
 
 
 def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy_is_gone(tmp_path):
