@@ -65,17 +65,23 @@ def release_blocker(node: str, job_id: int, info: JobInfo | None, steps: Collect
         number = step.step_id.split(".", 1)[-1]
         left = {r.rank for r in released if r.step == number and r.node == node}
         here = sorted((r for r, rec in records.items() if rec.get("node") == node), key=_rank_order)
-        if left and not here:
-            if not left <= set(settled):
-                return Blocked(Hold.SETTLING, f"the task wrappers of ranks {sorted(left, key=_rank_order)} of step "
-                                              f"{step.step_id} are leaving {node}")
+        if here:
+            return Blocked(Hold.KEPT, f"step {step.step_id} ({step.name}) still has a task on {node}: ranks {here} "
+                                      "run there; releasing the node would kill them and fail the step, so it "
+                                      "stays in the job until the step ends")
+        if left and left <= set(settled):
             continue
         if left:
-            return Blocked(Hold.KEPT, f"step {step.step_id} ({step.name}) still runs ranks {here} on {node}")
-        return Blocked(Hold.KEPT, f"step {step.step_id} ({step.name}) still has a task on {node} that did not leave "
-                                  "it (no moved rank's task wrapper released it: a step of the job's own, or one "
-                                  "started without torchpass's SPANK plugin); releasing the node would kill that "
-                                  "task and fail the step, so it stays in the job until the step ends")
+            return Blocked(Hold.SETTLING, f"the task wrappers of ranks {sorted(left, key=_rank_order)} of step "
+                                          f"{step.step_id} are leaving {node}")
+        # No rank runs there any more, but no launch wrapper has said it left: the moved rank's
+        # wrapper writes its record within a second or so of the source copy's kill (it drains
+        # the rank's pipes first), or the task is not one of torchpass's.
+        return Blocked(Hold.SETTLING, f"step {step.step_id} ({step.name}) still has a task on {node} that did "
+                                      "not leave it (no moved rank's launch wrapper released it: a step of the "
+                                      "job's own, or one started without torchpass's SPANK plugin); releasing the "
+                                      "node would kill that task and fail the step, so it stays in the job until "
+                                      "the step ends")
     return None
 
 
