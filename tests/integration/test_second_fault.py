@@ -235,8 +235,9 @@ def test_second_move_rolled_back_after_its_restore_keeps_the_rank_on_its_first_s
     """The rank moved node2 -> node3, then node3 -> node4 is called off *after* node4's restore
     succeeded: the root-only drill ``kill-fail`` on node3 makes its tpassd refuse the kill of
     the source copy, so the coordinator aborts node4's copy and resumes on node3. node4's
-    killed copy must not decide the rank's exit (the training step's task wrapper on node2
-    waits for it: its 137 would fail the job), and the rank record must name node3 again."""
+    killed copy must not decide the rank's exit (srun's exit hook collects it, the training
+    step's task wrapper having left node2: its 137 would fail the job), and the rank record must
+    name node3 again."""
     t_start = time.monotonic()
     job_id = _submit(job_dir, "kf", job_user)
     out_path = job_dir / f"kf.{job_id}.out"
