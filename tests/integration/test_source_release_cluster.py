@@ -115,6 +115,10 @@ def test_a_released_source_node_can_be_crashed_and_the_job_completes_unchanged(c
         assert done["data"]["source"] == "released", (done["data"], diag)
         assert f"{node} not drained and released" in done["message"], diag
         assert node not in tj.run(["scontrol", "show", "hostnames", tj.job(job_id)["nodes"]]).stdout.split(), diag
+        steps = json.loads(_run(["squeue", "--steps", "--json"]).stdout or "{}").get("steps", [])
+        print("after the release, slurmctld lists the job's steps as "
+              + str([(st.get("id"), st.get("name"), st.get("nodes")) for st in steps
+                     if str(st.get("id", "")).startswith(f"{job_id}.")]))
         # The moved rank's launch wrapper said it left (srun collects its exit code).
         assert f"its task leaves {node}" in out_path.read_text(), diag
 
