@@ -157,3 +157,21 @@ def test_collect_gives_up_when_the_coordinator_is_gone(tmp_path):
 
     assert mx.collect("0", 0, str(rank_dir), str(state), str(JOB), now=lambda: clock[0], sleep=sleep) == 1
     assert clock[0] >= mx.COORDINATOR_GONE_S
+
+
+def test_the_launch_wrapper_leaves_with_a_released_record_once_the_restored_copy_holds_the_rank(tmp_path, monkeypatch):
+    from torchpass.checkpoint import rankwrap as rw
+
+    rank_dir = layout.rank_records_dir(tmp_path / "state", JOB)
+    paths = rw.Paths(str(rank_dir), str(JOB), "1")
+    paths.dir.mkdir(parents=True)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    me = {"wrapper_pid": os.getpid(), "node": socket.gethostname()}
+    paths.record.write_text(json.dumps(me))
+    assert not rw.release_source(paths, str(JOB), "1", -9)  # nothing took the rank over: it stays
+    assert not layout.released_file(rank_dir, JOB, 1).exists()
+    paths.record.write_text(json.dumps({"wrapper_pid": 77, "node": "node4", "restored_from": "/img"}))
+    assert rw.release_source(paths, str(JOB), "1", -9)
+    got = mx.read_released(layout.released_file(rank_dir, JOB, 1))
+    assert got == mx.Released("1", "0", socket.gethostname(), os.getpid(), 137)
+    assert mx.released_records(layout.rank_job_dir(rank_dir, JOB)) == [got]

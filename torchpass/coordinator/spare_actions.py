@@ -62,6 +62,7 @@ class SpareActions:
         self.ports = ports
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
+        self.settle_grace_s = RESTORE_STEP_END_GRACE_S  # how long tasks leaving a node are waited for
 
 
     def spare_request(self, a: ct.RequestSpare, st: CoordState, companions: Collection[str] = ()
@@ -139,7 +140,7 @@ class SpareActions:
                     # Tasks leaving the node (a launch wrapper that handed its rank's exit code to
                     # srun, a restore step whose rank moved on) are gone within moments, but Slurm
                     # may still list them: give them a few seconds before keeping the node.
-                    deadline = time.monotonic() + RESTORE_STEP_END_GRACE_S
+                    deadline = time.monotonic() + self.settle_grace_s
                     while blocker is not None and blocker.hold == Hold.SETTLING and time.monotonic() < deadline:
                         time.sleep(0.5)
                         blocker = self.shrink_blocker(node)
