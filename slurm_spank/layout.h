@@ -20,6 +20,10 @@
  *                                        ahead of the batch script's output
  *                                        when the job runs again (stop.c,
  *                                        slurmstepd's task_init)
+ *   STATE_DIR/jobs/JOB/ranks/jobJOB/rankR.released
+ *                                        a moved rank's launch wrapper left
+ *                                        its node (moved_exit.h, srun's exit
+ *                                        hook)
  *
  * Restore tokens (token.h): root-only and node-local, not in STATE_DIR.
  *
@@ -43,6 +47,8 @@
 #define TPASS_LAYOUT_STOPPED         "stopped"
 #define TPASS_LAYOUT_STOPPED_OUT     "stopped.out"
 #define TPASS_LAYOUT_STOPPED_ERR     "stopped.err"
+#define TPASS_LAYOUT_RANKS           "ranks"
+#define TPASS_LAYOUT_RELEASED_SUFFIX ".released"
 #define TPASS_LAYOUT_RESTORE_TOKENS  "/run/torchpass/restore-tokens"
 #define TPASS_LAYOUT_TOKEN_SUFFIX    ".token"
 /* A token older than this (seconds) is refused (tpassd writes it right

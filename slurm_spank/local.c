@@ -40,6 +40,7 @@
 #include "context.h"
 #include "coordinator.h"
 #include "layout.h"
+#include "moved_exit.h"
 #include "placement.h"
 #include "proc.h"
 #include "relaunch.h"
@@ -205,6 +206,19 @@ int tpass_local_init(spank_t sp, int ac, char **av)
 	return rc;
 }
 
+/* A --torchpass step's moved ranks may leave their exit code to srun (moved_exit.h). */
+static void arm_moved_exit(spank_t sp)
+{
+	const char *job = getenv("SLURM_JOB_ID");
+	const char *tjob = getenv(TPASS_ENV_JOB_ID);
+	unsigned job_id;
+
+	if (!tpass_active(sp) || !job || !tjob || strcmp(job, tjob) ||
+	    tpass_parse_uint(job, 1, 4294967295u, &job_id) < 0)
+		return;
+	tpass_moved_exit_arm(sp, job_id);
+}
+
 int tpass_local_user_init(spank_t sp, int ac, char **av)
 {
 	uint32_t step;
@@ -215,6 +229,7 @@ int tpass_local_user_init(spank_t sp, int ac, char **av)
 		again.step_id = step;
 		again.step_known = true;
 	}
+	arm_moved_exit(sp);
 	return 0;
 }
 
@@ -226,7 +241,8 @@ static double mono_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-int tpass_local_exit(spank_t sp, int ac, char **av)
+/* Returns unless srun starts its step again (execve). */
+static int relaunch_at_exit(spank_t sp, int ac, char **av)
 {
 	char err[TPASS_ERR_MAXLEN], node[256];
 	struct tpass_relaunch v;
@@ -291,5 +307,12 @@ int tpass_local_exit(spank_t sp, int ac, char **av)
 	execve(again.exe, again.argv, again.envp);
 	tpass_error("job %u: cannot start srun again (%s: %m); srun exits as it would without torchpass",
 		    again.job_id, again.exe);
+	return 0;
+}
+
+int tpass_local_exit(spank_t sp, int ac, char **av)
+{
+	relaunch_at_exit(sp, ac, av);
+	tpass_moved_exit_collect();
 	return 0;
 }

@@ -1083,7 +1083,9 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 		 * runs under the rank wrapper, which makes it movable with
 		 * CRIU (PID 1 of its own PID namespace, hand-off markers).
 		 */
-		const char *wrap[] = { tpass.conf.rank_wrapper, "--" };
+		/* a moved rank's exit code is collected by srun (moved_exit.h) */
+		const char *wrap[] = { tpass.conf.rank_wrapper, "--on-handoff",
+				       "release", "--" };
 		/* a relaunch from a snapshot: the wrapper ignores the program */
 		const char *restore[] = { tpass.conf.rank_wrapper,
 					  "--restore-snapshot", R.snapshot,
@@ -1092,7 +1094,7 @@ int tpass_remote_task_init(spank_t sp, int ac, char **av)
 		if (!wraps_rank())
 			return 0;
 		if (!R.snapshot[0]) {
-			rc = spank_prepend_task_argv(sp, 2, wrap);
+			rc = spank_prepend_task_argv(sp, 4, wrap);
 			if (rc != ESPANK_SUCCESS)
 				tpass_error("cannot start the task under rank_wrapper %s: %s; it runs but cannot be migrated",
 					    tpass.conf.rank_wrapper, spank_strerror(rc));

@@ -28,6 +28,7 @@ RANK_DIR/                         (the rank wrapper's --state-dir, $TORCHPASS_RA
     rankR.json                    rank_record(): wrapper pid, rank pid, pipe inodes
     rankR.handoff                 handoff(): moving / moved / abort
     rankR.exit                    exit_file(): exit code of a moved rank
+    rankR.released                released_file(): its launch wrapper left the source node
 
 TOKENS/                           (tpassd.toml restore_token_dir = plugstack.conf restore_tokens=;
                                   default RESTORE_TOKENS; root's, 0700, node-local)
@@ -85,6 +86,7 @@ JOB_UMASK = 0o027
 RECORD_SUFFIX = ".json"
 HANDOFF_SUFFIX = ".handoff"
 EXIT_SUFFIX = ".exit"
+RELEASED_SUFFIX = ".released"
 
 # Default rank-wrapper directory when neither --state-dir nor $TORCHPASS_RANK_STATE_DIR is set.
 DEFAULT_RANK_DIR = "/run/torchpass/ranks"
@@ -194,6 +196,12 @@ def exit_file(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
     return rank_job_dir(rank_dir, job) / (_rank_name(rank) + EXIT_SUFFIX)
 
 
+def released_file(rank_dir: PathLike, job: int | str, rank: int | str) -> Path:
+    """RANK_DIR/jobJ/rankR.released: the launch wrapper of a moved rank left its node (torchpass.checkpoint.
+    moved_exit); srun's exit hook collects the rank's exit code instead."""
+    return rank_job_dir(rank_dir, job) / (_rank_name(rank) + RELEASED_SUFFIX)
+
+
 # --- SNAPSHOT_DIR/jobJ ------------------------------------------------------
 
 def snapshot_job_dir(snapshot_dir: PathLike, job: int | str) -> Path:
@@ -301,11 +309,12 @@ def snapshot_manifest(state_dir: PathLike, job: int | str, snap: str) -> Path:
 __all__ = [
     "JOBS", "COORDINATOR_JSON", "COORDINATOR_PID", "COORDINATOR_LOG", "HOSTFILE", "RELAUNCH", "EVENTS_JSON",
     "RANKS", "HOLD", "RESTORED_WAKE", "RESTORED_RANKS_OUT", "RECORD_SUFFIX", "HANDOFF_SUFFIX", "EXIT_SUFFIX",
+    "RELEASED_SUFFIX",
     "DEFAULT_RANK_DIR", "JOBS_DIR_MODE", "JOB_DIR_MODE", "JOB_FILE_MODE", "JOB_UMASK",
     "jobs_dir", "job_dir", "coordinator_json", "coordinator_pid", "coordinator_log", "hostfile", "relaunch_file",
     "stopped_file", "stopped_out", "stopped_err", "STOPPED", "STOPPED_OUT", "STOPPED_ERR",
     "events_json", "restored_ranks_out", "restore_error_file", "restore_go_file", "hold_file",
-    "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file",
+    "rank_records_dir", "rank_job_dir", "rank_record", "handoff", "exit_file", "released_file",
     "snapshot_job_dir", "images_dir", "images_dirs", "parse_images_dir",
     # whole-job snapshots
     "SNAPSHOTS", "SNAPSHOT_MANIFEST_SUFFIX", "valid_snapshot_id", "snapshot_tree", "snapshot_images_dir",

@@ -407,6 +407,7 @@ def test_second_fault_moves_the_hot_spare_rank_on_to_a_slurmctld_spare():
     assert done.data["target"] == "node9" and sim.state.rank_nodes()["node9"] == (2, 3)
     assert sim.state.released >= {"node2", "node4"} and sim.state.spare("node9").status == "used"
     assert done.message.endswith("node4 drained and released")
+    assert done.data["source"] == "released" and "source_kept_why" not in done.data
     assert [e.data["strategy"] for e in sim.events("spare.requested")] == ["expand"]
 
 
@@ -423,6 +424,8 @@ def test_failed_shrink_says_the_node_stays_in_the_job():
     sim.tick(0.5, mc.ShrinkFailed("m1", "step 7.0 still has a task on node2"))
     (done,) = sim.events("migration.completed")
     assert "node2 drained and kept in the job (shrink failed: step 7.0 still has a task on node2)" in done.message
+    assert done.data["source"] == "kept"
+    assert done.data["source_kept_why"] == "shrink failed: step 7.0 still has a task on node2"
     assert sim.m is None and "node2" in sim.state.released  # no rank left there: never a candidate again
 
 

@@ -3,11 +3,15 @@ real in tests/integration/test_second_fault.py), and following a new spare's hea
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import zmq
 
 from support.fake_slurm import FakeSlurm
+from torchpass import layout
+from torchpass.checkpoint import moved_exit
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.executor import Executor
@@ -115,11 +119,36 @@ def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
     slurm = _slurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
                                   StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
     ex, posted = _executor(tmp_path, slurm)
+    ex.spares.settle_grace_s = 0.5  # no launch wrapper says it left: waited for, then kept
     ex.perform(dc.Shrink("m1", ("n2",)), _state())
     (out,) = _wait(posted)
     assert isinstance(out, mc.ShrinkFailed)
-    assert "step 42.0 (python) still has a task on n2" in out.why and "task wrapper" in out.why
+    assert "step 42.0 (python) still has a task on n2 that did not leave it" in out.why
     assert not any(c[0] == "shrink" for c in slurm.calls)
+    # a rank the rank records place there: kept at once
+    job_dir = layout.rank_job_dir(layout.rank_records_dir(tmp_path, 42), 42)
+    job_dir.mkdir(parents=True)
+    layout.rank_record(layout.rank_records_dir(tmp_path, 42), 42, 1).write_text(json.dumps({"node": "n2"}))
+    ex.spares.settle_grace_s = 60.0
+    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    (_, out) = _wait(posted, 2)
+    assert isinstance(out, mc.ShrinkFailed) and "ranks ['1'] run there" in out.why, out
+
+
+def test_shrink_releases_a_node_whose_moved_ranks_launch_wrapper_left(tmp_path):
+    slurm = _slurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
+                                  StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
+    rank_dir = layout.rank_records_dir(tmp_path, 42)
+    layout.rank_job_dir(rank_dir, 42).mkdir(parents=True)
+    layout.rank_record(rank_dir, 42, 1).write_text(json.dumps({"node": "n4", "restored_from": "/img"}))
+    released = layout.released_file(rank_dir, 42, 1)
+    released.write_text(json.dumps(moved_exit.Released("1", "0", "n2", 4242, 137).as_json()))
+    old = time.time() - 10  # written long enough ago: the wrapper has exited
+    os.utime(released, (old, old))
+    ex, posted = _executor(tmp_path, slurm)
+    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    assert _wait(posted) == [mc.Shrunk("m1", ("n2",))]
+    assert ("shrink", 42, ("n1", "n3")) in slurm.calls
 
 
 def test_shrink_releases_a_node_no_step_runs_on(tmp_path):

@@ -32,7 +32,11 @@ waits for ``rank<R>.exit`` (written by the restore wrapper wherever the rank
 now runs; the state dir must then be shared: ``code``, and ``signal`` when a
 signal ended the rank) and ends the same way; with
 ``--on-handoff exit0`` it exits 0 at once (the job's batch side must then
-wait for the moved rank).
+wait for the moved rank); with ``--on-handoff release`` (the SPANK plugin's)
+it waits only until a restored copy holds the rank, writes
+``rank<R>.released`` and exits 0, and srun's exit hook collects the rank's
+exit code (torchpass.checkpoint.moved_exit): nothing of the step stays on the
+node.
 
 Restore mode (a step on the target node): becomes a child subreaper, verifies
 the snapshot's manifest, runs ``criu restore -d`` with fresh stdout/stderr
@@ -483,7 +487,8 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
     os.environ[TASK_ENV] = rank
     make_pid_namespace(argv, rank, newtime)
     paths = Paths(state_dir, job, rank)
-    for p in (paths.handoff, paths.exit):
+    # a released record is of an earlier step (a job requeued numbers its steps from 0 again)
+    for p in (paths.handoff, paths.exit, layout.released_file(state_dir, job, rank)):
         try:
             p.unlink()
         except FileNotFoundError:
@@ -547,12 +552,30 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
             got = paths.read_exit()
             if got is not None:
                 return got
+            if on_handoff == "release" and release_source(paths, job, rank, code):
+                return 0
             # dump failed after all, and the rank died; an abort of a later move
             # (the rank then runs on elsewhere, its record names that copy) is not ours
             if paths.marker() == "abort" and paths.names(os.getpid(), None):
                 return code
             relay.pump(0.2)
     return code
+
+
+def release_source(paths: Paths, job: str, rank: str, result: int) -> bool:
+    """``--on-handoff release``: once a restored copy holds the rank, leave this node (nothing of
+    the step stays on it, so it can leave the job) and let srun collect the rank's exit code
+    (torchpass.checkpoint.moved_exit). Returns whether this wrapper may now exit 0."""
+    from torchpass.checkpoint import moved_exit
+
+    rec = paths.read_record()
+    if not moved_exit.leave_source(rec, os.getpid(), socket.gethostname()):
+        return False
+    moved_exit.write_released(layout.released_file(paths.dir.parent, job, rank), rank,
+                              os.environ.get("SLURM_STEP_ID", ""), shell_code(result))
+    say(f"rank {rank} runs on {rec.get('node', '?')}; its task leaves {socket.gethostname()} "
+        "(srun collects its exit code)")
+    return True
 
 
 def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | None, gpu: bool = False) -> int:
@@ -862,7 +885,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torchpass.checkpoint.rankwrap")
     ap.add_argument("--version", action="version", version=f"tpass-rankwrap {__version__}")
     ap.add_argument("--state-dir", default=default_state_dir())
-    ap.add_argument("--on-handoff", choices=("wait", "exit0"), default="wait")
+    ap.add_argument("--on-handoff", choices=("wait", "exit0", "release"), default="wait")
+    ap.add_argument("--collect-moved", metavar="STEP",
+                    help="srun's exit hook: exit with --status and the exit codes of step STEP's moved ranks "
+                         "whose launch wrappers left their nodes (--on-handoff release)")
+    ap.add_argument("--status", type=int, default=0, help="with --collect-moved: srun's own exit code")
     ap.add_argument("--timens", action="store_true",
                     help="also give the rank its own time namespace (clocks continue across hosts)")
     ap.add_argument("--restore", metavar="IMAGES")
@@ -873,6 +900,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="restore: CUDA-restore the rank after CRIU")
     ap.add_argument("--error-file", help="restore: also append why a restore failed to this file")
     args = ap.parse_args(own)
+    if args.collect_moved is not None:
+        from torchpass.checkpoint import moved_exit
+
+        return moved_exit.collect(args.collect_moved, args.status, args.state_dir,
+                                  os.environ.get("TORCHPASS_STATE_DIR", ""), identity()[0])
     if args.restore_snapshot is not None:
         return restore_snapshot(args.restore_snapshot, args.state_dir)
     if args.restore:

@@ -215,7 +215,7 @@ def _enter(m: Migration, phase: Phase, now: float, deadline: float, **changes: A
 
 
 def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: Result, policy: CoordinatorPolicy,
-            message: str, kind: str, *, checked: bool = True) -> CoordState:
+            message: str, kind: str, *, checked: bool = True, extra: dict[str, Any] | None = None) -> CoordState:
     """End ``m`` with ``outcome`` (every end goes through here and the table; ``checked=False``
     only for the recovery from an illegal transition)."""
     if checked:
@@ -239,6 +239,7 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: Result
     if m.pause_at is not None:
         data["pause_at"] = m.pause_at
         data["pause_estimate"] = m.pause_estimate
+    data.update(extra or {})
     out.event(kind, message, **data)
     if outcome in (Result.COMPLETED, Result.CANCELLED, Result.SOURCE_LOST, Result.REJECTED, Result.ABORTED):
         return st
@@ -595,13 +596,16 @@ def _on_shrink(out: _Out, st: CoordState, m: Migration, now: float, policy: Coor
     st = replace(st, released=st.released | {m2.node}, unprotected=st.unprotected - {m2.node})
     notes = f" ({'; '.join(m2.notes)})" if m2.notes else ""
     # Say what happened to the node: a shrink that failed leaves it in the job.
-    kept = any(n.startswith(("shrink failed", "shrink not confirmed")) for n in m2.notes)
+    kept = [n for n in m2.notes if n.startswith(("shrink failed", "shrink not confirmed"))]
+    # The event's data says it too, for scripts and tests: "released" (out of the job: it can be
+    # powered off or returned to Slurm) or "kept", with why.
+    source = {"source": "kept", "source_kept_why": "; ".join(kept)} if kept else {"source": "released"}
     # ... and whether its tpassd drained it (it refuses a healthy node for a user's job).
     drained = not any(n.startswith("drain of") for n in m2.notes)
     return _finish(out, st, m2, now, Result.COMPLETED, policy,
                    f"{m2.id}: moved ranks {list(m2.ranks)} from {m2.node} to {m2.target}; {m2.node} "
                    f"{'drained' if drained else 'not drained'} and {'kept in the job' if kept else 'released'}"
-                   f"{notes}", "migration.completed")
+                   f"{notes}", "migration.completed", extra=source)
 
 
 def _on_rebuild(out: _Out, st: CoordState, m: Migration, now: float, policy: CoordinatorPolicy, done: bool

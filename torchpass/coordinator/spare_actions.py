@@ -4,15 +4,20 @@ exits."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 import structlog
 
+from torchpass import layout
+from torchpass.checkpoint import moved_exit
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator.executor_ports import ExecutorPorts
 from torchpass.coordinator.model import CoordState, SpareHow
-from torchpass.coordinator.restore_steps import RESTORE_STEP_NAME
+from torchpass.coordinator.source_release import Blocked, Hold, release_blocker
 from torchpass.errors import SlurmError, TorchpassError
 from torchpass.slurm.base import SpareRequest
 from torchpass.slurm.gres import parse_job_allocations, spare_options
@@ -21,6 +26,34 @@ log = structlog.get_logger("torchpass.coordinator.executor")
 
 # A restore step whose rank moved on may still be listed by Slurm this long after it ended.
 RESTORE_STEP_END_GRACE_S = 10.0
+# A launch wrapper exits right after it writes its released record; its task counts as gone
+# once the record is this old (the node is removed from the job after that).
+RELEASE_SETTLE_S = 2.0
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _rank_records(job_dir: Path) -> dict[str, dict]:
+    """RANK_DIR/jobJ's rank records by file name (``rankR.json``)."""
+    out = {}
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return {}
+    for name in names:
+        if name.startswith("rank") and name.endswith(layout.RECORD_SUFFIX):
+            try:
+                rec = json.loads((job_dir / name).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict):
+                out[name] = rec
+    return out
 
 
 class SpareActions:
@@ -30,6 +63,7 @@ class SpareActions:
         self.ports = ports
         self.follow = follow  # (node) -> None: follow a new spare's tpassd
         self.companions: dict[int, str] = {}  # companion allocation -> node (cancelled at close)
+        self.settle_grace_s = RESTORE_STEP_END_GRACE_S  # how long tasks leaving a node are waited for
 
 
     def spare_request(self, a: ct.RequestSpare, st: CoordState, companions: Collection[str] = ()
@@ -117,15 +151,15 @@ class SpareActions:
                         released.append(node)
                         continue
                     blocker = self.shrink_blocker(node)
-                    # A restore step whose rank moved on ends by itself right after the
-                    # hand-off (its wrapper exits 0), but Slurm may still list it for a
-                    # moment: give it a few seconds before keeping the node.
-                    deadline = time.monotonic() + RESTORE_STEP_END_GRACE_S
-                    while blocker is not None and RESTORE_STEP_NAME in blocker and time.monotonic() < deadline:
+                    # Tasks leaving the node (a launch wrapper that handed its rank's exit code to
+                    # srun, a restore step whose rank moved on) are gone within moments, but Slurm
+                    # may still list them: give them a few seconds before keeping the node.
+                    deadline = time.monotonic() + self.settle_grace_s
+                    while blocker is not None and blocker.hold == Hold.SETTLING and time.monotonic() < deadline:
                         time.sleep(0.5)
                         blocker = self.shrink_blocker(node)
                     if blocker is not None:
-                        why.append(blocker)
+                        why.append(blocker.why)
                         continue
                     info = self.ports.slurm.job(self.ports.job_id)
                     if info is not None and node in info.nodes:
@@ -142,26 +176,18 @@ class SpareActions:
 
         self.ports.thread(run, "shrink")
 
-    def shrink_blocker(self, node: str) -> str | None:
-        """Why ``node`` cannot leave the job now (None: it can)."""
+    def shrink_blocker(self, node: str) -> Blocked | None:
+        """Why ``node`` cannot leave the job now (None: it can): source_release decides from Slurm's
+        view and the job's rank directory."""
         info = self.ports.slurm.job(self.ports.job_id)
-        if info is None or not info.active:
-            return f"job {self.ports.job_id} is {'gone' if info is None else info.state}"
-        if node not in info.nodes:
-            return None
-        if node == info.batch_host:
-            return f"{node} is the batch host (the batch script and the coordinator run there)"
-        if set(info.nodes) <= {node}:
-            return f"{node} is the job's last node"
-        for step in self.ports.slurm.steps(self.ports.job_id):
-            if step.user_step and node in step.nodes:
-                # A launch wrapper (rankwrap) of the moved rank is what Slurm tracks
-                # for it: it waits for the moved rank's exit code, and Slurm kills a
-                # step's tasks on a node removed from the job (srun then exits 137).
-                return (f"step {step.step_id} ({step.name}) still has a task on {node} (the moved rank's task "
-                        "wrapper, which waits for its exit code); releasing the node would kill it and fail "
-                        "the step, so it stays in the job until the step ends")
-        return None
+        steps = self.ports.slurm.steps(self.ports.job_id) if info is not None and node in info.nodes else []
+        job_dir = layout.rank_job_dir(self.ports.rank_dir, self.ports.job_id)
+        released = moved_exit.released_records(job_dir)
+        settled = [r.rank for r in released
+                   if _age_s(layout.released_file(self.ports.rank_dir, self.ports.job_id, r.rank)) >= RELEASE_SETTLE_S]
+        records = {name.removeprefix("rank").removesuffix(layout.RECORD_SUFFIX): rec
+                   for name, rec in _rank_records(job_dir).items()}
+        return release_blocker(node, self.ports.job_id, info, steps, released, records, settled)
 
     def observe_granted(self, outcome: ct.SpareGranted) -> None:
         if outcome.how == SpareHow.COMPANION and outcome.allocation is not None:
