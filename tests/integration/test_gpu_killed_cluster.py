@@ -40,12 +40,12 @@ pytestmark = pytest.mark.integration
 
 SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 NODES = ("node1", "node2", "node3", "node4")
-STEPS = 90
+STEPS = 70
 ARGS = ("--steps", str(STEPS), "--params", "1M", "--sleep", "0.1")
 KILLABLE = ("node2", "node3")  # node1 is the batch host: the coordinator runs there
-BUG_AT = 45
-TRAIN = Drill("gpukill", "", ARGS, STEPS, nodes=3, fault_steps=(30, 60))
-TRAIN_KOBE = Drill("gpukill", "", ARGS, STEPS, nodes=3, fault_steps=(30, 60),
+BUG_AT = 35
+TRAIN = Drill("gpukill", "", ARGS, STEPS, nodes=3, fault_steps=(25, 45))
+TRAIN_KOBE = Drill("gpukill", "", ARGS, STEPS, nodes=3, fault_steps=(25, 45),
                    sbatch_extra=("--export=ALL,SLURM_KILL_BAD_EXIT=1",))
 BUGGY = Drill("buggy", f'''import sys, time
 from train_ddp import add_args, start
@@ -133,8 +133,10 @@ def test_a_gpu_killed_under_a_rank_relaunches_the_job_from_its_snapshot_on_the_s
         lines = tj.steps(out.read_text())
         assert lines and all(ln in reference[int(ln.split()[0][5:])] for ln in lines), diag
         assert sorted(tj.per_step(lines)) == list(range(STEPS)), diag
+        drained = [e for e in evs if e["kind"] in ("node.drained", "node.drain_failed")]
+        assert [(e["kind"], e["data"]["node"]) for e in drained] == [("node.drained", node)], (drained, diag)
         dn = tj.node(node)
-        assert "DRAIN" in dn["state"], (dn, diag)
+        assert "DRAIN" in dn["state"], (dn["state"], drained)
         assert dn.get("reason", "").startswith(f"torchpass: {node} GPU failed under rank") \
             and "Xid 79" in dn["reason"], (dn.get("reason"), diag)
         print(f"{node} drained: {dn['reason']}; {back['data']['decision_to_resumed_s']} s from the decision "

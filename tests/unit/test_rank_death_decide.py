@@ -47,11 +47,12 @@ def test_a_death_with_a_gpu_fault_relaunches_from_the_snapshot_with_the_spare_an
     assert rl.replaced == (("node2", "node4"),) and rl.snapshot == "s1" and rl.checkpoint_step == 6
     (hand,) = sim.of(d, HandToSlurm)
     assert hand.node == "node2" and hand.reason.startswith("torchpass: node2 GPU failed under rank 1")
-    assert "Xid 79" in hand.reason and not hand.end_job
+    assert "Xid 79" in hand.reason and not hand.end_job and len(hand.reason) <= 200  # tpassd's limit
     assert sim.state.relaunch.kind == RelaunchKind.RANK_DIED and sim.state.relaunch.phase == RelaunchPhase.RESTORING
     assert "node2" in sim.state.handed and sim.state.deaths == ()
     (died,) = sim.events("rank.died")
     assert died.data["cause"] == "hardware" and died.data["faults"]["node2"].startswith("GPU failed under rank 1")
+    assert "GPU is lost" in died.data["reasons"]["node2"]  # every reason in the event
     assert sim.events("node.faulted") and sim.events("job.relaunching")
     assert not sim.events("migration.started")  # the death wins over a migration of the failed node
 
@@ -147,3 +148,14 @@ def test_an_unknown_rank_or_a_wrapper_of_a_step_relaunched_since_is_told_to_exit
     # during the relaunch: every wrapper holds (the step's end kills it)
     sim.tick(0.1, mc.RankExited(0, "node1", "exit code 1"))
     assert sim.state.deaths == () and mc.death_verdict(sim.state, 0, "node1") == "hold"
+
+
+def test_the_drain_reason_limit_is_tpassds():
+    """One fact, two places: the coordinator cuts drain reasons to what tpassd accepts."""
+    from torchpass.coordinator.decide_relaunch import DRAIN_REASON_MAX, drain_reason
+    from tpassd.daemon import DRAIN_REASON_MAX as TPASSD_MAX
+
+    assert DRAIN_REASON_MAX == TPASSD_MAX
+    long = "torchpass: " + "x" * 300
+    assert len(drain_reason(long)) == TPASSD_MAX and drain_reason(long).endswith("...")
+    assert drain_reason("torchpass: short") == "torchpass: short"

@@ -47,6 +47,7 @@ from torchpass.coordinator.decide_relaunch import (
     _no_relaunch_why,
     _relaunch,
     _relaunch_plan,
+    drain_reason,
 )
 from torchpass.coordinator.model import CoordState, NodeHealth, RankDeath
 from torchpass.coordinator.phases import RESULTS, Result
@@ -72,6 +73,12 @@ def gpu_fault(h: NodeHealth, at: float, window_s: float) -> str:
     return "; ".join(r for r in h.reasons if _GPU_FAULT.match(r))
 
 
+def _first_fault(fault: str) -> str:
+    """The first GPU reason, without tpassd's hold window: what a drain reason (at most 200
+    characters, tpassd's DRAIN_REASON_MAX) has room for. The events carry every reason."""
+    return fault.split("; ")[0].split(" within the last ")[0]
+
+
 def _deaths_text(deaths: tuple[RankDeath, ...]) -> str:
     return ", ".join(f"rank {d.rank} on {d.node} {d.how}" for d in sorted(deaths, key=lambda d: (d.at, d.rank)))
 
@@ -79,7 +86,7 @@ def _deaths_text(deaths: tuple[RankDeath, ...]) -> str:
 def _release(out: _Out, st: CoordState, why: str, fault_nodes: dict[str, str]) -> CoordState:
     """No relaunch: every death's wrapper exits as its rank did; later deaths too."""
     for node, fault in sorted(fault_nodes.items()):
-        out.add(HandToSlurm(node, f"torchpass: {node} {fault}; the job was not relaunched",
+        out.add(HandToSlurm(node, drain_reason(f"torchpass: {node} {fault}; the job was not relaunched"),
                             drain_live=True))
     out.event("job.not_relaunched", f"{_deaths_text(st.deaths)}: {why}; {AS_WITHOUT_TORCHPASS}",
               deaths=[{"rank": d.rank, "node": d.node, "how": d.how} for d in st.deaths], why=why,
@@ -119,7 +126,7 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
         if fault and d.node not in faults:
             ranks = sorted(x.rank for x in st.deaths if x.node == d.node)
             faults[d.node] = f"GPU failed under rank{'s' if len(ranks) > 1 else ''} " \
-                             f"{', '.join(map(str, ranks))} ({fault})"
+                             f"{', '.join(map(str, ranks))} ({_first_fault(fault)})"
     first = min(d.at for d in st.deaths)
     if not faults and now - first < window:
         return st  # tpassd's event may still come
@@ -135,9 +142,10 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
         if plan is None:
             return _release(out, st, f"a GPU fault killed the rank, but {_no_relaunch_why(st, lost, policy)}",
                             faults)
-        out.event("rank.died", f"{deaths}: explained by a GPU fault ({'; '.join(faults.values())}); relaunching",
+        reasons = {n: gpu_fault(st.node_health(n), first, window) for n in faults}
+        out.event("rank.died", f"{deaths}: explained by a GPU fault ({'; '.join(reasons.values())}); relaunching",
                   deaths=[{"rank": d.rank, "node": d.node, "how": d.how} for d in st.deaths], faults=faults,
-                  cause="hardware")
+                  reasons=reasons, cause="hardware")
         return _relaunch(out, st, now, plan, RelaunchCause(RelaunchKind.RANK_DIED, faults, tuple(sorted(nodes)),
                                                            deaths))
     # No hardware fault within the window: a bug in the script, or the OOM killer.

@@ -92,6 +92,15 @@ ENDED_LIKE_SLURM = ("torchpass does the same now, after the drain, also for a jo
                     "requeues it if it is a requeueable batch job, else ends its steps on the node")
 
 
+# tpassd drains with a reason of at most this many characters (tpassd's DRAIN_REASON_MAX).
+DRAIN_REASON_MAX = 200
+
+
+def drain_reason(text: str) -> str:
+    """``text`` cut to what tpassd accepts as a drain reason (its end replaced by "...")."""
+    return text if len(text) <= DRAIN_REASON_MAX else text[:DRAIN_REASON_MAX - 3] + "..."
+
+
 def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
     m = st.migration
     # Spares that died are never chosen again.
@@ -215,7 +224,7 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
         h = st.node_health(node)
         fault = cause.faults.get(node)
         if fault is not None:
-            out.add(HandToSlurm(node, f"torchpass: {node} {fault}; the job was relaunched from {drained}",
+            out.add(HandToSlurm(node, drain_reason(f"torchpass: {node} {fault}; the job was relaunched from {drained}"),
                                 drain_live=True))
             out.event("node.faulted", f"{node}: {fault}; relaunching the job's training step with spare {spare} "
                       f"in its place, {lost_how}", node=node, spare=spare, ranks=list(nodes.get(node, ())),
