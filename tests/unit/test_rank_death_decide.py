@@ -83,6 +83,16 @@ def test_a_migration_started_by_the_gpu_fault_ends_when_the_rank_dies_and_the_jo
     assert rl.replaced == (("node2", "node4"),)
 
 
+def test_a_paused_migration_ended_by_a_death_with_no_relaunch_resumes_the_survivors():
+    from torchpass.coordinator.contract import ResumeInPlace
+
+    sim = _sim(restore="none")
+    sim.tick(0.2, mc.NodeHealthChanged("node2", State.FAILED, (XID79,)))
+    assert sim.m is not None and sim.m.paused
+    d = sim.tick(0.05, mc.RankExited(1, "node2", "killed by signal 9 (SIGKILL)"))
+    assert sim.m is None and sim.of(d, ResumeInPlace) and sim.events("job.not_relaunched")
+
+
 def test_a_fault_outside_the_window_does_not_explain_the_death():
     h = NodeHealth("node2", State.FAILED, (XID79,), since=100.0)
     assert gpu_fault(h, 100.0 + P.death_event_window_s + 0.1, P.death_event_window_s) == ""

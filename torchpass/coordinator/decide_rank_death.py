@@ -39,8 +39,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from torchpass.coordinator.contract import AbortRestore, HandToSlurm
-from torchpass.coordinator.decide_common import _Out
+from torchpass.coordinator.contract import AbortRestore, HandToSlurm, ResumeInPlace
+from torchpass.coordinator.decide_common import _Out, in_place_master
 from torchpass.coordinator.decide_migration import _finish
 from torchpass.coordinator.decide_relaunch import (
     RelaunchCause,
@@ -108,6 +108,11 @@ def _end_migration(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
         return None
     if m.target is not None and m.restored:
         out.add(AbortRestore(m.id, m.target, tuple(m.ranks)))
+    if m.paused:
+        # Never left paused: without a relaunch the survivors must run into the dead rank and end
+        # as they would without torchpass (with one, the step's end takes them anyway).
+        out.add(ResumeInPlace(m.id, m.generation, in_place_master(st), f"{m.id}: a rank died"))
+        st = replace(st, generation=max(st.generation, m.generation))
     return _finish(out, st, m, now, Result.SOURCE_LOST, policy,
                    f"{m.id}: ended: {_deaths_text(st.deaths)} (on {', '.join(sorted(nodes))}); nothing to dump",
                    "migration.rank_died")
