@@ -167,7 +167,7 @@ def test_a_script_bug_that_kills_a_rank_twice_is_relaunched_once_then_the_job_en
         assert "max_unexplained_relaunches" in ended["message"] and "without torchpass" in ended["message"], diag
         assert kinds.index("snapshot.completed") < kinds.index("rank.died") < kinds.index("job.relaunching") \
             < kinds.index("job.not_relaunched"), diag
-        assert out.read_text().count(f"a bug in the script at step {BUG_AT}") == 2, diag
+        assert out.read_text().count(f"RuntimeError: a bug in the script at step {BUG_AT}") == 2, diag
         print(ended["message"])
     finally:
         _leave_clean(BUGGY, jobs)

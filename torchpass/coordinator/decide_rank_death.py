@@ -135,8 +135,9 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
     first = min(d.at for d in st.deaths)
     if not faults and now - first < window:
         return st  # tpassd's event may still come
-    nodes = {d.node for d in st.deaths}
-    ended = _end_migration(out, st, now, policy, nodes)
+    # the nodes where ranks died, the first death's first (the events name the relaunch after it)
+    nodes = tuple(dict.fromkeys(d.node for d in sorted(st.deaths, key=lambda d: (d.at, d.rank))))
+    ended = _end_migration(out, st, now, policy, set(nodes))
     if ended is None:
         return st
     st = ended
@@ -151,8 +152,7 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
         out.event("rank.died", f"{deaths}: explained by a GPU fault ({'; '.join(reasons.values())}); relaunching",
                   deaths=[{"rank": d.rank, "node": d.node, "how": d.how} for d in st.deaths], faults=faults,
                   reasons=reasons, cause="hardware")
-        return _relaunch(out, st, now, plan, RelaunchCause(RelaunchKind.RANK_DIED, faults, tuple(sorted(nodes)),
-                                                           deaths))
+        return _relaunch(out, st, now, plan, RelaunchCause(RelaunchKind.RANK_DIED, faults, nodes, deaths))
     # No hardware fault within the window: a bug in the script, or the OOM killer.
     why = f"no GPU fault on {', '.join(sorted(nodes))} within {window:g} s of the death"
     if st.unexplained_relaunches >= policy.max_unexplained_relaunches:
@@ -166,7 +166,7 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
               "relaunches", deaths=[{"rank": d.rank, "node": d.node, "how": d.how} for d in st.deaths],
               faults={}, cause="unexplained")
     st = replace(st, unexplained_relaunches=st.unexplained_relaunches + 1)
-    return _relaunch(out, st, now, (), RelaunchCause(RelaunchKind.RANK_DIED, {}, tuple(sorted(nodes)), deaths))
+    return _relaunch(out, st, now, (), RelaunchCause(RelaunchKind.RANK_DIED, {}, nodes, deaths))
 
 
 __all__ = ["handle_deaths", "gpu_fault", "AS_WITHOUT_TORCHPASS"]
