@@ -235,7 +235,7 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
                   f"relaunching the job's training step with spare {spare} in its place, {lost_how}", node=node,
                   spare=spare, ranks=list(nodes[node]), relaunch=count, **point)
-    ended_on = tuple(sorted(set(cause.ended_on) - {n for n, _ in plan}))
+    ended_on = tuple(n for n in cause.ended_on if n not in dict(plan))  # the first death's node first
     out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else "", ended_on=ended_on))
     after = f" after {cause.deaths}" if cause.deaths else ""
     out.event("job.relaunching", f"relaunch {count}{after}: the training step starts again on the surviving nodes "

@@ -225,7 +225,9 @@ class LostNodeActions:
                 if failed:
                     log.warning("the relaunch from the snapshot is not set up on every node; the step's tasks "
                                 "there fail", snapshot=a.snapshot, failed=failed)
-            self.write_verdict(False, ",".join(swap) or ",".join(a.ended_on), (a.count, ended, a.snapshot))
+            # The node srun's exit hook names: the lost or faulted ones, else where the first rank died.
+            self.write_verdict(False, ",".join(swap) or (a.ended_on[0] if a.ended_on else ""),
+                               (a.count, ended, a.snapshot))
             for step in ended or ():
                 try:
                     self.ports.slurm.cancel_step(step)
