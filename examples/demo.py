@@ -13,6 +13,13 @@
 4. Prints the job's outcome (same job id, no restart), the migration
    timeline from `tpassctl events`, and checks that every step's loss equals
    the reference bit for bit.
+5. Second act: the job again with periodic snapshots
+   (--torchpass=spares=1,snapshot_every=2). Once a snapshot is complete, a
+   GPU is killed under a rank: `tpassctl devcluster kill-gpu NODE` (Xid 79,
+   the GPU lost, the rank SIGKILLed, as the hardware does it). torchpass
+   drains the node and relaunches the job's step from the snapshot with the
+   spare in its place; the job goes on and completes under its id, with the
+   reference's losses.
 
 The cluster stays up afterwards (the faulty node is resumed, the drill
 cleared) so you can keep using it; `tpassctl devcluster down` removes it.
@@ -72,10 +79,10 @@ def prepare_work(work: Path, user: User) -> None:
         os.chown(work / name, user.pw.pw_uid, user.pw.pw_gid)
 
 
-def submit(work: Path, tag: str, user: User) -> tuple[int, Path]:
+def submit(work: Path, tag: str, user: User, torchpass: str = "spares=1") -> tuple[int, Path]:
     env = user.env(PYTHON=str(user.job_python), TRAIN_PY=str(work / "train_ddp.py"),
                    STEPS=str(STEPS), TRAIN_ARGS=TRAIN_ARGS)
-    argv = ["sbatch", "--parsable", "-N4", "--torchpass=spares=1", "-o", str(work / f"{tag}-%j.out"),
+    argv = ["sbatch", "--parsable", "-N4", f"--torchpass={torchpass}", "-o", str(work / f"{tag}-%j.out"),
             "-D", str(work), str(work / "train.sbatch")]
     print(f"{user.pw.pw_name}$ " + " ".join(argv[:1] + argv[2:4]) + " examples/train.sbatch", flush=True)
     proc = sh(["runuser", "-u", user.pw.pw_name, "--", *argv], capture_output=True, env=env, cwd=work)
@@ -110,6 +117,51 @@ def per_step(lines: list[str]) -> dict[int, Counter]:
 def last_step(path: Path) -> int:
     lines = step_lines(path)
     return int(lines[-1].split()[0].split("=")[1]) if lines else -1
+
+
+def gpu_killed_act(rng: random.Random, seed: int, work: Path, user: User, slurm, cluster, ref_lines: list[str]
+                   ) -> bool:
+    """Act two: a GPU killed under a rank, and the job going on (relaunched from its newest snapshot)."""
+    import json
+
+    from torchpass import layout
+
+    node = rng.choice(["node2", "node3"])
+    print(f"\n== act two: the same job with a snapshot every 2 s; a GPU of {node} dies under its rank "
+          f"(seed {seed})", flush=True)
+    job_id, out = submit(work, "gpu-killed", user, "spares=1,snapshot_every=2")
+    print(f"submitted job {job_id}", flush=True)
+    events = layout.events_json(cluster.state_dir, job_id)
+    killed = False
+
+    def tick(job) -> None:
+        nonlocal killed
+        if killed or job.state != "RUNNING" or not events.exists():
+            return
+        if not any(e["kind"] == "snapshot.completed" for e in json.loads(events.read_text() or "[]")):
+            return
+        print(f"\nroot$ tpassctl devcluster kill-gpu {node} --gpu 0   (training is at step {last_step(out)}, "
+              "a snapshot is complete)", flush=True)
+        subprocess.run([TPASSCTL, "devcluster", "kill-gpu", node, "--gpu", "0"], text=True)
+        killed = True
+
+    try:
+        job = wait_end(slurm, job_id, on_tick=tick)
+    finally:
+        subprocess.run([TPASSCTL, "inject", "--node", node, "--fault", "clear"], capture_output=True)
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+    print(f"\n== job {job_id}: {job.state if job else 'unknown'}, exit code {job.exit_code if job else '?'},"
+          f" restarts {job.restarts if job else '?'} (same job id throughout)", flush=True)
+    print(f"\n{user.pw.pw_name}$ tpassctl events {job_id}", flush=True)
+    user.run([user.tpassctl, "events", str(job_id)])
+    # Steps from the snapshot on are computed again after the relaunch: each line must be the reference's.
+    ref = per_step(ref_lines)
+    lines = step_lines(out)
+    same = bool(lines) and sorted(per_step(lines)) == sorted(ref) and all(
+        ln in ref[int(ln.split()[0].split("=")[1])] for ln in lines)
+    print(f"\n== losses: every step present, each line the reference's bit for bit: {'yes' if same else 'NO'}",
+          flush=True)
+    return killed and job is not None and job.state == "COMPLETED" and same
 
 
 def main() -> int:
@@ -195,6 +247,7 @@ def main() -> int:
               + ("every step bit-identical (float.hex), no step lost or repeated" if same else
                  "DIFFERENT from the reference"), flush=True)
         ok = ok and same
+        ok = gpu_killed_act(rng, seed, work, user, slurm, cluster, ref_lines) and ok
     else:
         print("last lines of its output:")
         for line in lines[-3:]:

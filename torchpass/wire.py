@@ -294,6 +294,18 @@ BODIES: dict[str, dict[str, F]] = {
         "moved": _f(bool),  # its network namespace or hostname changed since start
         "cancelled": _f(bool, required=False),  # the pause was cancelled: nothing rebuilt
     },
+    # The rank's task wrapper (torchpass.checkpoint.rankwrap) saw the rank's process end with an
+    # exit code other than 0 or a signal, on a node that is up, and holds its own exit until the
+    # coordinator decided (decide_rank_death). Asked again while the reply says "hold".
+    # Reply result: {"verdict": "hold"|"exit", "retry_s": S}.
+    "rank.exited": {
+        "job_id": _f(int),
+        "rank": _f(int),
+        "node": _f(str),
+        "code": _f(int),  # shell-style: 128+S for signal S
+        "signal": _f(int, required=False),  # the signal that ended it
+        "gpu": _f(int, required=False),  # the task's SLURM_LOCALID
+    },
     # An application checkpoint (torchpass.checkpoint) completed or failed: rank 0
     # says so once the checkpoint's .metadata and torchpass.json are written (or it gave up).
     # The coordinator records checkpoint.completed / checkpoint.failed.

@@ -24,7 +24,7 @@ def devcluster():
     Each node is a network, UTS and mount namespace with its own address and
     hostname. Needs root and the system packages ('make deps'). 'crash' and
     'revive' drill a node lost outright (a power cut) and its return; 'slow'
-    a node that only slows down.
+    a node that only slows down; 'kill-gpu' a GPU that falls off the bus under a rank.
     """
 
 
@@ -116,6 +116,24 @@ def revive(c: Devcluster, node: str) -> tuple[dict, str]:
     c.revive(node)
     daemons = "slurmd and tpassd" if c.spec.tpassd else "slurmd"
     return {"revived": True}, f"{node} revived: {daemons} started; slurmctld returns it to service when it registers"
+
+
+@devcluster.command("kill-gpu")
+@click.argument("node")
+@click.option("--gpu", type=click.IntRange(min=0), default=0, show_default=True, help="The GPU's index on NODE.")
+@name_option
+@base_option
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def kill_gpu(node, gpu, name, base_dir, as_json):
+    """A GPU falls off the bus under a rank (a drill): NODE's fake GPU N reports Xid 79 and is
+    lost to NVML (tpassd's xid79 drill), and the ranks of NODE whose SLURM_LOCALID is N are
+    killed with SIGKILL, found by the pids their task wrappers recorded (never by name)."""
+    result = Devcluster.attach(name, base_dir).kill_gpu(node, gpu)
+    if as_json:
+        click.echo(json.dumps({"node": node, **result}))
+        return
+    ranks = ", ".join(f"job {k['job']} rank {k['rank']} (pid {k['pid']})" for k in result["killed"]) or "no rank"
+    click.echo(f"{node} gpu{gpu}: {result['applied']}; killed {ranks}")
 
 
 @devcluster.command()

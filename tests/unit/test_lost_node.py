@@ -466,3 +466,45 @@ def test_a_node_lost_while_a_snapshot_runs_ends_that_snapshot_and_relaunches_fro
     assert _verdict(tmp_path)["snapshot"] == "snap-7"
     _pump_for(d, 2.0, until=lambda: len([a for a in asked if a[1] == "discard"]) >= 2)
     assert sorted(a for a in asked if a[1] == "discard") == [("n1", "discard"), ("n3", "discard")], asked
+
+
+def test_a_gpu_that_failed_under_a_rank_is_drained_by_its_own_nodes_tpassd(tmp_path):
+    """A node that still answers and whose GPU killed a rank (decide_rank_death) is drained by its own
+    tpassd, which checks its own health view (no ``node`` in the request: not a witness's drain)."""
+    health = FakeHealth()
+    d = _driver(tmp_path, FakeSlurm({}), health)
+    tp = WitnessTpassd({"n2": {"node": "n2", "health": "failed"}})
+    d.executor.tpassd = tp
+    layout.events_json(tmp_path, 42).parent.mkdir(parents=True)
+    d.feed(mc.RankExited(1, "n2", "killed by signal 9 (SIGKILL)"))
+    health.failed["n2"] = "gpu0: Xid 79 (GPU has fallen off the bus) within the last 600 s"
+    _pump_for(d, 3.0, until=lambda: [e for e in d.job.events if e.kind.startswith("node.drain")])
+    drains = [c for c in tp.calls if c[1] == "tpassd.drain"]
+    assert [(n, "node" in b) for n, _, b in drains] == [("n2", False)], tp.calls
+    assert drains[0][2]["reason"].startswith("torchpass: n2 GPU failed under rank 1 (gpu0: Xid 79")
+    (ev,) = [e for e in d.job.events if e.kind == "node.drained"]
+    assert "n2 drained by its own tpassd" in ev.message
+
+
+def test_a_death_with_no_fault_relaunches_the_step_on_the_same_nodes_and_ends_it(tmp_path):
+    """A script bug (no GPU fault within the window): the host file stays, the verdict counts one
+    relaunch, names the node where the rank died and lists the step with a task there, and that
+    step is ended (its held wrappers with it), so srun's exit hook starts it again."""
+    health = FakeHealth()
+    slurm = FakeSlurm({})
+    job = JobState(job_id=42, spares=1)
+    pol = CoordinatorPolicy(death_event_window_s=0.3)
+    d = Driver(job, pol, spares=("n4",), health=health)
+    d.executor = Executor(job, state_dir=tmp_path, post=d.post, policy=pol, slurm=slurm,
+                          address_of=lambda n: "10.0.0." + n[1:])
+    for r, n in enumerate(("n1", "n2", "n3")):
+        d.feed(mc.RankRegistered(r, n, 3))
+    _with_hostfile(tmp_path, d)
+    d.feed(mc.RankExited(1, "n2", "exit code 1"))
+    _pump_for(d, 3.0, until=lambda: slurm.cancelled)
+    assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn2\nn3\n"
+    v = _verdict(tmp_path)
+    assert v["count"] == "1" and v["node"] == "n2" and v["steps"] == "0" and "snapshot" not in v
+    assert slurm.cancelled == ["42.0"]
+    assert [e.kind for e in d.job.events if e.kind in ("rank.died", "job.relaunching")] == \
+        ["rank.died", "job.relaunching"]

@@ -17,7 +17,9 @@ pipes to its own stdout/stderr, forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2
 program does not handle becomes the SIGKILL it would have meant, and is
 reported as the SIGTERM), and ends as the rank ended: its exit code, or
 killed by the same signal (core dumps off for that), so Slurm's ExitCode is
-the one without torchpass. It writes a record
+the one without torchpass. A rank that ends with another code than 0 or a
+signal is first reported to the job's coordinator, and the wrapper's exit
+held until it decided (torchpass.checkpoint.death_report). It writes a record
 ``D/job<J>/rank<R>.json`` (wrapper pid, rank pid, pipe inodes) that tpassd's
 snapshot action reads. The layout of D is torchpass.layout's RANK_DIR. Default
 D: $TORCHPASS_RANK_STATE_DIR, else the job's shared rank directory
@@ -559,6 +561,12 @@ def launch(argv: list[str], state_dir: str, on_handoff: str, newtime: bool) -> i
             if paths.marker() == "abort" and paths.names(os.getpid(), None):
                 return code
             relay.pump(0.2)
+    if code != 0:
+        # The rank died here (no hand-off): tell the coordinator and hold this task's exit until it
+        # decided, so that srun and KillOnBadExit decide nothing first (death_report).
+        from torchpass.checkpoint.death_report import hold_exit
+
+        hold_exit(rank, code, say=say)
     return code
 
 
@@ -769,6 +777,11 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     take_over(paths, job, rank, pid, str(images), meta, float(out.get("restore_s", 0.0)), rank_pid=rank_pid)
     wake(wake_file, wake_text)
     code = relay.wait(pid, init=pid != rank_pid)
+    if code != 0 and paths.names(os.getpid(), str(images)):
+        # The restored rank died here (this copy is still the rank's): as in launch mode.
+        from torchpass.checkpoint.death_report import hold_exit
+
+        hold_exit(rank, code, env, say=say)
     return finish_restored(paths, str(images), code)
 
 

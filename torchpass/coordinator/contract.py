@@ -156,6 +156,10 @@ class HandToSlurm:
     node: str
     reason: str
     end_job: bool = False
+    # The node still answers and is at fault (a GPU failed under a rank: decide_rank_death): its
+    # own tpassd drains it, on its own health evidence. Otherwise only a node lost outright is
+    # drained (through another node's tpassd).
+    drain_live: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,9 @@ class Relaunch:
     # says snapshot=ID, and the relaunched srun's tasks restore their ranks from it instead of
     # starting the program (the SPANK plugin's rank_wrapper --restore-snapshot).
     snapshot: str = ""
+    # Nodes whose steps the relaunch ends and starts again besides the replaced ones: where a
+    # rank died (a relaunch on the same nodes replaces none).
+    ended_on: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -318,6 +325,18 @@ class CheckpointCompleted:
 
     step: int
     path: str
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """The task wrapper of ``rank`` on ``node`` saw its rank's process end abnormally (an exit code
+    other than 0, or a signal; ``how`` says which) and holds its own exit until the coordinator
+    decided (decide_rank_death). ``gpu``: the task's SLURM_LOCALID (-1: not known)."""
+
+    rank: int
+    node: str
+    how: str
+    gpu: int = -1
 
 
 @dataclass(frozen=True)
@@ -563,14 +582,14 @@ Outcome = Union[
     SpareGranted, SpareUnavailable, SpareLost, MigrationDumpDone, MigrationDumpFailed, TransferDone, TransferFailed,
     RestoreDone, RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
-    CheckpointCompleted, CheckpointLoaded, JobStopFailed,
+    CheckpointCompleted, CheckpointLoaded, JobStopFailed, RankExited,
 ]
 
 
 __all__ = [
     "RequestSpare", "PauseAt", "MigrationDump", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
     "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Relaunch", "RelaunchPossible", "Event", "Action",
-    "CheckpointCompleted", "CheckpointLoaded",
+    "CheckpointCompleted", "CheckpointLoaded", "RankExited",
     "RankRegistered", "RankProgress", "NodeHealthChanged", "SpareAdded", "Armed", "RankUnprotected", "Quiesced",
     "Resumed", "SpareGranted", "SpareUnavailable", "SpareLost", "MigrationDumpDone", "MigrationDumpFailed",
     "TransferDone", "TransferFailed", "RestoreDone", "RestoreFailed", "SourceKilled", "KillFailed", "Drained",

@@ -21,9 +21,12 @@ whole-job snapshot     ``snapshot_phases``     ``decide_snapshot``
 relaunch (lost node)   ``relaunch_phases``     ``decide_relaunch``
 =====================  ======================  =========================
 
+plus ``decide_rank_death``: a rank that died on a live node leads to a
+relaunch (that machine) or is released to end as without torchpass.
+
 plus ``decide_common`` (what they share), ``model`` (the state types),
 ``contract`` (actions and outcomes) and ``machine`` (``apply``). This module
-runs them: each pass deals with lost nodes first (the relaunch machine),
+runs them: each pass deals with dead ranks and lost nodes first (the relaunch machine),
 then lets one machine act, chosen by ``next_turn``. docs/coordinator.md
 draws each machine's diagram from its table (``python -m
 torchpass.coordinator.diagrams``).
@@ -75,6 +78,7 @@ from torchpass.coordinator.decide_migration import (
     check_operator_request,
     phase_complete,
 )
+from torchpass.coordinator.decide_rank_death import handle_deaths
 from torchpass.coordinator.decide_relaunch import (
     ENDED_LIKE_SLURM,
     SLURM_ON_LOST_NODE,
@@ -170,8 +174,9 @@ def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -
     state = failslow.track(state, now, policy)  # which nodes compute slower than their peers, since when
     st = state
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
-        # Lost nodes first, and again once a move has ended: its nodes were not handed while involved.
-        lost = _handle_lost(out, st, now, policy)
+        # Ranks that died on live nodes first (their wrappers hold srun's exit until this decides),
+        # then lost nodes, and again once a move has ended: its nodes were not handed while involved.
+        lost = _handle_lost(out, handle_deaths(out, st, now, policy), now, policy)
         nxt = _TURNS[next_turn(lost)](out, lost, now, policy)
         if nxt is st:
             break

@@ -28,7 +28,7 @@ Without a relaunch, a lost node is handed to Slurm's normal handling.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchpass.coordinator import relaunch_phases
@@ -90,6 +90,15 @@ SLURM_ON_LOST_NODE = ("slurmctld marks the node DOWN once it stops answering (Sl
 # with ranks waiting in their collectives for a peer that is gone.
 ENDED_LIKE_SLURM = ("torchpass does the same now, after the drain, also for a job run with --no-kill: "
                     "requeues it if it is a requeueable batch job, else ends its steps on the node")
+
+
+# tpassd drains with a reason of at most this many characters (tpassd's DRAIN_REASON_MAX).
+DRAIN_REASON_MAX = 200
+
+
+def drain_reason(text: str) -> str:
+    """``text`` cut to what tpassd accepts as a drain reason (its end replaced by "...")."""
+    return text if len(text) <= DRAIN_REASON_MAX else text[:DRAIN_REASON_MAX - 3] + "..."
 
 
 def _handle_lost(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
@@ -170,8 +179,23 @@ def _no_relaunch_why(st: CoordState, lost: list[str], policy: CoordinatorPolicy)
     return f"no free hot spare for every lost node ({free} for {len(lost)}) to relaunch the job on from its {point}"
 
 
-def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...]) -> CoordState:
-    st = _end_snapshot_for_relaunch(out, st, {n for n, _ in plan})
+@dataclass(frozen=True)
+class RelaunchCause:
+    """Why the step is relaunched, for the drain reasons and the events: a node lost outright
+    (the default) or ranks that died on live nodes (decide_rank_death)."""
+
+    kind: RelaunchKind = RelaunchKind.LOST_NODE
+    # node -> what failed there ("its GPU failed under rank 1 (gpu0: Xid 79 ...)"); the nodes of
+    # the plan not named here were lost outright.
+    faults: dict[str, str] = field(default_factory=dict)
+    ended_on: tuple[str, ...] = ()  # nodes whose steps end besides the replaced ones (Relaunch.ended_on)
+    deaths: str = ""  # the deaths, as the events name them ("rank 1 on node2 killed by signal 9")
+
+
+def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str], ...],
+              cause: RelaunchCause | None = None) -> CoordState:
+    cause = cause or RelaunchCause()
+    st = _end_snapshot_for_relaunch(out, st, {n for n, _ in plan} | set(cause.ended_on))
     snap = _from_snapshot(st)
     count = st.relaunches + 1
     # The newest step a rank completed, in the job's numbering: the runtime reports how many
@@ -195,34 +219,46 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
         going_data = {"checkpoint": step, "path": path}
     recompute = max(0, last - step + 1)
     nodes = st.rank_nodes()
-    moved = ", ".join(f"{spare} for {node}" for node, spare in plan)
+    moved = ", ".join(f"{spare} for {node}" for node, spare in plan) or "the same nodes"
     for node, spare in plan:
         h = st.node_health(node)
+        fault = cause.faults.get(node)
+        if fault is not None:
+            out.add(HandToSlurm(node, drain_reason(f"torchpass: {node} {fault}; the job was relaunched from {drained}"),
+                                drain_live=True))
+            out.event("node.faulted", f"{node}: {fault}; relaunching the job's training step with spare {spare} "
+                      f"in its place, {lost_how}", node=node, spare=spare, ranks=list(nodes.get(node, ())),
+                      relaunch=count, fault=fault, **point)
+            continue
         out.add(HandToSlurm(node, f"torchpass: {node} failed outright ({_health_text(h)}); the job was "
                                   f"relaunched from {drained}"))
         out.event("node.lost", f"{node} failed and is unreachable ({_health_text(h)}): no clean dump possible; "
                   f"relaunching the job's training step with spare {spare} in its place, {lost_how}", node=node,
                   spare=spare, ranks=list(nodes[node]), relaunch=count, **point)
-    out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else ""))
-    out.event("job.relaunching", f"relaunch {count}: the training step starts again on the surviving nodes with "
-              f"{moved}; {going}: steps {step}..{last} ({recompute}) are computed again", relaunch=count,
-              last_step=last, recompute_steps=recompute, replaced=dict(plan), **going_data)
+    ended_on = tuple(n for n in cause.ended_on if n not in dict(plan))  # the first death's node first
+    out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else "", ended_on=ended_on))
+    after = f" after {cause.deaths}" if cause.deaths else ""
+    out.event("job.relaunching", f"relaunch {count}{after}: the training step starts again on the surviving nodes "
+              f"with {moved}; {going}: steps {step}..{last} ({recompute}) are computed again", relaunch=count,
+              last_step=last, recompute_steps=recompute, replaced=dict(plan), cause=cause.kind.value, **going_data)
     for _node, spare in plan:
         st = _set_spare(st, spare, SpareStatus.USED)
+    # The node the events name the relaunch after: the first replaced one, else the first where a rank died.
+    first, spare0 = plan[0] if plan else ((cause.ended_on or ("",))[0], "")
     if snap is not None:
         # The restored ranks keep their own step counts (in their images) and resume as the
         # snapshot's generation.
         relaunch_phases.check_transition(f"relaunch{count}", None, RelaunchPhase.RESTORING)
         resumes = {"generation": snap.generation, "step_offset": snap.step_offset,
-                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last, snapshot=snap.id,
+                   "relaunch": RelaunchRun(count, first, spare0, now, step, last, snapshot=snap.id, kind=cause.kind,
                                            phase=RelaunchPhase.RESTORING, generation=snap.generation)}
     else:  # fresh processes, generation 0; steps numbered from the checkpoint until rank 0 says what it loaded
         relaunch_phases.check_transition(f"relaunch{count}", None, RelaunchPhase.REGISTERING)
         resumes = {"generation": 0, "step_offset": step,
-                   "relaunch": RelaunchRun(count, plan[0][0], plan[0][1], now, step, last,
+                   "relaunch": RelaunchRun(count, first, spare0, now, step, last, kind=cause.kind,
                                            phase=RelaunchPhase.REGISTERING)}
     return replace(st, handed=st.handed | {n for n, _ in plan}, ranks={}, relaunches=count,
-                   relaunch_pending="", snapshot_clock=None,
+                   relaunch_pending="", snapshot_clock=None, deaths=(), deaths_released=frozenset(),
                    operator_requests=tuple(r for r in st.operator_requests if r.node not in dict(plan)), **resumes)
 
 
@@ -255,6 +291,8 @@ def _relaunch_words(st: CoordState, r: RelaunchRun) -> tuple[str, str]:
     """How the events name the relaunch, and since when its clock runs."""
     if r.kind == RelaunchKind.LOST_NODE:
         return f"relaunch {r.count}", f"after {r.lost} was found lost"
+    if r.kind == RelaunchKind.RANK_DIED:
+        return f"relaunch {r.count}", f"after a rank on {r.lost} died"
     return f"resume of job {st.job_id}", "after this coordinator started"
 
 
@@ -263,8 +301,9 @@ def _on_registering(out: _Out, st: CoordState, r: RelaunchRun, now: float, polic
     """From a checkpoint: the relaunch ends once every fresh rank registered."""
     if not st.all_registered():
         return st
-    out.event("job.relaunched", f"relaunch {r.count}: every rank of the relaunched training step registered "
-              f"{now - r.decided:.1f} s after {r.lost} was found lost; it goes on from its checkpoint of step "
+    what, since = _relaunch_words(st, r)
+    out.event("job.relaunched", f"{what}: every rank of the relaunched training step registered "
+              f"{now - r.decided:.1f} s {since}; it goes on from its checkpoint of step "
               f"{r.checkpoint_step}", relaunch=r.count, decision_to_registered_s=_r(now - r.decided),
               checkpoint=r.checkpoint_step)
     return _relaunch_end(st, r, RelaunchResult.RELAUNCHED)
@@ -307,7 +346,7 @@ def _on_resuming(out: _Out, st: CoordState, r: RelaunchRun, now: float, policy: 
     world = st.world_size or 0
     what, since = _relaunch_words(st, r)
     if world and len(r.resumed) >= world:
-        if r.kind == RelaunchKind.LOST_NODE:
+        if r.kind != RelaunchKind.RESUMED_STOP:
             out.event("job.relaunched", f"{what}: every rank restored from snapshot {r.snapshot} resumed "
                       f"{now - r.decided:.1f} s {since}; training goes on from step "
                       f"{r.checkpoint_step} (steps {r.checkpoint_step}..{r.last_step} are computed again)",

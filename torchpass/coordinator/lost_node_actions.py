@@ -108,23 +108,26 @@ class LostNodeActions:
         # with it, so another node of the job witnesses for it. docs/coordinator.md, "A node lost
         # outright".
         log.warning("node handed to Slurm", node=a.node, reason=a.reason)
-        drain = self.ports.tpassd is not None and not st.node_health(a.node).reachable
+        # A node that still answers (a GPU that failed under a rank: decide_rank_death) is drained
+        # by its own tpassd, on its own evidence (its health view says failed); a node lost
+        # outright through another node's.
+        live = a.drain_live and st.node_health(a.node).reachable
+        drain = self.ports.tpassd is not None and (live or not st.node_health(a.node).reachable)
         if not drain and not a.end_job:
             return
-        witnesses = sorted((n for n in {*st.rank_nodes(), *(sp.node for sp in st.spares)}
-                            if n != a.node and n not in st.handed and st.node_health(n).reachable),
-                           key=lambda n: (st.node_health(n).state != State.HEALTHY, n))
+        witnesses = [a.node] if live else sorted(
+            (n for n in {*st.rank_nodes(), *(sp.node for sp in st.spares)}
+             if n != a.node and n not in st.handed and st.node_health(n).reachable),
+            key=lambda n: (st.node_health(n).state != State.HEALTHY, n))
 
         def drain_through_a_witness() -> None:
             tried = []
+            body = {"job_id": self.ports.job_id, "reason": a.reason}
+            if not live:
+                body["node"] = a.node
             for node in witnesses:
                 try:
-                    res = self.ports.tpassd.request(
-                        node,
-                        "tpassd.drain",
-                        {"job_id": self.ports.job_id, "reason": a.reason, "node": a.node},
-                        DRAIN_TIMEOUT_S,
-                    )
+                    res = self.ports.tpassd.request(node, "tpassd.drain", body, DRAIN_TIMEOUT_S)
                 except TorchpassError as exc:
                     tried.append(f"{node}: {exc}")
                     if isinstance(exc, RemoteError) and exc.code in ("forbidden", "bad_request", "conflict"):
@@ -207,8 +210,9 @@ class LostNodeActions:
             # and its exit hook start it again, at once: after the host file and the verdict.
             ended: list[str] | None = None
             try:
+                ends = swap.keys() | set(a.ended_on)
                 ended = [s.step_id for s in self.ports.slurm.steps(self.ports.job_id)
-                         if s.user_step and swap.keys() & set(s.nodes)] if self.ports.slurm is not None else None
+                         if s.user_step and ends & set(s.nodes)] if self.ports.slurm is not None else None
             except TorchpassError as exc:
                 log.warning("cannot list the job's steps; any srun that ends is started again",
                             job_id=self.ports.job_id, error=str(exc))
@@ -221,7 +225,9 @@ class LostNodeActions:
                 if failed:
                     log.warning("the relaunch from the snapshot is not set up on every node; the step's tasks "
                                 "there fail", snapshot=a.snapshot, failed=failed)
-            self.write_verdict(False, ",".join(swap), (a.count, ended, a.snapshot))
+            # The node srun's exit hook names: the lost or faulted ones, else where the first rank died.
+            self.write_verdict(False, ",".join(swap) or (a.ended_on[0] if a.ended_on else ""),
+                               (a.count, ended, a.snapshot))
             for step in ended or ():
                 try:
                     self.ports.slurm.cancel_step(step)
@@ -269,9 +275,10 @@ class LostNodeActions:
     def observe_drain(self, outcome: LostNodeDrain) -> None:
         job, now = self.ports.job, self.ports.wall()
         if outcome.error is None:
-            job.record(now, "node.drained",
-                       f"{outcome.node} drained through {outcome.witness}'s tpassd (slurmctld reports it "
-                       f"{outcome.slurm_state or 'not answering'}): {outcome.reason}",
+            said = outcome.slurm_state or "not answering"
+            how = ("by its own tpassd" if outcome.witness == outcome.node else
+                   f"through {outcome.witness}'s tpassd (slurmctld reports it {said})")
+            job.record(now, "node.drained", f"{outcome.node} drained {how}: {outcome.reason}",
                        node=outcome.node, witness=outcome.witness, reason=outcome.reason)
         else:
             job.record(now, "node.drain_failed",

@@ -43,6 +43,7 @@ from torchpass.coordinator.contract import (
     Quiesced,
     RankDumped,
     RankDumpFailed,
+    RankExited,
     RankProgress,
     RankRegistered,
     RankUnprotected,
@@ -79,6 +80,7 @@ from torchpass.coordinator.model import (
     Migration,
     NodeHealth,
     OperatorRequest,
+    RankDeath,
     RankView,
     SnapshotRun,
     SpareStatus,
@@ -351,6 +353,29 @@ def _on_checkpoint_loaded(st: CoordState, ev: CheckpointLoaded, now: float, owne
     return replace(st, step_offset=ev.step - max(0, ev.steps_then))
 
 
+def _on_rank_exited(st: CoordState, ev: RankExited, now: float, owned: Owned) -> CoordState:
+    """A rank's death joins the ones to decide: once per (rank, node), and only for a rank this
+    state knows on that node (a wrapper of a step relaunched since reports a rank the new step
+    runs elsewhere, or none yet while the relaunch is in flight)."""
+    if (ev.rank, ev.node) in st.deaths_released or any(d.rank == ev.rank and d.node == ev.node for d in st.deaths):
+        return st
+    rv = st.ranks.get(ev.rank)
+    if rv is None or rv.node != ev.node or st.relaunch is not None:
+        return st
+    return replace(st, deaths=st.deaths + (RankDeath(ev.rank, ev.node, ev.how, now, ev.gpu),))
+
+
+def death_verdict(st: CoordState, rank: int, node: str) -> str:
+    """What the wrapper of a dead ``rank`` on ``node`` does now: "exit" (as the rank did: no
+    relaunch, or nothing for torchpass to do) or "hold" (a decision or a relaunch is pending: the
+    relaunch ends the step, and the wrapper with it)."""
+    if (rank, node) in st.deaths_released:
+        return "exit"
+    if any(d.rank == rank and d.node == node for d in st.deaths) or st.relaunch is not None:
+        return "hold"
+    return "exit"
+
+
 def _on_rank_registered(st: CoordState, ev: RankRegistered, now: float, owned: Owned) -> CoordState:
     prev = st.ranks.get(ev.rank)
     rv = RankView(ev.rank, ev.node, prev.collectives if prev else 0, prev.step if prev else -1,
@@ -583,6 +608,7 @@ APPLY: dict[type, Callable[[CoordState, Any, float, Owned], CoordState]] = {
     SlurmReachability: _on_slurm_reachability,
     CheckpointCompleted: _on_checkpoint_completed,
     CheckpointLoaded: _on_checkpoint_loaded,
+    RankExited: _on_rank_exited,
     OperatorSnapshot: _on_operator_snapshot,
     RankDumped: _on_rank_dumped,
     RankDumpFailed: _on_rank_dump_failed,
@@ -638,5 +664,5 @@ __all__ = [
     "DrainFailed",
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "Outcome", "OperatorRejected", "accept_operator", "apply",
     "ReasonLog", "unprotected_text", "accept_snapshot", "CheckpointCompleted", "CheckpointLoaded", "thaw_acks",
-    "freeze_acks", "JobStopFailed", "APPLY",
+    "freeze_acks", "JobStopFailed", "APPLY", "RankExited", "death_verdict",
 ]

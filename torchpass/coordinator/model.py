@@ -295,6 +295,18 @@ class RelaunchRun:
         object.__setattr__(self, "phase", RelaunchPhase(self.phase))
 
 
+@dataclass(frozen=True)
+class RankDeath:
+    """A rank whose process ended on a live node, as its task wrapper reported it
+    (``machine.RankExited``), not decided yet (decide_rank_death)."""
+
+    rank: int
+    node: str
+    how: str  # "killed by signal 9 (SIGKILL)", "exit code 1"
+    at: float  # coordinator clock of the first report
+    gpu: int = -1  # the rank's SLURM_LOCALID (its GPU where one GPU per rank), -1: not known
+
+
 # Per-step compute figures kept per rank: the fail-slow rule's windows (policy.failslow_windows x
 # failslow_window_steps) must fit in them.
 COMPUTE_KEPT = 128
@@ -368,6 +380,15 @@ class CoordState:
     # (coordinator clock, the step its newest window ended at).
     slow: dict[str, SlowWatch] = field(default_factory=dict)
     slow_checked: tuple[float, int] | None = None
+    # Ranks that died on a live node and are not decided yet (decide_rank_death): their task
+    # wrappers hold their exits until then, so that srun decides nothing before the coordinator.
+    deaths: tuple[RankDeath, ...] = ()
+    # (rank, node) of deaths decided without a relaunch: their wrappers may exit now, as the
+    # rank did (the job goes on as it would without torchpass).
+    deaths_released: frozenset[tuple[int, str]] = frozenset()
+    # Why a death is no longer recovered in this job ("": it is): every later death is released.
+    deaths_unrecovered: str = ""
+    unexplained_relaunches: int = 0  # relaunches after a death with no hardware fault
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))
@@ -430,5 +451,5 @@ __all__ = [
     "SpareHow", "SpareStatus", "Trigger", "FailedStep", "NodeHealth", "RankView", "SpareView",
     "OperatorRequest", "Image", "Failure", "Migration", "MigrationRecord", "CoordState", "SnapshotPoint",
     "SNAP_QUEUED", "SNAP_PAUSE", "SNAP_DUMP", "SNAP_RESUME", "SNAP_STOP", "SnapshotRun", "RelaunchRun",
-    "SnapPhase", "RelaunchKind", "RelaunchPhase", "SlowWatch", "COMPUTE_KEPT",
+    "SnapPhase", "RelaunchKind", "RelaunchPhase", "SlowWatch", "COMPUTE_KEPT", "RankDeath",
 ]

@@ -57,6 +57,16 @@ class CoordinatorPolicy:
     # Longer than a transient slowdown (a neighbour's burst, a checkpoint's copy on one node):
     # a slowdown shorter than this moves nothing.
     failslow_sustain_s: float = 15.0
+    # A rank that dies on a live node (its task wrapper reports the exit or signal at once:
+    # decide_rank_death.py) is matched to a GPU fault of its node (Xid, GPU lost, uncorrectable
+    # ECC, from tpassd) reported within this many seconds before or after the death. tpassd
+    # publishes an NVML event in milliseconds and a polled reading within its sample interval
+    # (1 s by default), so 10 s covers both with room for a loaded node.
+    death_event_window_s: float = 10.0
+    # Relaunches of the job after a death with no hardware fault in the window (a bug in the
+    # script, or the OOM killer: the script's own memory use); the next such death ends the job
+    # as it would without torchpass. 0: never relaunch for one.
+    max_unexplained_relaunches: int = 1
 
     # --- spares ------------------------------------------------------------
     # Order in which spares are sought: "hot" = an idle node inside the
@@ -206,6 +216,10 @@ class CoordinatorPolicy:
         for name in ("failslow_min_excess_s", "failslow_sustain_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.death_event_window_s > 0:
+            raise ConfigError(f"death_event_window_s must be > 0, got {self.death_event_window_s!r}")
+        if self.max_unexplained_relaunches < 0:
+            raise ConfigError(f"max_unexplained_relaunches must be >= 0, got {self.max_unexplained_relaunches}")
         if self.max_pause_rearms < 0:
             raise ConfigError(f"max_pause_rearms must be >= 0, got {self.max_pause_rearms}")
         if self.coordinator_restarts < 0:

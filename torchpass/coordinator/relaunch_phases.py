@@ -1,7 +1,9 @@
 """The phases of a relaunch of the job's training step and the one table of legal transitions.
 
 A relaunch starts the job's training step again inside the allocation after
-a node was lost outright (``RelaunchKind.LOST_NODE``), or brings back every
+a node was lost outright (``RelaunchKind.LOST_NODE``) or a rank died on a live
+node (``RelaunchKind.RANK_DIED``: a spare in place of a node whose GPU failed,
+or the same nodes after a death with no hardware fault), or brings back every
 rank of a job stopped with ``tpassctl snapshot --stop`` and resumed
 (``RelaunchKind.RESUMED_STOP``: the first state of that run's coordinator)::
 
@@ -29,6 +31,7 @@ from torchpass.coordinator.phases import IllegalTransition
 class RelaunchKind(enum.StrEnum):
     LOST_NODE = "lost_node"  # a node was lost outright: the step is started again with a spare in its place
     RESUMED_STOP = "resumed_stop"  # `tpassctl resume` of a job stopped with `tpassctl snapshot --stop`
+    RANK_DIED = "rank_died"  # a rank died on a live node (decide_rank_death): the step is started again
 
 
 class RelaunchPhase(enum.StrEnum):

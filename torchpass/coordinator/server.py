@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,18 @@ from torchpass.coordinator.model import CoordState
 from torchpass.errors import ProtocolError, RemoteError, SlurmError, TorchpassError
 
 log = structlog.get_logger("torchpass.coordinator")
+
+
+# A held task wrapper asks again this often: the decision comes with tpassd's event (milliseconds
+# after the death) or when death_event_window_s passes.
+DEATH_RETRY_S = 0.5
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return "unknown signal"
 
 
 class Conflict(TorchpassError):
@@ -262,6 +275,7 @@ class CoordinatorServer:
             "rank.quiesced": self._on_quiesced,
             "rank.resumed": self._on_resumed,
             "rank.checkpoint": self._on_checkpoint,
+            "rank.exited": self._on_exited,
             "job.migrate": self._on_migrate,
             "job.snapshot": self._on_snapshot,
         }
@@ -437,6 +451,18 @@ class CoordinatorServer:
         self._feed(mc.Resumed(b["rank"], b["generation"], b["node"], bool(b.get("cancelled", False)),
                               b["collectives"]))
         return self._with_command(b["rank"], {})
+
+    def _on_exited(self, msg: wire.Message) -> dict[str, Any]:
+        """A rank's process died on a live node; its task wrapper holds its exit while the reply
+        says "hold" (decide_rank_death decides; machine.death_verdict answers)."""
+        b = msg.body
+        self._check_job(b)
+        sig = b.get("signal")
+        how = f"killed by signal {sig} ({_signal_name(sig)})" if sig else f"exit code {b['code']}"
+        self._feed(mc.RankExited(b["rank"], b["node"], how, b.get("gpu", -1)))
+        verdict = mc.death_verdict(self.state, b["rank"], b["node"])
+        log.warning("rank exited", rank=b["rank"], node=b["node"], how=how, verdict=verdict)
+        return {"verdict": verdict, "retry_s": DEATH_RETRY_S}
 
     def _on_checkpoint(self, msg: wire.Message) -> dict[str, Any]:
         """An application checkpoint of the job (torchpass.checkpoint) completed, failed or was

@@ -460,6 +460,36 @@ class Devcluster:
         return {"cpu_pct": min(cpu_pct, 100), "processes": len(pids), "cgroup": str(group),
                 "cgroup_version": h.version, "for_s": for_s if lifter else None}
 
+    def kill_gpu(self, node: str, gpu: int = 0) -> dict:
+        """GPU ``gpu`` of ``node`` falls off the bus (a drill, gpu_kill.py): tpassd's ``xid79`` drill
+        (Xid 79, and NVML's GPU-is-lost from then on), then SIGKILL of the node's ranks whose
+        SLURM_LOCALID is ``gpu``, found by the pids their wrappers recorded. What was done, as
+        --json prints it."""
+        from torchpass import auth, zmqio
+        from torchpass.devcluster.gpu_kill import ranks_on_gpu
+
+        self._require_state()
+        i = self._index(node)
+        if node in self._require_state().crashed:
+            raise DevclusterError(f"{node} is crashed; revive it first")
+        endpoint = f"tcp://{self.node_address(node)}:{self.spec.tpassd_ports[1]}"
+        body = {"kind": "xid79", "gpu": gpu}
+        try:
+            res = zmqio.request(endpoint, "tpassd.drill", body, timeout_s=5.0, retries=0,
+                                auth=auth.credential_for("tpassd.drill", body, node, str(self.munge_socket)))
+        except Exception as exc:  # noqa: BLE001 - any failure: the drill did not happen, say why
+            raise DevclusterError(f"{node}'s tpassd did not apply the xid79 drill: {exc}") from None
+        victims = ranks_on_gpu(self.state_dir, node, gpu, self._netns_pids(self.spec.netns(i)))
+        killed = []
+        for v in victims:
+            try:
+                os.kill(v.pid, signal.SIGKILL)
+                killed.append({"job": int(v.job), "rank": int(v.rank) if v.rank.isdigit() else v.rank, "pid": v.pid})
+            except ProcessLookupError:
+                continue
+        log.warning("devcluster GPU killed", name=self.spec.name, node=node, gpu=gpu, killed=killed)
+        return {"gpu": gpu, "applied": res.get("applied", ""), "killed": killed}
+
     def revive(self, node: str) -> None:
         """Bring a crashed node back as at bring-up: its link up, a fresh slurmd (its own UTS
         and mount namespaces again) and tpassd. slurmctld returns it to service when its slurmd
