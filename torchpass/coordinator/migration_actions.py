@@ -81,6 +81,16 @@ class AbortsFinished:
 # with all its workers. The decision core still speaks of ranks: for a task of several ranks,
 # its lowest rank (its leader) does the task's work and reports the outcome for every rank of
 # the task; the others' actions do nothing.
+def _gpu_pairs(rec: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The restored rank's GPU remap as its record gives it (the root agent's result, relayed by the
+    restore wrapper): pairs of strings only, anything else reads as none. It is shown, not acted on."""
+    pairs = rec.get("gpu_pairs")
+    if not isinstance(pairs, list):
+        return ()
+    ok = [p for p in pairs if isinstance(p, list) and len(p) == 2 and all(isinstance(u, str) for u in p)]
+    return tuple((p[0], p[1]) for p in ok) if len(ok) == len(pairs) else ()
+
+
 def task_unit(st: CoordState, rank: int) -> tuple[int, tuple[int, ...]] | None:
     """(task, the ranks in it) when ``rank`` leads its task; None for the task's other ranks."""
     task = st.task_of(rank)
@@ -264,7 +274,7 @@ class MigrationActions:
                     for r in ranks:
                         self.ports.post(ct.RestoreDone(a.migration, r, a.target, {
                             "step_s": round(time.monotonic() - t0, 4),
-                            "criu_restore_s": rec.get("restore_s", 0.0)}))
+                            "criu_restore_s": rec.get("restore_s", 0.0)}, _gpu_pairs(rec)))
                     return
                 rc = proc.poll()
                 if rc is not None and rc != 0 and time.monotonic() - t0 < STEP_CREATE_RETRY_S \
