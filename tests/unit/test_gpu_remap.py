@@ -185,3 +185,59 @@ def test_the_migration_event_holds_each_ranks_gpu_table():
     sim.finish()
     (done,) = sim.events("migration.completed")
     assert done.data["gpu_pairs"] == {"2": [[SOURCE[0], TARGET[0]]], "3": [[SOURCE[1], TARGET[1]]]}
+
+
+def test_nvml_collector_reads_the_driver_version_once_a_gpu_is_seen():
+    from tpassd.collectors.nvml import NvmlCollector
+    from tpassd.nvml_provider import FakeNvmlProvider
+
+    fake = FakeNvmlProvider(gpus=2, driver_version="570.86.15")
+    fake.init()
+    c = NvmlCollector(fake, events=False)
+    c.collect(0.0)
+    assert c.driver_version == "570.86.15"
+
+
+@pytest.mark.parametrize("target_driver", ["575.51.03", "570.86.15"])
+def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(tmp_path, target_driver):
+    """The CUDA checkpoint is restored by the same driver only: the target's tpassd.health names
+    its driver (NVML), and a different one fails the transfer in one line, before the images
+    are verified there or a restore step is released: the move rolls back."""
+    import test_executor as tx
+
+    drivers = {"n2": "570.86.15", "n4": target_driver}
+    calls = []
+
+    def request(node, type_, body, timeout_s):
+        calls.append((node, type_, body.get("op")))
+        if type_ == "tpassd.health":
+            return {"state": "healthy", "gpu_driver": drivers[node]}
+        if type_ == "tpassd.snapshot":
+            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        return {}
+
+    tp = tx.FakeTpassd(fail_dump=False)
+    tp.request = request
+    d, _ = tx._driver(tmp_path, tp)
+    try:
+        ex = d.executor
+        d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+        at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+        for r in range(3):
+            d.feed(mc.Quiesced(r, gen, at))
+        tx._pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
+        rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
+        verified = [c for c in calls if c[2] == "verify"]
+        if target_driver == "575.51.03":
+            assert "runs NVIDIA driver 575.51.03, the source 570.86.15" in rb.message, rb.message
+            assert "\n" not in rb.message
+            assert verified == []  # never verified on the target, no restore step released
+        else:  # the same driver: the move goes on to the restore (which fails here: no manifest)
+            assert verified == [("n4", "tpassd.restore", "verify")]
+            assert "driver" not in rb.message, rb.message
+    finally:
+        tx._open_executors.remove(d.executor)
+        procs = d.executor.steps()
+        d.executor.close()
+        for p in procs:
+            p.wait(10)

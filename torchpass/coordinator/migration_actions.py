@@ -31,6 +31,7 @@ from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.rank_commands import RankCommands, hold_deadline_s
 from torchpass.coordinator.restore_steps import Gate, RestoreSteps
 from torchpass.errors import RemoteError, TorchpassError
+from torchpass.slurm.gres import PlacementRefused, check_same_driver
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -44,6 +45,9 @@ RESTORE_POLL_S = 0.002
 STEP_NOT_CREATED = "Unable to create step for job"
 STEP_CREATE_RETRY_S = 30.0
 
+# tpassd answers tpassd.health from memory (its last sample): milliseconds. Asked while the job
+# stands still, so a node that does not answer in this long is not waited for.
+DRIVER_QUERY_TIMEOUT_S = 2.0
 
 def _read_from(path: Path, offset: int) -> str:
     """What was appended to ``path`` since ``offset`` ("" when it is not there)."""
@@ -226,6 +230,11 @@ class MigrationActions:
         def run() -> None:
             t0 = time.monotonic()
             try:
+                self.same_gpu_driver(a.source, a.target)
+            except PlacementRefused as exc:
+                self.ports.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
+                return
+            try:
                 self.ports.tpassd.request(a.target, "tpassd.restore", body, self.ports.policy.transfer_timeout_s)
             except RemoteError as exc:
                 self.ports.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
@@ -238,6 +247,28 @@ class MigrationActions:
                                           {"verify_s": round(time.monotonic() - t0, 4)}))
 
         self.ports.thread(run, f"transfer-{task}")
+
+    def gpu_driver(self, node: str) -> str | None:
+        """``node``'s NVIDIA driver version as its tpassd reads it through NVML; None without GPUs,
+        without NVML, or when its tpassd does not answer (a lost source: nothing to compare)."""
+        try:
+            health = self.ports.tpassd.request(node, "tpassd.health", {}, DRIVER_QUERY_TIMEOUT_S)
+        except TorchpassError:
+            return None
+        driver = health.get("gpu_driver") if isinstance(health, dict) else None
+        return driver if isinstance(driver, str) and driver else None
+
+    def same_gpu_driver(self, source: str, target: str) -> None:
+        """PlacementRefused (one line) when the target's NVIDIA driver is not the source's: a CUDA
+        checkpoint is restored by the same driver only. Asked before the images are verified on
+        the target, so the move rolls back before any restore step starts. A target without GPUs
+        is not compared here: its restore step refuses a GPU rank (too few GPUs)."""
+        target_driver = self.gpu_driver(target)
+        if target_driver is None:
+            return
+        source_driver = self.gpu_driver(source)
+        if source_driver is not None:
+            check_same_driver(source_driver, target_driver)
 
     def restore(self, a: ct.Restore, st: CoordState) -> None:
         unit = task_unit(st, a.rank)
