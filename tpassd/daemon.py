@@ -453,7 +453,9 @@ class Tpassd:
 
     # -- control handlers ------------------------------------------------------
     def _h_health(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
-        return {**self.publisher.snapshot(), "checkpoint": self.checkpoint_capability}
+        driver = next((c.driver_version for c in self.collectors if getattr(c, "driver_version", None)), None)
+        return {**self.publisher.snapshot(), "checkpoint": self.checkpoint_capability,
+                **({"gpu_driver": driver} if driver else {})}  # the node's NVIDIA driver (NVML), when it has GPUs
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = {"control": dict(self.control.counters) if self.control else {}}

@@ -234,7 +234,7 @@ class _CudaRecorder:
 
             raise CheckpointError(f"cuCheckpointProcessCheckpoint(pid {pid}) failed: CUresult 2")
 
-    def resume(self, pid):
+    def resume(self, pid, pairs=()):
         self.calls.append(("resume", pid))
 
 
@@ -272,6 +272,25 @@ def test_dump_of_a_gpu_rank_suspends_cuda_around_a_real_criu_dump(tmp_path):
         assert manifest["meta"]["gpu"] is True  # the restore wrapper resumes CUDA on the target
         assert marker.read_text() == "moved\n"
         assert proc.poll() is None  # left running: a rollback resumes it in place
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_dumps_manifest_names_the_ranks_gpus_in_local_order(tmp_path, monkeypatch):
+    """The restore remaps the GPUs the image names: the manifest records their UUIDs, ascending by
+    device minor (the /dev/nvidiaN the rank maps: stood in for here, there is no GPU)."""
+    from torchpass.checkpoint import gpu_map
+
+    uuids = {4: "GPU-1f0e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", 6: "GPU-00112233-4455-6677-8899-aabbccddeeff"}
+    proc, marker = _gpu_rank(tmp_path)
+    monkeypatch.setattr(gpu_map, "mapped_gpu_minors", lambda pids, _proc="/proc": [4, 6] if proc.pid in pids else [])
+    try:
+        svc = _service(tmp_path, proc, _CudaRecorder)
+        svc.settings.gpu_uuids_by_minor = lambda: uuids
+        out = _dump(svc)
+        meta = json.loads((Path(out["images"]) / "manifest.json").read_text())["meta"]
+        assert meta["gpu_uuids"] == [uuids[4], uuids[6]]
     finally:
         proc.kill()
         proc.wait()

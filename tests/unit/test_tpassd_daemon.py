@@ -55,6 +55,12 @@ DRILLS = [
 ]
 
 
+def test_health_names_the_nodes_nvidia_driver_for_the_coordinators_spare_check(node, munge):
+    # the fake NVML provider's driver; a CUDA checkpoint is restored by the same driver only
+    assert wait_for(lambda: call(node.ctl, "node1", "tpassd.health", munge_socket=munge.socket)
+                    .get("gpu_driver") == "fake-0.0")
+
+
 def test_every_drill_reaches_a_subscriber_and_clear_heals(node, munge):
     sub = subscriber(node, munge)
     try:

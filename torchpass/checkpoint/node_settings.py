@@ -15,7 +15,7 @@ from typing import Any
 
 from torchpass import jobdir, layout, slurm
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint import procs
+from torchpass.checkpoint import gpu_map, procs
 
 
 def slurm_job_owner(job_id: int) -> int | None:
@@ -54,6 +54,8 @@ class NodeSettings:
     # dump)? None: it maps an NVIDIA device file. Injectable for tests on GPU-less machines.
     gpu_in_use: Callable[[int], bool] | None = None
     cuda_loader: Callable[[], Any] | None = None
+    # GPU device minor -> UUID (NVML): the UUIDs a GPU rank's image names, recorded in its manifest.
+    gpu_uuids_by_minor: Callable[[], dict[int, str]] = gpu_map.nvml_uuids_by_minor
     dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S
     # How many bytes a dump of a tree will write (checked against snapshot_dir's free space before
     # anything moves, and again right before CRIU, after a CUDA suspend brought the GPU state into

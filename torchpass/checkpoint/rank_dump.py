@@ -23,7 +23,7 @@ import structlog
 
 from torchpass import layout
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint import procs
+from torchpass.checkpoint import gpu_map, procs
 from torchpass.checkpoint.admission import Admission, Audit
 from torchpass.checkpoint.cuda import CudaCheckpoint
 from torchpass.checkpoint.job_files import JobFiles
@@ -126,6 +126,12 @@ class RankDumps:
             except TorchpassError as exc:
                 raise RemoteError("unavailable", f"rank {rank} of job {job_id} holds GPU state but this node "
                                                  f"cannot checkpoint CUDA: {exc}") from None
+        # The GPUs the image will name, in local order, so that the restore can remap each onto the
+        # restore step's (gpu_map); read before anything is touched, so a failure moves nothing.
+        try:
+            gpu_uuids = self._gpu_uuids(holders) if gpu else []
+        except TorchpassError as exc:
+            raise RemoteError("unavailable", f"rank {rank} of job {job_id}: {exc}; it cannot be moved") from None
         t0 = time.monotonic()
         if marker is not None:
             self.files.write(dfd, marker, "moving\n")
@@ -148,7 +154,8 @@ class RankDumps:
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": s.node,
                                       "gpu": gpu, "init": p.pid != pid, "uid": owner,
                                       # their pids as the restore gives them back (the task's PID namespace)
-                                      **({"gpu_pids": [procs.ns_pid(q, s.proc) for q in holders]} if gpu else {}),
+                                      **({"gpu_pids": [procs.ns_pid(q, s.proc) for q in holders],
+                                          "gpu_uuids": gpu_uuids} if gpu else {}),
                                       **({"snapshot": snapshot} if snapshot else {})})
         except BaseException as exc:
             # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
@@ -174,6 +181,12 @@ class RankDumps:
         log.info("rank dumped (left running)", job_id=job_id, rank=rank, images=out["images"],
                  mb=round(res.bytes / 1e6, 1), dump_s=out["criu_dump_s"])
         return out
+
+    def _gpu_uuids(self, holders: list[int]) -> list[str]:
+        """The UUIDs of the GPUs the holders map, in local order (gpu_map); none when they map no
+        NVIDIA device file (a stand-in for GPU state: NVML is then not asked)."""
+        minors = gpu_map.mapped_gpu_minors(holders, self.settings.proc)
+        return gpu_map.uuids_of(minors, self.settings.gpu_uuids_by_minor()) if minors else []
 
     @staticmethod
     def _resume_cuda(cuda: Any, job_id: int, rank: int, pids: list[int]) -> str | None:

@@ -647,11 +647,13 @@ def restore(images: str, state_dir: str, wake_file: str | None, criu_bin: str | 
     return finish_restored(paths, str(images), code)
 
 
-def resume_cuda_of(root: int, rank_pid: int, meta: dict, proc: str = "/proc", cuda=None) -> None:
+def resume_cuda_of(root: int, rank_pid: int, meta: dict, proc: str = "/proc", cuda=None,
+                   pairs: list[tuple[str, str]] | tuple[tuple[str, str], ...] = ()) -> None:
     """After a restore, give the GPU state back to every process of the tree that the dump
     suspended (tpassd recorded them in the image's meta as ``gpu_pids``: their numbers in the
     tree's PID namespace, which CRIU restores unchanged), parents first. Under torchrun those
-    are the agent's workers, not ``rank_pid`` (the agent)."""
+    are the agent's workers, not ``rank_pid`` (the agent). ``pairs`` remaps the source's GPUs
+    onto the restore step's (restore_agent.gpu_pairs_for); none restores onto the same UUIDs."""
     from torchpass.checkpoint import procs
     from torchpass.checkpoint.criu import tree_pids
     from torchpass.checkpoint.cuda import CudaCheckpoint
@@ -674,7 +676,7 @@ def resume_cuda_of(root: int, rank_pid: int, meta: dict, proc: str = "/proc", cu
         targets = [by_ns[n] for n in wanted]
     cuda = cuda or CudaCheckpoint.load()
     for q in targets:
-        cuda.resume(q)
+        cuda.resume(q, pairs)
 
 
 def wake(wake_file: str | None, text: str = "") -> None:
@@ -774,7 +776,8 @@ def restore_via_agent(images: str, state_dir: str, wake_file: str | None, agents
     relay = Relay(relays)
     relay.child = rank_pid
     meta = out.get("meta") or {}
-    take_over(paths, job, rank, pid, str(images), meta, float(out.get("restore_s", 0.0)), rank_pid=rank_pid)
+    take_over(paths, job, rank, pid, str(images), meta, float(out.get("restore_s", 0.0)), rank_pid=rank_pid,
+              gpu_pairs=out.get("gpu_pairs"))
     wake(wake_file, wake_text)
     code = relay.wait(pid, init=pid != rank_pid)
     if code != 0 and paths.names(os.getpid(), str(images)):
@@ -841,9 +844,10 @@ def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:
 
 
 def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: dict, seconds: float,
-              rank_pid: int | None = None) -> None:
+              rank_pid: int | None = None, gpu_pairs: list | None = None) -> None:
     """The rank record now names this restored copy. The record it replaces is kept as
-    ``previous``: if this move is called off after the restore, tpassd puts it back."""
+    ``previous``: if this move is called off after the restore, tpassd puts it back.
+    ``gpu_pairs``: the root agent's remap of the source's GPUs (the coordinator's event shows it)."""
     previous = paths.read_record()
     if previous.get("restored_from") == images and isinstance(previous.get("previous"), dict):
         # An earlier restore of this same snapshot on a target that was lost (so its
@@ -854,6 +858,7 @@ def take_over(paths: Paths, job: str, rank: str, pid: int, images: str, meta: di
         "job": job, "rank": rank, "wrapper_pid": os.getpid(), "pid": pid, "rank_pid": rank_pid or pid,
         "node": socket.gethostname(), "stdout": meta.get("fd1"), "stderr": meta.get("fd2"), "restored_from": images,
         "restore_s": round(seconds, 4), "started": time.time(), "previous": previous,
+        **({"gpu_pairs": gpu_pairs} if gpu_pairs else {}),
     })
 
 

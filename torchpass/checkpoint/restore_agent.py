@@ -78,10 +78,11 @@ from typing import Any
 
 from torchpass import __version__, layout
 from torchpass.checkpoint import criu as criu_mod
-from torchpass.checkpoint import pidfds, safeio
+from torchpass.checkpoint import gpu_map, pidfds, safeio
 from torchpass.checkpoint.cgroup_join import join_cgroups_of
+from torchpass.checkpoint.cuda import gpu_pair_table
 from torchpass.checkpoint.manifest import read_manifest
-from torchpass.errors import TorchpassError
+from torchpass.errors import CheckpointError, TorchpassError
 
 # How often the agent looks for its task's request. The whole job stands still from the moment the
 # task writes it (the dump is done) until the restored rank runs: at 20 ms the wait added 10 ms on
@@ -242,6 +243,22 @@ def task_pipes(task_pidfd: int, fds: Any, meta: dict[str, Any]) -> dict[int, str
     return inherit
 
 
+def gpu_pairs_for(meta: dict[str, Any], task: int, proc: str = "/proc",
+                  by_minor: gpu_map.UuidsByMinor | None = None) -> list[tuple[str, str]]:
+    """(source UUID, target UUID) for every GPU the image names (its manifest's ``gpu_uuids``, in
+    local order), onto the GPUs the restore step's devices cgroup allows, in local order
+    (gpu_map). None named (a CPU rank, a stand-in for GPU state, or a manifest written before
+    the dump recorded them): no pairs, the CUDA restore is as before. Fewer targets than sources:
+    a one-line CheckpointError, before anything is restored."""
+    source = meta.get("gpu_uuids") if meta.get("gpu") else None
+    if not source:
+        return []
+    if not isinstance(source, list) or not all(isinstance(u, str) for u in source):
+        raise CheckpointError(f"the manifest's gpu_uuids {source!r} is not a list of GPU UUIDs; restore refused")
+    target = gpu_map.uuids_of(gpu_map.target_gpu_minors(task, proc), (by_minor or gpu_map.nvml_uuids_by_minor)())
+    return gpu_pair_table(source, target)
+
+
 def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
             task_pidfd: int | None = None) -> dict[str, Any]:
     """Restore what ``req`` names for the task ``task`` (its pidfd: ``task_pidfd``, held by the
@@ -257,6 +274,9 @@ def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
     # Into the restore step's cgroups first, so that criu (--manage-cgroups=ignore) restores
     # the tree there: forked in task_init_privileged, we are not in them (cgroup_join).
     join_cgroups_of(task, pidfd=task_pidfd)
+    # The restored process keeps its source environment (CUDA_VISIBLE_DEVICES too): only this
+    # remap makes its device n the restore step's n-th GPU. Refused here, before criu runs.
+    pairs = gpu_pairs_for(meta, task)
     inherit = task_pipes(task_pidfd, req.get("fds"), meta)
     try:
         c = criu_mod.find_criu(None)
@@ -279,14 +299,17 @@ def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
             raise TorchpassError(f"restored rank {rank} (pid {pid}) exited at once")
         if meta.get("gpu"):
             try:
-                resume_cuda_of(pid, rank_pid, meta)
+                resume_cuda_of(pid, rank_pid, meta, pairs=pairs)
             except TorchpassError as exc:
                 pidfds.kill_and_wait(restored)
                 raise TorchpassError(f"restored rank {rank} but its CUDA state did not come back ({exc}); "
                                      "killed it") from None
     finally:
         os.close(restored)
-    return {"pid": pid, "rank_pid": rank_pid, "restore_s": round(seconds, 4), "meta": meta, "images": str(images)}
+    out = {"pid": pid, "rank_pid": rank_pid, "restore_s": round(seconds, 4), "meta": meta, "images": str(images)}
+    if pairs:
+        out["gpu_pairs"] = [list(p) for p in pairs]
+    return out
 
 
 def write_result(dfd: int, rank: int, uid: int, out: dict[str, Any]) -> None:

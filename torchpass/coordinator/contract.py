@@ -470,6 +470,8 @@ class RestoreDone:
     rank: int
     target: str
     durations: dict[str, float] = field(default_factory=dict)
+    # (source GPU UUID, target GPU UUID) in local order, as the root restore agent remapped them
+    gpu_pairs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

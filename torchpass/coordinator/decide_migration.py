@@ -236,6 +236,8 @@ def _finish(out: _Out, st: CoordState, m: Migration, now: float, outcome: Result
                             "phase_durations": durations}
     if m.tool_durations:
         data["tool_durations"] = dict(m.tool_durations)
+    if m.gpu_pairs:  # each rank's GPUs: source UUID -> target UUID, in local order
+        data["gpu_pairs"] = {str(r): [list(p) for p in pairs] for r, pairs in sorted(m.gpu_pairs.items())}
     if m.pause_at is not None:
         data["pause_at"] = m.pause_at
         data["pause_estimate"] = m.pause_estimate

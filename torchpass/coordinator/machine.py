@@ -533,7 +533,8 @@ def _on_restore_done(st: CoordState, ev: RestoreDone, now: float, owned: Owned) 
     m = st.migration
     if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and ev.rank in m.ranks:
         m2 = replace(m, restored=m.restored | {ev.rank},
-                     tool_durations=_merge_max(m.tool_durations, "restore", ev.durations))
+                     tool_durations=_merge_max(m.tool_durations, "restore", ev.durations),
+                     gpu_pairs={**m.gpu_pairs, ev.rank: ev.gpu_pairs} if ev.gpu_pairs else m.gpu_pairs)
         return replace(st, migration=m2)
     return st
 

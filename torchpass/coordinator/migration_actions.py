@@ -31,6 +31,7 @@ from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.rank_commands import RankCommands, hold_deadline_s
 from torchpass.coordinator.restore_steps import Gate, RestoreSteps
 from torchpass.errors import RemoteError, TorchpassError
+from torchpass.slurm.gres import PlacementRefused, check_same_driver
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -44,6 +45,9 @@ RESTORE_POLL_S = 0.002
 STEP_NOT_CREATED = "Unable to create step for job"
 STEP_CREATE_RETRY_S = 30.0
 
+# tpassd answers tpassd.health from memory (its last sample): milliseconds. Asked while the job
+# stands still, so a node that does not answer in this long is not waited for.
+DRIVER_QUERY_TIMEOUT_S = 2.0
 
 def _read_from(path: Path, offset: int) -> str:
     """What was appended to ``path`` since ``offset`` ("" when it is not there)."""
@@ -81,6 +85,16 @@ class AbortsFinished:
 # with all its workers. The decision core still speaks of ranks: for a task of several ranks,
 # its lowest rank (its leader) does the task's work and reports the outcome for every rank of
 # the task; the others' actions do nothing.
+def _gpu_pairs(rec: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The restored rank's GPU remap as its record gives it (the root agent's result, relayed by the
+    restore wrapper): pairs of strings only, anything else reads as none. It is shown, not acted on."""
+    pairs = rec.get("gpu_pairs")
+    if not isinstance(pairs, list):
+        return ()
+    ok = [p for p in pairs if isinstance(p, list) and len(p) == 2 and all(isinstance(u, str) for u in p)]
+    return tuple((p[0], p[1]) for p in ok) if len(ok) == len(pairs) else ()
+
+
 def task_unit(st: CoordState, rank: int) -> tuple[int, tuple[int, ...]] | None:
     """(task, the ranks in it) when ``rank`` leads its task; None for the task's other ranks."""
     task = st.task_of(rank)
@@ -216,6 +230,11 @@ class MigrationActions:
         def run() -> None:
             t0 = time.monotonic()
             try:
+                self.same_gpu_driver(a.source, a.target)
+            except PlacementRefused as exc:
+                self.ports.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
+                return
+            try:
                 self.ports.tpassd.request(a.target, "tpassd.restore", body, self.ports.policy.transfer_timeout_s)
             except RemoteError as exc:
                 self.ports.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
@@ -228,6 +247,28 @@ class MigrationActions:
                                           {"verify_s": round(time.monotonic() - t0, 4)}))
 
         self.ports.thread(run, f"transfer-{task}")
+
+    def gpu_driver(self, node: str) -> str | None:
+        """``node``'s NVIDIA driver version as its tpassd reads it through NVML; None without GPUs,
+        without NVML, or when its tpassd does not answer (a lost source: nothing to compare)."""
+        try:
+            health = self.ports.tpassd.request(node, "tpassd.health", {}, DRIVER_QUERY_TIMEOUT_S)
+        except TorchpassError:
+            return None
+        driver = health.get("gpu_driver") if isinstance(health, dict) else None
+        return driver if isinstance(driver, str) and driver else None
+
+    def same_gpu_driver(self, source: str, target: str) -> None:
+        """PlacementRefused (one line) when the target's NVIDIA driver is not the source's: a CUDA
+        checkpoint is restored by the same driver only. Asked before the images are verified on
+        the target, so the move rolls back before any restore step starts. A target without GPUs
+        is not compared here: its restore step refuses a GPU rank (too few GPUs)."""
+        target_driver = self.gpu_driver(target)
+        if target_driver is None:
+            return
+        source_driver = self.gpu_driver(source)
+        if source_driver is not None:
+            check_same_driver(source_driver, target_driver)
 
     def restore(self, a: ct.Restore, st: CoordState) -> None:
         unit = task_unit(st, a.rank)
@@ -264,7 +305,7 @@ class MigrationActions:
                     for r in ranks:
                         self.ports.post(ct.RestoreDone(a.migration, r, a.target, {
                             "step_s": round(time.monotonic() - t0, 4),
-                            "criu_restore_s": rec.get("restore_s", 0.0)}))
+                            "criu_restore_s": rec.get("restore_s", 0.0)}, _gpu_pairs(rec)))
                     return
                 rc = proc.poll()
                 if rc is not None and rc != 0 and time.monotonic() - t0 < STEP_CREATE_RETRY_S \

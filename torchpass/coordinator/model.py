@@ -186,6 +186,8 @@ class Migration:
     shrink_done: bool = False
     phase_durations: dict[str, float] = field(default_factory=dict)
     tool_durations: dict[str, float] = field(default_factory=dict)  # reported by tpassd/restore (max over ranks)
+    # rank -> ((source GPU UUID, target GPU UUID), ...): the CUDA restore's remap, for the event
+    gpu_pairs: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trigger", Trigger(self.trigger))

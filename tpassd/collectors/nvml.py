@@ -42,6 +42,9 @@ class NvmlCollector(Collector):
         self._thread: threading.Thread | None = None
         self._wake: Callable[[], None] = lambda: None
         self.event_thread_error: str | None = None
+        # The NVIDIA driver's version, read once a GPU is seen: a CUDA checkpoint is restored by
+        # the same driver only, so the coordinator compares a spare's with the source's (tpassd.health).
+        self.driver_version: str | None = None
 
     # -- the event thread --------------------------------------------------
     def start(self, wake: Callable[[], None]) -> None:
@@ -81,6 +84,11 @@ class NvmlCollector(Collector):
     # -- sampling ------------------------------------------------------------
     def collect(self, now: float) -> dict[str, ComponentReading]:
         count = self.provider.device_count()  # failure here fails the collector
+        if count and self.driver_version is None:
+            try:
+                self.driver_version = self.provider.driver_version()
+            except NvmlError as exc:
+                log.warning("NVIDIA driver version not read", error=str(exc))
         with self._pending_lock:
             pending, self._pending = self._pending, []
         out: dict[str, ComponentReading] = {}
