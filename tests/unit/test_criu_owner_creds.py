@@ -84,6 +84,9 @@ class Tree:
         self.init = next(c for c in _children(self.task.pid) if procs.ns_pid(c) == 1)
         self.rank = _children(self.init)[0]
         self.pidfds = [os.pidfd_open(self.init)]
+        # tpass-init drops to the user after it forks: "ready" can come first (a loaded machine
+        # read uid 0 for the init, and the dump then refused the tree as not the owner's).
+        _await_uid(self.init, u.pw_uid)
 
     def end(self) -> None:
         self.go.touch()
@@ -94,6 +97,17 @@ class Tree:
         self.pidfds = []
         self.task.kill()
         self.task.wait()
+
+
+def _await_uid(pid: int, uid: int) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/status") as f:
+            uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
+        if all(int(u) == uid for u in uids):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still has uids {uids}, not {uid}")
 
 
 def _children(pid: int) -> list[int]:
