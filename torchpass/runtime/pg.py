@@ -117,6 +117,22 @@ def local_address_towards(host: str, port: int) -> str:
 DEBUG = os.environ.get(envnames.DEBUG, "") not in ("", "0")
 
 
+def data_rails_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The node's data interfaces the job was given (TORCHPASS_DATA_RAILS, "rail0,rail1"); () = none."""
+    value = (os.environ if environ is None else environ).get(envnames.DATA_RAILS, "")
+    return tuple(r.strip() for r in value.split(",") if r.strip())
+
+
+def interface_present(name: str) -> bool:
+    """Whether this network namespace has interface ``name``. Not /sys/class/net: a devcluster
+    node shares the host's /sys, which lists the host's interfaces."""
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        return False
+    return True
+
+
 def _in_backward() -> bool:
     try:
         return torch._C._current_autograd_node() is not None
@@ -159,6 +175,8 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._timeout = timeout
         self._use_nccl = use_nccl
+        # The data rails the inner group is built on (gloo); a reroute sets them before a rebuild.
+        self.rails: tuple[str, ...] = data_rails_from_env()
         self._inner: dist.ProcessGroup | None = None
         self._works: list = []
         self._prune_at = TRACK_PRUNE_MIN  # _track prunes when this many Works are kept
@@ -190,19 +208,28 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._group_desc = desc
 
     # -- the inner group ----------------------------------------------------------
-    def _gloo_device(self, rv: Rendezvous):
+    def _gloo_devices(self, rv: Rendezvous) -> list:
+        """One gloo device per data rail in use (gloo spreads the collectives over them, one
+        context each), else one on GLOO_SOCKET_IFNAME or the route to the rendezvous host.
+        Every rank builds the same list (the same rails, the same order): both ends of every
+        pair must agree, so a rail this node lacks is an error, never silently left out."""
+        if self.rails:
+            missing = [r for r in self.rails if not interface_present(r)]
+            if missing:
+                raise RuntimeError(f"torchpass: data rail(s) {', '.join(missing)} are not interfaces of this node")
+            return [dist.ProcessGroupGloo.create_device(interface=r) for r in self.rails]
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-        if ifname and os.path.exists(f"/sys/class/net/{ifname}"):
-            return dist.ProcessGroupGloo.create_device(interface=ifname)
+        if ifname and interface_present(ifname):
+            return [dist.ProcessGroupGloo.create_device(interface=ifname)]
         # After a move the interface names and addresses differ: take the
         # address the kernel routes towards the rendezvous host.
-        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))
+        return [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))]
 
     def _make_inner(self, st: dist.Store, rv: Rendezvous) -> None:
         """Build the inner native group on ``st`` (a generation's prefix of the switchable store)."""
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self._timeout
-        opts._devices = [self._gloo_device(rv)]
+        opts._devices = self._gloo_devices(rv)
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
         inner = dist.ProcessGroup(st, self._rank, self._size)
         if self._use_nccl:
