@@ -200,7 +200,8 @@ def rail_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Pol
     f = _Findings()
     m = r.metrics
     rp = p.rail
-    if "operstate" in m and m["operstate"] != "up":
+    # "unknown": a driver that does not track operstate (lo, dummy) while it is up, as `ip link` shows.
+    if "operstate" in m and m["operstate"] not in ("up", "unknown"):
         f.add(State.FAILED, f"{comp}: link {m['operstate']} (expected up)")
     if rp.flap_count > 0:
         n = h.increase("link_downed", now, rp.window_s)
