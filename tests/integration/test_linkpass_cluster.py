@@ -1,0 +1,110 @@
+"""Data rails on a real devcluster: a rail pulled, flapping or lost with its twin.
+
+A devcluster of its own (``DevclusterSpec(rails=2)``: rail0 and rail1 on every node, each on
+its own bridge, beside the management network eth0), brought up for this module so that the
+shared cluster's tests keep today's single network. Nothing but the drills and tpassd runs:
+
+* ``devcluster link NODE --rail 0 down`` on a random node (seed printed, TORCHPASS_TEST_SEED
+  replays) makes that node's tpassd publish rail0 failed while the node stays healthy (a job
+  reroutes around a rail, nothing moves), and the management network still answers;
+* five flaps leave the rail degraded (flapping) once it is back up, the node still healthy;
+* with both rails down the node is failed ("no usable data rail left"); plugged back, it is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import _preflight
+from torchpass.devcluster import Devcluster, DevclusterSpec
+
+pytestmark = pytest.mark.integration
+
+SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
+TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
+
+
+def _spec() -> DevclusterSpec:
+    base = os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5]
+    a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
+    return DevclusterSpec(name=f"{base}lp", subnet=f"{a}.{(int(b) + 60) % 256}.{c}", nodes=2, rails=2)
+
+
+@pytest.fixture(scope="module")
+def rail_cluster():
+    _preflight()
+    c = Devcluster.up(_spec())
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def tpassctl(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([TPASSCTL, *args, "--name", cluster.spec.name] if args[0] == "devcluster" else
+                          [TPASSCTL, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **cluster.env()})
+
+
+def node_row(cluster, node: str) -> dict:
+    out = tpassctl(cluster, "nodes", "--node", node, "--json")
+    rows = json.loads(out.stdout)["nodes"]
+    return rows[0] if rows else {}
+
+
+def wait_for(cluster, node: str, what, timeout_s: float = 30.0) -> dict:
+    """The node's row once ``what(row)`` holds (tpassd samples once a second)."""
+    deadline = time.monotonic() + timeout_s
+    row: dict = {}
+    while time.monotonic() < deadline:
+        row = node_row(cluster, node)
+        if row and what(row):
+            return row
+        time.sleep(0.5)
+    raise AssertionError(f"{node} never got there; last: {row}")
+
+
+def link(cluster, node: str, rail: int, *action: str) -> str:
+    out = tpassctl(cluster, "devcluster", "link", node, "--rail", str(rail), *action)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_rail_down_flap_and_both_down(rail_cluster):
+    rng = random.Random(SEED)
+    node = rng.choice(rail_cluster.node_names)
+    print(f"seed {SEED}: pulling {node}'s rail0 (TORCHPASS_TEST_SEED={SEED} replays)")
+    assert rail_cluster.env()["TORCHPASS_DATA_RAILS"] == "rail0,rail1"
+    wait_for(rail_cluster, node, lambda r: r["rails"] == {"rail0": "healthy", "rail1": "healthy"})
+
+    link(rail_cluster, node, 0, "down")
+    row = wait_for(rail_cluster, node, lambda r: r["rails"].get("rail0") == "failed")
+    assert row["state"] == "healthy" and row["rails"]["rail1"] == "healthy", row
+    assert row["reachable"]  # the management network is never pulled
+    table = tpassctl(rail_cluster, "nodes", "--node", node).stdout
+    assert "RAILS" in table and "rail0 failed, rail1 healthy" in table, table
+
+    link(rail_cluster, node, 0, "up")
+    link(rail_cluster, node, 0, "flap", "--times", "5", "--period", "0.4")
+    row = wait_for(rail_cluster, node, lambda r: r["rails"].get("rail0") == "degraded")
+    assert row["state"] == "healthy", row
+
+    link(rail_cluster, node, 0, "down")
+    link(rail_cluster, node, 1, "down")
+    row = wait_for(rail_cluster, node, lambda r: r["state"] == "failed")
+    assert row["reasons"][0].startswith("no usable data rail left: rail:rail0, rail:rail1 down"), row
+    other = next(n for n in rail_cluster.node_names if n != node)
+    assert node_row(rail_cluster, other)["state"] == "healthy"  # the far ends' own rails are up
+
+    link(rail_cluster, node, 0, "clear")
+    link(rail_cluster, node, 1, "clear")
+    row = wait_for(rail_cluster, node, lambda r: r["state"] != "failed" and r["rails"].get("rail1") == "healthy")
+    assert row["rails"]["rail0"] in ("healthy", "degraded"), row  # still flapping within the window
