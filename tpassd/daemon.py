@@ -211,11 +211,11 @@ class Tpassd:
                 collectors.append(NvmlCollector(self.provider, clock=clock))
             ib = IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports)
             collectors.append(ib)
-            eth_rails = tuple(r for r in cfg.rails if not r.startswith("ib:"))
-            if eth_rails:
-                collectors.append(EthRailCollector(eth_rails, cfg.procfs_root))
+            eth = EthRailCollector(tuple(r for r in cfg.rails if not r.startswith("ib:")), cfg.procfs_root)
+            if eth.interfaces:
+                collectors.append(eth)
             missing = [r for r in cfg.rails if r.startswith("ib:") and not ib.has_port(*r[3:].split("/", 1))]
-            missing += EthRailCollector(eth_rails, cfg.procfs_root).missing_rails() if eth_rails else []
+            missing += eth.missing_rails() if eth.interfaces else []
             if missing:
                 raise ConfigError(f"rails {', '.join(missing)} named in the config are not on node {cfg.node}")
             # Never state_dir: users write there (jobs/J), so its free space is theirs to steer.
