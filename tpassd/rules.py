@@ -252,6 +252,7 @@ def rail_component(rail: str) -> str:
     anything else an Ethernet interface (eth_rails)."""
     return rail if rail.startswith("ib:") else f"rail:{rail}"
 
+
 XID_TEXT = {
     48: "double-bit ECC error",
     63: "ECC page retirement or row remap recorded",
