@@ -32,10 +32,11 @@ SCRIPT = textwrap.dedent(
         class L(PauseListener):
             def on_quiesced(self, pg, info):
                 seen["sockets"] = count_sockets()  # after teardown, before resume
-                if os.environ.get("REROUTE_TO"):  # a reroute: the next generation on these rails
+                rails = None
+                if os.environ.get("REROUTE_TO"):  # a reroute: the resume names the next generation's rails
                     seen["rails_before"] = list(pg.rails)
-                    pg.rails = tuple(os.environ["REROUTE_TO"].split(","))
-                pg.resume(1, Rendezvous("127.0.0.1", int(os.environ["PORT2"])))
+                    rails = tuple(os.environ["REROUTE_TO"].split(","))
+                pg.resume(1, Rendezvous("127.0.0.1", int(os.environ["PORT2"])), rails)
         pg.listener = L()
     cancelled = []
     if wrapped and os.environ.get("CANCEL") == "1":

@@ -421,6 +421,8 @@ class ReconfigurablePG(_ForwardingGroup):
         self._state = PGState.RUNNING
         self._armed: tuple[int, int] | None = None  # (at, generation)
         self._resume: tuple[int, Rendezvous] | None = None
+        # The data rails the resume names (a reroute): the rebuild builds the inner groups on them.
+        self._resume_rails: tuple[str, ...] | None = None
         self.unprotected: str | None = None  # why pauses are refused (mark_unprotected)
         self._on_collective = on_collective
         self.meter = ComputeMeter()
@@ -543,8 +545,9 @@ class ReconfigurablePG(_ForwardingGroup):
             self._cv.notify_all()
             return True
 
-    def resume(self, generation: int, rendezvous: Rendezvous) -> str:
-        """Resume as ``generation`` at ``rendezvous``.
+    def resume(self, generation: int, rendezvous: Rendezvous, rails: tuple[str, ...] | None = None) -> str:
+        """Resume as ``generation`` at ``rendezvous`` (``rails``: rebuild the inner groups on these
+        data rails, a reroute; None: on the rails in use).
 
         Returns "resume" (torn down: the pausing thread rebuilds and calls
         listener.on_resumed), "deferred" (stopped at T but not torn down: the
@@ -562,14 +565,14 @@ class ReconfigurablePG(_ForwardingGroup):
                 # at the old port at its next pause while the others met at the new one.
                 if self._state is PGState.REBUILDING or generation != self._armed[1]:
                     return ""
-                self._resume = (generation, rendezvous)
+                self._resume, self._resume_rails = (generation, rendezvous), rails
                 self._cv.notify_all()
                 return "resume"
             if self._armed is not None and self._armed[1] == generation:
                 self._armed = None
                 self._cv.notify_all()
                 if self._state is PGState.AT_T:
-                    self._resume = (generation, rendezvous)
+                    self._resume, self._resume_rails = (generation, rendezvous), rails
                     return "deferred"
                 self._state = self._idle_state()
                 self.generation = generation
@@ -787,7 +790,7 @@ class ReconfigurablePG(_ForwardingGroup):
         if verdict != "go":
             with self._cv:
                 self._state = PGState.ARMED if self._armed is not None else self._idle_state()
-                deferred, self._resume = self._resume, None
+                deferred, self._resume, self._resume_rails = self._resume, None, None
                 if verdict == "cancel" and deferred is not None:
                     self.generation = deferred[0]
             if verdict == "cancel" and self.listener is not None:
@@ -821,8 +824,12 @@ class ReconfigurablePG(_ForwardingGroup):
                 # absolute deadline of another host's clock for long
                 self._cv.wait(0.05)
             generation, rv = self._resume
-            self._resume = None
+            rails, self._resume, self._resume_rails = self._resume_rails, None, None
             self._state = PGState.REBUILDING
+        if rails is not None:  # a reroute: every rank was told the same rails (both ends must agree)
+            self.rails = rails
+            for sub in self.subgroups:
+                sub.rails = rails
         t1 = time.monotonic()
         if DEBUG:
             say(f"rank {self._rank} rebuilding generation {generation} at {rv.master_addr}:{rv.master_port}")
