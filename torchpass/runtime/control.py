@@ -616,8 +616,8 @@ class ControlLink(PauseListener):
             elif kind == wire.COMMAND_RESUME:
                 gen = int(cmd["generation"])
                 rv = Rendezvous(str(cmd["master_addr"]), int(cmd["master_port"]))
-                rails = cmd.get("rails")
-                how = self.pg.resume(gen, rv, tuple(str(r) for r in rails) if rails else None)
+                rails = cmd.get("rails")  # a reroute: rebuild on these data rails
+                how = self.pg.resume(gen, rv, tuple(str(r) for r in rails)) if rails else self.pg.resume(gen, rv)
                 if how:  # the coordinator settled the pause: no deadline runs any more
                     self._pause = self._quiesced_wall = None
                     if self._state is LinkState.QUIESCED:
