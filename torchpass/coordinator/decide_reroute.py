@@ -23,7 +23,13 @@ collective boundary (runtime/pg.py: every rank rebuilds its inner group on the n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # model imports this module (RailPlan) for its annotations
+    from torchpass.coordinator.decide_common import _Out
+    from torchpass.coordinator.model import CoordState, SnapshotRun
+    from torchpass.coordinator.policy import CoordinatorPolicy
 
 USABLE_STATES = frozenset({"healthy", "unknown"})
 
@@ -99,3 +105,70 @@ def decide_rails(now: float, plan: RailPlan, rails: tuple[str, ...], nodes: tupl
     reason = f"reroute onto {', '.join(new)}: {'; '.join(parts)}"
     return RerouteDecision(RailPlan(new, tuple(sorted(since.items())), plan.reroutes + 1),
                            Reroute(new, dropped, restored, reason), reason, bad)
+
+
+# ============================================================================
+# The job's rails: what decide does on each pass (decide._step)
+# ============================================================================
+def job_rail_health(st: CoordState) -> tuple[tuple[str, ...], dict[tuple[str, str], str]]:
+    """The job's rank nodes and (node, rail) -> state from their tpassds' rail:NAME items."""
+    nodes = tuple(sorted(st.rank_nodes()))
+    return nodes, {(n, r): state for n in nodes for r, state in st.node_health(n).rails}
+
+
+def reroute_busy(st: CoordState) -> bool:
+    """A reroute pauses every rank: not while another pause (snapshot, migration, relaunch) runs,
+    before every rank registered, or in a job that refuses pauses."""
+    return (st.snapshot is not None or st.migration is not None or st.relaunch is not None
+            or bool(st.operator_requests) or not st.all_registered() or st.job_unprotected is not None)
+
+
+def track(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> CoordState:
+    """Follow the job's data rails: ``link.down`` when a rail becomes unusable, and a reroute (a
+    pause at the next collective boundary, then a resume in place on the new rails: a SnapshotRun
+    with ``rails`` set, nothing dumped) when the rule says so. Jobs without rails: unchanged."""
+    from torchpass.coordinator.model import SnapshotRun  # model imports this module
+    from torchpass.coordinator.snapshot_phases import SnapPhase, check_transition
+
+    plan = st.rail_plan
+    if plan is None or not st.job_rails:
+        return st
+    nodes, health = job_rail_health(st)
+    bad = unusable_nodes(st.job_rails, health, nodes)
+    down = frozenset(r for r, where in bad.items() if where)
+    if down != st.rails_down:
+        for r in sorted(down - st.rails_down):
+            states = ", ".join(f"{n}: {health.get((n, r), 'unknown')}" for n in bad[r])
+            out.event("link.down", f"data rail {r} is unusable on {', '.join(bad[r])} ({states})",
+                      rail=r, nodes=bad[r])
+        st = replace(st, rails_down=down)
+    if reroute_busy(st):
+        return st
+    d = decide_rails(now, plan, st.job_rails, nodes, health, policy.rail_restore_after_s)
+    st = replace(st, rail_plan=d.plan)
+    if d.action is None:
+        return st
+    rid = f"reroute-{d.plan.reroutes}"
+    check_transition(rid, None, SnapPhase.QUEUED)
+    run = SnapshotRun(rid, now, trigger="reroute", rails=d.action.rails, rails_before=plan.using)
+    return replace(st, snapshot=run)
+
+
+def reroute_ended(out: _Out, st: CoordState, s: SnapshotRun, why: str | None, paused: float,
+                  data: dict[str, Any]) -> CoordState:
+    """The reroute's ranks all resumed: ``link.rerouted`` (or ``link.restored`` when every rail of
+    the job is in use again), or ``link.reroute_failed`` (the ranks resumed on the rails they had,
+    and the plan says so: the rule decides again on its next pass)."""
+    rails, before = s.rails or (), s.rails_before
+    fields = {**data, "rails": list(rails), "rails_before": list(before)}
+    plan = st.rail_plan
+    if why is not None:
+        out.event("link.reroute_failed", f"{s.id} onto {', '.join(rails)} failed: {why}; every rank resumed on "
+                  f"{', '.join(before)} after {paused:.2f}s", why=why, **fields)
+        if plan is not None:
+            plan = replace(plan, using=before)
+    else:
+        kind = "link.restored" if set(rails) == set(st.job_rails) else "link.rerouted"
+        out.event(kind, f"{s.id}: every rank now uses data rails {', '.join(rails)} (was {', '.join(before)}); "
+                  f"training stood still {paused:.2f}s", **fields)
+    return replace(st, snapshot=None, generation=max(st.generation, s.generation), rail_plan=plan)
