@@ -136,3 +136,18 @@ def test_a_refused_pause_resumes_on_the_rails_in_use_and_says_so():
     (failed,) = sim.events("link.reroute_failed")
     assert "did not quiesce" in failed.data["why"]
     assert sim.state.rail_plan.using == RAILS
+
+
+def test_status_shows_the_rails_the_job_uses():
+    from torchpass.coordinator.job_record import rails_status
+    from tpassctl.status_cmd import job_lines
+
+    sim = Sim()
+    assert rails_status(sim.state) == {"rails": {"all": list(RAILS), "using": list(RAILS), "down": []}}
+    sim.health("node2", (("rail0", "failed"), ("rail1", "healthy")))
+    sim.reroute(sim.of(ct.PauseAt, sim.tick(1.0))[0])
+    shown = rails_status(sim.state)
+    assert shown == {"rails": {"all": list(RAILS), "using": ["rail1"], "down": ["rail0"]}}
+    row = {"job_id": 7, "state": "running", "reachable": True, **shown}
+    assert "  data rails: rail1 (rail0 left out); unusable now: rail0" in job_lines(row)
+    assert rails_status(Sim(rails=()).state) == {}
