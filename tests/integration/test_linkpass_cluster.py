@@ -10,7 +10,10 @@ shared cluster's tests keep today's single network. Nothing but the drills and t
 * five flaps leave the rail degraded (flapping) once it is back up, the node still healthy;
 * with both rails down the node is failed ("no usable data rail left"); plugged back, it is not;
 * an ordinary user's 2-node gloo job, submitted with the cluster's exports (TORCHPASS_DATA_RAILS),
-  trains over the data rails: their byte counters carry its collectives, eth0 does not.
+  trains over the data rails: their byte counters carry its collectives, eth0 does not;
+* the same job with rail0 of a random node flapping five times at a random step is rerouted in
+  place once (link.down, link.rerouted with the pause), no migration, every rank on its node, the
+  losses of a fault-free run of the same job bit for bit.
 """
 
 from __future__ import annotations
@@ -87,9 +90,87 @@ def link(cluster, node: str, rail: int, *action: str) -> str:
     return out.stdout
 
 
+# --- the reroute: a flapping rail, the job rerouted in place -----------------------------------
+# First in the module: a flapped rail stays degraded for tpassd's flap window (rail.window_s, 300 s),
+# so the rail-health test below pulls the other node's rails.
+STEPS = 200
+
+
+def _nodes(cluster) -> tuple[str, str]:
+    """(the node whose rail0 flaps under a job, the node whose rails are pulled without one): random."""
+    a, b = random.Random(SEED).sample(list(cluster.node_names), 2)
+    return a, b
+
+
+def _job_events(cluster, job_id: int) -> list[dict]:
+    p = layout.events_json(cluster.state_dir, job_id)
+    return json.loads(p.read_text()) if p.exists() else []
+
+
+def _submit_rail_job(cluster, tag: str) -> tuple[int, Path]:
+    """The ordinary user's 2-node gloo DDP job over the data rails (examples/train_ddp.py)."""
+    user = _job_user(cluster.job_users[0])
+    base = Path("/tmp") / f"torchpass-it-{cluster.spec.name}"
+    base.mkdir(mode=0o755, exist_ok=True)
+    job_dir = make_job_dir(base, tag, user)
+    env = {**submit_env(user.name), envnames.DATA_RAILS: cluster.env()[envnames.DATA_RAILS]}
+    script = ("#!/bin/bash\n"
+              f"srun {job_python()} {train_script(job_dir)} --steps {STEPS} --params 1M --sleep 0.05\n")
+    out = job_dir / "out.txt"
+    job_id = job_id_of(sbatch(["-N2", "--ntasks-per-node=1", "--torchpass", "-o", str(out)], script,
+                              cwd=job_dir, user=user.name, env=env))
+    return job_id, out
+
+
+def _wait_step(out: Path, step: int, timeout_s: float = 120) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if out.exists() and f"step={step} " in out.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"seed={SEED}: the job did not reach step {step}")
+
+
+@pytest.fixture(scope="module")
+def rail_reference(rail_cluster) -> dict:
+    """The same job with no fault: its per-step losses (every rank prints the global loss)."""
+    job_id, out = _submit_rail_job(rail_cluster, "reference")
+    info = wait_job(job_id, timeout_s=240)
+    assert info.state == "COMPLETED", out.read_text()[-3000:]
+    return tj.per_step(tj.steps(out.read_text()))
+
+
+def test_a_flapping_rail_reroutes_the_job_in_place_once_with_the_same_losses(rail_cluster, rail_reference):
+    """Five flaps of rail0 on a random node (the batch host included) at a random step: the rail is
+    degraded (still carrying packets between flaps, so no collective is lost on it), the
+    coordinator pauses every rank at one collective and resumes them in place on rail1: one
+    reroute, no migration, every rank on its node, the reference's losses bit for bit."""
+    node, _ = _nodes(rail_cluster)
+    at = random.Random(f"{SEED}:flap").randint(5, 30)
+    print(f"seed {SEED}: flapping {node}'s rail0 at step {at} (TORCHPASS_TEST_SEED={SEED} replays)")
+    for n in rail_cluster.node_names:  # a fresh cluster: every rail up and never flapped
+        wait_for(rail_cluster, n, lambda r: r["rails"] == {"rail0": "healthy", "rail1": "healthy"})
+    job_id, out = _submit_rail_job(rail_cluster, "flap")
+    _wait_step(out, at)
+    link(rail_cluster, node, 0, "flap", "--times", "5", "--period", "0.4")
+    info = wait_job(job_id, timeout_s=240)
+    events = _job_events(rail_cluster, job_id)
+    diag = (f"seed={SEED}\n{out.read_text()[-2000:]}\n--- events ---\n"
+            + "\n".join(f"{e['kind']}: {e['message']}" for e in events))
+    assert info.state == "COMPLETED", diag
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("link.rerouted") == 1, diag
+    assert "link.down" in kinds and not any(k.startswith("migration.") for k in kinds), diag
+    rerouted = next(e for e in events if e["kind"] == "link.rerouted")
+    assert rerouted["data"]["rails"] == ["rail1"] and rerouted["data"]["rails_before"] == ["rail0", "rail1"], diag
+    print(f"seed {SEED}: training stood still {rerouted['data']['pause_s']} s for the reroute")
+    registered = [e for e in events if e["kind"] == "rank.registered"]
+    assert len(registered) == 2, diag  # every rank on its node: none registered again
+    assert tj.per_step(tj.steps(out.read_text())) == rail_reference, diag
+
+
 def test_rail_down_flap_and_both_down(rail_cluster):
-    rng = random.Random(SEED)
-    node = rng.choice(rail_cluster.node_names)
+    _, node = _nodes(rail_cluster)
     print(f"seed {SEED}: pulling {node}'s rail0 (TORCHPASS_TEST_SEED={SEED} replays)")
     assert rail_cluster.env()["TORCHPASS_DATA_RAILS"] == "rail0,rail1"
     wait_for(rail_cluster, node, lambda r: r["rails"] == {"rail0": "healthy", "rail1": "healthy"})
@@ -152,75 +233,3 @@ def test_a_job_trains_over_the_data_rails_not_the_management_network(rail_cluste
         # 30 steps of a 1M-parameter all-reduce: ~4 MB a step each way, all of it on the rails.
         assert rails > 10 * 2**20 and rails > 10 * sent["eth0"], (n, sent)
 
-
-# --- the reroute: a flapping rail, the job rerouted in place -----------------------------------
-STEPS = 200
-
-
-def _job_events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    return json.loads(p.read_text()) if p.exists() else []
-
-
-def _submit_rail_job(cluster, tag: str) -> tuple[int, Path]:
-    """The ordinary user's 2-node gloo DDP job over the data rails (examples/train_ddp.py)."""
-    user = _job_user(cluster.job_users[0])
-    base = Path("/tmp") / f"torchpass-it-{cluster.spec.name}"
-    base.mkdir(mode=0o755, exist_ok=True)
-    job_dir = make_job_dir(base, tag, user)
-    env = {**submit_env(user.name), envnames.DATA_RAILS: cluster.env()[envnames.DATA_RAILS]}
-    script = ("#!/bin/bash\n"
-              f"srun {job_python()} {train_script(job_dir)} --steps {STEPS} --params 1M --sleep 0.05\n")
-    out = job_dir / "out.txt"
-    job_id = job_id_of(sbatch(["-N2", "--ntasks-per-node=1", "--torchpass", "-o", str(out)], script,
-                              cwd=job_dir, user=user.name, env=env))
-    return job_id, out
-
-
-def _wait_step(out: Path, step: int, timeout_s: float = 120) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if out.exists() and f"step={step} " in out.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"seed={SEED}: the job did not reach step {step}")
-
-
-@pytest.fixture(scope="module")
-def rail_reference(rail_cluster) -> dict:
-    """The same job with no fault: its per-step losses (every rank prints the global loss)."""
-    job_id, out = _submit_rail_job(rail_cluster, "reference")
-    info = wait_job(job_id, timeout_s=240)
-    assert info.state == "COMPLETED", out.read_text()[-3000:]
-    return tj.per_step(tj.steps(out.read_text()))
-
-
-def test_a_flapping_rail_reroutes_the_job_in_place_once_with_the_same_losses(rail_cluster, rail_reference):
-    """Five flaps of rail0 on a random node (the batch host included) at a random step: the rail is
-    degraded (still carrying packets between flaps, so no collective is lost on it), the
-    coordinator pauses every rank at one collective and resumes them in place on rail1: one
-    reroute, no migration, every rank on its node, the reference's losses bit for bit."""
-    rng = random.Random(f"{SEED}:flap")
-    node, at = rng.choice(rail_cluster.node_names), rng.randint(5, 30)
-    print(f"seed {SEED}: flapping {node}'s rail0 at step {at} (TORCHPASS_TEST_SEED={SEED} replays)")
-    for n in rail_cluster.node_names:  # the rails of the earlier test are back and out of their flap window
-        link(rail_cluster, n, 0, "clear")
-        link(rail_cluster, n, 1, "clear")
-        wait_for(rail_cluster, n, lambda r: r["rails"] == {"rail0": "healthy", "rail1": "healthy"}, 90.0)
-    job_id, out = _submit_rail_job(rail_cluster, "flap")
-    _wait_step(out, at)
-    link(rail_cluster, node, 0, "flap", "--times", "5", "--period", "0.4")
-    info = wait_job(job_id, timeout_s=240)
-    events = _job_events(rail_cluster, job_id)
-    diag = (f"seed={SEED}\n{out.read_text()[-2000:]}\n--- events ---\n"
-            + "\n".join(f"{e['kind']}: {e['message']}" for e in events))
-    assert info.state == "COMPLETED", diag
-    kinds = [e["kind"] for e in events]
-    assert kinds.count("link.rerouted") == 1, diag
-    assert "link.down" in kinds and not any(k.startswith("migration.") for k in kinds), diag
-    rerouted = next(e for e in events if e["kind"] == "link.rerouted")
-    assert rerouted["data"]["rails"] == ["rail1"] and rerouted["data"]["rails_before"] == ["rail0", "rail1"], diag
-    print(f"seed {SEED}: training stood still {rerouted['data']['pause_s']} s for the reroute")
-    registered = [e for e in events if e["kind"] == "rank.registered"]
-    assert len(registered) == 2, diag  # every rank on its node: none registered again
-    assert tj.per_step(tj.steps(out.read_text())) == rail_reference, diag
