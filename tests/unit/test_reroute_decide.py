@@ -11,6 +11,7 @@ import pytest
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.decide import CoordState, decide
+from torchpass.coordinator.decide_reroute import RETRY_AFTER_FAILED_S
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health_state import State
 
@@ -136,6 +137,10 @@ def test_a_refused_pause_resumes_on_the_rails_in_use_and_says_so():
     (failed,) = sim.events("link.reroute_failed")
     assert "did not quiesce" in failed.data["why"]
     assert sim.state.rail_plan.using == RAILS
+    # The rail is still down: one more try, but not at once (each try stands the job still).
+    assert not sim.of(ct.PauseAt, sim.tick(RETRY_AFTER_FAILED_S - 1.0))
+    (again,) = sim.of(ct.PauseAt, sim.tick(1.5))
+    assert again.hold_ranks == () and again.generation == 2
 
 
 def test_status_shows_the_rails_the_job_uses():

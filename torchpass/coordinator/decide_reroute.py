@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # model imports this module (RailPlan) for its annotations
     from torchpass.coordinator.policy import CoordinatorPolicy
 
 USABLE_STATES = frozenset({"healthy", "unknown"})
+# After a failed reroute (its pause timed out: a collective stuck on the dead rail never reaches T),
+# the next waits this long: each try stands the job still for up to pause_timeout_s.
+RETRY_AFTER_FAILED_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class RailPlan:
     using: tuple[str, ...]
     usable_since: tuple[tuple[str, float | None], ...] = ()
     reroutes: int = 0
+    retry_at: float = 0.0  # a reroute failed: no other starts before this (track)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def track(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> C
             out.event("link.down", f"data rail {r} is unusable on {', '.join(bad[r])} ({states})",
                       rail=r, nodes=bad[r])
         st = replace(st, rails_down=down)
-    if reroute_busy(st):
+    if reroute_busy(st) or now < plan.retry_at:
         return st
     d = decide_rails(now, plan, st.job_rails, nodes, health, policy.rail_restore_after_s)
     st = replace(st, rail_plan=d.plan)
@@ -154,7 +158,7 @@ def track(out: _Out, st: CoordState, now: float, policy: CoordinatorPolicy) -> C
     return replace(st, snapshot=run)
 
 
-def reroute_ended(out: _Out, st: CoordState, s: SnapshotRun, why: str | None, paused: float,
+def reroute_ended(out: _Out, st: CoordState, s: SnapshotRun, now: float, why: str | None, paused: float,
                   data: dict[str, Any]) -> CoordState:
     """The reroute's ranks all resumed: ``link.rerouted`` (or ``link.restored`` when every rail of
     the job is in use again), or ``link.reroute_failed`` (the ranks resumed on the rails they had,
@@ -166,7 +170,7 @@ def reroute_ended(out: _Out, st: CoordState, s: SnapshotRun, why: str | None, pa
         out.event("link.reroute_failed", f"{s.id} onto {', '.join(rails)} failed: {why}; every rank resumed on "
                   f"{', '.join(before)} after {paused:.2f}s", why=why, **fields)
         if plan is not None:
-            plan = replace(plan, using=before)
+            plan = replace(plan, using=before, retry_at=now + RETRY_AFTER_FAILED_S)
     else:
         kind = "link.restored" if set(rails) == set(st.job_rails) else "link.rerouted"
         out.event(kind, f"{s.id}: every rank now uses data rails {', '.join(rails)} (was {', '.join(before)}); "

@@ -155,7 +155,7 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
         data["tool_durations"] = dict(s.dump_durations)
     why = s.failure or s.commit_failed
     if s.rails is not None:
-        return reroute_ended(out, st, s, why, paused, data)
+        return reroute_ended(out, st, s, now, why, paused, data)
     last = st.last_snapshot
     snapshot_phases.check_result(s.id, s.phase, SnapResult.COMPLETED if why is None and s.committed is not None
                                  else SnapResult.FAILED)
@@ -196,7 +196,7 @@ def _on_queued(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
     """Asked for: pause every rank at one collective T, or end it not taken if it is refused now."""
     why = check_snapshot_request(replace(st, snapshot=None))
     if why is not None and s.rails is not None:
-        return reroute_ended(out, st, s, why[1], 0.0, {"snapshot": s.id})
+        return reroute_ended(out, st, s, now, why[1], 0.0, {"snapshot": s.id})
     if why is not None:
         snapshot_phases.check_result(s.id, s.phase, SnapResult.NOT_TAKEN)
         out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} not taken: {why[1]}",
