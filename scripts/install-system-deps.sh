@@ -32,7 +32,8 @@ esac
 # From the machine's own suite.
 packages=(munge iproute2 gcc make util-linux procps)
 # From trixie on Debian 12 (-t trixie), from the machine's own suite on 13.
-trixie_packages=(slurmd slurmctld slurm-client libslurm-dev criu)
+# nftables: the devcluster's loss= link drill; from trixie, as criu brings trixie's libnftables1.
+trixie_packages=(slurmd slurmctld slurm-client libslurm-dev criu nftables)
 # The system Python's venv module (with ensurepip), from the machine's own suite.
 py_packages=(python3 python3-venv)
 

@@ -38,6 +38,7 @@ COORDINATOR_LOST_S = "TORCHPASS_COORDINATOR_LOST_S"  # no answer this long: coor
 RELAY = "TORCHPASS_RELAY"  # "0": no node relay (every rank connects to the coordinator itself)
 RELAY_DIR = "TORCHPASS_RELAY_DIR"  # where the node relay's socket lives
 DEBUG = "TORCHPASS_DEBUG"  # the process group's debug lines
+DATA_RAILS = "TORCHPASS_DATA_RAILS"  # the nodes' data interfaces ("rail0,rail1"); unset: the default route's
 ALLOW_TORCH = "TORCHPASS_ALLOW_TORCH"  # a site's torch minor versions beyond the tested ones ("2.11,2.12")
 TEST_TORCH_VERSION = "TORCHPASS_TEST_TORCH_VERSION"  # tests only: the torch version the runtime checks
 # --- programs' settings -------------------------------------------------------------------------

@@ -269,6 +269,14 @@ class HealthSubscriber:
         with self._lock:
             return {n: (v.state.value, tuple(v.reasons), v.heartbeat_age(now)) for n, v in self._views.items()}
 
+    def rails_brief(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Per node, each data rail's state as tpassd publishes it (component ``rail:NAME``):
+        ((NAME, state), ...), sorted. Read only for jobs with data rails."""
+        with self._lock:
+            return {n: tuple(sorted((c[len("rail:"):], str(v.get("state", "unknown")))
+                                    for c, v in view.components.items() if c.startswith("rail:")))
+                    for n, view in self._views.items()}
+
     def state(self, node: str) -> State:
         with self._lock:
             return self._views[node].state

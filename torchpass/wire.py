@@ -160,6 +160,9 @@ BODIES: dict[str, dict[str, F]] = {
         # a torch outside the runtime's tested range that the site allowed ($TORCHPASS_ALLOW_TORCH):
         # the rank's line saying so. The coordinator keeps the first (job.status torch_override).
         "torch_override": _f(str, required=False),
+        # the data rails its inner group is built on (TORCHPASS_DATA_RAILS, in order): the rails the
+        # coordinator reroutes the job over when one goes down. Absent: the job has no data rails.
+        "rails": _f(list, required=False),
     },
     # Progress: step = optimizer steps seen, collectives = collectives issued.
     "rank.progress": {
@@ -253,9 +256,10 @@ BODIES: dict[str, dict[str, F]] = {
     #       quiescing: apply fallback once (a held copy first claims
     #       PATH.claim); a fallback group not rebuilt within J s fails the
     #       rank with one line (docs/coordinator.md, "Never left paused").
-    #   {"command": "resume", "generation": g, "master_addr": A, "master_port": P}
+    #   {"command": "resume", "generation": g, "master_addr": A, "master_port": P, "rails": [R...]?}
     #       rebuild as generation g with the rendezvous store at A:P (rank 0
-    #       serves it). Sent before the ranks have torn down, it cancels the
+    #       serves it); with rails (a reroute), build the inner groups on those
+    #       data rails, the same list on every rank. Sent before the ranks have torn down, it cancels the
     #       pause (all ranks agree on cancel-or-go through the store); the
     #       rank adopts g without a rebuild. Acknowledged by rank.resumed
     #       (generation g, cancelled true for a cancel).

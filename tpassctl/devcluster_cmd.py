@@ -10,6 +10,7 @@ import click
 
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import DEFAULT_BASE_DIR, DEFAULT_JOB_USERS
+from torchpass.devcluster.rails import MAX_RAILS
 
 name_option = click.option("--name", default="dev", show_default=True,
                            help="Cluster name (1-8 lowercase letters/digits).")
@@ -24,7 +25,8 @@ def devcluster():
     Each node is a network, UTS and mount namespace with its own address and
     hostname. Needs root and the system packages ('make deps'). 'crash' and
     'revive' drill a node lost outright (a power cut) and its return; 'slow'
-    a node that only slows down; 'kill-gpu' a GPU that falls off the bus under a rank.
+    a node that only slows down; 'kill-gpu' a GPU that falls off the bus under a rank; 'link' a data
+    rail pulled, flapping or degraded.
     """
 
 
@@ -42,12 +44,16 @@ def devcluster():
 @click.option("--cgroups", is_flag=True,
               help="Run Slurm's cgroup plugins as production clusters do: proctrack/cgroup, task/cgroup+affinity, "
                    "ConstrainCores, ConstrainRAMSpace (cgroup v1; each node its own cgroup subtree).")
-def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python, cgroups):
+@click.option("--rails", type=click.IntRange(0, MAX_RAILS), default=0, show_default=True,
+              help="Data rails per node (rail0, rail1, ...), each on its own bridge, beside the management "
+                   "network (eth0: Slurm, munge, tpassd, coordinator, rendezvous) that drills never pull.")
+def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python, cgroups, rails):
     """Bring the cluster up (replacing any leftover of the same name)."""
     c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd,
                                      job_users=tuple(users) or DEFAULT_JOB_USERS, job_python=job_python,
-                                     cgroups=cgroups))
+                                     cgroups=cgroups, rails=rails))
     mode = " (Slurm cgroup plugins)" if cgroups else ""
+    mode += f" with {rails} data rail(s): {', '.join(c.spec.rail_interfaces)}" if rails else ""
     click.echo(f"devcluster {name!r} up{mode}: {', '.join(c.node_names)} on {subnet}.0/24")
     click.echo(f"job users: {', '.join(c.job_users)}; job Python: {c.job_python}")
     click.echo(f'use it with: eval "$(tpassctl devcluster env --name {name})"')
@@ -164,6 +170,26 @@ def slow(node, cpu, for_s, name, base_dir, as_json):
     else:
         until = f" for {for_s:g} s" if for_s else ""
         click.echo(f"{node} slowed to {pct} % of one CPU{until} ({result['processes']} processes, {result['cgroup']})")
+
+
+@devcluster.command()
+@click.argument("node")
+@click.argument("action", metavar="down|up|flap|clear|rate=MBIT|loss=PCT|delay=MS")
+@click.option("--rail", type=click.IntRange(0, MAX_RAILS - 1), required=True, help="The data rail (0 = rail0).")
+@click.option("--times", type=click.IntRange(1, 100), default=5, show_default=True, help="flap: how many times.")
+@click.option("--period", "period_s", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="flap: seconds per down+up cycle.")
+@name_option
+@base_option
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def link(node, action, rail, times, period_s, name, base_dir, as_json):
+    """A link drill on NODE's data rail, on both ends as a cable would: 'down' pulls it (switch port down,
+    node end without carrier), 'up' plugs it back, 'flap' does both --times times, 'rate=MBIT' limits both
+    directions (tc tbf; rate=0 lifts it), 'loss=PCT' drops that share of packets both ways (nftables numgen;
+    loss=0 lifts it), 'delay=MS' needs the kernel's sch_netem, 'clear' undoes them all. The management
+    network is never touched."""
+    line = Devcluster.attach(name, base_dir).link(node, rail, action, times=times, period_s=period_s)
+    click.echo(json.dumps({"node": node, "rail": rail, "action": action, "done": line}) if as_json else line)
 
 
 @devcluster.command()

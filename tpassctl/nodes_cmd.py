@@ -146,6 +146,18 @@ def verdict(rows: list[dict[str, Any]], check: str | None) -> CliError | None:
 
 
 NODE_HEADERS = ("NODE", "STATE", "HEARTBEAT", "MIGRATION", "REASONS")
+RAILS_HEADER = "RAILS"
+
+
+def rail_states(components: dict[str, str]) -> dict[str, str]:
+    """The node's Ethernet data rails (tpassd's ``rail:NAME`` components) -> their states."""
+    return {c.split(":", 1)[1]: state for c, state in sorted(components.items()) if c.startswith("rail:")}
+
+
+def rails_cell(rails: dict[str, str]) -> str:
+    """'rail0 healthy, rail1 failed': a rail's state is the rail's own; the node's STATE is failed
+    only when none is usable (docs/tpassd.md, rails)."""
+    return ", ".join(f"{name} {state}" for name, state in rails.items()) or "-"
 
 
 @click.command("nodes")
@@ -162,6 +174,8 @@ def nodes(only, states, check, endpoints, control_port, munge_socket, timeout_s,
 
     MIGRATION says whether the node can dump and restore ranks (ready: a
     usable CRIU >= 4.0; unavailable: why not, e.g. criu missing or too old).
+    RAILS (where nodes have data rails, tpassd's rails key) is each rail's
+    state; a rail down fails the node only when no rail is usable.
     Exit 3 when a tpassd did not answer, 1 when one refused; with --check,
     1 when a node is unhealthy and 3 when one's health is not known.
     """
@@ -171,14 +185,20 @@ def nodes(only, states, check, endpoints, control_port, munge_socket, timeout_s,
     if states is not None:
         rows = [r for r in rows if r["state"] in states]
     failure = verdict(rows, check)
+    for r in rows:
+        r["rails"] = rail_states(r.get("components", {}))
+    # The RAILS column only where some node has data rails: the table stays as it was elsewhere.
+    with_rails = any(r["rails"] for r in rows)
     if not as_json:
         if not rows:
             click.echo("no nodes")
         else:
-            for line in table(NODE_HEADERS, [
+            headers = NODE_HEADERS[:4] + ((RAILS_HEADER,) if with_rails else ()) + NODE_HEADERS[4:]
+            for line in table(headers, [
                     (r["node"], r["state"],
                      None if r["last_heartbeat_age_s"] is None else f"{r['last_heartbeat_age_s']:.1f}s",
                      r["checkpoint"]["state"],
+                     *((rails_cell(r["rails"]),) if with_rails else ()),
                      "; ".join(r["reasons"] + ([f"migration unavailable: {r['checkpoint']['detail']}"]
                                               if r["checkpoint"]["state"] == "unavailable" else [])))
                     for r in rows], right=("HEARTBEAT",)):

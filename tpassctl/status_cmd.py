@@ -241,7 +241,7 @@ def collect(state_dir: Path, job_id: int | None, timeout_s: float) -> list[dict[
             row["state"] = "running"
             row.update({k: st[k] for k in ("world_size", "registered_ranks", "min_step", "max_step",
                                            "ranks", "spares", "policy", "migration", "snapshot",
-                                           "last_migration", "torch_override") if k in st})
+                                           "last_migration", "torch_override", "rails") if k in st})
             row["ranks"] = _with_host_pids(row.get("ranks", []), host_pids(state_dir, jid))
             # "unprotected": why the runtime cannot protect the job (None: it can)
             row["unprotected"] = st.get("unprotected")
@@ -339,6 +339,12 @@ def job_lines(row: dict[str, Any]) -> list[str]:
         notes.append(f"UNPROTECTED: {row['unprotected']}")
     if row.get("torch_override"):
         notes.append(f"torch outside the tested range, allowed by the site: {row['torch_override']}")
+    rails = row.get("rails")
+    if rails:
+        left = [r for r in rails["all"] if r not in rails["using"]]
+        notes.append(f"data rails: {', '.join(rails['using'])}"
+                     + (f" ({', '.join(left)} left out)" if left else "")
+                     + (f"; unusable now: {', '.join(rails['down'])}" if rails["down"] else ""))
     notes += activity_lines(row)
     lines += [f"  {n}" for n in notes]
     if row.get("ranks"):

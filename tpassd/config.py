@@ -35,6 +35,11 @@ class TpassdConfig:
     fake_nvlinks: int = 4
     sysfs_root: Path = Path("/sys")
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
+    # The node's data rails: Ethernet interfaces ("eth1") and IB ports ("ib:mlx5_0/1"). A rail
+    # down leaves the node's state alone (jobs reroute) until none is usable; () = no rails, every
+    # IB port judged as before. A listed rail the node lacks stops tpassd at start.
+    rails: tuple[str, ...] = ()
+    procfs_root: Path = Path("/proc")  # /proc/net/dev of tpassd's own network namespace
     state_dir: Path = Path("/var/lib/torchpass")
     snapshot_dir: Path = Path("/var/lib/torchpass/snapshots")
     # More node-local directories whose free space is health (besides snapshot_dir); one that a
@@ -100,6 +105,11 @@ class TpassdConfig:
             raise ConfigError(f"job_dir_retention_h must be >= 0 (0: kept), got {self.job_dir_retention_h}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
+        for rail in self.rails:
+            if not rail or "," in rail or (rail.startswith("ib:") and "/" not in rail):
+                raise ConfigError(f"rails: {rail!r} is not an interface name or ib:DEVICE/PORT")
+        if len(set(self.rails)) != len(self.rails):
+            raise ConfigError(f"rails lists a rail twice: {list(self.rails)}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

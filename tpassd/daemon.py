@@ -50,13 +50,14 @@ from torchpass.auth import AuthFailure
 from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint.admission import Audit
 from torchpass.drill_kinds import ROOT_KINDS
-from torchpass.errors import RemoteError, TorchpassError
+from torchpass.errors import ConfigError, RemoteError, TorchpassError
 from torchpass.health_state import State
 from torchpass.slurm import NodeInfo, SlurmClient
 from torchpass.slurm.conf import job_privacy
 from tpassd.checkpoint_handlers import job_state_dir
 from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
+from tpassd.collectors.eth_rails import EthRailCollector
 from tpassd.collectors.host import HostCollector
 from tpassd.collectors.ib_sysfs import IbSysfsCollector
 from tpassd.collectors.nvml import NvmlCollector
@@ -208,11 +209,19 @@ class Tpassd:
             collectors = []
             if self.provider is not None:
                 collectors.append(NvmlCollector(self.provider, clock=clock))
-            collectors.append(IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports))
+            ib = IbSysfsCollector(cfg.sysfs_root, cfg.ib_expected_ports)
+            collectors.append(ib)
+            eth = EthRailCollector(tuple(r for r in cfg.rails if not r.startswith("ib:")), cfg.procfs_root)
+            if eth.interfaces:
+                collectors.append(eth)
+            missing = [r for r in cfg.rails if r.startswith("ib:") and not ib.has_port(*r[3:].split("/", 1))]
+            missing += eth.missing_rails() if eth.interfaces else []
+            if missing:
+                raise ConfigError(f"rails {', '.join(missing)} named in the config are not on node {cfg.node}")
             # Never state_dir: users write there (jobs/J), so its free space is theirs to steer.
             collectors.append(HostCollector([cfg.snapshot_dir, *cfg.disk_paths]))
         self.collectors = collectors
-        self.engine = RuleEngine(self.policy)
+        self.engine = RuleEngine(self.policy, cfg.rails)
         self.drills = Drills(self.provider, cfg.sysfs_root, self.policy, cfg.drills)
         self._authenticator = authenticator or Authenticator(self.node, cfg.munge_socket)
         self._job_owner_uids = job_owner_uids or slurm_job_owner_uids(self.node)

@@ -131,6 +131,24 @@ class IbPolicy:
 
 
 @dataclass(frozen=True)
+class RailPolicy:
+    """Ethernet data rails (tpassd/collectors/eth_rails.py). A rail that is not up is unusable
+    (its verdict is ``failed``) but fails the node only when no listed rail is usable."""
+
+    # Flapping: the carrier went down this many times within window_s (IFLA_CARRIER_DOWN_COUNT).
+    flap_count: int = 2
+    window_s: float = 300.0
+    # New receive+transmit errors / drops within window_s that degrade the rail; 0 = off.
+    # Drops are off by default: a full socket buffer drops too, which is load, not a fault.
+    errors_per_window: int = 100
+    drops_per_window: int = 0
+
+    def validate(self) -> None:
+        _check_nonneg("rail.window_s", self.window_s)
+        _check_nonneg("rail.flap_count", self.flap_count)
+
+
+@dataclass(frozen=True)
 class HostPolicy:
     mem_available_percent_degraded: float = 5.0
     swap_used_percent_degraded: float = 0.0  # 0 = off (many nodes run without swap)
@@ -146,11 +164,12 @@ class Policy:
     pcie: PciePolicy = field(default_factory=PciePolicy)
     thermal: ThermalPolicy = field(default_factory=ThermalPolicy)
     ib: IbPolicy = field(default_factory=IbPolicy)
+    rail: RailPolicy = field(default_factory=RailPolicy)
     host: HostPolicy = field(default_factory=HostPolicy)
 
     def max_window_s(self) -> float:
         return max(self.ecc.window_s, self.nvlink.window_s, self.pcie.window_s,
-                   self.ib.window_s, self.thermal.hw_slowdown_min_s, 1.0)
+                   self.ib.window_s, self.rail.window_s, self.thermal.hw_slowdown_min_s, 1.0)
 
 
 DEFAULT_POLICY_FILE = Path(__file__).with_name("policy_default.toml")

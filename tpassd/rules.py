@@ -9,6 +9,12 @@ Outcomes per component: healthy / degraded / failed / unknown. A check that
 could not run makes its component unknown (never healthy, never failed)
 unless another check found a real problem; the node's state is the worst of
 its components (failed > degraded > unknown > healthy).
+
+Data rails (tpassd.toml ``rails``) are the exception: a job reroutes around a rail, so a rail's
+verdict is published but leaves the node's state alone, until no listed rail is usable (every
+one ``failed``: down) and the node is ``failed``. While rails are listed, IB ports they do not
+name are published and ignored; an HCA port in Ethernet mode (RoCE: ``link_layer`` Ethernet)
+that goes down degrades, never fails, the node, since the host's IP traffic has other routes.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 from torchpass.health_state import State, severity, worst
 from tpassd.collectors.base import CollectorResult, ComponentReading
+from tpassd.collectors.eth_rails import COUNTERS as RAIL_COUNTERS
 from tpassd.collectors.ib_sysfs import COUNTERS as IB_COUNTERS
 from tpassd.nvml_provider import HW_SLOWDOWN_MASK
 from tpassd.policy import Policy
@@ -164,10 +171,12 @@ def ib_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Polic
         f.add(p.ib.link_down_severity, f"ib: {m.get('ports_found')} InfiniBand port(s) found, "
                                        f"{m.get('ports_expected')} expected")
         return f.verdict()
+    # A RoCE port down degrades at most: the node's IP traffic has other routes.
+    down_severity = State.DEGRADED if m.get("link_layer") == "Ethernet" else State(p.ib.link_down_severity)
     if "state" in m and m["state"].upper() != "ACTIVE":
-        f.add(p.ib.link_down_severity, f"{comp}: link state {m['state_code']}: {m['state']} (expected ACTIVE)")
+        f.add(down_severity, f"{comp}: link state {m['state_code']}: {m['state']} (expected ACTIVE)")
     if "phys_state" in m and m["phys_state"] != "LinkUp":
-        f.add(p.ib.link_down_severity,
+        f.add(down_severity,
               f"{comp}: physical state {m['phys_state_code']}: {m['phys_state']} (expected LinkUp)")
     if p.ib.flap_count > 0:
         n = h.increase("link_downed", now, p.ib.window_s)
@@ -181,6 +190,30 @@ def ib_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Polic
         n = h.increase(counter, now, p.ib.window_s)
         if n >= limit:
             f.add(State.DEGRADED, f"{comp}: {n} new {counter} in the last {p.ib.window_s:g} s (threshold {limit})")
+    _unknown_checks(f, comp, r)
+    return f.verdict()
+
+
+def rail_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Policy) -> Verdict:
+    """An Ethernet data rail: ``failed`` (unusable) when its link is not up, ``degraded`` when it
+    flaps or counts errors, as the IB rules judge a port."""
+    f = _Findings()
+    m = r.metrics
+    rp = p.rail
+    # "unknown": a driver that does not track operstate (lo, dummy) while it is up, as `ip link` shows.
+    if "operstate" in m and m["operstate"] not in ("up", "unknown"):
+        f.add(State.FAILED, f"{comp}: link {m['operstate']} (expected up)")
+    if rp.flap_count > 0:
+        n = h.increase("link_downed", now, rp.window_s)
+        if n >= rp.flap_count:
+            f.add(State.DEGRADED, f"{comp}: link flapping: carrier lost {n} times in the last {rp.window_s:g} s "
+                                  f"(threshold {rp.flap_count})")
+    for what, keys, limit in (("errors", ("rx_errors", "tx_errors"), rp.errors_per_window),
+                              ("drops", ("rx_dropped", "tx_dropped"), rp.drops_per_window)):
+        if limit > 0:
+            n = sum(h.increase(k, now, rp.window_s) for k in keys)
+            if n >= limit:
+                f.add(State.DEGRADED, f"{comp}: {n} new {what} in the last {rp.window_s:g} s (threshold {limit})")
     _unknown_checks(f, comp, r)
     return f.verdict()
 
@@ -211,7 +244,14 @@ def host_verdict(comp: str, r: ComponentReading, h: _History, now: float, p: Pol
     return f.verdict()
 
 
-VERDICTS = {"gpu": gpu_verdict, "ib": ib_verdict, "host": host_verdict}
+VERDICTS = {"gpu": gpu_verdict, "ib": ib_verdict, "rail": rail_verdict, "host": host_verdict}
+
+
+def rail_component(rail: str) -> str:
+    """tpassd.toml's name of a rail -> its component: ``ib:mlx5_0/1`` is an IB port (ib_sysfs),
+    anything else an Ethernet interface (eth_rails)."""
+    return rail if rail.startswith("ib:") else f"rail:{rail}"
+
 
 XID_TEXT = {
     48: "double-bit ECC error",
@@ -237,8 +277,9 @@ class NodeHealth:
 class RuleEngine:
     """Keeps per-component history between samples and applies the rules."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, rails: tuple[str, ...] = ()):
         self.policy = policy
+        self.rails = tuple(rail_component(r) for r in rails)
         self._hist: dict[str, _History] = {}
         self._known: dict[str, set[str]] = {}  # collector -> components it reported last
         self._kinds: dict[str, str] = {}
@@ -270,19 +311,37 @@ class RuleEngine:
                     verdicts[comp] = Verdict(State.UNKNOWN, (f"{comp}: no rules for kind {reading.kind!r}",))
                 else:
                     verdicts[comp] = fn(comp, reading, h, now, p)
-        state = worst(v.state for v in verdicts.values()) if verdicts else State.UNKNOWN
+        node_verdicts = {c: v for c, v in verdicts.items() if not self._off_node_state(c)}
+        # Only rails reported, and (below) one is usable: nothing else is known bad.
+        state = worst(v.state for v in node_verdicts.values()) if node_verdicts else (
+            State.HEALTHY if verdicts else State.UNKNOWN)
         reasons: list[str] = []
-        for v in sorted(verdicts.values(), key=lambda v: -severity(v.state)):
+        for v in sorted(node_verdicts.values(), key=lambda v: -severity(v.state)):
             if v.state != State.HEALTHY:
                 reasons.extend(v.reasons)
+        if self.rails:
+            # A rail with no verdict this tick (its collector failed) is not known down: usable.
+            down = [c for c in self.rails if c in verdicts and verdicts[c].state == State.FAILED]
+            if len(down) == len(self.rails):
+                state = State.FAILED
+                reasons.insert(0, f"no usable data rail left: {', '.join(down)} down")
+                for c in down:
+                    reasons.extend(verdicts[c].reasons)
         if not verdicts:
             reasons = ["no collector reported any component"]
         return NodeHealth(state, tuple(reasons), verdicts)
 
+    def _off_node_state(self, comp: str) -> bool:
+        """Published but not part of the node's state: a listed rail (judged together, above),
+        or, while rails are listed, an IB port none of them names."""
+        if not self.rails:
+            return False
+        return comp in self.rails or comp.startswith("ib:") or comp.startswith("rail:")
+
     @staticmethod
     def _record(comp: str, r: ComponentReading, h: _History, now: float) -> None:
         m = r.metrics
-        counters = GPU_COUNTERS if r.kind == "gpu" else IB_COUNTERS if r.kind == "ib" else ()
+        counters = {"gpu": GPU_COUNTERS, "ib": IB_COUNTERS, "rail": RAIL_COUNTERS}.get(r.kind, ())
         for key in counters:
             if key in m:
                 h.observe(key, m[key], now)
@@ -302,4 +361,4 @@ class RuleEngine:
 
 
 def _collector_component(name: str) -> str:
-    return {"nvml": "gpu", "ib_sysfs": "ib", "host": "host"}.get(name, name)
+    return {"nvml": "gpu", "ib_sysfs": "ib", "eth_rails": "rail", "host": "host"}.get(name, name)

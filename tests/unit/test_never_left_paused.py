@@ -31,6 +31,7 @@ class FakePG:
     paused = False
     steps = collectives = 0
     generation = 2
+    rails: tuple[str, ...] = ()  # no data rails: the register names none
 
     def __init__(self, size: int = 3, rank: int = 1):
         self._size, self._rank = size, rank

@@ -32,7 +32,11 @@ SCRIPT = textwrap.dedent(
         class L(PauseListener):
             def on_quiesced(self, pg, info):
                 seen["sockets"] = count_sockets()  # after teardown, before resume
-                pg.resume(1, Rendezvous("127.0.0.1", int(os.environ["PORT2"])))
+                rails = None
+                if os.environ.get("REROUTE_TO"):  # a reroute: the resume names the next generation's rails
+                    seen["rails_before"] = list(pg.rails)
+                    rails = tuple(os.environ["REROUTE_TO"].split(","))
+                pg.resume(1, Rendezvous("127.0.0.1", int(os.environ["PORT2"])), rails)
         pg.listener = L()
     cancelled = []
     if wrapped and os.environ.get("CANCEL") == "1":
@@ -81,8 +85,10 @@ SCRIPT = textwrap.dedent(
     else:
         t = torch.zeros(4, dtype=torch.float64); dist.recv(t, src=0); rec(t)
     backend = dist.get_backend()
+    rails = list(pg.rails) if wrapped else None
     dist.destroy_process_group()
-    print(json.dumps({"res": res, "counts": counts, "backend": backend,
+    print(json.dumps({"res": res, "counts": counts, "backend": backend, "rails": rails,
+                      "rails_before": seen.get("rails_before") if wrapped and pause_before >= 0 else None,
                       "sockets_paused": seen.get("sockets") if wrapped and pause_before >= 0 else None,
                       "cancelled": cancelled}), flush=True)
     # plain torch 2.13 sometimes aborts at a normal exit after destroy_process_group with tensors
@@ -93,14 +99,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(runtime: bool, pause_before: int = -1, cancel: bool = False) -> list[dict]:
+def run(runtime: bool, pause_before: int = -1, cancel: bool = False, rails: str = "", reroute_to: str = "",
+        expect_ok: bool = True) -> list[dict]:
     port, port2 = free_port(), free_port()  # port2: the rendezvous after the pause
     procs = []
     for r in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPASS_", "SLURM_"))}
         env.update(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PORT2=str(port2), PYTHONPATH=boot_dir(), TORCHPASS_JOB_ID="7", PAUSE_BEFORE=str(pause_before),
-                   CANCEL="1" if cancel else "0")
+                   CANCEL="1" if cancel else "0", REROUTE_TO=reroute_to)
+        if rails:
+            env["TORCHPASS_DATA_RAILS"] = rails
         if not runtime:
             env["TORCHPASS_RUNTIME"] = "0"
         procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
@@ -113,6 +122,9 @@ def run(runtime: bool, pause_before: int = -1, cancel: bool = False) -> list[dic
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if not expect_ok:
+            outs.append({"returncode": p.returncode, "stderr": e})
+            continue
         assert p.returncode == 0, e[-3000:]
         outs.append(json.loads(o.splitlines()[-1]))
     return outs
@@ -151,3 +163,20 @@ def test_cancel_while_one_rank_waits_at_T_lets_everyone_run_on(plain):
         # the cancel arrived while stopped at T ("deferred"); the verdict was
         # cancel for both; the generation number is adopted without a rebuild
         assert got[r]["cancelled"] == ["deferred", [True, 1]] or got[r]["cancelled"] == [[True, 1], "deferred"], got[r]
+
+
+def test_a_reroute_rebuilds_on_fewer_rails_at_the_boundary_and_changes_nothing(plain):
+    """Two gloo devices (one context each, collectives spread over them), then at T=3 every rank
+    rebuilds on one: the same results, bit for bit. lo stands in for the rails: a rank's rails are
+    interfaces of its own network namespace, and lo is the one every namespace has."""
+    got = run(runtime=True, pause_before=3, rails="lo,lo", reroute_to="lo")
+    for r in range(2):
+        assert got[r]["res"] == plain[r]["res"]
+        assert got[r]["rails_before"] == ["lo", "lo"] and got[r]["rails"] == ["lo"]
+
+
+def test_a_data_rail_this_node_lacks_is_an_error_not_left_out():
+    got = run(runtime=True, rails="lo,tpnosuchrail0", expect_ok=False)
+    for r in range(2):
+        assert got[r]["returncode"] != 0
+        assert "data rail(s) tpnosuchrail0 are not interfaces of this node" in got[r]["stderr"]

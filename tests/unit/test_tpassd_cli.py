@@ -82,3 +82,20 @@ def test_installed_criu_is_ready(tmp_path, munge):
         assert row["checkpoint"]["state"] == "ready" and row["checkpoint"]["detail"].startswith("criu 4."), row
     finally:
         d.stop()
+
+
+def test_nodes_shows_each_rail_only_where_nodes_have_rails(tmp_path, munge):
+    # lo: the one interface every network namespace has; its operstate is "unknown" while up.
+    d = Tpassd(fake_node_config(tmp_path, "node2", munge.socket, interval_s=0.2, collector_timeout_s=0.1,
+                                metrics_port=-1, rails=("lo",))).start()
+    try:
+        args = ["--endpoint", f"node2=tcp://127.0.0.1:{d.ports()['control_port']}", "--munge-socket", munge.socket]
+        time.sleep(0.5)
+        r = CliRunner()
+        row = json.loads(r.invoke(nodes, args + ["--json"]).output)["nodes"][0]
+        assert row["rails"] == {"lo": "healthy"}, row
+        text = r.invoke(nodes, args).output
+        assert text.splitlines()[0].split() == ["NODE", "STATE", "HEARTBEAT", "MIGRATION", "RAILS", "REASONS"]
+        assert "lo healthy" in text
+    finally:
+        d.stop()

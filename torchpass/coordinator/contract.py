@@ -121,6 +121,7 @@ class ResumeInPlace:
     generation: int
     master: str
     why: str
+    rails: tuple[str, ...] = ()  # a reroute: rebuild on these data rails (the resume's "rails")
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,14 @@ class NodeHealthChanged:
     state: State | str
     reasons: tuple[str, ...] = ()
     reachable: bool = True
+    rails: tuple[tuple[str, str], ...] = ()  # (data rail, state), fed for jobs with data rails only
+
+
+@dataclass(frozen=True)
+class JobRails:
+    """The job's data rails, as its first rank to name them registered (rank.register "rails")."""
+
+    rails: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -584,7 +593,7 @@ Outcome = Union[
     SpareGranted, SpareUnavailable, SpareLost, MigrationDumpDone, MigrationDumpFailed, TransferDone, TransferFailed,
     RestoreDone, RestoreFailed, SourceKilled, KillFailed, Drained, DrainFailed, Shrunk, ShrinkFailed, OperatorMigrate,
     SlurmReachability, OperatorSnapshot, RankDumped, RankDumpFailed, SnapshotCommitted, SnapshotCommitFailed,
-    CheckpointCompleted, CheckpointLoaded, JobStopFailed, RankExited,
+    CheckpointCompleted, CheckpointLoaded, JobStopFailed, JobRails, RankExited,
 ]
 
 
@@ -599,4 +608,5 @@ __all__ = [
     "Shrunk", "ShrinkFailed", "OperatorMigrate", "SlurmReachability", "Outcome",
     "DumpRank", "SnapImage", "CommitSnapshot", "DiscardSnapshot", "OperatorSnapshot", "RankDumped",
     "RankDumpFailed", "SnapshotCommitted", "SnapshotCommitFailed", "StopJob", "ForgetStopped", "JobStopFailed",
+    "JobRails",
 ]

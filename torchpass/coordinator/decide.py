@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from torchpass.coordinator import decide_failslow as failslow
+from torchpass.coordinator import decide_reroute as reroute
 from torchpass.coordinator.contract import (
     AbortRestore,
     Action,
@@ -172,6 +173,7 @@ def _step(out: _Out, state: CoordState, now: float, policy: CoordinatorPolicy) -
     if state.snapshot_clock is None and state.all_registered():  # periodic snapshots count from here
         state = replace(state, snapshot_clock=now)
     state = failslow.track(state, now, policy)  # which nodes compute slower than their peers, since when
+    state = reroute.track(out, state, now, policy)  # the job's data rails: link.down, a reroute to start
     st = state
     for _ in range(32):  # a few transitions can happen in one call (SPARE -> PAUSE)
         # Ranks that died on live nodes first (their wrappers hold srun's exit until this decides),

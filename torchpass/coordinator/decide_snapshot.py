@@ -39,6 +39,7 @@ from torchpass.coordinator.decide_common import (
     in_place_master,
     pause_point,
 )
+from torchpass.coordinator.decide_reroute import reroute_ended
 from torchpass.coordinator.model import (
     CoordState,
     SnapshotPoint,
@@ -134,7 +135,7 @@ def _snap_fail(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
     """Every rank resumes in place; what was written is removed; the run ends once they resumed."""
     out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id} failed: {why}"))
     nodes = tuple(sorted({n for _, n in s.ranks}))
-    if nodes:
+    if nodes and s.rails is None:  # a reroute wrote nothing
         out.add(DiscardSnapshot(s.id, nodes))
     s = _snap_enter(s, SnapPhase.RESUME, now, now + policy.rebuild_timeout_s, failure=why, resumed=frozenset(),
                     resume_attempts=1, commit_deadline=None)
@@ -153,6 +154,8 @@ def _snap_end(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
     if s.dump_durations:
         data["tool_durations"] = dict(s.dump_durations)
     why = s.failure or s.commit_failed
+    if s.rails is not None:
+        return reroute_ended(out, st, s, now, why, paused, data)
     last = st.last_snapshot
     snapshot_phases.check_result(s.id, s.phase, SnapResult.COMPLETED if why is None and s.committed is not None
                                  else SnapResult.FAILED)
@@ -192,6 +195,8 @@ def _on_queued(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
                ) -> CoordState:
     """Asked for: pause every rank at one collective T, or end it not taken if it is refused now."""
     why = check_snapshot_request(replace(st, snapshot=None))
+    if why is not None and s.rails is not None:
+        return reroute_ended(out, st, s, now, why[1], 0.0, {"snapshot": s.id})
     if why is not None:
         snapshot_phases.check_result(s.id, s.phase, SnapResult.NOT_TAKEN)
         out.event("snapshot.failed", f"snapshot {s.id} of job {st.job_id} not taken: {why[1]}",
@@ -199,9 +204,14 @@ def _on_queued(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
         return replace(st, snapshot=None)
     at, how = pause_point(now, st.ranks, policy)
     ranks = tuple((r, v.node) for r, v in sorted(st.ranks.items()))
-    out.add(PauseAt(s.id, at, st.generation + 1, tuple(r for r, _ in ranks)))
-    out.event("snapshot.started", f"snapshot {s.id}: pausing every rank at collective {at}",
-              snapshot=s.id, pause_at=at, pause_estimate=how)
+    if s.rails is not None:  # a reroute: nobody is held for a dump
+        out.add(PauseAt(s.id, at, st.generation + 1, ()))
+        out.event("link.rerouting", f"{s.id}: pausing every rank at collective {at} to rebuild on data rails "
+                  f"{', '.join(s.rails)}", snapshot=s.id, pause_at=at, rails=list(s.rails))
+    else:
+        out.add(PauseAt(s.id, at, st.generation + 1, tuple(r for r, _ in ranks)))
+        out.event("snapshot.started", f"snapshot {s.id}: pausing every rank at collective {at}",
+                  snapshot=s.id, pause_at=at, pause_estimate=how)
     s = _snap_enter(s, SnapPhase.PAUSE, now, now + policy.pause_timeout_s, generation=st.generation + 1,
                     pause_at=at, pause_estimate=how, ranks=ranks)
     return replace(st, snapshot=s)
@@ -210,6 +220,13 @@ def _on_queued(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
 def _on_pause(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: CoordinatorPolicy, done: bool
               ) -> CoordState:
     """Every rank quiesced at T: dump them all. Refusals re-arm a later T; a timeout fails it."""
+    if done and s.rails is not None:  # a reroute: every rank rebuilds in place on the new rails
+        stood = s.ready_at if s.ready_at is not None else now
+        out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"{s.id}: onto {', '.join(s.rails)}",
+                              rails=s.rails))
+        s = _snap_enter(s, SnapPhase.RESUME, now, now + policy.rebuild_timeout_s, stood_still_since=stood,
+                        resumed=frozenset(), resume_attempts=1, commit_deadline=None)
+        return replace(st, snapshot=s)
     if done:
         stood = s.ready_at if s.ready_at is not None else now
         for r, node in s.ranks:
@@ -217,8 +234,8 @@ def _on_pause(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Coo
         s = _snap_enter(s, SnapPhase.DUMP, now, now + policy.dump_timeout_s, stood_still_since=stood,
                         step=_snap_step_at(st, s.pause_at or 0))
         return replace(st, snapshot=s)
-    rearmed, why = _pause_overdue(out, st, s, now, policy, tuple(r for r, _ in s.ranks), f"snapshot {s.id}",
-                                  snapshot=s.id)
+    hold = () if s.rails is not None else tuple(r for r, _ in s.ranks)  # a reroute holds nobody
+    rearmed, why = _pause_overdue(out, st, s, now, policy, hold, f"snapshot {s.id}", snapshot=s.id)
     if rearmed is not None:
         return replace(st, snapshot=rearmed)
     return _snap_fail(out, st, s, now, policy, why) if why is not None else st
@@ -262,7 +279,7 @@ def _on_resume(out: _Out, st: CoordState, s: SnapshotRun, now: float, policy: Co
         st = replace(st, snapshot=s)
     if not done:
         return _resume_overdue(out, st, s, now, policy) if now >= s.deadline else st
-    if s.failure is not None:
+    if s.failure is not None or s.rails is not None:  # a reroute writes no manifest
         return _snap_end(out, st, s, now, policy)
     if s.committed is None and s.commit_failed is None:
         if s.commit_deadline is not None and now >= s.commit_deadline:
@@ -279,7 +296,8 @@ def _resume_overdue(out: _Out, st: CoordState, s: SnapshotRun, now: float, polic
     """RESUME past its deadline: ask the missing ranks again, or hand their nodes to Slurm and end."""
     missing = sorted(set(st.ranks) - s.resumed)
     if s.resume_attempts < policy.max_resume_attempts:
-        out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id}: resume again"))
+        out.add(ResumeInPlace(s.id, s.generation, in_place_master(st), f"snapshot {s.id}: resume again",
+                              rails=s.rails if s.rails is not None and s.failure is None else ()))
         out.event("resume.retried", f"snapshot {s.id}: ranks {missing} did not resume; asking again",
                   snapshot=s.id, missing=missing)
         return replace(st, snapshot=replace(s, resume_attempts=s.resume_attempts + 1,

@@ -190,12 +190,15 @@ class Driver:
         if self.health is None:
             return
         silent = []
+        # Rail states only for a job with data rails (decide_reroute): others are fed as before.
+        rails = self.health.rails_brief() if self.state.job_rails else {}
         for node, (state, reasons, age) in self.health.brief().items():
             reachable = age is not None and age < 10.0
-            key = (state, reasons, reachable)
+            key = (state, reasons, reachable, rails.get(node, ()))
             if self._fed_health.get(node) != key:
                 self._fed_health[node] = key
-                self.state = mc.apply(self.state, ct.NodeHealthChanged(node, state, reasons, reachable), self.clock())
+                self.state = mc.apply(self.state, ct.NodeHealthChanged(node, state, reasons, reachable,
+                                                                      rails.get(node, ())), self.clock())
             if not reachable and state != "failed":
                 silent.append(node)
         # A node lost outright (power, kernel) has a silent tpassd: slurmctld confirms it or not.

@@ -72,6 +72,15 @@ def compute_status(state: CoordState, now: float) -> dict[str, Any]:
     return {"compute_per_node_s": per_node, "slow_nodes": slow}
 
 
+def rails_status(state: CoordState) -> dict[str, Any]:
+    """The job's data rails (decide_reroute) for job.status: the rails given, those its ranks use
+    now, and those unusable on a node of the job at the last look; nothing for a job without rails."""
+    if not state.job_rails or state.rail_plan is None:
+        return {}
+    return {"rails": {"all": list(state.job_rails), "using": list(state.rail_plan.using),
+                      "down": sorted(state.rails_down)}}
+
+
 @dataclass
 class Event:
     seq: int
@@ -157,6 +166,7 @@ class JobState:
             "unprotected": state.job_unprotected,
             # the site's override of the runtime's tested torch range ("": none; torch_range)
             "torch_override": self.torch_override,
+            **rails_status(state),
             **activity_status(state, now),
             "last_event_seq": self.events[-1].seq if self.events else 0,
         }

@@ -32,6 +32,7 @@ from torchpass.coordinator.contract import (
     CheckpointLoaded,
     Drained,
     DrainFailed,
+    JobRails,
     JobStopFailed,
     KillFailed,
     MigrationDumpDone,
@@ -69,6 +70,7 @@ from torchpass.coordinator.decide import (
     phase_complete,
     snapshot_phase_complete,
 )
+from torchpass.coordinator.decide_reroute import initial_plan
 from torchpass.coordinator.model import (
     COMPUTE_KEPT,
     PINNED_CACHE,
@@ -409,8 +411,14 @@ def _on_node_health(st: CoordState, ev: NodeHealthChanged, now: float, owned: Ow
     state = State(ev.state)
     prev = st.health.get(ev.node)
     since = prev.since if prev is not None and prev.state == state else now
-    h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since)
+    h = NodeHealth(ev.node, state, tuple(ev.reasons), ev.reachable, since, tuple(ev.rails))
     return replace(st, health={**st.health, ev.node: h})
+
+
+def _on_job_rails(st: CoordState, ev: JobRails, now: float, owned: Owned) -> CoordState:
+    if st.rail_plan is not None or not ev.rails:
+        return st
+    return replace(st, job_rails=tuple(ev.rails), rail_plan=initial_plan(tuple(ev.rails)))
 
 
 def _on_slurm_reachability(st: CoordState, ev: SlurmReachability, now: float, owned: Owned) -> CoordState:
@@ -585,6 +593,7 @@ APPLY: dict[type, Callable[[CoordState, Any, float, Owned], CoordState]] = {
     RankRegistered: _on_rank_registered,
     RankProgress: _on_rank_progress,
     NodeHealthChanged: _on_node_health,
+    JobRails: _on_job_rails,
     SpareAdded: _on_spare_added,
     Armed: _on_armed,
     RankUnprotected: _on_rank_unprotected,

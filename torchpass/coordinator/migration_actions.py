@@ -452,7 +452,7 @@ class MigrationActions:
     def finish_resume_in_place(self, a: ct.ResumeInPlace, ranks: tuple[int, ...], node: str | None) -> None:
         mv = self.move(a.migration)
         mv.aborts = []
-        self.rank_commands.send_resume(ranks, a.generation, a.master)
+        self.rank_commands.send_resume(ranks, a.generation, a.master, a.rails)
         if not (node and mv.hold and self.ports.tpassd is not None):
             self.release(a.migration)
             return

@@ -20,6 +20,7 @@ from torchpass.health_state import State
 
 if TYPE_CHECKING:  # the contract imports this module; the annotations stay strings
     from torchpass.coordinator.contract import SnapImage, SnapshotCommitted
+    from torchpass.coordinator.decide_reroute import RailPlan
 
 
 class SpareHow(enum.StrEnum):
@@ -64,6 +65,7 @@ class NodeHealth:
     reasons: tuple[str, ...] = ()
     reachable: bool = True  # false: tpassd and the node cannot be reached (no dump possible)
     since: float = 0.0  # coordinator clock when ``state`` last changed
+    rails: tuple[tuple[str, str], ...] = ()  # (data rail, its state): tpassd's rail:NAME items
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,10 @@ class SnapshotRun:
     phase_durations: dict[str, float] = field(default_factory=dict)
     stop_sent: float | None = None  # --stop: when StopJob went out (the job is being requeue-held)
     stop_failed: str | None = None  # --stop: why the job could not be held (it resumed instead)
+    # A reroute (decide_reroute.track), not a snapshot: every rank pauses at T and resumes in place
+    # on these data rails; nothing is dumped. None: a snapshot.
+    rails: tuple[str, ...] | None = None
+    rails_before: tuple[str, ...] = ()  # the rails in use before it (a failed reroute keeps them)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phase", SnapPhase(self.phase))
@@ -391,6 +397,11 @@ class CoordState:
     # Why a death is no longer recovered in this job ("": it is): every later death is released.
     deaths_unrecovered: str = ""
     unexplained_relaunches: int = 0  # relaunches after a death with no hardware fault
+    # Data rails (decide_reroute): the job's rails as its ranks registered them (() = none: nothing
+    # below is used), the rule's plan, and the rails found unusable at the last look.
+    job_rails: tuple[str, ...] = ()
+    rail_plan: RailPlan | None = None
+    rails_down: frozenset[str] = frozenset()
 
     def node_health(self, node: str) -> NodeHealth:
         return self.health.get(node) or NodeHealth(node=node, reasons=("no health report",))

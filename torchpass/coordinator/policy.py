@@ -160,6 +160,11 @@ class CoordinatorPolicy:
     # snapshot_every_min_s. The first is taken this long after every rank registered.
     snapshot_every_s: float = 0.0
 
+    # --- data rails (decide_reroute) ----------------------------------------------
+    # A rail left out after a fault is used again once it has been usable on every node of the job
+    # for this long: a rail that flaps five times in a minute causes one reroute, not five.
+    rail_restore_after_s: float = 30.0
+
     def rendezvous_port_range(self) -> tuple[int, int]:
         m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(self.rendezvous_ports))
         lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
@@ -169,6 +174,8 @@ class CoordinatorPolicy:
         return lo, hi
 
     def validate(self) -> None:
+        if self.rail_restore_after_s < 0:
+            raise ConfigError(f"rail_restore_after_s must be >= 0, got {self.rail_restore_after_s!r}")
         bad = sorted(set(self.migrate_on) - set(MIGRATE_STATES))
         if bad:
             raise ConfigError(

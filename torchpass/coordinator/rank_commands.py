@@ -50,12 +50,14 @@ class RankCommands:
             return
         del self.commands[rank]
 
-    def resume_command(self, generation: int, master: str) -> dict[str, Any]:
+    def resume_command(self, generation: int, master: str, rails: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The resume (wire.py); ``rails``: a reroute, every rank rebuilds on these data rails."""
         addr = self.ports.address_of(master) if master else "127.0.0.1"
         return {"command": wire.COMMAND_RESUME, "generation": generation, "master_addr": addr,
-                "master_port": resume_port(self.ports.job_id, generation, self.ports.policy.rendezvous_port_range())}
+                "master_port": resume_port(self.ports.job_id, generation, self.ports.policy.rendezvous_port_range()),
+                **({"rails": list(rails)} if rails else {})}
 
-    def send_resume(self, ranks, generation: int, master: str) -> None:
-        cmd = self.resume_command(generation, master)
+    def send_resume(self, ranks, generation: int, master: str, rails: tuple[str, ...] = ()) -> None:
+        cmd = self.resume_command(generation, master, rails)
         for r in ranks:
             self.commands[r] = cmd  # one object for all (never modified: see MigrationActions.pause_at)

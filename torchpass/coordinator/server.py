@@ -353,6 +353,8 @@ class CoordinatorServer:
         generation = b.get("generation") or 0
         self._feed(mc.RankRegistered(b["rank"], b["node"], b["world_size"], b["pid"], generation,
                                      b.get("task", -1), b.get("pinned") or "", b.get("restored") or ""))
+        if b.get("rails") and not self.state.job_rails:  # the job's data rails: decide_reroute follows them
+            self._feed(ct.JobRails(tuple(str(r) for r in b["rails"])))
         self._note_unprotected(b)
         if b.get("torch_override") and not self.job.torch_override:
             self.job.torch_override = b["torch_override"]

@@ -20,7 +20,7 @@ import structlog
 
 import torchpass
 from torchpass import envnames
-from torchpass.devcluster import cgroups, cpu_quota, jobpython
+from torchpass.devcluster import cgroups, cpu_quota, jobpython, rails
 from torchpass.devcluster.tpassd_node import ports_toml, start_args
 from torchpass.errors import DependencyError, DevclusterError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
@@ -66,6 +66,9 @@ class DevclusterSpec:
     # task/cgroup + task/affinity, ConstrainCores, ConstrainRAMSpace; cgroup v1):
     # each node gets its own cgroup subtree and cgroup namespace (cgroups.py).
     cgroups: bool = False
+    # Data rails beside the management network (eth0): railR on every node, one bridge per rail
+    # (rails.py). 0 = the management network only.
+    rails: int = 0
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -82,6 +85,8 @@ class DevclusterSpec:
                 and (metrics == -1 or 1 <= metrics <= 65535)):
             raise DevclusterError(f"tpassd ports {self.tpassd_ports} must be two distinct ports 1..65535 "
                                   "(pub, control) and a metrics port or -1")
+        if not 0 <= self.rails <= rails.MAX_RAILS:
+            raise DevclusterError(f"--rails {self.rails} is out of range; use 0 to {rails.MAX_RAILS}")
         for user in self.job_users:
             if not _USER_RE.match(user) or user == "root":
                 raise DevclusterError(f"job user {user!r} must be an ordinary user name (lowercase, not root)")
@@ -118,6 +123,10 @@ class DevclusterSpec:
     @property
     def bridge(self) -> str:
         return f"tp-{self.name}"
+
+    @property
+    def rail_interfaces(self) -> tuple[str, ...]:
+        return tuple(rails.rail_interface(r) for r in range(self.rails))
 
     def node_name(self, i: int) -> str:
         return f"node{i}"
@@ -361,6 +370,9 @@ class Devcluster:
         }
         if self._state is not None and self._state.job_python:
             env[envnames.JOB_PYTHON] = self._state.job_python
+        if self.spec.rails:
+            # sbatch hands it on to every task: the runtime builds its inner groups on these.
+            env[envnames.DATA_RAILS] = ",".join(self.spec.rail_interfaces)
         return env
 
     def slurmd_pid(self, node: str) -> int:
@@ -489,6 +501,18 @@ class Devcluster:
                 continue
         log.warning("devcluster GPU killed", name=self.spec.name, node=node, gpu=gpu, killed=killed)
         return {"gpu": gpu, "applied": res.get("applied", ""), "killed": killed}
+
+    def link(self, node: str, rail: int, action: str, *, times: int = 5, period_s: float = 2.0) -> str:
+        """A link drill on ``node``'s data ``rail`` (rails.py): one line saying what was done."""
+        state = self._require_state()
+        if node in state.crashed:
+            raise DevclusterError(f"{node} is crashed; revive it first")
+        parsed = rails.LinkAction.parse(action)
+        with self._lock():
+            line = rails.RailLinks(self.spec.name, self._index, self.ns_argv, self.spec.rails).act(
+                node, rail, parsed, times=times, period_s=period_s)
+        log.warning("devcluster link drill", name=self.spec.name, node=node, rail=rail, action=action)
+        return line
 
     def revive(self, node: str) -> None:
         """Bring a crashed node back as at bring-up: its link up, a fresh slurmd (its own UTS
@@ -640,6 +664,26 @@ class Devcluster:
             _run(["ip", "-n", ns, "addr", "add", f"{spec.node_address(i)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        self._make_rails()
+
+    def _make_rails(self) -> None:
+        """Rail r: one bridge with no host address, and railR on every node cabled to it
+        (rails.py). Two ip calls per node and rail, about 10 ms each."""
+        spec = self.spec
+        for r in range(spec.rails):
+            bridge = rails.rail_bridge(spec.name, r)
+            _run(["ip", "link", "add", bridge, "type", "bridge"])
+            self._state.links.append(bridge)
+            self._save()
+            _run(["ip", "link", "set", bridge, "up"])
+            for i in range(1, spec.nodes + 1):
+                ns, veth, inside = spec.netns(i), rails.rail_veth(spec.name, i, r), rails.rail_interface(r)
+                _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", inside, "netns", ns])
+                self._state.links.append(veth)
+                self._save()
+                _run(["ip", "link", "set", veth, "master", bridge, "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{rails.rail_address(r, i)}/24", "dev", inside])
+                _run(["ip", "-n", ns, "link", "set", inside, "up"])
 
     def _write_configs(self) -> None:
         spec, rd = self.spec, self.run_dir
@@ -784,7 +828,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         node_dir.mkdir(parents=True, exist_ok=True)
         argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
                           restore_tokens=self.restore_tokens,
-                          snapshot_dir=self.snapshot_dir)
+                          snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces)
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(
@@ -877,6 +921,8 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         if left:
             log.error("devcluster cgroups left behind (processes still in them?)", cgroups=[str(d) for d in left])
         links = set(state.links if state else []) | {spec.bridge} | {spec.veth(i) for i in range(1, 17)}
+        links |= {rails.rail_bridge(spec.name, r) for r in range(rails.MAX_RAILS)}
+        links |= {rails.rail_veth(spec.name, i, r) for i in range(1, 17) for r in range(rails.MAX_RAILS)}
         for link in sorted(links):
             if Path(f"/sys/class/net/{link}").exists():
                 _run(["ip", "link", "delete", link], check=False)

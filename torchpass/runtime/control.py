@@ -462,6 +462,7 @@ class ControlLink(PauseListener):
             "rank.register",
             {**self._base(), "world_size": self.pg.size(), "node": self.node, "pid": os.getpid(),
              "generation": self.pg.generation, **self._unprotected(), **task_fields(), **restored,
+             **({"rails": list(self.pg.rails)} if self.pg.rails else {}),
              **({"torch_override": self.torch_override} if self.torch_override else {})},
             expect_s=wire.reply_within_s(self.pg.size()),
         )
@@ -630,7 +631,8 @@ class ControlLink(PauseListener):
             elif kind == wire.COMMAND_RESUME:
                 gen = int(cmd["generation"])
                 rv = Rendezvous(str(cmd["master_addr"]), int(cmd["master_port"]))
-                how = self.pg.resume(gen, rv)
+                rails = cmd.get("rails")  # a reroute: rebuild on these data rails
+                how = self.pg.resume(gen, rv, tuple(str(r) for r in rails)) if rails else self.pg.resume(gen, rv)
                 if how:  # the coordinator settled the pause: no deadline runs any more
                     self._pause = self._quiesced_wall = None
                     if self._state is LinkState.QUIESCED:

@@ -137,6 +137,22 @@ def local_address_towards(host: str, port: int) -> str:
 DEBUG = os.environ.get(envnames.DEBUG, "") not in ("", "0")
 
 
+def data_rails_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The node's data interfaces the job was given (TORCHPASS_DATA_RAILS, "rail0,rail1"); () = none."""
+    value = (os.environ if environ is None else environ).get(envnames.DATA_RAILS, "")
+    return tuple(r.strip() for r in value.split(",") if r.strip())
+
+
+def interface_present(name: str) -> bool:
+    """Whether this network namespace has interface ``name``. Not /sys/class/net: a devcluster
+    node shares the host's /sys, which lists the host's interfaces."""
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        return False
+    return True
+
+
 def _in_backward() -> bool:
     try:
         return torch._C._current_autograd_node() is not None
@@ -179,6 +195,8 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._group_desc = ""
         self._timeout = timeout
         self._use_nccl = use_nccl
+        # The data rails the inner group is built on (gloo); a reroute sets them before a rebuild.
+        self.rails: tuple[str, ...] = data_rails_from_env()
         self._inner: dist.ProcessGroup | None = None
         self._cuda_backend: Any = None  # the inner group's CUDA backend (CUDA_BACKENDS made it)
         self._works: list = []
@@ -211,19 +229,28 @@ class _ForwardingGroup(dist.ProcessGroup):
         self._group_desc = desc
 
     # -- the inner group ----------------------------------------------------------
-    def _gloo_device(self, rv: Rendezvous):
+    def _gloo_devices(self, rv: Rendezvous) -> list:
+        """One gloo device per data rail in use (gloo spreads the collectives over them, one
+        context each), else one on GLOO_SOCKET_IFNAME or the route to the rendezvous host.
+        Every rank builds the same list (the same rails, the same order): both ends of every
+        pair must agree, so a rail this node lacks is an error, never silently left out."""
+        if self.rails:
+            missing = [r for r in self.rails if not interface_present(r)]
+            if missing:
+                raise RuntimeError(f"torchpass: data rail(s) {', '.join(missing)} are not interfaces of this node")
+            return [dist.ProcessGroupGloo.create_device(interface=r) for r in self.rails]
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-        if ifname and os.path.exists(f"/sys/class/net/{ifname}"):
-            return dist.ProcessGroupGloo.create_device(interface=ifname)
+        if ifname and interface_present(ifname):
+            return [dist.ProcessGroupGloo.create_device(interface=ifname)]
         # After a move the interface names and addresses differ: take the
         # address the kernel routes towards the rendezvous host.
-        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))
+        return [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))]
 
     def _make_inner(self, st: dist.Store, rv: Rendezvous) -> None:
         """Build the inner native group on ``st`` (a generation's prefix of the switchable store)."""
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self._timeout
-        opts._devices = [self._gloo_device(rv)]
+        opts._devices = self._gloo_devices(rv)
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", st), self._rank, self._size, opts)
         inner = dist.ProcessGroup(st, self._rank, self._size)
         if self._use_nccl:
@@ -422,6 +449,8 @@ class ReconfigurablePG(_ForwardingGroup):
         self._state = PGState.RUNNING
         self._armed: tuple[int, int] | None = None  # (at, generation)
         self._resume: tuple[int, Rendezvous] | None = None
+        # The data rails the resume names (a reroute): the rebuild builds the inner groups on them.
+        self._resume_rails: tuple[str, ...] | None = None
         self.unprotected: str | None = None  # why pauses are refused (mark_unprotected)
         self._on_collective = on_collective
         self.meter = ComputeMeter()
@@ -544,8 +573,9 @@ class ReconfigurablePG(_ForwardingGroup):
             self._cv.notify_all()
             return True
 
-    def resume(self, generation: int, rendezvous: Rendezvous) -> str:
-        """Resume as ``generation`` at ``rendezvous``.
+    def resume(self, generation: int, rendezvous: Rendezvous, rails: tuple[str, ...] | None = None) -> str:
+        """Resume as ``generation`` at ``rendezvous`` (``rails``: rebuild the inner groups on these
+        data rails, a reroute; None: on the rails in use).
 
         Returns "resume" (torn down: the pausing thread rebuilds and calls
         listener.on_resumed), "deferred" (stopped at T but not torn down: the
@@ -563,14 +593,14 @@ class ReconfigurablePG(_ForwardingGroup):
                 # at the old port at its next pause while the others met at the new one.
                 if self._state is PGState.REBUILDING or generation != self._armed[1]:
                     return ""
-                self._resume = (generation, rendezvous)
+                self._resume, self._resume_rails = (generation, rendezvous), rails
                 self._cv.notify_all()
                 return "resume"
             if self._armed is not None and self._armed[1] == generation:
                 self._armed = None
                 self._cv.notify_all()
                 if self._state is PGState.AT_T:
-                    self._resume = (generation, rendezvous)
+                    self._resume, self._resume_rails = (generation, rendezvous), rails
                     return "deferred"
                 self._state = self._idle_state()
                 self.generation = generation
@@ -786,7 +816,7 @@ class ReconfigurablePG(_ForwardingGroup):
         if verdict != "go":
             with self._cv:
                 self._state = PGState.ARMED if self._armed is not None else self._idle_state()
-                deferred, self._resume = self._resume, None
+                deferred, self._resume, self._resume_rails = self._resume, None, None
                 if verdict == "cancel" and deferred is not None:
                     self.generation = deferred[0]
             if verdict == "cancel" and self.listener is not None:
@@ -820,8 +850,12 @@ class ReconfigurablePG(_ForwardingGroup):
                 # absolute deadline of another host's clock for long
                 self._cv.wait(0.05)
             generation, rv = self._resume
-            self._resume = None
+            rails, self._resume, self._resume_rails = self._resume_rails, None, None
             self._state = PGState.REBUILDING
+        if rails is not None:  # a reroute: every rank was told the same rails (both ends must agree)
+            self.rails = rails
+            for sub in self.subgroups:
+                sub.rails = rails
         t1 = time.monotonic()
         if DEBUG:
             say(f"rank {self._rank} rebuilding generation {generation} at {rv.master_addr}:{rv.master_port}")

@@ -55,6 +55,9 @@ class IbSysfsCollector(Collector):
         self.expected_ports = expected_ports
         self._prev: dict[tuple[str, str], tuple[float, int]] = {}
 
+    def has_port(self, device: str, port: str) -> bool:
+        return (ib_class_dir(self.root) / device / "ports" / port).is_dir()
+
     def ports(self) -> list[tuple[str, str]]:
         base = ib_class_dir(self.root)
         if not base.is_dir():
@@ -93,6 +96,12 @@ class IbSysfsCollector(Collector):
             r.checks[name] = None
             m[name] = text
             m[f"{name}_code"] = code
+        # "InfiniBand" or "Ethernet" (RoCE). Optional: fixture trees written before it was read
+        # lack it, and an unknown layer is judged as InfiniBand, as before.
+        try:
+            m["link_layer"] = (pdir / "link_layer").read_text().strip()
+        except OSError:
+            pass
         try:
             m["rate_gbps"] = parse_rate((pdir / "rate").read_text())
             r.checks["rate"] = None
