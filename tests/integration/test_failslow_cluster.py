@@ -19,7 +19,6 @@ message; ``TORCHPASS_TEST_SEED=N`` replays a run.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -29,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
+import drill
 import training_jobs as tj
-from torchpass import auth, layout, zmqio
+from torchpass import auth, zmqio
 from torchpass.coordinator.policy import CoordinatorPolicy
 from tpassctl.status_cmd import job_registration
 from training_jobs import TPASSCTL
@@ -54,26 +54,8 @@ def _rng(name: str) -> random.Random:
     return random.Random(f"{SEED}:{name}")
 
 
-def _events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    return json.loads(p.read_text()) if p.exists() else []
-
-
 def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
-    coord_log = layout.coordinator_log(cluster.state_dir, job_id)
-    return (f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})\n"
-            + (out_path.read_text()[-2000:] if out_path.exists() else "no job output")
-            + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))
-            + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-4000:] if coord_log.exists() else ""))
-
-
-def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if out_path.exists() and f"step={step} " in out_path.read_text():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"seed={SEED}: {out_path.name} did not reach step {step}")
+    return drill.diagnosis(cluster, job_id, out_path, f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})")
 
 
 def _last_step(out_path: Path) -> int:
@@ -161,7 +143,7 @@ def test_a_slowed_node_moves_to_the_spare_bit_identical(cluster, reference, job_
     job_id = tj.submit(job_dir, "slow", STEPS, nodes=4, user=job_user.name)
     unslowed.append(job_id)
     out_path = job_dir / f"slow.{job_id}.out"
-    _wait_step(out_path, at)
+    drill.wait_step(cluster, job_id, out_path, at, f"seed={SEED}: {what}")
     slowed_wall = time.time()
     _slow(cluster, node, str(CPU_PCT))
 
@@ -178,7 +160,7 @@ def test_a_slowed_node_moves_to_the_spare_bit_identical(cluster, reference, job_
           f"{measured[2] * 1000:.1f} ms ({measured[0]:.2f}x)")
 
     diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
-    events = _events(cluster, job_id)
+    events = drill.events(cluster, job_id)
     detected = [e for e in events if e["kind"] == "failslow.detected"]
     assert len(detected) == 1 and detected[0]["data"]["node"] == node, diag
     d = detected[0]["data"]
@@ -200,7 +182,7 @@ def test_a_job_wide_or_short_slowdown_moves_nothing(cluster, reference, job_dir,
     job_id = tj.submit(job_dir, "noslow", STEPS, nodes=4, user=job_user.name)
     unslowed.append(job_id)
     out_path = job_dir / f"noslow.{job_id}.out"
-    _wait_step(out_path, at)
+    drill.wait_step(cluster, job_id, out_path, at, f"seed={SEED}: {what}")
     for n in TRAINING_NODES:
         _slow(cluster, n, str(CPU_PCT))
     time.sleep(whole_s)
@@ -215,6 +197,6 @@ def test_a_job_wide_or_short_slowdown_moves_nothing(cluster, reference, job_dir,
     assert after < STEPS - windows, _diag(cluster, job_id, out_path, what + f": at step {after} after the plan")
 
     diag = _assert_finished_unchanged(cluster, job_id, out_path, reference, what)
-    kinds = [e["kind"] for e in _events(cluster, job_id)]
+    kinds = [e["kind"] for e in drill.events(cluster, job_id)]
     assert "failslow.detected" not in kinds and "migration.started" not in kinds, diag
     print(f"the plan ended at step {after} of {STEPS}")

@@ -94,20 +94,7 @@ def clean(cluster):
     """No job of ours left, no drill armed, no torchpass drain, every node idle again."""
     jobs: list[int] = []
     yield jobs
-    for j in jobs:
-        tj.run(["scancel", str(j)])
-    for n in NODES:
-        tj.run([*TPASSCTL, "inject", "--node", n, "--fault", "clear"])
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        states = {n: tj.node(n) for n in NODES}
-        for n, st in states.items():
-            if "DRAIN" in st["state"] and st.get("reason", "").startswith("torchpass"):
-                tj.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"])
-        if all(st["state"] == ["IDLE"] for st in states.values()):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"cluster not clean after the test: {[(n, tj.node(n)['state']) for n in NODES]}")
+    tj.leave_idle(jobs, NODES)
 
 
 def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, plugin_built, policy, job_dir,

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
+import drill
 import training_jobs as tj
 from slurm_helpers import tpassctl
 from support.wait import until
-from torchpass import layout
 from training_jobs import TPASSCTL
 from training_jobs import run as _run
 
@@ -46,22 +46,8 @@ MOVE_AT = (3, 30)  # early enough for the move, the release and the crash to com
 SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 
 
-def _events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    return json.loads(p.read_text()) if p.exists() else []
-
-
 def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
-    coord_log = layout.coordinator_log(cluster.state_dir, job_id)
-    return (f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})\n"
-            + (out_path.read_text()[-3000:] if out_path.exists() else "no job output")
-            + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))
-            + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-6000:] if coord_log.exists() else ""))
-
-
-def _wait_step(out_path: Path, step: int, timeout_s: float = 120) -> None:
-    until(lambda: out_path.exists() and f"step={step} " in out_path.read_text(),
-          f"seed={SEED}: {out_path.name} reaching step {step}", timeout_s, every=0.1)
+    return drill.diagnosis(cluster, job_id, out_path, f"seed={SEED} ({what}; replay with TORCHPASS_TEST_SEED={SEED})")
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +75,14 @@ def test_a_released_source_node_can_be_crashed_and_the_job_completes_unchanged(c
     out_path = job_dir / f"rel.{job_id}.out"
     crashed = False
     try:
-        _wait_step(out_path, at)
+        drill.wait_step(cluster, job_id, out_path, at, f"seed={SEED}: {what}")
         assert tj.job(job_id)["batch_host"] == BATCH_HOST, _diag(cluster, job_id, out_path, what)
         r = tpassctl("migrate", str(job_id), "--node", node, "--to", SPARE, "--json", user=job_user.name)
         assert r.returncode == 0, (r.stdout, r.stderr, SEED)
         mid = json.loads(r.stdout)["migration"]
 
         def completed() -> dict | None:
-            done = [e for e in _events(cluster, job_id)
+            done = [e for e in drill.events(cluster, job_id)
                     if e["kind"] == "migration.completed" and e["data"]["migration"] == mid]
             return done[0] if done else None
 
@@ -147,7 +133,7 @@ def test_a_released_source_node_can_be_crashed_and_the_job_completes_unchanged(c
         assert tj.per_step(tj.steps(out_path.read_text())) == reference["per_step"], diag
         # srun's exit hook collected the moved rank's exit code (its wrapper on the source had left).
         assert f"moved rank {moved} ended with exit code 0 on {SPARE} (ended)" in out_path.read_text(), diag
-        kinds = [e["kind"] for e in _events(cluster, job_id)]
+        kinds = [e["kind"] for e in drill.events(cluster, job_id)]
         assert "node.lost" not in kinds and "job.requeuing" not in kinds, (kinds, diag)
     finally:
         _run(["scancel", str(job_id)])

@@ -89,6 +89,25 @@ def wait_end(job_id: int, timeout_s: float = 240, context: str = "", diag=None) 
     raise AssertionError(f"{context}job {job_id} still {j['job_state']} after {timeout_s}s{detail}")
 
 
+def leave_idle(jobs: list[int], nodes: tuple[str, ...], timeout_s: float = 90) -> None:
+    """After a test: cancel ``jobs``, clear every node's drill, resume what torchpass drained, and
+    wait until every node is IDLE."""
+    for j in jobs:
+        run(["scancel", str(j)])
+    for n in nodes:
+        run([*TPASSCTL, "inject", "--node", n, "--fault", "clear"])
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        states = {n: node(n) for n in nodes}
+        for n, st in states.items():
+            if "DRAIN" in st["state"] and st.get("reason", "").startswith("torchpass"):
+                run(["scontrol", "update", f"NodeName={n}", "State=RESUME"])
+        if all(st["state"] == ["IDLE"] for st in states.values()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"cluster not clean after the test: {[(n, node(n)['state']) for n in nodes]}")
+
+
 def excerpt(text: str, limit: int = 3000) -> str:
     """A failed job's output for an assertion: from its first traceback (the rank that failed
     first, which the others' "Connection closed by peer" follow), then its end."""
