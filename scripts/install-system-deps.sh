@@ -12,8 +12,8 @@
 # without trixie's base: libc6 and what follows it (base-files, systemd, gcc, ...), which moves
 # the machine to Debian 13 in effect. So on Debian 12 the script first prints, in one line, what
 # trixie would upgrade (read from `apt-get -s`), and goes on only with
-# TORCHPASS_ALLOW_TRIXIE_BASE=1 (`make demo`, `make test` and CI set it). Only Slurm and CRIU
-# are installed with `-t trixie`; the other packages come from the machine's own suite, and the
+# TORCHPASS_ALLOW_TRIXIE_BASE=1 (`make demo`, `make test` and CI set it). Only Slurm, CRIU and
+# nftables (trixie's CRIU brings trixie's libnftables1) are installed with `-t trixie`; the other packages come from the machine's own suite, and the
 # trixie suite stays pinned at priority 100, so a later `apt-get upgrade` takes nothing from it.
 set -euo pipefail
 
