@@ -17,8 +17,9 @@ from torchpass import layout
 from training_jobs import train_script
 
 
-def coordinator_pids(job_id: int) -> list[int]:
-    """Processes anywhere on this machine running the coordinator for job_id."""
+def coordinator_pids(job_id: int, *, supervised: bool = False) -> list[int]:
+    """Processes anywhere on this machine running job_id's ``tpass-coordinator`` (the supervisor the
+    plugin starts), or with ``supervised`` the coordinators it runs (``--supervised``)."""
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -31,10 +32,17 @@ def coordinator_pids(job_id: int) -> list[int]:
         if stat.rsplit(")", 1)[1].split()[0] == "Z":
             continue
         text = [a.decode(errors="replace") for a in argv]
-        if any(a.endswith("tpass-coordinator") for a in text[:2]) and "--job-id" in text \
-                and text[text.index("--job-id") + 1] == str(job_id):
+        if "--job-id" not in text or text[text.index("--job-id") + 1] != str(job_id):
+            continue
+        if supervised and "--supervised" in text and "torchpass.coordinator.main" in text:
+            pids.append(int(d))
+        elif not supervised and any(a.endswith("tpass-coordinator") for a in text[:2]):
             pids.append(int(d))
     return pids
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def status_json(job_id: int, user: str | None = None) -> dict:
@@ -77,9 +85,13 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
     time.sleep(1.5)
     second = status_json(job_id)
     assert second["max_step"] > first, (first, second["max_step"])
+    # One supervisor (the plugin's tpass-coordinator) and the one coordinator it runs, which is
+    # the process the job registered.
     pids = coordinator_pids(job_id)
-    assert len(pids) == 1, f"expected exactly one coordinator for job {job_id}, found {pids}"
-    assert st["coordinator"]["pid"] == pids[0]
+    assert len(pids) == 1, f"expected exactly one tpass-coordinator for job {job_id}, found {pids}"
+    children = coordinator_pids(job_id, supervised=True)
+    assert len(children) == 1 and _parent(children[0]) == pids[0], (pids, children)
+    assert st["coordinator"]["pid"] == children[0]
 
     job = wait_job(job_id, timeout_s=120)
     assert (job.state, job.exit_code, job.restarts) == ("COMPLETED", 0, 0), (job_dir / "out.txt").read_text()[-2000:]
@@ -88,9 +100,9 @@ def test_three_node_ddp_job_registers_ranks_and_reports_progress(cluster, plugin
 
     # The coordinator goes with the job.
     deadline = time.monotonic() + 15
-    while coordinator_pids(job_id) and time.monotonic() < deadline:
+    while (coordinator_pids(job_id) or coordinator_pids(job_id, supervised=True)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert coordinator_pids(job_id) == []
+    assert coordinator_pids(job_id) == [] and coordinator_pids(job_id, supervised=True) == []
 
 
 def test_job_without_torchpass_gets_no_coordinator_and_no_env(cluster, plugin_built, job_dir, job_user):
