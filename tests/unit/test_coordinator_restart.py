@@ -115,6 +115,24 @@ def test_the_record_round_trips_and_a_bad_one_is_refused(tmp_path):
         rc.read(tmp_path, 1)
 
 
+def test_the_record_is_rebuilt_only_when_what_it_is_made_of_changes(tmp_path, monkeypatch):
+    """The writer runs on every decision pass (thousands per pause at 8,192 ranks): an unchanged
+    pause costs an O(1) key, not a new record; a new phase is written."""
+    w = rc.InFlightWriter(tmp_path, 1)
+    w.path.parent.mkdir(parents=True)
+    st = _state(migration=_migration(Phase.DUMP))
+    w.note(st)
+    built = []
+    real = rc.in_flight_of
+    monkeypatch.setattr(rc, "in_flight_of", lambda s: built.append(1) or real(s))
+    for _ in range(100):
+        w.note(st)
+    assert built == []
+    later = _state(migration=_migration(Phase.TRANSFER))
+    w.note(later)
+    assert built == [1] and rc.read(tmp_path, 1) == real(later)
+
+
 # --- the supervisor, with stand-in coordinators (real processes) ----------------------------------
 
 STAND_IN = textwrap.dedent("""

