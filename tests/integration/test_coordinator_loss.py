@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+import drill
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
 from slurm_helpers import until as _until
@@ -79,31 +80,12 @@ def _registration(cluster, job_id: int) -> dict:
         return {}
 
 
-def _events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return []
-
-
 def _kinds(cluster, job_id: int, kind: str) -> list[dict]:
-    return [e for e in _events(cluster, job_id) if e["kind"] == kind]
+    return [e for e in drill.events(cluster, job_id) if e["kind"] == kind]
 
 
 def _diag(cluster, job_id: int, out: Path) -> str:
-    log = layout.coordinator_log(cluster.state_dir, job_id)
-    return ((out.read_text()[-4000:] if out.exists() else "no job output")
-            + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))
-            + "\n--- coordinator.log ---\n" + (log.read_text()[-6000:] if log.exists() else ""))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return drill.diagnosis(cluster, job_id, out, f"job {job_id}")
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +134,7 @@ def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_mo
     _until(lambda: list(snapshots.glob(f"rank{rank}.gen*/manifest.json")), 60, "the dump's manifest", every=0.05)
     os.kill(pid, signal.SIGKILL)
     killed_at, step_at_kill = time.monotonic(), _last_step(out)
-    _until(lambda: not _alive(pid), 10, "the coordinator's end", every=0.05)
+    _until(lambda: not tj.alive(pid), 10, "the coordinator's end", every=0.05)
     print(f"kill -9 of the coordinator (pid {pid}) after the dump: step {step_at_kill}")
 
     try:
@@ -166,7 +148,7 @@ def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_mo
     went_on = time.monotonic() - killed_at
     diag = _diag(cluster, job_id, out)
     new_pid = int(_registration(cluster, job_id)["pid"])
-    assert _alive(new_pid), diag
+    assert tj.alive(new_pid), diag
     restarted = _kinds(cluster, job_id, "coordinator.restarted")
     assert len(restarted) == 1 and restarted[0]["data"]["recovery"] == "roll_back", diag
     assert "SIGKILL" in restarted[0]["message"], diag

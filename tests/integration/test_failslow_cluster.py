@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -103,18 +102,7 @@ def _compute_ratio(cluster, job_id: int, node: str) -> tuple[float, float, float
 @pytest.fixture(scope="module")
 def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
     print(f"\ntest_failslow seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = Path(tempfile.mkdtemp(dir=jobs_base, prefix=f"test_failslow-ref-{os.getpid()}-"))
-    d.chmod(0o755)
-    os.chown(d, job_user.uid, job_user.gid)
-    t0 = time.monotonic()
-    ref_id = tj.submit(d, "ref", STEPS, nodes=4, user=job_user.name)
-    ref = tj.wait_end(ref_id, 300, context=f"seed={SEED}: ")
-    text = (d / f"ref.{ref_id}.out").read_text()
-    assert ref["job_state"][0] == "COMPLETED", text[-3000:]
-    lines = tj.steps(text)
-    assert len(lines) == 3 * STEPS, text[-3000:]
-    print(f"reference: {STEPS} steps in {time.monotonic() - t0:.1f} s")
-    return {"job_id": ref_id, "per_step": tj.per_step(lines)}
+    return tj.reference_run(jobs_base, job_user, "test_failslow", STEPS, context=f"seed={SEED}: ")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import drill
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env
 from slurm_helpers import until as _until
@@ -69,24 +70,8 @@ def _coordinator_pid(cluster, job_id: int) -> int:
     return int(json.loads(path.read_text())["pid"])
 
 
-def _events(cluster, job_id: int) -> list[dict]:
-    p = layout.events_json(cluster.state_dir, job_id)
-    return json.loads(p.read_text()) if p.exists() else []
-
-
 def _diag(cluster, job_id: int, out: Path) -> str:
-    log = layout.coordinator_log(cluster.state_dir, job_id)
-    return ((out.read_text()[-4000:] if out.exists() else "no job output")
-            + "\n--- events ---\n" + "\n".join(f"{e['kind']}: {e['message']}" for e in _events(cluster, job_id))
-            + "\n--- coordinator.log ---\n" + (log.read_text()[-4000:] if log.exists() else ""))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return drill.diagnosis(cluster, job_id, out, f"job {job_id}")
 
 
 @pytest.fixture
@@ -108,11 +93,11 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
     ctld_pidfile = cluster.run_dir / "ctld" / "slurmctld.pid"
     ctld = int(ctld_pidfile.read_text().split()[0])
     os.kill(ctld, signal.SIGTERM)
-    _until(lambda: not _alive(ctld), 60, "slurmctld's exit", every=0.1)
+    _until(lambda: not tj.alive(ctld), 60, "slurmctld's exit", every=0.1)
     t0, step0 = time.monotonic(), _last_step(out)
     try:
         try:
-            _until(lambda: [e for e in _events(cluster, job_id) if e["kind"] == "slurm.unavailable"], 60,
+            _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.unavailable"], 60,
                    "event slurm.unavailable", every=0.5)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
@@ -130,20 +115,20 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
             slurm.job(job_id)
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - t0)))
         step1 = _last_step(out)
-        kinds = [e["kind"] for e in _events(cluster, job_id)]
-        assert _alive(coord), _diag(cluster, job_id, out)
+        kinds = [e["kind"] for e in drill.events(cluster, job_id)]
+        assert tj.alive(coord), _diag(cluster, job_id, out)
         assert "migration.started" not in kinds, _diag(cluster, job_id, out)
     finally:
         cluster._start_slurmctld()  # the devcluster's own start: same flags, pid recorded for down()
     assert step1 > step0 + 100, (step0, step1, _diag(cluster, job_id, out))  # trained on throughout
     try:
-        _until(lambda: [e for e in _events(cluster, job_id) if e["kind"] == "slurm.available"], 60,
+        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.available"], 60,
                "event slurm.available", every=0.5)
-        _until(lambda: [e for e in _events(cluster, job_id) if e["kind"] == "migration.completed"], 120,
+        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "migration.completed"], 120,
                "the move after slurmctld came back", every=0.5)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
-    events = _events(cluster, job_id)
+    events = drill.events(cluster, job_id)
     kinds = [e["kind"] for e in events]
     assert kinds.index("slurm.unavailable") < kinds.index("slurm.available") < kinds.index("migration.started"), kinds
     assert slurm.job(job_id) is not None and slurm.job(job_id + 100_000) is None  # slurmctld back: it knows
@@ -151,7 +136,7 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
     assert "no migration starts until it answers" in unavailable["message"], unavailable
     done = next(e for e in events if e["kind"] == "migration.completed")
     assert done["data"]["node"] == MOVED and done["data"]["target"] == SPARE, done
-    assert _alive(coord)
+    assert tj.alive(coord)
     step2 = _last_step(out)
     _until(lambda: _last_step(out) > step2 + 5, 60, "training after the move", every=0.2)
     print(f"\nslurmctld away {OUTAGE_S} s: steps {step0} -> {step1}; moved {MOVED} -> {SPARE} after it came back")

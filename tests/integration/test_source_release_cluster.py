@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,16 +52,7 @@ def _diag(cluster, job_id: int, out_path: Path, what: str) -> str:
 @pytest.fixture(scope="module")
 def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
     print(f"\ntest_source_release seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = Path(tempfile.mkdtemp(dir=jobs_base, prefix=f"test_source_release-ref-{os.getpid()}-"))
-    d.chmod(0o755)
-    os.chown(d, job_user.uid, job_user.gid)
-    ref_id = tj.submit(d, "ref", STEPS, nodes=4, user=job_user.name)
-    ref = tj.wait_end(ref_id, 300, context=f"seed={SEED}: ")
-    text = (d / f"ref.{ref_id}.out").read_text()
-    assert ref["job_state"][0] == "COMPLETED", text[-3000:]
-    lines = tj.steps(text)
-    assert len(lines) == 3 * STEPS, text[-3000:]
-    return {"job_id": ref_id, "per_step": tj.per_step(lines)}
+    return tj.reference_run(jobs_base, job_user, "test_source_release", STEPS, context=f"seed={SEED}: ")
 
 
 def test_a_released_source_node_can_be_crashed_and_the_job_completes_unchanged(cluster, reference, job_dir,

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -106,6 +107,32 @@ def leave_idle(jobs: list[int], nodes: tuple[str, ...], timeout_s: float = 90) -
             return
         time.sleep(0.5)
     raise AssertionError(f"cluster not clean after the test: {[(n, node(n)['state']) for n in nodes]}")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process of this pid exists (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def reference_run(jobs_base: Path, user, tag: str, n_steps: int, context: str = "") -> dict:
+    """A module's fault-free run of train_ddp.py on 4 nodes (3 ranks and a spare) as ``user``, in a
+    directory of its own under ``jobs_base``: its job id and its losses per step, to compare with."""
+    d = Path(tempfile.mkdtemp(dir=jobs_base, prefix=f"{tag}-ref-{os.getpid()}-"))
+    d.chmod(0o755)
+    os.chown(d, user.uid, user.gid)
+    t0 = time.monotonic()
+    ref_id = submit(d, "ref", n_steps, nodes=4, user=user.name)
+    ref = wait_end(ref_id, 300, context=context)
+    text = (d / f"ref.{ref_id}.out").read_text()
+    assert ref["job_state"][0] == "COMPLETED", text[-3000:]
+    lines = steps(text)
+    assert len(lines) == 3 * n_steps, text[-3000:]
+    print(f"reference: {n_steps} steps in {time.monotonic() - t0:.1f} s")
+    return {"job_id": ref_id, "per_step": per_step(lines)}
 
 
 def excerpt(text: str, limit: int = 3000) -> str:
