@@ -417,6 +417,15 @@ BODIES: dict[str, dict[str, F]] = {
         "reason": _f(str),
         "node": _f(str, required=False),
     },
+    # --- coordinator -> tpassd: account for the job in Slurm (tpassd/accounting.py) -----------
+    # After each migration, snapshot, reroute or relaunch. tpassd (root) rebuilds the job's
+    # "torchpass: ..." part from the job's events.json (read through safeio, counted, never copied
+    # as text: torchpass/accounting.py) and writes it into the job's accounting_field
+    # (AdminComment), keeping the other parts. Granted to root, SlurmUser and the job's owner, for
+    # a job slurmctld says runs on this node. Result: {"job_id", "field", "value", "changed"}.
+    "tpassd.account": {
+        "job_id": _f(int),
+    },
 }
 
 # The coordinator -> rank commands (the "command" field of a reply's result["command"]), defined

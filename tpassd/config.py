@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torchpass import config as tconfig
 from torchpass import layout
+from torchpass.accounting import DEFAULT_FIELD, FIELDS
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG  # noqa: F401 - tpassd/main.py imports it
@@ -71,6 +72,9 @@ class TpassdConfig:
     # Remove STATE_DIR/jobs/J of a job Slurm no longer lists this many hours after it ended (at the
     # sweep); 0 = kept (then remove them yourself).
     job_dir_retention_h: float = 168.0
+    # The job field tpassd keeps torchpass' "torchpass: ..." part in (torchpass/accounting.py):
+    # AdminComment, Comment, or "" (off).
+    accounting_field: str = DEFAULT_FIELD
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -110,6 +114,9 @@ class TpassdConfig:
                 raise ConfigError(f"rails: {rail!r} is not an interface name or ib:DEVICE/PORT")
         if len(set(self.rails)) != len(self.rails):
             raise ConfigError(f"rails lists a rail twice: {list(self.rails)}")
+        if self.accounting_field and self.accounting_field not in FIELDS:
+            raise ConfigError(f"accounting_field must be one of {', '.join(FIELDS)} or \"\" (off), "
+                              f"got {self.accounting_field!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -54,6 +54,7 @@ from torchpass.errors import ConfigError, RemoteError, TorchpassError
 from torchpass.health_state import State
 from torchpass.slurm import NodeInfo, SlurmClient
 from torchpass.slurm.conf import job_privacy
+from tpassd.accounting import JobAccounting
 from tpassd.checkpoint_handlers import job_state_dir
 from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
@@ -240,6 +241,7 @@ class Tpassd:
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
         self.checkpoint: Any = None  # the checkpoint service, registered by start()
+        self.accounting: JobAccounting | None = None  # tpassd.account, registered by start()
         self.metrics = None
         self.last_sample: dict[str, Any] | None = None
         self.ticks = 0
@@ -266,6 +268,10 @@ class Tpassd:
         self.control.register("tpassd.drill", self._h_drill, OWNER)
         # the job's owner (or root, SlurmUser) is checked before it is queued; the rest per request
         self.control.register("tpassd.drain", self._h_drain, USER, admin_ok=True)
+        # The job's "torchpass: ..." part of its AdminComment (tpassd/accounting.py): owner or admins.
+        self.accounting = JobAccounting(self.node, job_state_dir(cfg), cfg.accounting_field, self._slurm_client,
+                                        self._slurm_admin)
+        self.control.register("tpassd.account", self.accounting.handle, USER, admin_ok=True)
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
