@@ -10,7 +10,8 @@ report, protection). Both run in the serve thread, which alone touches the job a
 ``MetricsPusher`` is the thread that sends it: it asks the serve thread for a report
 (``server.later``), then makes one ``tpassd.job_metrics`` request, munge-authenticated, over the
 same tpassd control channel the executor uses. A failed send is logged once (and once when it
-works again); the next interval sends a fresh report, never a backlog.
+works again); the next interval sends a fresh report, never a backlog. The coordinator sends a
+last one as it stops, so the job's last migration is counted.
 """
 
 from __future__ import annotations
@@ -157,10 +158,16 @@ class MetricsPusher:
             if self._stop.wait(self.every_s):
                 return
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
+        """Stop. ``final``: then send one last report, built here (the serve loop has ended, so
+        nothing else touches the job): what the job did in its last interval, which tpassd serves
+        until it drops the job, STALE_AFTER_PUSHES intervals later."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=SEND_TIMEOUT_S + 1)
+        if final:
+            self._later = lambda fn: fn()
+            self.push_once()
 
 
 def batch_host(env: dict[str, str], slurm_job: Callable[[], Any]) -> str | None:

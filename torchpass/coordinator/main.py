@@ -358,7 +358,7 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
         server.serve()
     finally:
         if pusher is not None:
-            pusher.close()
+            pusher.close(final=True)
         if driver is not None and driver.health is not None:
             driver.health.close()
         if driver is not None and driver.executor is not None:
