@@ -426,6 +426,21 @@ BODIES: dict[str, dict[str, F]] = {
     "tpassd.account": {
         "job_id": _f(int),
     },
+    # --- coordinator -> its batch host's tpassd: the job's summary for Prometheus ------
+    # Every every_s seconds (torchpass/job_metrics.py, which also checks the nested objects,
+    # rejects unknown keys and caps the body at 4 KiB). Root or the job's owner (Slurm's word);
+    # tpassd keeps it in memory only and serves it on /metrics. Result: {"node", "jobs"}.
+    "tpassd.job_metrics": {
+        "job_id": _f(int),
+        "every_s": _f(float, int),
+        "ranks_registered": _f(int),
+        "ranks_expected": _f(int),
+        "oldest_report_age_s": _f(float, int),
+        "unprotected": _f(bool),
+        "migrations": _f(dict),  # outcome -> count
+        "snapshots": _f(dict),  # outcome -> count
+        "pauses": _f(dict),  # kind -> {"buckets": [cumulative counts], "count", "sum_s"}
+    },
 }
 
 # The coordinator -> rank commands (the "command" field of a reply's result["command"]), defined

@@ -33,6 +33,19 @@ THROTTLE_SW_THERMAL = 0x20
 THROTTLE_HW_THERMAL = 0x40
 THROTTLE_HW_POWER_BRAKE = 0x80
 HW_SLOWDOWN_MASK = THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL | THROTTLE_HW_POWER_BRAKE | THROTTLE_SW_THERMAL
+# Every reason bit nvml.h defines (nvmlClocksEventReason*, formerly nvmlClocksThrottleReason*), by
+# the name tpassd's metrics give it (tpassd_gpu_clock_throttle_active{reason}).
+THROTTLE_REASONS = {
+    "gpu_idle": 0x01,
+    "applications_clocks_setting": 0x02,
+    "sw_power_cap": 0x04,
+    "hw_slowdown": THROTTLE_HW_SLOWDOWN,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": THROTTLE_SW_THERMAL,
+    "hw_thermal_slowdown": THROTTLE_HW_THERMAL,
+    "hw_power_brake_slowdown": THROTTLE_HW_POWER_BRAKE,
+    "display_clock_setting": 0x100,
+}
 
 # Event kinds delivered by wait_event.
 EVENT_XID = "xid"

@@ -46,6 +46,7 @@ HOST_MODULES = {
     "test_tpassd_control.py": "a private munged and a live tpassd",
     "test_tpassd_daemon.py": "a private munged and a live tpassd, credentials of other uids",
     "test_tpassd_limits.py": "a private munged, a live tpassd, other uids' processes",
+    "test_prometheus.py": "a private munged, a live tpassd, credentials of other uids (setpriv)",
     "test_tpassd_ports.py": "a private munged, ports below 1024, runuser",
     "test_tpassd_sweep.py": "a private munged, a live tpassd, root-owned state",
     "test_tpassd_systemd.py": "a private munged, tpassd programs under setpriv's bounding set",
