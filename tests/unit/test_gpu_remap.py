@@ -241,3 +241,44 @@ def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(
         d.executor.close()
         for p in procs:
             p.wait(10)
+
+
+@pytest.mark.parametrize("gpus", [True, False], ids=["gpu-job", "cpu-job"])
+def test_only_a_job_whose_tasks_have_gpus_asks_both_tpassds_for_their_driver(tmp_path, gpus):
+    """Slurm's record of the training step (gres/gpu in its TRES) says whether a rank can hold CUDA
+    state: a CPU job's transfer asks no tpassd for its NVIDIA driver, a GPU job's asks the target
+    and the source before the images are verified on the target."""
+    import test_executor as tx
+    from test_slurm_gres import STEP_D
+    from torchpass.slurm.base import StepInfo
+
+    calls = []
+
+    def request(node, type_, body, timeout_s):
+        calls.append((node, type_, body.get("op")))
+        if type_ == "tpassd.health":
+            return {"state": "healthy", "gpu_driver": "570.86.15"}
+        if type_ == "tpassd.snapshot":
+            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        return {}
+
+    tp = tx.FakeTpassd(fail_dump=False)
+    tp.request = request
+    d, slurm = tx._driver(tmp_path, tp)
+    slurm.step_table[42] = [StepInfo("42.0", "python", ("n1", "n2", "n3"), "RUNNING")]
+    slurm.step_detail = lambda step_id: STEP_D if gpus else STEP_D.replace(",gres/gpu=6,gres/gpu:h100=6", "")
+    try:
+        ex = d.executor
+        d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+        at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+        for r in range(3):
+            d.feed(mc.Quiesced(r, gen, at))
+        tx._pump_until(d, lambda: any(c[2] == "verify" for c in calls), timeout_s=30)
+        asked = sorted(c[0] for c in calls if c[1] == "tpassd.health")
+        assert asked == (["n2", "n4"] if gpus else []), calls
+    finally:
+        tx._open_executors.remove(d.executor)
+        procs = d.executor.steps()
+        d.executor.close()
+        for p in procs:
+            p.wait(10)
