@@ -38,6 +38,9 @@ class TpassdConfig:
     # in the node's GPU inventory); () = GPU-fake-NNNN-... by index.
     fake_gpu_uuids: tuple[str, ...] = ()
     fake_nvlinks: int = 4
+    # The node's GPUs from this root-owned JSON file rather than NVML (the devcluster's fake GPUs,
+    # torchpass.checkpoint.gpu_map.file_inventory); None = NVML.
+    gpu_inventory: Path | None = None
     sysfs_root: Path = Path("/sys")
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
     # The node's data rails: Ethernet interfaces ("eth1") and IB ports ("ib:mlx5_0/1"). A rail
@@ -100,6 +103,8 @@ class TpassdConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if self.snapshot_max_age_h > 0 and self.sweep_interval_s == 0:
             raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
+        if self.gpu_inventory is not None and not Path(self.gpu_inventory).is_absolute():
+            raise ConfigError(f"gpu_inventory must be an absolute path, got {str(self.gpu_inventory)!r}")
         if not Path(self.restore_token_dir).is_absolute():
             raise ConfigError(f"restore_token_dir must be an absolute path, got {str(self.restore_token_dir)!r}")
         if not 1 <= self.max_jobs_per_uid <= 1024:

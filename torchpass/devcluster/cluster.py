@@ -721,7 +721,9 @@ class Devcluster:
             # the nodes share this host's /run: the cluster's own restore tokens (per node below it)
             f" restore_tokens={self.restore_tokens}"
             # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
-            " snapshot_every_min_s=1\n"
+            " snapshot_every_min_s=1"
+            # fake GPUs: the restore agent reads the node's own inventory (each node mounts its own there)
+            + (f" gpu_inventory={spec.gpu_dev_dir / gpus.INVENTORY_NAME}" if any(spec.gpus) else "") + "\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():
@@ -871,7 +873,8 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
                           restore_tokens=self.restore_tokens,
                           snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces,
                           fake_gpu_uuids=tuple(gpus.fake_uuid(spec.name, node, g) for g in range(spec.node_gpus(i)))
-                          if spec.gpus else None)
+                          if spec.gpus else None,
+                          gpu_inventory=spec.gpu_dev_dir / gpus.INVENTORY_NAME if spec.node_gpus(i) else None)
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(
