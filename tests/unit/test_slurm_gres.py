@@ -65,6 +65,31 @@ def test_step_record_gives_one_tasks_share():
         parse_step_share("StepId=1.0 State=RUNNING")
 
 
+# Slurm 24.11's step records on the GRES devcluster (2 nodes, 2 tasks each): no gres/gpu in TRES;
+# the GPUs as the step asked for them.
+STEP_GPUS_PER_TASK = """StepId=55200001.0 UserId=1001 StartTime=2026-12-07T15:27:19 TimeLimit=UNLIMITED
+   State=RUNNING Partition=debug NodeList=node[1-2]
+   Nodes=2 CPUs=4 Tasks=4 Name=sleep Network=(null)
+   TRES=cpu=4,mem=4000M,node=2
+   ResvPorts=(null)
+   CPUFreqReq=Default Dist=Block
+   SrunHost:Pid=node1:2998
+   TresBind=gres/gpu:per_task:1
+   TresPerStep=cpu:4
+   TresPerTask=gres/gpu=1
+"""
+
+
+@pytest.mark.parametrize("asked", ["TresPerTask=gres/gpu=1", "TresPerNode=gres/gpu:2",
+                                   "TresPerStep=cpu:4,gres/gpu:4", "TresPerNode=gres/gpu:a100:2"])
+def test_a_step_that_asked_for_gpus_gives_each_task_its_share(asked):
+    text = STEP_GPUS_PER_TASK.replace("TresPerStep=cpu:4\n", "").replace("TresPerTask=gres/gpu=1", asked)
+    assert parse_step_share(text) == TaskShare(gpus=1, cpus=1, mem_mb=1000)
+    no_gpus = STEP_GPUS_PER_TASK.replace("   TresPerTask=gres/gpu=1\n", "").replace(
+        "   TresBind=gres/gpu:per_task:1\n", "")
+    assert parse_step_share(no_gpus) == TaskShare(gpus=0, cpus=1, mem_mb=1000)
+
+
 def test_restore_steps_and_spares_ask_for_what_the_rank_had():
     share = parse_step_share(STEP_D)
     assert restore_step_options(share) == ["--cpus-per-task=4", "--mem=8192M", "--gres=gpu:1"]
