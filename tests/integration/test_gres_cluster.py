@@ -209,8 +209,9 @@ def test_a_gpu_rank_moves_with_its_gpu_and_a_spare_with_too_few_gpus_is_refused(
         time.sleep(3)  # tpassd samples every second; the coordinator sees node3 degraded
         _inject("node1", "ecc-sbe-storm")
         refused = _wait_event(c, job_id, "spare.unavailable", diag, about="no spare for node1")
-        assert "no spare for node1" in refused["message"] and "Requested node configuration is not available" \
-            in refused["message"] and "\n" not in refused["message"], (refused, diag())
+        assert "no spare for node1" in refused["message"] and "--gres=gpu:2)" in refused["message"] \
+            and "Requested node configuration is not available" in refused["message"] \
+            and "\n" not in refused["message"], (refused, diag())
         assert not [e for e in events(c, job_id) if e["kind"] == "migration.completed"], diag()
         _inject("node1", "clear")
         _inject(job.spare, "clear")

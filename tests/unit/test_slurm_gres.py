@@ -139,3 +139,26 @@ def test_expand_is_dropped_under_task_affinity_and_the_reason_says_so(tmp_path):
     assert spare_strategies_for(("hot", "expand", "companion"), task_plugins(str(conf))) == (
         ("hot", "expand", "companion"), "")
     assert spare_strategies_for(("expand",), task_plugins(str(tmp_path / "missing"))) == (("expand",), "")
+
+
+def test_a_refused_gpu_spare_says_what_it_asked_for(monkeypatch):
+    """salloc's refusal of a GPU job's spare names the GPUs, CPUs and memory it asked for: the one
+    line a user reads in spare.unavailable says why no node fits (too few GPUs). salloc's answer is
+    the one Slurm 24.11 gave on the GRES devcluster (tests/integration/test_gres_cluster.py)."""
+    import subprocess
+
+    from torchpass.errors import SlurmError
+    from torchpass.slurm import cli
+    from torchpass.slurm.base import SpareRequest
+
+    said = "salloc: error: Job submit/allocate failed: Requested node configuration is not available\n"
+    asked = []
+    monkeypatch.setattr(cli.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(cli.subprocess, "run", lambda argv, **kw: asked.append(argv)
+                        or subprocess.CompletedProcess(argv, 1, "", said))
+    req = SpareRequest(job_id=7, name="s", comment="c", resources=("--cpus-per-task=2", "--gres=gpu:2"))
+    with pytest.raises(SlurmError) as exc:
+        cli.CliSlurmClient(environ={"PATH": "/usr/bin"}).allocate(req)
+    assert asked[0][-2:] == ["--cpus-per-task=2", "--gres=gpu:2"]
+    assert str(exc.value) == ("salloc of a spare (--cpus-per-task=2 --gres=gpu:2) for job 7 failed: salloc: error: "
+                              "Job submit/allocate failed: Requested node configuration is not available")
