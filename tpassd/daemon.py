@@ -208,7 +208,8 @@ class Tpassd:
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
         if provider == "from-config":
-            choice = select_provider(cfg.nvml_provider, fake_gpus=cfg.fake_gpus, fake_nvlinks=cfg.fake_nvlinks)
+            choice = select_provider(cfg.nvml_provider, fake_gpus=cfg.fake_gpus, fake_nvlinks=cfg.fake_nvlinks,
+                                     fake_uuids=cfg.fake_gpu_uuids)
             self.provider = choice.provider
             self.provider_note = choice.why
         else:

@@ -322,9 +322,9 @@ class PynvmlProvider:
 # --------------------------------------------------------------------------
 # The fake provider
 # --------------------------------------------------------------------------
-def _pristine_gpu(index: int, links: int) -> dict[str, Any]:
+def _pristine_gpu(index: int, links: int, uuid: str = "") -> dict[str, Any]:
     return {
-        "uuid": f"GPU-fake-{index:04d}-0000-0000-0000-000000000000",
+        "uuid": uuid or f"GPU-fake-{index:04d}-0000-0000-0000-000000000000",
         "lost": False,
         "ecc": {"sbe_volatile": 0, "dbe_volatile": 0, "sbe_aggregate": 0, "dbe_aggregate": 0},
         "retired": {"sbe": 0, "dbe": 0, "pending": 0},
@@ -351,14 +351,18 @@ class FakeNvmlProvider:
     name = "fake"
 
     def __init__(self, gpus: int = 8, nvlinks: int = 4, clock: Callable[[], float] | None = None,
-                 driver_version: str = "fake-0.0"):
+                 driver_version: str = "fake-0.0", uuids: tuple[str, ...] = ()):
+        """``uuids``: GPU i's UUID (the devcluster's node inventory names the same); () = by index."""
         import time
 
+        if uuids and len(uuids) != gpus:
+            raise ValueError(f"{len(uuids)} UUIDs for {gpus} fake GPUs")
+        self._uuids = tuple(uuids) or ("",) * gpus
         self._driver_version = driver_version
         self._n = gpus
         self._links = nvlinks
         self._lock = threading.Lock()
-        self._gpus = [_pristine_gpu(i, nvlinks) for i in range(gpus)]
+        self._gpus = [_pristine_gpu(i, nvlinks, self._uuids[i]) for i in range(gpus)]
         self._events: queue.Queue[NvmlEvent] = queue.Queue()
         self._initialised = False
         self._registered = False
@@ -515,7 +519,7 @@ class FakeNvmlProvider:
         with self._lock:
             for i in range(self._n) if gpu is None else [gpu]:
                 self._gpu(i)
-                self._gpus[i] = _pristine_gpu(i, self._links)
+                self._gpus[i] = _pristine_gpu(i, self._links, self._uuids[i])
 
 
 @dataclass
@@ -525,12 +529,13 @@ class ProviderChoice:
     notes: list[str] = field(default_factory=list)
 
 
-def select_provider(kind: str, *, fake_gpus: int = 8, fake_nvlinks: int = 4) -> ProviderChoice:
+def select_provider(kind: str, *, fake_gpus: int = 8, fake_nvlinks: int = 4,
+                    fake_uuids: tuple[str, ...] = ()) -> ProviderChoice:
     """Resolve ``nvml_provider``; the returned provider is already init()ed."""
     if kind == "none":
         return ProviderChoice(None, "nvml_provider = none: no GPU collector")
     if kind == "fake":
-        p = FakeNvmlProvider(fake_gpus, fake_nvlinks)
+        p = FakeNvmlProvider(fake_gpus, fake_nvlinks, uuids=fake_uuids)
         p.init()
         return ProviderChoice(p, f"fake NVML provider with {fake_gpus} GPUs (configured)")
     if kind in ("nvml", "auto"):

@@ -53,6 +53,7 @@ HOST_MODULES = {
     "test_wire_fuzz.py": "a private munged and a live tpassd",
     # CRIU, tpass-init, PID and mount namespaces, cgroups: root.
     "test_cgroup_join.py": "cgroup v1 hierarchies (root)",
+    "test_gpu_device_cgroup.py": "a cgroup v1 devices cgroup and char devices made with mknod (root)",
     "test_checkpoint_full_disk.py": "a full tmpfs in a mount namespace (root)",
     "test_checkpoint_service.py": "CRIU dumps and restores (root)",
     "test_criu_cgroups.py": "cgroups and CRIU (root)",

@@ -206,7 +206,9 @@ class CliSlurmClient(SlurmClient):
                 except SlurmError:
                     pass
             why = " ".join(out.split())[:300] or "no output"
-            raise SlurmError(f"salloc of a spare for job {req.job_id} failed: {why}")
+            # what a GPU job's spare asked for, so that a refusal says it (a spare with too few GPUs)
+            asked = f" ({' '.join(req.resources)})" if req.resources else ""
+            raise SlurmError(f"salloc of a spare{asked} for job {req.job_id} failed: {why}")
         alloc = int(m.group(1))
         info = self.job(alloc)
         if info is None or len(info.nodes) != 1:
