@@ -29,6 +29,7 @@ log = structlog.get_logger("torchpass.coordinator.executor")
 REQUEUE_RECORD_WAIT_S = 5.0
 # check_silent: slurmctld is asked about job nodes whose tpassd fell silent at most this often.
 SILENT_CHECK_S = 2.0
+RETRY_PREPARE_TIMEOUT_S = 15.0  # a second tpassd.restore prepare, for the nodes that did not answer the first
 
 
 def slurm_lost(job: JobInfo | None, node: NodeInfo | None) -> str:
@@ -222,6 +223,16 @@ class LostNodeActions:
                 # Each node the relaunched step may use gets its token before the verdict lets the
                 # srun start again: without one its tasks fail rather than restore.
                 failed = self.restore_steps.prepare_all(set(hosts), "snapshot", snapshot=a.snapshot)
+                if failed:
+                    # Once more, given longer: a node's tpassd shares its cores with the job's ranks
+                    # and wrappers, which all wake at the step's end. Without a token the node's tasks
+                    # fail to restore and the job hangs (seen once on the loaded 2-core devcluster: the
+                    # batch host's two tasks found no token, the other nodes' restored; still running
+                    # 180 s later).
+                    log.warning("the relaunch from the snapshot is not set up on every node yet; asking those "
+                                "again", snapshot=a.snapshot, failed=failed)
+                    failed = self.restore_steps.prepare_all(set(failed), "snapshot", snapshot=a.snapshot,
+                                                            timeout_s=RETRY_PREPARE_TIMEOUT_S)
                 if failed:
                     log.warning("the relaunch from the snapshot is not set up on every node; the step's tasks "
                                 "there fail", snapshot=a.snapshot, failed=failed)
