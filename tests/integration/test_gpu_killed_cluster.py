@@ -159,6 +159,12 @@ def test_a_gpu_killed_under_a_rank_relaunches_the_job_from_its_snapshot_on_the_s
         lines = tj.steps(out.read_text())
         assert lines and all(ln in reference[int(ln.split()[0][5:])] for ln in lines), diag
         assert sorted(tj.per_step(lines)) == list(range(d.steps)), diag
+        # srun's exit hook says what happened: a rank died on a node that is up, not a node lost
+        said = [ln for ln in out.read_text().splitlines() if ln.startswith(f"srun: tpass: job {job_id}")
+                and "starts its step again" in ln]
+        assert said and said[0].startswith(f"srun: tpass: job {job_id}: a rank died on {node} (the node is up); "
+                                           f"srun starts its step again with {d.spare} in its place, every rank "
+                                           f"restored from snapshot {going['data']['snapshot']}"), (said, diag)
         drained = [e for e in evs if e["kind"] in ("node.drained", "node.drain_failed")]
         assert [(e["kind"], e["data"]["node"]) for e in drained] == [("node.drained", node)], (drained, diag)
         dn = tj.node(node)
@@ -346,6 +352,8 @@ def test_a_gpu_killed_under_a_torchrun_worker_relaunches_the_job_from_its_checkp
         print(died[0]["message"])
         print(going["message"])
         text = out.read_text()
+        assert f"srun: tpass: job {job_id}: a rank died on {node} (the node is up); srun starts its step again " \
+               "with node4 in its place (relaunch 1;" in text, diag
         lines = tj.steps(text)
         assert lines and all(ln in ref[int(ln.split()[0][5:])] for ln in lines), diag
         assert sorted(tj.per_step(lines)) == list(range(TR_STEPS)), diag
