@@ -3,13 +3,16 @@ an application checkpoint or from a whole-job snapshot, against checkpoint-resta
 requeue, side by side in the same run.
 
     .venv/bin/python bench/bench_hard_failure.py [--pairs 2] [--crash-at 35] [--every 10]
-                                                 [--snapshot-every 2] [--steps 80]
+                                                 [--snapshot-every 2] [--steps 80] [--params 1M]
+                                                 [--sides relaunch,snapshot,gpu_killed]
                                                  [--out bench/results/hard_failure.json]
 
-Both sides run examples/train_checkpointed.py (train_ddp.py's 3 gloo ranks, one per node, 1M
-parameters, a ``torchpass.checkpoint`` save every ``--every`` steps) as the devcluster's job user,
-and both crash node2 (``tpassctl devcluster crash``: link down, every process killed) once the
-job printed step ``--crash-at`` (the gpu_killed side kills node2's GPU under its rank instead):
+Both sides run examples/train_checkpointed.py (train_ddp.py's 3 gloo ranks, one per node,
+``--params`` parameters (1M), a ``torchpass.checkpoint`` save every ``--every`` steps) as the
+devcluster's job user, and both crash node2 (``tpassctl devcluster crash``: link down, every
+process killed) once the job printed step ``--crash-at`` (the gpu_killed side kills node2's GPU
+under its rank instead); the snapshot sides wait for their first complete snapshot too (with
+``--snapshot-every 30`` it completes ~30 s into training, after step ``--crash-at``):
 
 * relaunch: ``sbatch --no-kill --torchpass=spares=1`` (4 nodes, node4 the hot spare). The
   coordinator finds the node lost, ends the step and the job's srun starts it again on node1,
@@ -110,10 +113,35 @@ def gpu_back(c: Devcluster) -> None:
     wait_for(lambda: node_state(CRASHED) == ["IDLE"], 120, f"{CRASHED} idle again")
 
 
+def snapshot_completed(c: Devcluster, job_id: int) -> bool:
+    """Whether the job's events show a complete whole-job snapshot."""
+    from torchpass import layout
+
+    try:
+        evs = json.loads(layout.events_json(c.state_dir, job_id).read_text())
+    except (OSError, ValueError):
+        return False
+    return any(e.get("kind") == "snapshot.completed" for e in evs)
+
+
+def relaunch_phases(c: Devcluster, job_id: int) -> dict:
+    """The relaunch's own figures from the job's events: the decision to every rank resumed (the
+    coordinator's clock), and the time from the death's report to the decision."""
+    from torchpass import layout
+
+    try:
+        evs = json.loads(layout.events_json(c.state_dir, job_id).read_text())
+    except (OSError, ValueError):
+        return {}
+    back = [e for e in evs if e.get("kind") == "job.relaunched"]
+    return {"decision_to_resumed_s": back[0]["data"].get("decision_to_resumed_s")} if back else {}
+
+
 def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, args: argparse.Namespace) -> dict:
     # the snapshot sides save no checkpoint: their restore point is the newest whole-job snapshot
     every = args.steps + 1 if side in ("snapshot", "gpu_killed") else args.every
-    cmd = (f"{c.job_python} {REPO / 'examples' / 'train_checkpointed.py'} --steps {args.steps} --params 1M "
+    cmd = (f"{c.job_python} {REPO / 'examples' / 'train_checkpointed.py'} --steps {args.steps} "
+           f"--params {args.params} "
            f"--sleep 0.05 --ckpt-every {every} --ckpt-dir {work}/ckpt.$SLURM_JOB_ID")
     sbatch_args = [a.format(snapshot_every=args.snapshot_every) for a in SIDES[side]]
     script = work / f"{tag}.sbatch"
@@ -130,6 +158,9 @@ def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, args: arg
     try:
         wait_for(lambda: any(n >= args.crash_at for _, n, _ in tail.steps()), 240, f"job {job_id} at step "
                  f"{args.crash_at}", every=0.02)
+        if side in ("snapshot", "gpu_killed"):  # its restore point: the first complete snapshot
+            wait_for(lambda: snapshot_completed(c, job_id), 120 + 2 * args.snapshot_every,
+                     f"job {job_id}'s first complete snapshot", every=0.05)
         nodes = job_state(job_id).get("nodes", "")
         crashed_at = time.monotonic()
         if side in GPU_SIDES:
@@ -163,7 +194,8 @@ def one_run(c: Devcluster, work: Path, user: str, side: str, tag: str, args: arg
     # from a snapshot: the first step the restored ranks printed (the snapshot's, or the one before
     # it when the ranks paused before printing it)
     went_on = loaded[-1] if loaded else min(n for _, n in after)
-    return {"side": side, "job_id": job_id, "restarts": int(final.get("restart_cnt", 0)),
+    extra = relaunch_phases(c, job_id) if side in GPU_SIDES else {}
+    return {"side": side, "job_id": job_id, "restarts": int(final.get("restart_cnt", 0)), **extra,
             "last_step_before": last, "checkpoint_loaded": loaded[-1] if loaded else None,
             "went_on_from": went_on, "recomputed_steps": last + 1 - went_on,
             "resumed_s": round(min(t for t, _ in after) - crashed_at, 2),
@@ -180,6 +212,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    ap.add_argument("--params", default="1M", help="the model's size (train_ddp.py --params: 1M, 10M, 100M)")
     ap.add_argument("--snapshot-every", type=int, default=2, help="the snapshot side: a snapshot every S s")
     ap.add_argument("--crash-at", type=int, default=35, help="crash node2 once this step was printed")
     ap.add_argument("--sides", default=",".join(SIDES),
@@ -225,7 +258,7 @@ def main() -> int:
     resumed = [r["resumed_s"] for r in runs if r["side"] == "relaunch"]
     data = {"crashed": CRASHED, "crash_at_step": args.crash_at, "checkpoint_every": args.every,
             "snapshot_every_s": args.snapshot_every, "ranks": 3,
-            "params": "1M", "runs": runs, "summary": summary,
+            "params": args.params, "runs": runs, "summary": summary,
             "load_at_start": [round(x, 2) for x in load0],
             # tpassctl goodput --measured: lm_gpu_killed_s (summary.gpu_killed.resumed_s) when that side ran
             "machine": machine(), "bench_seconds": round(time.monotonic() - t_all, 1),

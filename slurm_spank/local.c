@@ -10,12 +10,14 @@
  * --torchpass=off, nothing else.
  * The checks run from the option callback (see allocator.c for why).
  *
- * Relaunch after a lost node (relaunch.h): at init srun keeps its own
- * arguments (/proc/self/cmdline), environment and executable, and the job's
- * relaunch count; local_user_init, its step id.  At exit, if the coordinator
- * has since decided a relaunch that ended this srun's step (a node of it was
- * lost; the job's host file now names a spare in its place), srun execs
- * itself again with them:
+ * Relaunch after a lost node or a rank that died on a live node
+ * (relaunch.h): at init srun keeps its own arguments (/proc/self/cmdline),
+ * environment and executable, and the job's relaunch count;
+ * local_user_init, its step id.  At exit, if the coordinator has since
+ * decided a relaunch that ended this srun's step (a node of it was lost, or
+ * a rank of it died; the job's host file may name a spare in that node's
+ * place), srun says why (tpass_relaunch_message) and execs itself again
+ * with them:
  * the batch script's srun goes on as the relaunched step and its exit status
  * is that step's.  srun calls the exit hook from an atexit handler, so the
  * exec replaces srun's exit with the new step.  A relaunch from a whole-job
@@ -244,7 +246,7 @@ static double mono_s(void)
 /* Returns unless srun starts its step again (execve). */
 static int relaunch_at_exit(spank_t sp, int ac, char **av)
 {
-	char err[TPASS_ERR_MAXLEN], node[256];
+	char err[TPASS_ERR_MAXLEN], node[256], msg[1024];
 	struct tpass_relaunch v;
 	char **envp;
 	double deadline = mono_s() + TPASS_RELAUNCH_WAIT_S;
@@ -296,13 +298,8 @@ static int relaunch_at_exit(spank_t sp, int ac, char **av)
 	}
 	tpass_argv_free(again.envp);
 	again.envp = envp;
-	if (v.snapshot[0])
-		tpass_notice("job %u lost %s; srun starts its step again with a spare in its place, every rank restored from snapshot %s (relaunch %u; 'tpassctl events %u' says more)",
-			     again.job_id, v.node, v.snapshot, v.count,
-			     again.job_id);
-	else
-		tpass_notice("job %u lost %s; srun starts its step again with a spare in its place (relaunch %u; 'tpassctl events %u' says more)",
-			     again.job_id, v.node, v.count, again.job_id);
+	tpass_relaunch_message(&v, again.job_id, msg, sizeof(msg));
+	tpass_notice("%s", msg);
 	fflush(NULL);
 	execve(again.exe, again.argv, again.envp);
 	tpass_error("job %u: cannot start srun again (%s: %m); srun exits as it would without torchpass",

@@ -94,6 +94,13 @@ int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
 			} else if (klen == 5 && !strncmp(line, "steps", 5)) {
 				if (parse_steps(val, out, err, errlen) < 0)
 					return -1;
+			} else if (klen == 5 && !strncmp(line, "cause", 5)) {
+				out->cause = !strcmp(val, "lost_node") ? TPASS_CAUSE_LOST_NODE
+					   : !strcmp(val, "rank_died") ? TPASS_CAUSE_RANK_DIED
+					   : TPASS_CAUSE_UNKNOWN;
+			} else if (klen == 6 && !strncmp(line, "spares", 6)) {
+				snprintf(out->spares, sizeof(out->spares), "%s",
+					 val);
 			} else if (klen == 8 && !strncmp(line, "snapshot", 8)) {
 				/* it ends up in an argv and a path: checked here */
 				if (!tpass_snapshot_id_valid(val))
@@ -231,4 +238,41 @@ char **tpass_env_set(char *const *envp, const char *name, const char *value)
 oom:
 	tpass_argv_free(env);
 	return NULL;
+}
+
+void tpass_relaunch_message(const struct tpass_relaunch *v, unsigned job_id,
+			    char *buf, size_t buflen)
+{
+	char what[400], where[400], from[160];
+
+	switch (v->cause) {
+	case TPASS_CAUSE_LOST_NODE:
+		snprintf(what, sizeof(what), "job %u lost %s", job_id, v->node);
+		break;
+	case TPASS_CAUSE_RANK_DIED:
+		snprintf(what, sizeof(what),
+			 "job %u: a rank died on %s (the node is up)", job_id,
+			 v->node);
+		break;
+	default:
+		snprintf(what, sizeof(what), "job %u: a fault on %s", job_id,
+			 v->node);
+		break;
+	}
+	if (v->spares[0])
+		snprintf(where, sizeof(where), "with %s in %s place", v->spares,
+			 strchr(v->spares, ',') ? "their" : "its");
+	else if (v->cause == TPASS_CAUSE_LOST_NODE)
+		/* a coordinator that does not name its spares */
+		snprintf(where, sizeof(where), "with a spare in its place");
+	else
+		snprintf(where, sizeof(where), "on the same nodes");
+	if (v->snapshot[0])
+		snprintf(from, sizeof(from),
+			 ", every rank restored from snapshot %s", v->snapshot);
+	else
+		from[0] = '\0';
+	snprintf(buf, buflen,
+		 "%s; srun starts its step again %s%s (relaunch %u; 'tpassctl events %u' says more)",
+		 what, where, from, v->count, job_id);
 }

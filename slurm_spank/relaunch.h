@@ -17,6 +17,14 @@
  *   snapshot=ID    the relaunch restores whole-job snapshot ID (every rank
  *                  from its CRIU images) instead of the application's
  *                  checkpoint; absent for a relaunch from a checkpoint
+ *   cause=lost_node|rank_died
+ *                  what ended the step: node= was lost outright, or a
+ *                  rank died on node=, which is still up (a GPU fault, an
+ *                  OOM kill, a bug in the script); absent: lost_node (a
+ *                  coordinator before the key), another value: not known
+ *   spares=S,S,... the spares in the replaced nodes' places (at most
+ *                  255 characters); absent or empty: the step starts
+ *                  again on the same nodes
  *
  * srun remembers count when it starts, and its step id once the step exists
  * (local_user_init).  At its exit it waits while pending=1 and the
@@ -46,10 +54,18 @@
 #define TPASS_SNAPSHOT_ID_MAX 64
 /* What carries snapshot=ID from srun's exit hook to slurmstepd: TPASS_ENV_RESTORE_SNAPSHOT (envnames.h). */
 
+enum tpass_relaunch_cause {
+	TPASS_CAUSE_LOST_NODE,
+	TPASS_CAUSE_RANK_DIED,
+	TPASS_CAUSE_UNKNOWN,    /* a value this plugin does not know */
+};
+
 struct tpass_relaunch {
 	unsigned count;
 	bool pending;
 	char node[256];
+	enum tpass_relaunch_cause cause;
+	char spares[256];   /* "": none, the same nodes */
 	bool steps_known;   /* steps= given */
 	unsigned nsteps;
 	unsigned steps[TPASS_RELAUNCH_MAX_STEPS];
@@ -75,6 +91,14 @@ int tpass_relaunch_parse(const char *text, struct tpass_relaunch *out,
  */
 int tpass_relaunch_read(const char *state_dir, unsigned job_id,
 			struct tpass_relaunch *out, char *err, size_t errlen);
+
+/*
+ * The line srun's exit hook prints (after "tpass: ") when it starts the step
+ * of job job_id again for verdict v: what ended the step, where it starts
+ * again, from what.  Cut to buflen.
+ */
+void tpass_relaunch_message(const struct tpass_relaunch *v, unsigned job_id,
+			    char *buf, size_t buflen);
 
 /* What srun's exit hook does with a verdict. */
 enum tpass_relaunch_step {

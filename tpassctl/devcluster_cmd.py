@@ -145,7 +145,8 @@ def revive(c: Devcluster, node: str) -> tuple[dict, str]:
 def kill_gpu(node, gpu, name, base_dir, as_json):
     """A GPU falls off the bus under a rank (a drill): NODE's fake GPU N reports Xid 79 and is
     lost to NVML (tpassd's xid79 drill), and the ranks of NODE whose SLURM_LOCALID is N are
-    killed with SIGKILL, found by the pids their task wrappers recorded (never by name)."""
+    killed with SIGKILL, found by the pids their task wrappers recorded (never by name). Under
+    srun torchrun: the task's workers whose LOCAL_RANK is N; their agent sees them die."""
     result = Devcluster.attach(name, base_dir).kill_gpu(node, gpu)
     if as_json:
         click.echo(json.dumps({"node": node, **result}))

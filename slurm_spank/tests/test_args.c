@@ -578,6 +578,50 @@ static void test_relaunch(void)
 	CHECK(tpass_argv_split("", 0) == NULL);
 }
 
+/* The line srun prints when it starts its step again: what happened, where, from what */
+static void test_relaunch_message(void)
+{
+	struct tpass_relaunch v;
+	char msg[1024];
+
+	/* a node lost outright (no cause=: a coordinator before the key) */
+	CHECK(tpass_relaunch_parse("count=1\nnode=node2\nsnapshot=s1\n", &v, err,
+				   sizeof(err)) == 0 && v.cause == TPASS_CAUSE_LOST_NODE);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK(!strcmp(msg, "job 7 lost node2; srun starts its step again with a spare in its place, every rank "
+			   "restored from snapshot s1 (relaunch 1; 'tpassctl events 7' says more)"));
+	CHECK(tpass_relaunch_parse("count=1\nnode=node2\ncause=lost_node\nspares=node4\n", &v,
+				   err, sizeof(err)) == 0);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK(!strcmp(msg, "job 7 lost node2; srun starts its step again with node4 in its place (relaunch 1; "
+			   "'tpassctl events 7' says more)"));
+	/* a rank died on a live node: never "lost" */
+	CHECK(tpass_relaunch_parse("count=2\nnode=node3\ncause=rank_died\nspares=node4\nsnapshot=s9\n",
+				   &v, err, sizeof(err)) == 0 && v.cause == TPASS_CAUSE_RANK_DIED);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK(!strcmp(msg, "job 7: a rank died on node3 (the node is up); srun starts its step again with node4 "
+			   "in its place, every rank restored from snapshot s9 (relaunch 2; 'tpassctl events 7' says more)"));
+	CHECK(!strstr(msg, "lost"));
+	/* ... and relaunched on the same nodes (no hardware fault: no spare) */
+	CHECK(tpass_relaunch_parse("count=1\nnode=node2\ncause=rank_died\nspares=\n", &v, err,
+				   sizeof(err)) == 0);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK(!strcmp(msg, "job 7: a rank died on node2 (the node is up); srun starts its step again on the same "
+			   "nodes (relaunch 1; 'tpassctl events 7' says more)"));
+	CHECK(tpass_relaunch_parse("count=1\nnode=n1,n2\ncause=rank_died\nspares=n5,n6\n", &v, err,
+				   sizeof(err)) == 0);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK_CONTAINS(msg, "with n5,n6 in their place");
+	/* a newer coordinator's cause: neither claim */
+	CHECK(tpass_relaunch_parse("count=1\nnode=node2\ncause=meteor\n", &v, err,
+				   sizeof(err)) == 0 && v.cause == TPASS_CAUSE_UNKNOWN);
+	tpass_relaunch_message(&v, 7, msg, sizeof(msg));
+	CHECK(!strcmp(msg, "job 7: a fault on node2; srun starts its step again on the same nodes (relaunch 1; "
+			   "'tpassctl events 7' says more)"));
+	tpass_relaunch_message(&v, 7, msg, 16);  /* cut, never overrun */
+	CHECK(strlen(msg) == 15);
+}
+
 /* snapshot=ID of the verdict, checked as torchpass.layout.valid_snapshot_id */
 static void test_relaunch_snapshot(void)
 {
@@ -1389,6 +1433,7 @@ int main(void)
 	test_ready();
 	test_relaunch();
 	test_relaunch_snapshot();
+	test_relaunch_message();
 	test_env_set();
 	test_stopped_parse();
 	test_stopped_files();

@@ -120,7 +120,17 @@ def leave_clean(d: Drill, jobs: list[int]) -> None:
             tj.run(["scontrol", "update", f"NodeName={n}", "State=RESUME"])
 
 
+# The reference losses of each job shape run so far in this pytest process: a process serves one
+# devcluster (an xdist worker's), and the modules it runs share them (the losses depend on the
+# script, its arguments, the ranks' layout and sbatch options; a reference run takes 20-60 s here).
+_REFERENCES: dict[tuple, dict] = {}
+
+
 def reference(d: Drill, job_dir: Path, user: str | None, jobs: list[int]) -> dict:
+    """The per-step losses of ``d`` under plain sbatch: run once per process and shape."""
+    key = (d.script, d.args, d.nodes, d.per_node, d.sbatch_extra)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
     job_id = submit(d, job_dir, "ref", None, user)
     jobs.append(job_id)
     final = tj.wait_end(job_id, 300, context=f"{d.name} reference: ")
@@ -130,6 +140,7 @@ def reference(d: Drill, job_dir: Path, user: str | None, jobs: list[int]) -> dic
     assert len(lines) == d.ranks * d.steps and "torchpass" not in text, tj.excerpt(text)
     ref = tj.per_step(lines)
     assert all(len(c) == 1 for c in ref.values()), "the ranks disagree on a step's loss"
+    _REFERENCES[key] = ref
     return ref
 
 

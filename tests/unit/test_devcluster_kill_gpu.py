@@ -34,6 +34,18 @@ def test_only_the_ranks_of_that_node_on_that_gpu_that_still_run_there_are_chosen
     assert ranks_on_gpu(tmp_path, "node3", 0, [11, 12, 21], environ=lambda p: envs.get(p, {})) == []
 
 
+def test_under_torchrun_the_tasks_worker_of_that_local_rank_is_chosen_not_its_agent(tmp_path):
+    agent = {"SLURM_LOCALID": "0", "SLURM_JOB_ID": "7", "TORCHPASS_TASK": "1"}
+    worker = {**agent, "TORCHELASTIC_RUN_ID": "7"}
+    envs = {40: agent, 41: {**worker, "LOCAL_RANK": "0", "RANK": "2"}, 42: {**worker, "LOCAL_RANK": "1", "RANK": "3"},
+            51: {**worker, "TORCHPASS_TASK": "2", "LOCAL_RANK": "0", "RANK": "4"},  # another task's worker
+            61: {**worker, "SLURM_JOB_ID": "8", "LOCAL_RANK": "0", "RANK": "2"}}  # another job's
+    _record(tmp_path, 7, 1, "node2", 40)
+    pids = [40, 41, 42, 51, 61]
+    assert ranks_on_gpu(tmp_path, "node2", 0, pids, environ=lambda p: envs.get(p, {})) == [GpuRank("7", "2", 41)]
+    assert ranks_on_gpu(tmp_path, "node2", 1, pids, environ=lambda p: envs.get(p, {})) == [GpuRank("7", "3", 42)]
+
+
 def test_kill_gpu_is_a_devcluster_command_with_a_gpu_option():
     res = CliRunner().invoke(main, ["devcluster", "kill-gpu", "--help"])
     assert res.exit_code == 0 and "--gpu" in res.output and "SLURM_LOCALID" in res.output

@@ -693,6 +693,36 @@ def test_a_relaunch_from_a_snapshot_is_prepared_on_every_node_before_its_verdict
         ("tpassd.restore", "prepare", "snapshot", "s1")}
 
 
+def test_a_node_whose_tpassd_did_not_answer_the_prepare_is_asked_again_before_the_verdict(tmp_path):
+    """A node's tpassd that misses the first prepare (a loaded node) is asked once more, given longer,
+    before the verdict: without its token the node's tasks of the relaunched step fail to restore."""
+    from torchpass.coordinator.lost_node_actions import RETRY_PREPARE_TIMEOUT_S
+    from torchpass.errors import UnreachableError
+
+    seen: list[tuple[str, float, bool]] = []
+    verdict = layout.relaunch_file(tmp_path, 42)
+
+    class Tp(FakeTpassd):
+        def request(self, node, type_, body, timeout_s):
+            seen.append((node, timeout_s, verdict.exists()))
+            if node == "n1" and len([s for s in seen if s[0] == "n1"]) == 1:
+                raise UnreachableError("no reply from n1's tpassd")
+            return super().request(node, type_, body, timeout_s)
+
+    d, _ = _driver(tmp_path, Tp(fail_dump=False))
+    ex = d.executor
+    ex.slurm = None
+    layout.hostfile(tmp_path, 42).parent.mkdir(parents=True, exist_ok=True)
+    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
+    ex.perform(ct.Relaunch(1, (("n2", "n4"),), 0, "s1"), d.state)
+    end = time.monotonic() + 5
+    while not verdict.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert "snapshot=s1" in verdict.read_text()
+    assert [s for s in seen if s[0] == "n1"] == [("n1", 5.0, False), ("n1", RETRY_PREPARE_TIMEOUT_S, False)]
+    assert sorted(s[0] for s in seen) == ["n1", "n1", "n3", "n4"]
+
+
 @pytest.mark.parametrize("abort", ["answered", "unanswered"])
 def test_a_restored_copy_whose_abort_tpassd_does_not_answer_gives_the_rank_record_back(tmp_path, abort):
     """The copy restored on the target names itself in the rank record (its ``previous``: the copy

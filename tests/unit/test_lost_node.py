@@ -239,7 +239,8 @@ def test_a_lost_node_with_a_checkpoint_and_a_hot_spare_relaunches_the_step_on_th
     _pump_for(d, 2.0, until=lambda: bool(slurm.cancelled))  # the executor's worker
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
     # step 0 ran on n2: its srun starts again; step 1 (on n1 only) is none of the relaunch's
-    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0"}
+    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0", "cause": "lost_node",
+                                  "spares": "n4"}
     assert slurm.cancelled == ["42.0"]  # the step on n2 ends now, not at Slurm's SlurmdTimeout
     st = d.state
     assert st.handed == frozenset({"n2"}) and st.ranks == {} and st.relaunches == 1 and st.generation == 0
@@ -382,7 +383,8 @@ def test_a_lost_node_with_a_newer_snapshot_relaunches_every_rank_from_it_and_res
     assert ev.data["snapshot"] == "snap-7" and ev.data["checkpoint"] is None
     (go,) = [e for e in d.job.events if e.kind == "job.relaunching"]
     assert go.data["recompute_steps"] == 2 and go.data["snapshot_step"] == 21  # steps 21 and 22 again
-    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0", "snapshot": "snap-7"}
+    assert _verdict(tmp_path) == {"count": "1", "pending": "0", "node": "n2", "steps": "0", "snapshot": "snap-7",
+                                  "cause": "lost_node", "spares": "n4"}
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn4\nn3\n"
     assert d.state.generation == 2 and d.state.ranks == {}
     assert check_snapshot_request(d.state) is not None  # nothing else starts while the copies come back
@@ -505,6 +507,8 @@ def test_a_death_with_no_fault_relaunches_the_step_on_the_same_nodes_and_ends_it
     assert layout.hostfile(tmp_path, 42).read_text() == "n1\nn2\nn3\n"
     v = _verdict(tmp_path)
     assert v["count"] == "1" and v["node"] == "n2" and v["steps"] == "0" and "snapshot" not in v
+    # srun's exit hook says a rank died, and that the step starts again on the same nodes
+    assert v["cause"] == "rank_died" and v["spares"] == ""
     assert slurm.cancelled == ["42.0"]
     assert [e.kind for e in d.job.events if e.kind in ("rank.died", "job.relaunching")] == \
         ["rank.died", "job.relaunching"]

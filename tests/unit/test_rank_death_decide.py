@@ -12,7 +12,7 @@ from test_decide import P, Sim
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator.contract import HandToSlurm, Relaunch
 from torchpass.coordinator.decide_rank_death import gpu_fault
-from torchpass.coordinator.model import NodeHealth, SnapshotPoint
+from torchpass.coordinator.model import CoordState, NodeHealth, SnapshotPoint
 from torchpass.coordinator.relaunch_phases import RelaunchKind, RelaunchPhase
 from torchpass.health import State
 
@@ -169,3 +169,27 @@ def test_the_drain_reason_limit_is_tpassds():
     long = "torchpass: " + "x" * 300
     assert len(drain_reason(long)) == TPASSD_MAX and drain_reason(long).endswith("...")
     assert drain_reason("torchpass: short") == "torchpass: short"
+
+
+def test_a_torchrun_task_whose_worker_died_is_matched_by_its_task_and_relaunched_from_the_checkpoint():
+    """Under torchrun the Slurm task is the agent, its workers the ranks: the wrapper reports its task
+    (task 1 on node2 holds ranks 2 and 3), which is no rank number of that node."""
+    sim = Sim(per_node=1)
+    sim.state = CoordState(job_id=7)
+    for rank in range(6):
+        sim.feed(mc.RankRegistered(rank, f"node{rank // 2 + 1}", 6, task=rank // 2))
+    for n in ("node1", "node2", "node3", "node4"):
+        sim.feed(mc.NodeHealthChanged(n, State.HEALTHY))
+    sim.feed(mc.SpareAdded("node4"), *[mc.RankProgress(r, 100, 10) for r in range(6)],
+             mc.CheckpointCompleted(5, "/ckpt/5"))
+    sim.tick(0.1)
+    sim.tick(0.1, mc.RankExited(2, "node2", "exit code 1"))  # task 2 runs on node3: not this node's
+    assert sim.state.deaths == () and mc.death_verdict(sim.state, 2, "node2") == "exit"
+    d = sim.tick(0.2, mc.NodeHealthChanged("node2", State.FAILED, (XID79, LOST)),
+                 mc.RankExited(1, "node2", "exit code 1", 0))
+    (rl,) = sim.of(d, Relaunch)
+    assert rl.replaced == (("node2", "node4"),) and rl.snapshot == "" and rl.checkpoint_step == 5
+    assert mc.death_verdict(sim.state, 1, "node2") == "hold"
+    (died,) = sim.events("rank.died")
+    assert died.data["cause"] == "hardware" and died.message.startswith("task 1 (ranks 2, 3) on node2 exit code 1")
+    assert died.data["faults"]["node2"].startswith("GPU failed under ranks 2, 3 (gpu0: Xid 79")

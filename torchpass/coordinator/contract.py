@@ -183,6 +183,9 @@ class Relaunch:
     # Nodes whose steps the relaunch ends and starts again besides the replaced ones: where a
     # rank died (a relaunch on the same nodes replaces none).
     ended_on: tuple[str, ...] = ()
+    # What ended the step (RelaunchKind's value): "lost_node", or "rank_died" on a live node; the
+    # verdict carries it, and srun's exit hook says it.
+    cause: str = "lost_node"
 
 
 @dataclass(frozen=True)

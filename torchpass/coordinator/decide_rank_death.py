@@ -79,8 +79,21 @@ def _first_fault(fault: str) -> str:
     return fault.split("; ")[0].split(" within the last ")[0]
 
 
-def _deaths_text(deaths: tuple[RankDeath, ...]) -> str:
-    return ", ".join(f"rank {d.rank} on {d.node} {d.how}" for d in sorted(deaths, key=lambda d: (d.at, d.rank)))
+def _ranks_of(st: CoordState, d: RankDeath) -> list[int]:
+    """The ranks that ``d``'s task held: the rank itself under a plain srun, the workers under
+    torchrun (the wrapper reports its task, which is torchrun's agent)."""
+    return sorted(r for r, rv in st.ranks.items() if st.task_of(r) == d.rank and rv.node == d.node) or [d.rank]
+
+
+def _who(st: CoordState, d: RankDeath) -> str:
+    ranks = _ranks_of(st, d)
+    if ranks == [d.rank]:
+        return f"rank {d.rank}"
+    return f"task {d.rank} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+
+
+def _deaths_text(st: CoordState) -> str:
+    return ", ".join(f"{_who(st, d)} on {d.node} {d.how}" for d in sorted(st.deaths, key=lambda d: (d.at, d.rank)))
 
 
 def _release(out: _Out, st: CoordState, why: str, fault_nodes: dict[str, str]) -> CoordState:
@@ -88,7 +101,7 @@ def _release(out: _Out, st: CoordState, why: str, fault_nodes: dict[str, str]) -
     for node, fault in sorted(fault_nodes.items()):
         out.add(HandToSlurm(node, drain_reason(f"torchpass: {node} {fault}; the job was not relaunched"),
                             drain_live=True))
-    out.event("job.not_relaunched", f"{_deaths_text(st.deaths)}: {why}; {AS_WITHOUT_TORCHPASS}",
+    out.event("job.not_relaunched", f"{_deaths_text(st)}: {why}; {AS_WITHOUT_TORCHPASS}",
               deaths=[{"rank": d.rank, "node": d.node, "how": d.how} for d in st.deaths], why=why,
               faults=fault_nodes)
     # A faulted node is handed over: no migration of it starts (its ranks are gone).
@@ -114,7 +127,7 @@ def _end_migration(out: _Out, st: CoordState, now: float, policy: CoordinatorPol
         out.add(ResumeInPlace(m.id, m.generation, in_place_master(st), f"{m.id}: a rank died"))
         st = replace(st, generation=max(st.generation, m.generation))
     return _finish(out, st, m, now, Result.SOURCE_LOST, policy,
-                   f"{m.id}: ended: {_deaths_text(st.deaths)} (on {', '.join(sorted(nodes))}); nothing to dump",
+                   f"{m.id}: ended: {_deaths_text(st)} (on {', '.join(sorted(nodes))}); nothing to dump",
                    "migration.rank_died")
 
 
@@ -129,7 +142,7 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
     for d in st.deaths:
         fault = gpu_fault(st.node_health(d.node), d.at, window)
         if fault and d.node not in faults:
-            ranks = sorted(x.rank for x in st.deaths if x.node == d.node)
+            ranks = sorted(r for x in st.deaths if x.node == d.node for r in _ranks_of(st, x))
             faults[d.node] = f"GPU failed under rank{'s' if len(ranks) > 1 else ''} " \
                              f"{', '.join(map(str, ranks))} ({_first_fault(fault)})"
     first = min(d.at for d in st.deaths)
@@ -141,7 +154,7 @@ def handle_deaths(out: _Out, st: CoordState, now: float, policy: CoordinatorPoli
     if ended is None:
         return st
     st = ended
-    deaths = _deaths_text(st.deaths)
+    deaths = _deaths_text(st)
     if faults:
         lost = sorted(faults)
         plan = _relaunch_plan(st, lost, policy)

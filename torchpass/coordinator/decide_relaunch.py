@@ -236,7 +236,8 @@ def _relaunch(out: _Out, st: CoordState, now: float, plan: tuple[tuple[str, str]
                   f"relaunching the job's training step with spare {spare} in its place, {lost_how}", node=node,
                   spare=spare, ranks=list(nodes[node]), relaunch=count, **point)
     ended_on = tuple(n for n in cause.ended_on if n not in dict(plan))  # the first death's node first
-    out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else "", ended_on=ended_on))
+    out.add(Relaunch(count, plan, step, snapshot=snap.id if snap is not None else "", ended_on=ended_on,
+                     cause=cause.kind.value))
     after = f" after {cause.deaths}" if cause.deaths else ""
     out.event("job.relaunching", f"relaunch {count}{after}: the training step starts again on the surviving nodes "
               f"with {moved}; {going}: steps {step}..{last} ({recompute}) are computed again", relaunch=count,

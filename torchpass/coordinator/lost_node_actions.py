@@ -29,6 +29,7 @@ log = structlog.get_logger("torchpass.coordinator.executor")
 REQUEUE_RECORD_WAIT_S = 5.0
 # check_silent: slurmctld is asked about job nodes whose tpassd fell silent at most this often.
 SILENT_CHECK_S = 2.0
+RETRY_PREPARE_TIMEOUT_S = 15.0  # a second tpassd.restore prepare, for the nodes that did not answer the first
 
 
 def slurm_lost(job: JobInfo | None, node: NodeInfo | None) -> str:
@@ -93,8 +94,8 @@ class LostNodeActions:
         # The relaunch verdict: written by the serve thread (RelaunchPossible) and by a Relaunch's
         # worker, under this lock; the steps the newest relaunch ended stay in every later write.
         self._verdict_lock = threading.Lock()
-        # (count, steps, snapshot) of the newest relaunch published
-        self._verdict_steps: tuple[int, list[str] | None, str] = (0, None, "")
+        # (count, steps, snapshot, cause, spares) of the newest relaunch published
+        self._verdict_steps: tuple[int, list[str] | None, str, str, str] = (0, None, "", "", "")
         # A verdict left by an earlier run of the job (requeued) would hide this run's relaunches
         # from its sruns (they compare counts): this run's sruns start after its coordinator.
         layout.relaunch_file(ports.state_dir, ports.job_id).unlink(missing_ok=True)
@@ -180,20 +181,24 @@ class LostNodeActions:
                                            "handling is what remains")
 
     def write_verdict(self, pending: bool, node: str,
-                        relaunch: tuple[int, list[str] | None, str] | None = None) -> None:
+                        relaunch: tuple[int, list[str] | None, str, str, str] | None = None) -> None:
         """The verdict: with ``relaunch`` (count, the steps it ended (None: not known), the
-        snapshot its tasks restore from ("": none, the script starts again)) a relaunch whose
-        host file is written; without, the newest relaunch's again, pending or not (a pending
-        flag never publishes a relaunch before its worker wrote the host file)."""
+        snapshot its tasks restore from ("": none, the script starts again), its cause
+        ("lost_node" or "rank_died") and the spares in the replaced nodes' places, comma-separated
+        ("": the same nodes)) a relaunch whose host file is written; without, the newest
+        relaunch's again, pending or not (a pending flag never publishes a relaunch before its
+        worker wrote the host file)."""
         with self._verdict_lock:
             if relaunch is not None:
                 self._verdict_steps = relaunch
-            count, steps, snapshot = self._verdict_steps
+            count, steps, snapshot, cause, spares = self._verdict_steps
             text = f"count={count}\npending={int(pending)}\nnode={node}\n"
             if steps is not None:  # without it srun's exit hook relaunches any srun that ends
                 text += f"steps={','.join(s.split('.', 1)[1] for s in steps)}\n"
             if snapshot:  # srun's exit hook sets TORCHPASS_RESTORE_SNAPSHOT for the relaunched step
                 text += f"snapshot={snapshot}\n"
+            if cause:  # what srun's exit hook says happened: a node lost, or a rank dead on a live one
+                text += f"cause={cause}\nspares={spares}\n"
             write_atomically(layout.relaunch_file(self.ports.state_dir, self.ports.job_id), text)
 
     def relaunch(self, a: ct.Relaunch, st: CoordState) -> None:
@@ -223,11 +228,21 @@ class LostNodeActions:
                 # srun start again: without one its tasks fail rather than restore.
                 failed = self.restore_steps.prepare_all(set(hosts), "snapshot", snapshot=a.snapshot)
                 if failed:
+                    # Once more, given longer: a node's tpassd shares its cores with the job's ranks
+                    # and wrappers, which all wake at the step's end. Without a token the node's tasks
+                    # fail to restore and the job hangs (seen once on the loaded 2-core devcluster: the
+                    # batch host's two tasks found no token, the other nodes' restored; still running
+                    # 180 s later).
+                    log.warning("the relaunch from the snapshot is not set up on every node yet; asking those "
+                                "again", snapshot=a.snapshot, failed=failed)
+                    failed = self.restore_steps.prepare_all(set(failed), "snapshot", snapshot=a.snapshot,
+                                                            timeout_s=RETRY_PREPARE_TIMEOUT_S)
+                if failed:
                     log.warning("the relaunch from the snapshot is not set up on every node; the step's tasks "
                                 "there fail", snapshot=a.snapshot, failed=failed)
             # The node srun's exit hook names: the lost or faulted ones, else where the first rank died.
             self.write_verdict(False, ",".join(swap) or (a.ended_on[0] if a.ended_on else ""),
-                               (a.count, ended, a.snapshot))
+                               (a.count, ended, a.snapshot, a.cause, ",".join(swap.values())))
             for step in ended or ():
                 try:
                     self.ports.slurm.cancel_step(step)

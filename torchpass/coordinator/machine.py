@@ -356,13 +356,17 @@ def _on_checkpoint_loaded(st: CoordState, ev: CheckpointLoaded, now: float, owne
 
 
 def _on_rank_exited(st: CoordState, ev: RankExited, now: float, owned: Owned) -> CoordState:
-    """A rank's death joins the ones to decide: once per (rank, node), and only for a rank this
+    """A rank's death joins the ones to decide: once per (rank, node), and only for a task this
     state knows on that node (a wrapper of a step relaunched since reports a rank the new step
-    runs elsewhere, or none yet while the relaunch is in flight)."""
+    runs elsewhere, or none yet while the relaunch is in flight).
+
+    The wrapper reports its task (the key of its rank record: the rank under a plain srun, the
+    Slurm task under torchrun, whose agent is the task and whose workers are the ranks): it is
+    matched with the registered ranks' ``task``, which a plain srun's ranks register as their rank."""
     if (ev.rank, ev.node) in st.deaths_released or any(d.rank == ev.rank and d.node == ev.node for d in st.deaths):
         return st
-    rv = st.ranks.get(ev.rank)
-    if rv is None or rv.node != ev.node or st.relaunch is not None:
+    if st.relaunch is not None or not any(st.task_of(r) == ev.rank and rv.node == ev.node
+                                          for r, rv in st.ranks.items()):
         return st
     return replace(st, deaths=st.deaths + (RankDeath(ev.rank, ev.node, ev.how, now, ev.gpu),))
 

@@ -9,6 +9,13 @@ whose ``SLURM_LOCALID`` is the GPU's index, one GPU per local rank as
 task wrappers recorded (``STATE_DIR/jobs/J/ranks/jobJ/rankR.json``: ``node``,
 ``rank_pid``), and each pid is checked against the node's network namespace
 and its environment: never by process name.
+
+Under ``srun torchrun`` the task is torchrun's agent and its workers are the
+ranks: worker ``LOCAL_RANK`` N uses GPU N (torchrun's one GPU per worker), so
+the processes killed are the task's workers of that ``LOCAL_RANK`` (their
+environment: torchrun's ``TORCHELASTIC_RUN_ID``, the wrapper's
+``TORCHPASS_TASK`` and the job's id), and the agent is left to see its worker
+die, as it would on the hardware.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchpass import layout
+from torchpass import envnames, layout
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,27 @@ def ranks_on_gpu(state_dir: Path, node: str, gpu: int, node_pids: Iterable[int],
             pid = rec.get("rank_pid") or rec.get("pid")
             if rec.get("node") != node or not isinstance(pid, int) or pid not in pids:
                 continue
-            if environ(pid).get("SLURM_LOCALID") != str(gpu):
-                continue
-            found.append(GpuRank(jobs.name, str(rec.get("rank", "")), pid))
+            task = str(rec.get("rank", ""))
+            workers = _torchrun_workers(jobs.name, task, pids, environ)
+            if workers:
+                found.extend(GpuRank(jobs.name, env.get("RANK", ""), p) for p, env in workers
+                             if env.get("LOCAL_RANK") == str(gpu))
+            elif environ(pid).get("SLURM_LOCALID") == str(gpu):
+                found.append(GpuRank(jobs.name, task, pid))
     return found
+
+
+def _torchrun_workers(job: str, task: str, pids: set[int], environ: Callable[[int], dict[str, str]]
+                      ) -> list[tuple[int, dict[str, str]]]:
+    """The torchrun workers of ``task`` of ``job`` among ``pids`` (pid, environment), in pid order;
+    none for a task that is not torchrun's agent."""
+    out = []
+    for p in sorted(pids):
+        env = environ(p)
+        if "TORCHELASTIC_RUN_ID" in env and env.get(envnames.TASK) == task and env.get("SLURM_JOB_ID") == job \
+                and "LOCAL_RANK" in env:
+            out.append((p, env))
+    return out
 
 
 __all__ = ["GpuRank", "ranks_on_gpu"]
