@@ -71,6 +71,9 @@ class TpassdConfig:
     # Remove STATE_DIR/jobs/J of a job Slurm no longer lists this many hours after it ended (at the
     # sweep); 0 = kept (then remove them yourself).
     job_dir_retention_h: float = 168.0
+    # Where this tpassd appends its node's health changes for the fleet history (docs/fleet.md):
+    # a root-only directory every node shares; "" = STATE_DIR/fleet/spool. "-" = none.
+    fleet_spool: str = ""
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -110,6 +113,8 @@ class TpassdConfig:
                 raise ConfigError(f"rails: {rail!r} is not an interface name or ib:DEVICE/PORT")
         if len(set(self.rails)) != len(self.rails):
             raise ConfigError(f"rails lists a rail twice: {list(self.rails)}")
+        if self.fleet_spool not in ("", "-") and not Path(self.fleet_spool).is_absolute():
+            raise ConfigError(f"fleet_spool must be an absolute path, \"\" or \"-\", got {self.fleet_spool!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -467,6 +467,8 @@ class Devcluster:
             h = cpu_quota.find_hierarchy(cgroup_root)
             group = cpu_quota.slow(h, self.spec.name, node, pids, cpu_pct)
             lifter = cpu_quota.lift_later(h, group, for_s) if for_s and cpu_pct < 100 else None
+            if cpu_pct < 100:  # steps started later (an idle node audited) are slow too
+                cpu_quota.keep_slowing(h, group, self.spec.netns(i), daemons)
         log.warning("devcluster node slowed", name=self.spec.name, node=node, cpu_pct=cpu_pct, for_s=for_s,
                     processes=len(pids))
         return {"cpu_pct": min(cpu_pct, 100), "processes": len(pids), "cgroup": str(group),
@@ -828,7 +830,9 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         node_dir.mkdir(parents=True, exist_ok=True)
         argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
                           restore_tokens=self.restore_tokens,
-                          snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces)
+                          snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces,
+                          # one spool every node shares, as a site's shared state_dir would give
+                          fleet_spool=self.state_dir / "fleet" / "spool")
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(
