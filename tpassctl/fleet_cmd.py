@@ -173,8 +173,8 @@ def report_cmd(obj, store_path, since, plot_path, as_json):
             ingest(store, obj.state_dir, time.time())
     else:
         try:
-            store = SqliteStore(store_path)
-        except (OSError, sqlite3.Error) as exc:  # an unreadable file, the usual one
+            store = SqliteStore(store_path, readonly=True)
+        except (OSError, sqlite3.Error, R.FleetError) as exc:  # an unreadable file, the usual one
             raise CliError(f"cannot read the fleet history {store_path} ({exc}); with PrivateData=jobs it is "
                            "root's (ask an admin)", "refused") from None
     private, admins = job_privacy()

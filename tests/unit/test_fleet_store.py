@@ -73,3 +73,20 @@ def test_spool_lines_parse_and_count_what_they_refuse():
     good = R.encode(R.record("audit.node", "n1", 5.0, outlier=True))
     recs, bad = R.parse_lines(good + b'{"schema":1}\n' + b"half a li")
     assert [r["node"] for r in recs] == ["n1"] and bad == 2
+
+
+def test_a_reader_opens_read_only_and_an_old_file_sends_it_to_the_writer(tmp_path):
+    path = tmp_path / "fleet.sqlite"
+    store = SqliteStore(path)
+    store.append([R.record("audit.node", "n1", 5.0, outlier=True)])
+    store.close()
+    reader = SqliteStore(path, readonly=True)
+    assert [r["node"] for r in reader.records()] == ["n1"]
+    with pytest.raises(sqlite3.OperationalError):
+        reader.append([R.record("audit.node", "n2", 6.0, outlier=True)])
+    old = tmp_path / "old.sqlite"
+    db = sqlite3.connect(old)
+    db.executescript(V1_SQL.read_text())
+    db.close()
+    with pytest.raises(R.FleetError, match="fleet ingest"):
+        SqliteStore(old, readonly=True)

@@ -78,8 +78,16 @@ class SqliteStore:
     """The history in one SQLite file, written by one process at a time (the caller holds
     ``writer_lock``). Made 0600: the records name jobs and users (docs/fleet.md, "Who sees what")."""
 
-    def __init__(self, path: str | os.PathLike, mode: int = 0o600):
+    def __init__(self, path: str | os.PathLike, mode: int = 0o600, readonly: bool = False):
         self.path = Path(path)
+        if readonly:  # a reader that is not the writer: no migration, no lock taken
+            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+            row = self.db.execute("SELECT version FROM schema_version").fetchone()
+            self.version = row[0] if row else 0
+            if self.version != SCHEMA_VERSION:
+                raise FleetError(f"{self.path} has fleet schema {self.version}, this torchpass reads "
+                                 f"{SCHEMA_VERSION}; root's next 'tpassctl fleet ingest' upgrades it")
+            return
         fresh = not self.path.exists()
         if fresh:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
