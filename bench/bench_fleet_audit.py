@@ -45,14 +45,19 @@ def tpassctl(c: Devcluster, *args: str, timeout: float = 600) -> subprocess.Comp
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **c.env()})
 
 
+def check(p: subprocess.CompletedProcess) -> None:
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(p.args[:4])}: {p.stderr.strip()[-300:]}")
+
+
 def one(c: Devcluster, case: str, rng: random.Random) -> dict:
     node = rng.choice(list(c.node_names))
     rail = rng.randrange(2)
     if case == "slow":
-        tpassctl(c, "devcluster", "slow", node, "--cpu", "5")
+        check(tpassctl(c, "devcluster", "slow", node, "--cpu", "5"))
         expected = {"nodes": [node], "links": []}
     elif case == "link":
-        tpassctl(c, "devcluster", "link", node, "--rail", str(rail), "rate=100")
+        check(tpassctl(c, "devcluster", "link", node, "--rail", str(rail), "rate=100"))
         expected = {"nodes": [], "links": [[node, f"rail{rail}"]]}
     else:
         expected = {"nodes": [], "links": []}
@@ -73,7 +78,8 @@ def one(c: Devcluster, case: str, rng: random.Random) -> dict:
     log(f"{case}: {'exact' if ok else 'WRONG'} in {took:.1f} s; expected {expected}, named {named}")
     return {"case": case, "expected": expected, "named": named, "exact": ok, "seconds": round(took, 1),
             "audit_seconds": res.get("seconds"), "compute": {n: r.get("seconds") for n, r in
-                                                             res.get("compute", {}).items()}}
+                                                             res.get("compute", {}).items()},
+            "links": res.get("links")}
 
 
 def main() -> int:

@@ -66,3 +66,9 @@ def test_a_compute_outlier_takes_its_link_outliers_with_it():
 def test_a_failed_check_is_always_named():
     v = O.judge({"node1": 1.0, "node2": 1.0, "node3": 1.0}, {}, failed={"node2": "checksum 5 != 7"})
     assert list(v.nodes) == ["node2"] and "checksum" in v.nodes["node2"][0].measure
+
+
+def test_a_hundredfold_slower_rail_stands_out_though_one_healthy_node_is_three_times_slower_than_the_rest():
+    # best pairs of 4 nodes on a rail: one limited to 0.1 Gbit/s, one healthy at 3 beside two at 10
+    found = O.outliers({"n1": 1e8, "n2": 3e9, "n3": 1e10, "n4": 1.02e10}, "bandwidth_bps")
+    assert [o.key for o in found] == ["n1"]

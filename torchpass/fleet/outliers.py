@@ -1,7 +1,11 @@
 """Which node, or which node's link on which rail, stands out from the fleet: pure, no clock.
 
 Robust statistics (Iglewicz and Hoaglin): the modified z-score of a value x among values X is
-0.6745 * (x - median(X)) / MAD(X), MAD the median absolute deviation. A value is an outlier when
+0.6745 * (x - median(X)) / MAD(X), MAD the median absolute deviation, here of the logarithms of
+positive values: times and bandwidths vary by ratios. On linear values, one healthy node whose
+best pair ran at 3-5 Gbit/s beside others at 10 widened the MAD of 4 nodes so much that a rail
+limited to 0.1 Gbit/s scored under 3.5 (2 of 5 bench runs missed it); in logarithms a
+hundredfold fault stays far out. A value is an outlier when
 its score passes ``z_threshold`` (3.5) in the bad direction AND it is at least ``min_rel``
 away from the median, relative to it: four nodes within 2 % of each other have a MAD so small
 that noise alone scores far above 3.5, and on a shared machine timings move by tens of percent.
@@ -67,19 +71,24 @@ def _finite(x: float, digits: int) -> float | None:
 
 
 def modified_z(values: Mapping[str, float], better: Better) -> dict[str, tuple[float, float, float]]:
-    """Per key: (modified z-score, positive = worse; relative deviation, positive = worse; median)."""
+    """Per key: (modified z-score, positive = worse, of the logarithms when every value is positive;
+    relative deviation from the median, positive = worse; the median)."""
     if not values:
         return {}
     med = median(values.values())
-    mad = median(abs(v - med) for v in values.values())
+    positive = all(v > 0 for v in values.values())
+    scaled = {k: math.log(v) if positive else v for k, v in values.items()}
+    smed = median(scaled.values())
+    mad = median(abs(v - smed) for v in scaled.values())
     sign = 1.0 if better is Better.LOWER else -1.0
     out = {}
     for k, v in values.items():
-        dev = sign * (v - med)
+        sdev = sign * (scaled[k] - smed)
         if mad > 0:
-            z = MAD_SCALE * dev / mad
+            z = MAD_SCALE * sdev / mad
         else:
-            z = float("inf") if dev > 0 else 0.0
+            z = float("inf") if sdev > 0 else 0.0
+        dev = sign * (v - med)
         rel = dev / abs(med) if med else (float("inf") if dev > 0 else 0.0)
         out[k] = (z, rel, med)
     return out
