@@ -6,6 +6,9 @@ printed, TORCHPASS_TEST_SEED replays). ``tpassctl fleet audit --drain`` (root, r
 srun steps in a maintenance reservation, gloo pairs per rail) must name node3 and that
 (node, rail), nothing else, and drain exactly those two with ``torchpass-audit: ...``.
 
+With both faults lifted, a second audit takes the two drained nodes through a maintenance
+reservation, names nothing, and leaves them drained with their reasons.
+
 Then the history: the real tpassds append their nodes' state changes (``inject`` xid79 on node3:
 failed; row-remap-pending on node2: degraded) to the shared spool, the audit appended its
 results, and a real coordinator's event log (tests/unit/golden/migration_events.json, recorded
@@ -77,7 +80,8 @@ def test_the_audit_names_the_slow_node_and_the_limited_rail_then_the_report_rank
     assert out.returncode == 1, out.stderr[-3000:]
     res = json.loads(out.stdout)
     print(f"seed={SEED}: audit took {took:.1f} s; verdict {json.dumps(res['verdict'])}")
-    assert list(res["verdict"]["nodes"]) == [SLOW], (SEED, res["verdict"], res["compute"])
+    compute = {n: r["all_seconds"] for n, r in res["compute"].items()}
+    assert list(res["verdict"]["nodes"]) == [SLOW], (SEED, compute, res["verdict"])
     assert [(x["node"], x["rail"]) for x in res["verdict"]["links"]] == [(link_node, f"rail{rail}")], (
         SEED, res["links"])
     assert "[1/4]" in out.stderr and "links:" in out.stderr  # progress, on stderr only
@@ -93,6 +97,21 @@ def test_the_audit_names_the_slow_node_and_the_limited_rail_then_the_report_rank
     rsv = subprocess.run(["scontrol", "show", "reservation"], capture_output=True, text=True,
                          env={**os.environ, **c.env()})
     assert "torchpass-audit" not in rsv.stdout
+
+    # repaired: the drained nodes are audited through a maintenance reservation and stay drained
+    assert tpassctl(c, "devcluster", "slow", SLOW, "--cpu", "clear").returncode == 0
+    assert tpassctl(c, "devcluster", "link", link_node, "--rail", str(rail), "clear").returncode == 0
+    again = tpassctl(c, "fleet", "audit", "--json", timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    res2 = json.loads(again.stdout)
+    assert sorted(res2["nodes"]) == sorted(c.node_names) and res2["verdict"] == {"nodes": {}, "links": []}, res2
+    assert "reservation torchpass-audit-" in again.stderr
+    after = dict(line.split("|", 1) for line in subprocess.run(
+        ["sinfo", "-R", "-h", "-o", "%N|%E"], capture_output=True, text=True, env={**os.environ, **c.env()},
+        check=True).stdout.splitlines())
+    assert after == reasons  # drained again with their own reasons: only an admin returns them
+    assert "torchpass-audit" not in subprocess.run(["scontrol", "show", "reservation"], capture_output=True,
+                                                   text=True, env={**os.environ, **c.env()}).stdout
 
     # --- the history: real tpassd health changes, the audit's records, a real coordinator's log ---
     assert tpassctl(c, "inject", "--node", SLOW, "--fault", "xid79").returncode == 0
