@@ -89,7 +89,8 @@ def install(py: str) -> str:
     venv = Path(tempfile.gettempdir()) / "torchpass-gpu-check-venv"
     if not (venv / "bin" / "python").exists():
         subprocess.run([py, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=left(60))
-    needed = ["pyzmq", "structlog", "blake3", "click", "psutil", "numpy", "nvidia-ml-py"]
+    needed = ["pyzmq", "structlog", "blake3", "click", "psutil", "numpy", "nvidia-ml-py",
+              "prometheus_client"]
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
                     str(BUNDLE / "wheels"), *needed], check=True, timeout=left(120))
     return str(venv / "bin" / "python")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the system packages torchpass's devcluster and CI need on a Debian 12 or 13 host:
 # munge, Slurm 24.11 (slurmd, slurmctld, client, headers), CRIU >= 4.0,
-# iproute2, gcc, make, systemd-analyze and python3-venv (the job Python, see
+# iproute2, gcc, make, systemd-analyze, promtool (the tests check tpassd's /metrics and the alert
+# rules with it) and python3-venv (the job Python, see
 # torchpass/devcluster/jobpython.py, is a venv made from /usr/bin/python3). Idempotent: does nothing when all are present.
 #
 # It is for a development or CI machine that runs the devcluster, never a cluster node: a
@@ -12,8 +13,9 @@
 # without trixie's base: libc6 and what follows it (base-files, systemd, gcc, ...), which moves
 # the machine to Debian 13 in effect. So on Debian 12 the script first prints, in one line, what
 # trixie would upgrade (read from `apt-get -s`), and goes on only with
-# TORCHPASS_ALLOW_TRIXIE_BASE=1 (`make demo`, `make test` and CI set it). Only Slurm, CRIU and
-# nftables (trixie's CRIU brings trixie's libnftables1) are installed with `-t trixie`; the other packages come from the machine's own suite, and the
+# TORCHPASS_ALLOW_TRIXIE_BASE=1 (`make demo`, `make test` and CI set it). Only Slurm, CRIU,
+# nftables (trixie's CRIU brings trixie's libnftables1) and promtool (bookworm has it only inside
+# the prometheus server package) are installed with `-t trixie`; the other packages come from the machine's own suite, and the
 # trixie suite stays pinned at priority 100, so a later `apt-get upgrade` takes nothing from it.
 set -euo pipefail
 
@@ -33,7 +35,9 @@ esac
 packages=(munge iproute2 gcc make util-linux procps)
 # From trixie on Debian 12 (-t trixie), from the machine's own suite on 13.
 # nftables: the devcluster's loss= link drill; from trixie, as criu brings trixie's libnftables1.
-trixie_packages=(slurmd slurmctld slurm-client libslurm-dev criu nftables)
+# promtool: tests/unit/test_prometheus*.py; trixie's is its own package (bookworm ships it only
+# inside the prometheus server package).
+trixie_packages=(slurmd slurmctld slurm-client libslurm-dev criu nftables promtool)
 # The system Python's venv module (with ensurepip), from the machine's own suite.
 py_packages=(python3 python3-venv)
 
@@ -51,7 +55,7 @@ all_ok() {
   criu_ok && slurm_ok && command -v munged >/dev/null 2>&1 \
     && command -v ip >/dev/null 2>&1 && command -v nsenter >/dev/null 2>&1 \
     && command -v gcc >/dev/null 2>&1 && command -v make >/dev/null 2>&1 \
-    && command -v systemd-analyze >/dev/null 2>&1 && venv_ok
+    && command -v systemd-analyze >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && venv_ok
 }
 venv_ok() { /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1; }
 
@@ -131,5 +135,5 @@ venv_ok || apt-get install -y -qq --no-install-recommends "${py_packages[@]}" \
 
 criu_ok || die "criu >= 4.0 is required, found '$(criu --version 2>/dev/null | head -1)'; on Debian 12 it comes from trixie"
 slurm_ok || die "Slurm >= 24 with headers (libslurm-dev) is required, found '$(slurmd -V 2>/dev/null)'"
-all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make, systemd-analyze, python3 -m venv)"
+all_ok || die "a required tool is still missing after install (munged, ip, nsenter, gcc, make, systemd-analyze, promtool, python3 -m venv)"
 echo "install-system-deps: installed (slurm $(slurmd -V | awk '{print $2}'), criu $(criu --version | sed -n 's/^Version: *//p'))"

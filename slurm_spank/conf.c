@@ -159,6 +159,8 @@ static const struct conf_key conf_keys[] = {
 	  "snapshot_every_min_s" },
 	{ "restore_tokens", parse_abs_path, FIELD(restore_tokens), false, 0, 0,
 	  "[restore_tokens=PATH]", NULL, NULL },
+	{ "gpu_inventory", parse_abs_path, FIELD(gpu_inventory), false, 0, 0,
+	  "[gpu_inventory=PATH]", NULL, NULL },
 };
 
 #define NKEYS (sizeof(conf_keys) / sizeof(conf_keys[0]))

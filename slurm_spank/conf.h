@@ -41,6 +41,9 @@ struct tpass_conf {
 	unsigned snapshot_every_min_s;        /* snapshot_every's least: 1..604800 s, default 600 */
 	char restore_tokens[TPASS_PATH_MAXLEN]; /* absolute; default
 					       * TPASS_LAYOUT_RESTORE_TOKENS */
+	char gpu_inventory[TPASS_PATH_MAXLEN]; /* optional, absolute; "" = the
+						* node's GPUs from NVML (the
+						* restore agent's --gpu-inventory) */
 	const char *deprecated;     /* a deprecated key given (logged), or NULL */
 	const char *deprecated_for; /* ... and its name now */
 };
@@ -51,7 +54,7 @@ void tpass_conf_defaults(struct tpass_conf *conf);
  * Parse plugstack.conf arguments (argv[0..argc-1], each "key=value").
  * Known keys: coordinator, state_dir, runtime_path, policy, max_spares,
  * log_level, ready_timeout, stop_timeout, rank_wrapper, restore_agent,
- * snapshot_every_min_s, restore_tokens; snapshot_every_min is the deprecated
+ * snapshot_every_min_s, restore_tokens, gpu_inventory; snapshot_every_min is the deprecated
  * name of snapshot_every_min_s (conf->deprecated says so).
  * Unknown or
  * repeated keys, bad values and missing required keys are errors.  On error

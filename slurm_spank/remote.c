@@ -789,10 +789,18 @@ static void __attribute__((noreturn)) exec_agent(const char *job, const char *ra
 	} else {
 		snprintf(which, sizeof(which), "%s", tok->snapshot);
 	}
-	execle(tpass.conf.restore_agent, tpass.conf.restore_agent,
-	       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
-	       "--jobs-state-dir", tpass.conf.state_dir, flag, which,
-	       (char *)NULL, envp);
+	/* a node whose GPUs NVML does not describe (the devcluster's fake
+	 * GPUs) names their inventory in plugstack.conf */
+	if (tpass.conf.gpu_inventory[0])
+		execle(tpass.conf.restore_agent, tpass.conf.restore_agent,
+		       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
+		       "--jobs-state-dir", tpass.conf.state_dir, flag, which,
+		       "--gpu-inventory", tpass.conf.gpu_inventory, (char *)NULL, envp);
+	else
+		execle(tpass.conf.restore_agent, tpass.conf.restore_agent,
+		       "--job", job, "--rank", rank, "--task-pid", tpid, "--uid", uid,
+		       "--jobs-state-dir", tpass.conf.state_dir, flag, which,
+		       (char *)NULL, envp);
 	_exit(127);
 }
 

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from support import tiers
+from support import cluster_order, tiers
 
 # An illegal phase transition in the coordinator's core raises instead of rolling back
 # (torchpass/coordinator/phases.py). Set in the environment, so the coordinators that the
@@ -38,6 +38,33 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(tiers.TIMEOUT_S[tier]))
+    cluster_order.longest_modules_first(items)
+
+
+# Wall seconds per cluster module and per devcluster worker, summed from the test reports, for
+# cluster_order.MODULE_SECONDS and to see how evenly the two devclusters were loaded.
+_module_wall_s: dict[tuple[str, str], float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if "tests/integration/" not in report.nodeid:
+        return
+    node = getattr(report, "node", None)
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    module = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    _module_wall_s[(worker, module)] = _module_wall_s.get((worker, module), 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _module_wall_s:
+        return
+    terminalreporter.write_sep("-", "cluster modules by wall time")
+    for (worker, module), seconds in sorted(_module_wall_s.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s {worker} {module}")
+    per_worker: dict[str, float] = {}
+    for (worker, _module), seconds in _module_wall_s.items():
+        per_worker[worker] = per_worker.get(worker, 0.0) + seconds
+    terminalreporter.write_line("per worker: " + ", ".join(f"{w} {s:.0f}s" for w, s in sorted(per_worker.items())))
 
 
 @pytest.fixture(autouse=True)

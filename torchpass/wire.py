@@ -417,6 +417,30 @@ BODIES: dict[str, dict[str, F]] = {
         "reason": _f(str),
         "node": _f(str, required=False),
     },
+    # --- coordinator -> tpassd: account for the job in Slurm (tpassd/accounting.py) -----------
+    # After each migration, snapshot, reroute or relaunch. tpassd (root) rebuilds the job's
+    # "torchpass: ..." part from the job's events.json (read through safeio, counted, never copied
+    # as text: torchpass/accounting.py) and writes it into the job's accounting_field
+    # (AdminComment), keeping the other parts. Granted to root, SlurmUser and the job's owner, for
+    # a job slurmctld says runs on this node. Result: {"job_id", "field", "value", "changed"}.
+    "tpassd.account": {
+        "job_id": _f(int),
+    },
+    # --- coordinator -> its batch host's tpassd: the job's summary for Prometheus ------
+    # Every every_s seconds (torchpass/job_metrics.py, which also checks the nested objects,
+    # rejects unknown keys and caps the body at 4 KiB). Root or the job's owner (Slurm's word);
+    # tpassd keeps it in memory only and serves it on /metrics. Result: {"node", "jobs"}.
+    "tpassd.job_metrics": {
+        "job_id": _f(int),
+        "every_s": _f(float, int),
+        "ranks_registered": _f(int),
+        "ranks_expected": _f(int),
+        "oldest_report_age_s": _f(float, int),
+        "unprotected": _f(bool),
+        "migrations": _f(dict),  # outcome -> count
+        "snapshots": _f(dict),  # outcome -> count
+        "pauses": _f(dict),  # kind -> {"buckets": [cumulative counts], "count", "sum_s"}
+    },
 }
 
 # The coordinator -> rank commands (the "command" field of a reply's result["command"]), defined

@@ -10,7 +10,9 @@ import click
 
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import DEFAULT_BASE_DIR, DEFAULT_JOB_USERS
+from torchpass.devcluster.gpus import parse_gpus
 from torchpass.devcluster.rails import MAX_RAILS
+from torchpass.errors import DevclusterError
 
 name_option = click.option("--name", default="dev", show_default=True,
                            help="Cluster name (1-8 lowercase letters/digits).")
@@ -47,12 +49,22 @@ def devcluster():
 @click.option("--rails", type=click.IntRange(0, MAX_RAILS), default=0, show_default=True,
               help="Data rails per node (rail0, rail1, ...), each on its own bridge, beside the management "
                    "network (eth0: Slurm, munge, tpassd, coordinator, rendezvous) that drills never pull.")
-def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python, cgroups, rails):
+@click.option("--gpus", "gpu_counts", default=None, metavar="N|N,N,...",
+              help="Fake GPUs as Slurm GRES: N on every node, or one count per node (2,2,2,1). Each node gets "
+                   "its own char devices (a major no driver has), gres.conf File= lines and ConstrainDevices=yes; "
+                   "its tpassd's fake NVML reports the same GPUs. Implies --cgroups.")
+def up(name, base_dir, nodes, subnet, no_tpassd, users, job_python, cgroups, rails, gpu_counts):
     """Bring the cluster up (replacing any leftover of the same name)."""
+    try:
+        counts = parse_gpus(gpu_counts, nodes) if gpu_counts is not None else ()
+    except DevclusterError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    cgroups = cgroups or any(counts)
     c = Devcluster.up(DevclusterSpec(name=name, nodes=nodes, subnet=subnet, base_dir=base_dir, tpassd=not no_tpassd,
                                      job_users=tuple(users) or DEFAULT_JOB_USERS, job_python=job_python,
-                                     cgroups=cgroups, rails=rails))
+                                     cgroups=cgroups, rails=rails, gpus=counts))
     mode = " (Slurm cgroup plugins)" if cgroups else ""
+    mode += f" with fake GPUs {','.join(map(str, counts))} (GRES, ConstrainDevices)" if any(counts) else ""
     mode += f" with {rails} data rail(s): {', '.join(c.spec.rail_interfaces)}" if rails else ""
     click.echo(f"devcluster {name!r} up{mode}: {', '.join(c.node_names)} on {subnet}.0/24")
     click.echo(f"job users: {', '.join(c.job_users)}; job Python: {c.job_python}")

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from torchpass import envnames
+from torchpass.checkpoint import gpu_map
 from torchpass.checkpoint.service import CheckpointService
 from tpassd.control import USER
 
@@ -27,6 +28,14 @@ def job_state_dir(cfg, environ=os.environ):
     return environ.get(envnames.STATE_DIR) or cfg.state_dir
 
 
+def gpu_inventory_of(cfg) -> Callable[[], gpu_map.GpuInventory] | None:
+    """The node's GPUs for the dump: tpassd.toml's gpu_inventory file (the devcluster's fake GPUs),
+    else NVML where tpassd reads NVML (nvml_provider auto or nvml); None on a node without."""
+    if cfg.gpu_inventory is not None:
+        return gpu_map.inventory_loader(cfg.gpu_inventory)
+    return gpu_map.nvml_inventory if cfg.nvml_provider in ("auto", "nvml") else None
+
+
 def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None = None,
              kill_fault: Callable[[], bool] | None = None) -> CheckpointService:
     """Add tpassd.snapshot / tpassd.restore to tpassd's control server (authorization is per job)."""
@@ -34,9 +43,14 @@ def register(control, cfg, node: str, restore_fault: Callable[[], bool] | None =
                             criu_binary=cfg.criu_binary or None, restore_fault=restore_fault, kill_fault=kill_fault,
                             restore_tokens=cfg.restore_token_dir,
                             job_owner=control.job_owner)  # the owner the admission looked up (cached)
+    inventory = gpu_inventory_of(cfg)
+    if inventory is not None:
+        svc.settings.gpu_inventory = inventory
+        if cfg.gpu_inventory is not None:  # the CUDA path names the same GPUs
+            svc.settings.gpu_uuids_by_minor = lambda: inventory().uuids
     control.register("tpassd.snapshot", svc.snapshot, USER)
     control.register("tpassd.restore", svc.restore, USER)
     return svc
 
 
-__all__ = ["job_state_dir", "register"]
+__all__ = ["gpu_inventory_of", "job_state_dir", "register"]

@@ -6,18 +6,21 @@ read tpassd's ports from the same file and variables (torchpass/tpassd_ports.py)
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchpass import config as tconfig
 from torchpass import layout
+from torchpass.accounting import DEFAULT_FIELD, FIELDS
 from torchpass.errors import ConfigError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
 from torchpass.tpassd_ports import DEFAULT_TPASSD_CONFIG as DEFAULT_CONFIG  # noqa: F401 - tpassd/main.py imports it
 from torchpass.tpassd_ports import ENV_PREFIX, tpassd_config_path
 
 PROVIDERS = ("auto", "nvml", "fake", "none")
+_GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,13 @@ class TpassdConfig:
     collector_timeout_s: float = 0.5  # a collector slower than this is "unknown" for that tick
     nvml_provider: str = "auto"  # auto | nvml | fake | none (docs/tpassd.md)
     fake_gpus: int = 8
+    # The fake GPUs' UUIDs, GPU 0 first (the devcluster gives each node its own, as it names them
+    # in the node's GPU inventory); () = GPU-fake-NNNN-... by index.
+    fake_gpu_uuids: tuple[str, ...] = ()
     fake_nvlinks: int = 4
+    # The node's GPUs from this root-owned JSON file rather than NVML (the devcluster's fake GPUs,
+    # torchpass.checkpoint.gpu_map.file_inventory); None = NVML.
+    gpu_inventory: Path | None = None
     sysfs_root: Path = Path("/sys")
     ib_expected_ports: int = -1  # >= 0: fewer ports than this is a fault
     # The node's data rails: Ethernet interfaces ("eth1") and IB ports ("ib:mlx5_0/1"). A rail
@@ -74,6 +83,9 @@ class TpassdConfig:
     # Where this tpassd appends its node's health changes for the fleet history (docs/fleet.md):
     # a root-only directory every node shares; "" = STATE_DIR/fleet/spool. "-" = none.
     fleet_spool: str = ""
+    # The job field tpassd keeps torchpass' "torchpass: ..." part in (torchpass/accounting.py):
+    # AdminComment, Comment, or "" (off).
+    accounting_field: str = DEFAULT_FIELD
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -98,6 +110,8 @@ class TpassdConfig:
                 raise ConfigError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         if self.snapshot_max_age_h > 0 and self.sweep_interval_s == 0:
             raise ConfigError("snapshot_max_age_h needs the sweep (sweep_interval_s > 0): it removes expired snapshots")
+        if self.gpu_inventory is not None and not Path(self.gpu_inventory).is_absolute():
+            raise ConfigError(f"gpu_inventory must be an absolute path, got {str(self.gpu_inventory)!r}")
         if not Path(self.restore_token_dir).is_absolute():
             raise ConfigError(f"restore_token_dir must be an absolute path, got {str(self.restore_token_dir)!r}")
         if not 1 <= self.max_jobs_per_uid <= 1024:
@@ -108,6 +122,11 @@ class TpassdConfig:
             raise ConfigError(f"job_dir_retention_h must be >= 0 (0: kept), got {self.job_dir_retention_h}")
         if not 0 <= self.fake_gpus <= 64:
             raise ConfigError(f"fake_gpus must be 0..64, got {self.fake_gpus}")
+        if self.fake_gpu_uuids and len(self.fake_gpu_uuids) != self.fake_gpus:
+            raise ConfigError(f"fake_gpu_uuids names {len(self.fake_gpu_uuids)} GPUs, fake_gpus is {self.fake_gpus}")
+        for u in self.fake_gpu_uuids:
+            if not _GPU_UUID.fullmatch(u):
+                raise ConfigError(f"fake_gpu_uuids: {u!r} is not a GPU UUID (GPU- and 32 hex digits, 8-4-4-4-12)")
         for rail in self.rails:
             if not rail or "," in rail or (rail.startswith("ib:") and "/" not in rail):
                 raise ConfigError(f"rails: {rail!r} is not an interface name or ib:DEVICE/PORT")
@@ -115,6 +134,9 @@ class TpassdConfig:
             raise ConfigError(f"rails lists a rail twice: {list(self.rails)}")
         if self.fleet_spool not in ("", "-") and not Path(self.fleet_spool).is_absolute():
             raise ConfigError(f"fleet_spool must be an absolute path, \"\" or \"-\", got {self.fleet_spool!r}")
+        if self.accounting_field and self.accounting_field not in FIELDS:
+            raise ConfigError(f"accounting_field must be one of {', '.join(FIELDS)} or \"\" (off), "
+                              f"got {self.accounting_field!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -105,7 +105,8 @@ LOOKUP_THREADS = 2
 MIN_AGE_S = 1.0  # a connection is not closed for a newer one before it had this long to authenticate
 RECEIVE_BATCH = 32
 # The requests that name a job whose owner (or root, or for a drain SlurmUser) may ask.
-JOB_OWNED = frozenset({"tpassd.snapshot", "tpassd.restore", "tpassd.drain"})
+JOB_OWNED = frozenset({"tpassd.snapshot", "tpassd.restore", "tpassd.drain", "tpassd.account",
+                       "tpassd.job_metrics"})
 NODE_OWNERS = ("node",)  # the lookup key of the set of uids with a job running on this node
 
 # Frames queued per peer before ZeroMQ stops reading it (TCP then holds the rest). ZeroMQ's default,

@@ -17,7 +17,10 @@ Threads (each with a stop path; ``stop()`` joins them all):
               threads ask Slurm for job owners (cached), "tpassd-peers"
               caps the control socket's connections.
   metrics     the Prometheus HTTP endpoint (tpassd/metrics.py): one
-              thread for every connection, capped, each time-limited.
+              thread for every connection, capped, each time-limited;
+              it renders the last sample and the jobs' summaries that
+              their coordinators sent (``tpassd.job_metrics``,
+              tpassd/job_reports.py) from memory.
   sweep       at start and every ``sweep_interval_s``: removes the images and
               hold files of jobs Slurm no longer lists (tpassd/sweep.py).
 
@@ -53,8 +56,11 @@ from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import ConfigError, RemoteError, TorchpassError
 from torchpass.fleet import records as fleet_records
 from torchpass.health_state import State
+from torchpass.job_metrics import ReportError
+from torchpass.job_metrics import parse as parse_job_report
 from torchpass.slurm import NodeInfo, SlurmClient
 from torchpass.slurm.conf import job_privacy
+from tpassd.accounting import JobAccounting
 from tpassd.checkpoint_handlers import job_state_dir
 from tpassd.checkpoint_handlers import register as register_checkpoint
 from tpassd.collectors.base import Collector, CollectorResult, run_collector
@@ -65,7 +71,9 @@ from tpassd.collectors.nvml import NvmlCollector
 from tpassd.config import TpassdConfig
 from tpassd.control import OWNER, USER, Authenticator, ControlServer, audit_refusal
 from tpassd.drills import Drills
-from tpassd.metrics import MetricsServer, render
+from tpassd.job_reports import JobReports
+from tpassd.metrics import MetricsServer, NodeView, registry
+from tpassd.metrics import render as render_metrics
 from tpassd.nvml_provider import select_provider
 from tpassd.policy import Policy, load_policy
 from tpassd.publisher import Publisher
@@ -191,6 +199,7 @@ class Tpassd:
         slurm_client: SlurmClient | None = None,
         admin_uids: Callable[[], frozenset[int]] = slurm_admin_uids,
         on_tick: Callable[[dict[str, Any]], None] | None = None,
+        jobs_private: Callable[[], bool] = lambda: job_privacy()[0],
     ):
         self.cfg = cfg
         self.node = cfg.node
@@ -200,7 +209,8 @@ class Tpassd:
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
         if provider == "from-config":
-            choice = select_provider(cfg.nvml_provider, fake_gpus=cfg.fake_gpus, fake_nvlinks=cfg.fake_nvlinks)
+            choice = select_provider(cfg.nvml_provider, fake_gpus=cfg.fake_gpus, fake_nvlinks=cfg.fake_nvlinks,
+                                     fake_uuids=cfg.fake_gpu_uuids)
             self.provider = choice.provider
             self.provider_note = choice.why
         else:
@@ -230,6 +240,8 @@ class Tpassd:
         self._admin_uids = admin_uids
         self._admins: frozenset[int] | None = None
         self._on_tick = on_tick
+        self._jobs_private = jobs_private
+        self.job_reports = JobReports()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()
@@ -241,6 +253,7 @@ class Tpassd:
         self.publisher: Publisher | None = None
         self.control: ControlServer | None = None
         self.checkpoint: Any = None  # the checkpoint service, registered by start()
+        self.accounting: JobAccounting | None = None  # tpassd.account, registered by start()
         self.metrics = None
         self.last_sample: dict[str, Any] | None = None
         self.ticks = 0
@@ -269,6 +282,10 @@ class Tpassd:
         self.control.register("tpassd.drill", self._h_drill, OWNER)
         # the job's owner (or root, SlurmUser) is checked before it is queued; the rest per request
         self.control.register("tpassd.drain", self._h_drain, USER, admin_ok=True)
+        # The job's "torchpass: ..." part of its AdminComment (tpassd/accounting.py): owner or admins.
+        self.accounting = JobAccounting(self.node, job_state_dir(cfg), cfg.accounting_field, self._slurm_client,
+                                        self._slurm_admin)
+        self.control.register("tpassd.account", self.accounting.handle, USER, admin_ok=True)
         # The checkpoint engine: snapshot / restore (root or the job's owner, checked per job).
         self.checkpoint = register_checkpoint(self.control, cfg, self.node,
                                               restore_fault=self.drills.take_restore_fault,
@@ -277,9 +294,14 @@ class Tpassd:
         self.checkpoint.snapshot_quota_bytes = int(cfg.snapshot_quota_gb * 1e9)
         self.checkpoint.snapshot_max_age_s = cfg.snapshot_max_age_h * 3600.0
         self.checkpoint_capability = probe_checkpoint(cfg.criu_binary or None)
+        # The coordinators' job summaries (root or the job's owner, as Slurm says; kept in memory).
+        self.control.register("tpassd.job_metrics", self._h_job_metrics, USER, deadline_s=5.0)
         if cfg.metrics_port >= 0:
+            # job_id tells every reader of the port which jobs run: left out where Slurm's
+            # PrivateData hides jobs (slurm.conf, read once at start; docs/tpassd.md, "Job metrics").
+            reg = registry(self._node_view, self.job_reports.current, job_labels=not self._jobs_private())
             self.metrics = MetricsServer(cfg.metrics_address or cfg.bind_address, cfg.metrics_port,
-                                         lambda: render(self.last_sample, self.counters(), dict(self.xid_counts)))
+                                         lambda: render_metrics(reg))
             self.metrics.start()
         for c in self.collectors:
             c.start(self._wake.set)
@@ -482,6 +504,20 @@ class Tpassd:
         driver = next((c.driver_version for c in self.collectors if getattr(c, "driver_version", None)), None)
         return {**self.publisher.snapshot(), "checkpoint": self.checkpoint_capability,
                 **({"gpu_driver": driver} if driver else {})}  # the node's NVIDIA driver (NVML), when it has GPUs
+
+    def _node_view(self) -> NodeView:
+        driver = next((c.driver_version for c in self.collectors if getattr(c, "driver_version", None)), None)
+        return NodeView(self.last_sample, self.counters(), dict(self.xid_counts),
+                        {"node": self.node, "gpu_driver": driver or ""})
+
+    def _h_job_metrics(self, msg: wire.Message, ident: Any) -> dict[str, Any]:
+        """Keep the job's summary for /metrics (the control server checked that the requester is
+        root or the job's owner before queueing it)."""
+        try:
+            report = parse_job_report(msg.body)
+        except ReportError as exc:
+            raise RemoteError("bad_request", f"tpassd.job_metrics: {exc}") from None
+        return {"node": self.node, "jobs": self.job_reports.put(report)}
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = {"control": dict(self.control.counters) if self.control else {}}

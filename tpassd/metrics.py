@@ -1,7 +1,14 @@
-"""Prometheus text exposition of tpassd's last sample (node_exporter-style
-names: ``tpassd_<subsystem>_<name>_<unit>``, ``_total`` for counters, one
-HELP and TYPE line per family). Served over HTTP by one thread (``MetricsServer``), with a cap
-on open connections and a time limit on each."""
+"""tpassd's /metrics: its last sample, its counters and the jobs' summaries, as Prometheus text
+(``prometheus_client``: one CollectorRegistry of tpassd's own collectors, never the library's
+global one, rendered by ``generate_latest()``), served by ``MetricsServer``: one thread for every
+connection, a cap on open connections and a time limit on each. Not ``start_http_server``: its
+thread per connection let 200 idle connections make 200 threads.
+
+Names follow Prometheus' conventions (docs/tpassd.md, "Metrics", has the table of the names
+before them): ``tpassd_<subsystem>_<name>_<base unit>``, ratios not percentages, ``_total`` for
+counters, the node's name in ``tpassd_node_info`` (joined on ``instance``) rather than a label of
+one family, and one 0/1 series per throttle reason rather than NVML's bit mask.
+"""
 
 from __future__ import annotations
 
@@ -9,153 +16,290 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
+from torchpass import __version__
 from torchpass.health_state import State
+from torchpass.job_metrics import (
+    MIGRATION_OUTCOMES,
+    PAUSE_BUCKETS_S,
+    PAUSE_KINDS,
+    SNAPSHOT_OUTCOMES,
+    JobReport,
+    Pauses,
+)
+from tpassd.collectors.ib_sysfs import COUNTERS as IB_COUNTERS
+from tpassd.nvml_provider import THROTTLE_REASONS
 
 log = structlog.get_logger("tpassd.metrics")
 
-# (metric key in the sample, family, type, help, extra labels)
-GPU_METRICS: list[tuple[str, str, str, str, dict[str, str]]] = [
-    ("ecc_sbe_volatile", "tpassd_gpu_ecc_errors", "gauge",
+G, C = "gauge", "counter"
+# (key in a GPU component's metrics, family, type, help, extra labels, scale). A counter's family
+# is named without ``_total``: prometheus_client adds it.
+GPU_METRICS: list[tuple[str, str, str, str, dict[str, str], float]] = [
+    ("ecc_sbe_volatile", "tpassd_gpu_ecc_errors", C,
      "ECC errors by type (sbe = corrected, dbe = uncorrected) and counter "
-     "(volatile = since driver load, aggregate = lifetime).",
-     {"type": "sbe", "counter": "volatile"}),
-    ("ecc_dbe_volatile", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "dbe", "counter": "volatile"}),
-    ("ecc_sbe_aggregate", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "sbe", "counter": "aggregate"}),
-    ("ecc_dbe_aggregate", "tpassd_gpu_ecc_errors", "gauge", "", {"type": "dbe", "counter": "aggregate"}),
-    ("retired_pages_sbe", "tpassd_gpu_retired_pages", "gauge", "Retired memory pages by cause.",
-     {"cause": "multiple_sbe"}),
-    ("retired_pages_dbe", "tpassd_gpu_retired_pages", "gauge", "", {"cause": "dbe"}),
-    ("retired_pages_pending", "tpassd_gpu_retired_pages_pending", "gauge",
-     "1 if a page retirement waits for a GPU reset.", {}),
-    ("remap_correctable", "tpassd_gpu_remapped_rows", "gauge", "Remapped memory rows by cause.",
-     {"cause": "correctable"}),
-    ("remap_uncorrectable", "tpassd_gpu_remapped_rows", "gauge", "", {"cause": "uncorrectable"}),
-    ("remap_pending", "tpassd_gpu_remapped_rows_pending", "gauge", "1 if a row remap waits for a GPU reset.", {}),
-    ("remap_failure", "tpassd_gpu_remapped_rows_failure", "gauge", "1 if a row remap failed (no spare rows).", {}),
-    ("nvlink_links_active", "tpassd_gpu_nvlink_links_active", "gauge", "NVLinks in the active state.", {}),
-    ("pcie_replay", "tpassd_gpu_pcie_replay_total", "counter", "PCIe replay counter.", {}),
-    ("temperature_c", "tpassd_gpu_temperature_celsius", "gauge", "GPU core temperature.", {}),
-    ("power_w", "tpassd_gpu_power_watts", "gauge", "GPU power draw.", {}),
-    ("throttle_reasons", "tpassd_gpu_clock_throttle_reasons", "gauge", "NVML clock throttle reason bit mask.", {}),
-    ("utilization_gpu", "tpassd_gpu_utilization_percent", "gauge", "GPU utilization by kind.", {"kind": "gpu"}),
-    ("utilization_memory", "tpassd_gpu_utilization_percent", "gauge", "", {"kind": "memory"}),
-    ("lost", "tpassd_gpu_lost", "gauge", "1 if NVML reports the GPU lost.", {}),
+     "(volatile = since the driver loaded, aggregate = the GPU's lifetime).",
+     {"type": "sbe", "counter": "volatile"}, 1),
+    ("ecc_dbe_volatile", "tpassd_gpu_ecc_errors", C, "", {"type": "dbe", "counter": "volatile"}, 1),
+    ("ecc_sbe_aggregate", "tpassd_gpu_ecc_errors", C, "", {"type": "sbe", "counter": "aggregate"}, 1),
+    ("ecc_dbe_aggregate", "tpassd_gpu_ecc_errors", C, "", {"type": "dbe", "counter": "aggregate"}, 1),
+    ("retired_pages_sbe", "tpassd_gpu_retired_pages", G, "Retired memory pages by cause.",
+     {"cause": "multiple_sbe"}, 1),
+    ("retired_pages_dbe", "tpassd_gpu_retired_pages", G, "", {"cause": "dbe"}, 1),
+    ("retired_pages_pending", "tpassd_gpu_retired_pages_pending", G,
+     "1 if a page retirement waits for a GPU reset.", {}, 1),
+    ("remap_correctable", "tpassd_gpu_remapped_rows", G, "Remapped memory rows by cause.",
+     {"cause": "correctable"}, 1),
+    ("remap_uncorrectable", "tpassd_gpu_remapped_rows", G, "", {"cause": "uncorrectable"}, 1),
+    ("remap_pending", "tpassd_gpu_remapped_rows_pending", G, "1 if a row remap waits for a GPU reset.", {}, 1),
+    ("remap_failure", "tpassd_gpu_remapped_rows_failure", G, "1 if a row remap failed (no spare rows).", {}, 1),
+    ("nvlink_links_active", "tpassd_gpu_nvlink_links_active", G, "NVLinks in the active state.", {}, 1),
+    ("pcie_replay", "tpassd_gpu_pcie_replay", C, "PCIe replays.", {}, 1),
+    ("temperature_c", "tpassd_gpu_temperature_celsius", G, "GPU core temperature.", {}, 1),
+    ("power_w", "tpassd_gpu_power_watts", G, "GPU power draw.", {}, 1),
+    ("utilization_gpu", "tpassd_gpu_utilization_ratio", G,
+     "Fraction of the last sample period the GPU (kind gpu) or its memory (kind memory) was busy.",
+     {"kind": "gpu"}, 0.01),
+    ("utilization_memory", "tpassd_gpu_utilization_ratio", G, "", {"kind": "memory"}, 0.01),
+    ("lost", "tpassd_gpu_lost", G, "1 if NVML reports the GPU lost.", {}, 1),
 ]
-NVLINK_KEYS = {"crc_flit": "crc_flit", "crc_data": "crc_data", "replay": "replay", "recovery": "recovery"}
-IB_METRICS = [
-    ("state_code", "tpassd_infiniband_port_state_id", "gauge", "Port state (4 = ACTIVE)."),
-    ("phys_state_code", "tpassd_infiniband_port_physical_state_id", "gauge", "Port physical state (5 = LinkUp)."),
-    ("rate_gbps", "tpassd_infiniband_rate_gigabits_per_second", "gauge", "Port rate."),
+IB_METRICS: list[tuple[str, str, str, float]] = [
+    ("state_code", "tpassd_infiniband_port_state_id", "Port state (4 = ACTIVE).", 1),
+    ("phys_state_code", "tpassd_infiniband_port_physical_state_id", "Port physical state (5 = LinkUp).", 1),
+    ("rate_gbps", "tpassd_infiniband_rate_bytes_per_second", "Port rate.", 1e9 / 8),
 ]
-HOST_METRICS = [
-    ("mem_available_bytes", "tpassd_host_memory_available_bytes", "gauge", "Memory available without swapping."),
-    ("mem_total_bytes", "tpassd_host_memory_total_bytes", "gauge", "Total memory."),
-    ("swap_used_bytes", "tpassd_host_swap_used_bytes", "gauge", "Swap in use."),
-    ("load1", "tpassd_host_load1", "gauge", "1-minute load average."),
+HOST_METRICS: list[tuple[str, str, str]] = [
+    ("mem_available_bytes", "tpassd_host_memory_available_bytes", "Memory available without swapping."),
+    ("mem_total_bytes", "tpassd_host_memory_total_bytes", "Total memory."),
+    ("swap_used_bytes", "tpassd_host_swap_used_bytes", "Swap in use."),
+    ("load1", "tpassd_host_load1", "1-minute load average."),
 ]
 
 
-def _esc(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(d: dict[str, Any]) -> str:
-    if not d:
-        return ""
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}"
-
-
-def _num(v: Any) -> str | None:
+def _value(v: Any) -> float | None:
     if isinstance(v, bool):
-        return "1" if v else "0"
+        return float(v)
     if isinstance(v, (int, float)):
-        return repr(float(v)) if isinstance(v, float) else str(v)
+        return float(v)
     return None
 
 
 class _Families:
-    def __init__(self) -> None:
-        self.meta: dict[str, tuple[str, str]] = {}
-        self.rows: dict[str, list[str]] = {}
+    """Families by name, each made at its first sample with that sample's label names (every
+    sample of a family has the same ones), yielded in the order first used."""
 
-    def add(self, family: str, type_: str, help_: str, labels: dict[str, Any], value: Any) -> None:
-        v = _num(value)
+    def __init__(self) -> None:
+        self._f: dict[str, Metric] = {}
+        self._help: dict[str, str] = {}
+
+    def add(self, name: str, type_: str, help_: str, labels: dict[str, Any], value: Any) -> None:
+        v = _value(value)
         if v is None:
             return
-        if family not in self.meta or (help_ and not self.meta[family][1]):
-            self.meta[family] = (type_, help_ or self.meta.get(family, ("", ""))[1])
-        self.rows.setdefault(family, []).append(f"{family}{_labels(labels)} {v}")
+        fam = self._f.get(name)
+        if fam is None:
+            cls = CounterMetricFamily if type_ == C else GaugeMetricFamily
+            fam = self._f[name] = cls(name, help_ or self._help.get(name, name), labels=list(labels))
+        elif help_ and fam.documentation == name:
+            fam.documentation = help_
+        fam.add_metric([str(x) for x in labels.values()], v)
 
-    def render(self) -> str:
-        out = []
-        for fam, rows in self.rows.items():
-            type_, help_ = self.meta[fam]
-            out.append(f"# HELP {fam} {help_ or fam}")
-            out.append(f"# TYPE {fam} {type_}")
-            out.extend(rows)
-        return "\n".join(out) + "\n"
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._f.values())
 
 
-def render(sample: dict[str, Any] | None, counters: dict[str, dict[str, int]],
-           xid_counts: dict[tuple[str, int], int]) -> str:
+@dataclass(frozen=True)
+class NodeView:
+    """What the node collector renders: tpassd's last sample (None before the first), its counters
+    by group, the Xid events seen per (component, xid), and the labels of ``tpassd_node_info``."""
+
+    sample: dict[str, Any] | None
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    xid_counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+
+
+class NodeCollector(Collector):
+    """tpassd's own view of its node: health, collectors, GPUs, InfiniBand ports, the host, and its
+    control and publisher counters. Reads memory only (``view()``): cheap enough for the loop thread."""
+
+    def __init__(self, view: Callable[[], NodeView]):
+        self._view = view
+
+    def collect(self) -> Iterable[Metric]:
+        v = self._view()
+        info = InfoMetricFamily("tpassd_node", "The node this tpassd watches (join on instance for its name).",
+                                value=v.info)
+        yield info
+        yield from render_node(v)
+
+
+def render_node(v: NodeView) -> _Families:
     f = _Families()
+    sample = v.sample
     if sample:
-        node = sample["node"]
         for state in State:
-            f.add("tpassd_node_health", "gauge", "1 for the node's current health state.",
-                  {"node": node, "state": state.value}, int(sample["state"] == state.value))
+            f.add("tpassd_node_health", G, "1 for the node's current health state.", {"state": state.value},
+                  int(sample["state"] == state.value))
         for name, c in sorted(sample["collectors"].items()):
-            f.add("tpassd_scrape_collector_duration_seconds", "gauge",
+            f.add("tpassd_scrape_collector_duration_seconds", G,
                   "How long the collector took in the last sample.", {"collector": name}, c["duration_s"])
-            f.add("tpassd_scrape_collector_success", "gauge", "1 if the collector succeeded in the last sample.",
+            f.add("tpassd_scrape_collector_success", G, "1 if the collector succeeded in the last sample.",
                   {"collector": name}, int(c["ok"]))
         for comp, c in sorted(sample["components"].items()):
             for state in State:
-                f.add("tpassd_component_health", "gauge", "1 for the component's current health state.",
+                f.add("tpassd_component_health", G, "1 for the component's current health state.",
                       {"component": comp, "state": state.value}, int(c["state"] == state.value))
             m = c.get("metrics", {})
             if comp.startswith("gpu"):
-                gl = {"gpu": comp[3:], "uuid": m.get("uuid", "")}
-                for key, fam, type_, help_, extra in GPU_METRICS:
-                    if key in m:
-                        f.add(fam, type_, help_, {**gl, **extra}, m[key])
-                for key, value in m.items():
-                    if key.startswith("nvlink.") and not key.endswith(".active"):
-                        _, link, kind = key.split(".", 2)
-                        f.add("tpassd_gpu_nvlink_errors_total", "counter", "NVLink error counters by link and kind.",
-                              {**gl, "link": link, "kind": NVLINK_KEYS.get(kind, kind)}, value)
+                _gpu(f, comp, m)
             elif comp.startswith("ib:"):
-                dev, _, port = comp[3:].partition("/")
-                il = {"device": dev, "port": port}
-                for key, fam, type_, help_ in IB_METRICS:
-                    if key in m:
-                        f.add(fam, type_, help_, il, m[key])
-                for key, value in m.items():
-                    if key.endswith("_per_s") or key.endswith("_code") or key in ("state", "phys_state", "rate_gbps"):
-                        continue
-                    f.add(f"tpassd_infiniband_{key}_total", "counter", f"InfiniBand port counter {key}.", il, value)
+                _ib(f, comp, m)
             elif comp == "host":
-                for key, fam, type_, help_ in HOST_METRICS:
-                    if key in m:
-                        f.add(fam, type_, help_, {}, m[key])
-                i = 0
-                while f"disk.{i}.path" in m:
-                    f.add("tpassd_host_directory_free_bytes", "gauge",
-                          "Free space in the state and snapshot directories.",
-                          {"path": m[f"disk.{i}.path"]}, m.get(f"disk.{i}.free_bytes"))
-                    i += 1
-    for (comp, xid), n in sorted(xid_counts.items()):
-        f.add("tpassd_gpu_xid_events_total", "counter", "Xid events seen since tpassd started.",
-              {"gpu": comp[3:], "xid": xid}, n)
-    for group, cs in sorted(counters.items()):
-        for name, n in sorted(cs.items()):
-            f.add(f"tpassd_{group}_{name}_total", "counter", f"tpassd {group} {name.replace('_', ' ')}.", {}, n)
-    return f.render()
+                _host(f, m)
+    for (comp, xid), n in sorted(v.xid_counts.items()):
+        f.add("tpassd_gpu_xid_events", C, "Xid events seen since tpassd started.", {"gpu": comp[3:], "xid": xid}, n)
+    for name, n in sorted(v.counters.get("control", {}).items()):
+        f.add(f"tpassd_control_{name}", C, f"Control requests: {name.replace('_', ' ')}.", {}, n)
+    for type_, n in sorted(v.counters.get("published", {}).items()):
+        f.add("tpassd_published_messages", C, "Messages published on the PUB socket, by type.", {"type": type_}, n)
+    return f
+
+
+def _gpu(f: _Families, comp: str, m: dict[str, Any]) -> None:
+    gl = {"gpu": comp[3:], "uuid": m.get("uuid", "")}
+    for key, fam, type_, help_, extra, scale in GPU_METRICS:
+        if key in m and _value(m[key]) is not None:
+            f.add(fam, type_, help_, {**gl, **extra}, _value(m[key]) * scale)
+    mask = m.get("throttle_reasons")
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        for reason, bit in THROTTLE_REASONS.items():
+            f.add("tpassd_gpu_clock_throttle_active", G,
+                  "1 while NVML reports this clock throttle (clocks event) reason for the GPU.",
+                  {**gl, "reason": reason}, int(bool(mask & bit)))
+    for key, value in sorted(m.items()):
+        if key.startswith("nvlink.") and not key.endswith(".active"):
+            _, link, kind = key.split(".", 2)
+            f.add("tpassd_gpu_nvlink_errors", C, "NVLink error counters by link and kind.",
+                  {**gl, "link": link, "kind": kind}, value)
+
+
+def _ib(f: _Families, comp: str, m: dict[str, Any]) -> None:
+    dev, _, port = comp[3:].partition("/")
+    il = {"device": dev, "port": port}
+    for key, fam, help_, scale in IB_METRICS:
+        if key in m and _value(m[key]) is not None:
+            f.add(fam, G, help_, il, _value(m[key]) * scale)
+    for key in IB_COUNTERS:
+        if key in m:
+            f.add(f"tpassd_infiniband_{key}", C, f"InfiniBand port counter {key}.", il, m[key])
+
+
+def _host(f: _Families, m: dict[str, Any]) -> None:
+    for key, fam, help_ in HOST_METRICS:
+        if key in m:
+            f.add(fam, G, help_, {}, m[key])
+    i = 0
+    while f"disk.{i}.path" in m:
+        f.add("tpassd_host_directory_free_bytes", G, "Free space in the snapshot directory and disk_paths.",
+              {"path": m[f"disk.{i}.path"]}, m.get(f"disk.{i}.free_bytes"))
+        i += 1
+
+
+class JobCollector(Collector):
+    """The jobs' summaries their coordinators sent (tpassd/job_reports.py). ``job_labels`` False
+    (Slurm's PrivateData hides jobs): one series per family for all jobs together, without
+    ``job_id``: gauges and counters summed, the oldest report's age the largest, histograms
+    merged."""
+
+    def __init__(self, reports: Callable[[], list[tuple[float, JobReport]]], job_labels: bool):
+        self._reports = reports
+        self.job_labels = job_labels
+
+    def collect(self) -> Iterable[Metric]:
+        return render_jobs(self._reports(), self.job_labels)
+
+
+def render_jobs(reports: list[tuple[float, JobReport]], job_labels: bool) -> list[Metric]:
+    lab = ["job_id"] if job_labels else []
+    jobs = GaugeMetricFamily("tpassd_jobs_reporting", "Jobs whose coordinator sent this tpassd a summary lately.",
+                             value=len(reports))
+    if not reports:
+        return [jobs]
+    reg = GaugeMetricFamily("tpassd_job_ranks_registered", "Ranks registered with the job's coordinator.", labels=lab)
+    exp = GaugeMetricFamily("tpassd_job_ranks_expected", "Ranks the job starts (0: not known yet).", labels=lab)
+    age = GaugeMetricFamily("tpassd_job_oldest_report_age_seconds",
+                            "The longest any registered rank of the job has not reported.", labels=lab)
+    unp = GaugeMetricFamily("tpassd_job_unprotected",
+                            "1 if the job cannot be protected (no migration starts); without job_id, how many.",
+                            labels=lab)
+    mig = CounterMetricFamily("tpassd_job_migrations", "Migrations of the job's ranks ended, by outcome.",
+                              labels=[*lab, "outcome"])
+    snap = CounterMetricFamily("tpassd_job_snapshots", "Whole-job snapshots ended, by outcome.",
+                               labels=[*lab, "outcome"])
+    pause = HistogramMetricFamily("tpassd_job_pause_seconds",
+                                  "How long training stood still, by what paused it.", labels=[*lab, "kind"])
+    groups: dict[tuple[str, ...], list[tuple[float, JobReport]]] = {}
+    for since, r in reports:
+        groups.setdefault((str(r.job_id),) if job_labels else (), []).append((since, r))
+    for key, rs in groups.items():
+        reg.add_metric(list(key), sum(r.ranks_registered for _, r in rs))
+        exp.add_metric(list(key), sum(r.ranks_expected for _, r in rs))
+        # the age the coordinator saw, plus the time since it sent it
+        age.add_metric(list(key), max(r.oldest_report_age_s + since if r.ranks_registered else 0.0 for since, r in rs))
+        unp.add_metric(list(key), sum(int(r.unprotected) for _, r in rs))
+        for outcome in MIGRATION_OUTCOMES:
+            mig.add_metric([*key, outcome], sum(r.migrations.get(outcome, 0) for _, r in rs))
+        for outcome in SNAPSHOT_OUTCOMES:
+            snap.add_metric([*key, outcome], sum(r.snapshots.get(outcome, 0) for _, r in rs))
+        for kind in PAUSE_KINDS:
+            h = Pauses()
+            for _, r in rs:
+                if kind in r.pauses:
+                    h = h.merged(r.pauses[kind])
+            buckets = [(_le(le), float(n)) for le, n in zip(PAUSE_BUCKETS_S, h.buckets, strict=True)]
+            pause.add_metric([*key, kind], [*buckets, ("+Inf", float(h.count))], h.sum_s)
+    return [jobs, reg, exp, age, unp, mig, snap, pause]
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def registry(node_view: Callable[[], NodeView], job_reports: Callable[[], list[tuple[float, JobReport]]],
+             job_labels: bool) -> CollectorRegistry:
+    """tpassd's registry: build info, the node, the jobs, and the tpassd process itself."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_BuildInfo())
+    reg.register(NodeCollector(node_view))
+    reg.register(JobCollector(job_reports, job_labels))
+    ProcessCollector(registry=reg)
+    return reg
+
+
+class _BuildInfo(Collector):
+    def collect(self) -> Iterable[Metric]:
+        yield InfoMetricFamily("tpassd_build", "The tpassd build that serves these metrics.",
+                               value={"version": __version__})
+
+
+def render(reg: CollectorRegistry) -> bytes:
+    return generate_latest(reg)
 
 
 # The HTTP endpoint. One thread serves every connection (a selector loop): a thread per connection
@@ -182,7 +326,7 @@ def _response(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8"
 
 
 class MetricsServer:
-    def __init__(self, address: str, port: int, render_fn: Callable[[], str], *,
+    def __init__(self, address: str, port: int, render_fn: Callable[[], bytes | str], *,
                  max_connections: int = MAX_CONNECTIONS, timeout_s: float = REQUEST_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic):
         self._render = render_fn
@@ -263,13 +407,14 @@ class MetricsServer:
             self._answer(c, _response("404 Not Found", b"only /metrics here\n"))
         else:
             try:
-                body = self._render().encode()
+                body = self._render()
+                body = body.encode() if isinstance(body, str) else body
             except Exception:
                 log.exception("metrics rendering failed")
                 self._answer(c, _response("500 Internal Server Error",
                                           b"metrics rendering failed; see the tpassd log\n"))
                 return
-            resp = _response("200 OK", body, "text/plain; version=0.0.4; charset=utf-8")
+            resp = _response("200 OK", body, CONTENT_TYPE_PLAIN_0_0_4)
             if line[0] == b"HEAD":
                 resp = resp[:resp.index(b"\r\n\r\n") + 4]
             self._answer(c, resp)

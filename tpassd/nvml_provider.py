@@ -33,6 +33,19 @@ THROTTLE_SW_THERMAL = 0x20
 THROTTLE_HW_THERMAL = 0x40
 THROTTLE_HW_POWER_BRAKE = 0x80
 HW_SLOWDOWN_MASK = THROTTLE_HW_SLOWDOWN | THROTTLE_HW_THERMAL | THROTTLE_HW_POWER_BRAKE | THROTTLE_SW_THERMAL
+# Every reason bit nvml.h defines (nvmlClocksEventReason*, formerly nvmlClocksThrottleReason*), by
+# the name tpassd's metrics give it (tpassd_gpu_clock_throttle_active{reason}).
+THROTTLE_REASONS = {
+    "gpu_idle": 0x01,
+    "applications_clocks_setting": 0x02,
+    "sw_power_cap": 0x04,
+    "hw_slowdown": THROTTLE_HW_SLOWDOWN,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": THROTTLE_SW_THERMAL,
+    "hw_thermal_slowdown": THROTTLE_HW_THERMAL,
+    "hw_power_brake_slowdown": THROTTLE_HW_POWER_BRAKE,
+    "display_clock_setting": 0x100,
+}
 
 # Event kinds delivered by wait_event.
 EVENT_XID = "xid"
@@ -309,9 +322,9 @@ class PynvmlProvider:
 # --------------------------------------------------------------------------
 # The fake provider
 # --------------------------------------------------------------------------
-def _pristine_gpu(index: int, links: int) -> dict[str, Any]:
+def _pristine_gpu(index: int, links: int, uuid: str = "") -> dict[str, Any]:
     return {
-        "uuid": f"GPU-fake-{index:04d}-0000-0000-0000-000000000000",
+        "uuid": uuid or f"GPU-fake-{index:04d}-0000-0000-0000-000000000000",
         "lost": False,
         "ecc": {"sbe_volatile": 0, "dbe_volatile": 0, "sbe_aggregate": 0, "dbe_aggregate": 0},
         "retired": {"sbe": 0, "dbe": 0, "pending": 0},
@@ -338,14 +351,18 @@ class FakeNvmlProvider:
     name = "fake"
 
     def __init__(self, gpus: int = 8, nvlinks: int = 4, clock: Callable[[], float] | None = None,
-                 driver_version: str = "fake-0.0"):
+                 driver_version: str = "fake-0.0", uuids: tuple[str, ...] = ()):
+        """``uuids``: GPU i's UUID (the devcluster's node inventory names the same); () = by index."""
         import time
 
+        if uuids and len(uuids) != gpus:
+            raise ValueError(f"{len(uuids)} UUIDs for {gpus} fake GPUs")
+        self._uuids = tuple(uuids) or ("",) * gpus
         self._driver_version = driver_version
         self._n = gpus
         self._links = nvlinks
         self._lock = threading.Lock()
-        self._gpus = [_pristine_gpu(i, nvlinks) for i in range(gpus)]
+        self._gpus = [_pristine_gpu(i, nvlinks, self._uuids[i]) for i in range(gpus)]
         self._events: queue.Queue[NvmlEvent] = queue.Queue()
         self._initialised = False
         self._registered = False
@@ -502,7 +519,7 @@ class FakeNvmlProvider:
         with self._lock:
             for i in range(self._n) if gpu is None else [gpu]:
                 self._gpu(i)
-                self._gpus[i] = _pristine_gpu(i, self._links)
+                self._gpus[i] = _pristine_gpu(i, self._links, self._uuids[i])
 
 
 @dataclass
@@ -512,12 +529,13 @@ class ProviderChoice:
     notes: list[str] = field(default_factory=list)
 
 
-def select_provider(kind: str, *, fake_gpus: int = 8, fake_nvlinks: int = 4) -> ProviderChoice:
+def select_provider(kind: str, *, fake_gpus: int = 8, fake_nvlinks: int = 4,
+                    fake_uuids: tuple[str, ...] = ()) -> ProviderChoice:
     """Resolve ``nvml_provider``; the returned provider is already init()ed."""
     if kind == "none":
         return ProviderChoice(None, "nvml_provider = none: no GPU collector")
     if kind == "fake":
-        p = FakeNvmlProvider(fake_gpus, fake_nvlinks)
+        p = FakeNvmlProvider(fake_gpus, fake_nvlinks, uuids=fake_uuids)
         p.init()
         return ProviderChoice(p, f"fake NVML provider with {fake_gpus} GPUs (configured)")
     if kind in ("nvml", "auto"):

@@ -367,6 +367,19 @@ static void test_conf(void)
 		CHECK(conf_parse(2, av, &c) == 0);
 		CHECK(c.rank_wrapper[0] == '\0');
 		CHECK(c.restore_agent[0] == '\0');
+		CHECK(c.gpu_inventory[0] == '\0'); /* the node's GPUs from NVML */
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "gpu_inventory=/run/tp/dev/gpus.json" };
+		CHECK(conf_parse(3, av, &c) == 0);
+		CHECK(!strcmp(c.gpu_inventory, "/run/tp/dev/gpus.json"));
+	}
+	{
+		char *av[] = { "coordinator=/c", "state_dir=/s",
+			       "gpu_inventory=gpus.json" };
+		CHECK(conf_parse(3, av, &c) < 0);
+		CHECK_CONTAINS(err, "gpu_inventory='gpus.json' must be an absolute path");
 	}
 	{
 		char *av[] = { "coordinator=/c", "state_dir=/s",

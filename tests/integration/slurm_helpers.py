@@ -106,14 +106,3 @@ def wait_running(job_id: int, *, timeout_s: float = 60.0) -> JobInfo:
             raise AssertionError(f"job {job_id} is {last.state}, never ran")
         time.sleep(0.1)
     raise AssertionError(f"job {job_id} did not start in {timeout_s:g} s; last state {last and last.state}")
-
-
-def until(cond, timeout_s: float, what: str, every: float = 0.002):
-    """cond()'s first truthy value, polled every ``every`` s; AssertionError after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"{what} not within {timeout_s:g} s")

@@ -35,7 +35,7 @@ import pytest
 import drill
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
-from slurm_helpers import until as _until
+from support.wait import until
 from torchpass import coordinator_lost, layout
 from training_jobs import TPASSCTL
 
@@ -122,27 +122,27 @@ def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_mo
     job_id = _submit(job_dir, "kill", job_user.name)
     clean.append(job_id)
     out = job_dir / f"kill.{job_id}.out"
-    _until(lambda: _registration(cluster, job_id).get("pid"), 60, "the coordinator's registration", every=0.1)
+    until(lambda: _registration(cluster, job_id).get("pid"), "the coordinator's registration", 60, every=0.1)
     pid = int(_registration(cluster, job_id)["pid"])
-    _until(lambda: _last_step(out) >= at, 120, f"step {at}", every=0.1)  # every rank registered
+    until(lambda: _last_step(out) >= at, f"step {at}", 120, every=0.1)  # every rank registered
     r = tpassctl("migrate", str(job_id), "--node", moved, "--to", SPARE, user=job_user.name)
     assert r.returncode == 0, (r.stdout, r.stderr)
 
     snapshots = layout.snapshot_job_dir(cluster.snapshot_dir, job_id)
-    _until(snapshots.exists, 60, "the dump")  # tpassd began it: the coordinator waits for its answer
+    until(snapshots.exists, "the dump", 60, every=0.002)  # tpassd began it: the coordinator waits for its answer
     os.kill(pid, signal.SIGSTOP)
-    _until(lambda: list(snapshots.glob(f"rank{rank}.gen*/manifest.json")), 60, "the dump's manifest", every=0.05)
+    until(lambda: list(snapshots.glob(f"rank{rank}.gen*/manifest.json")), "the dump's manifest", 60, every=0.05)
     os.kill(pid, signal.SIGKILL)
     killed_at, step_at_kill = time.monotonic(), _last_step(out)
-    _until(lambda: not tj.alive(pid), 10, "the coordinator's end", every=0.05)
+    until(lambda: not tj.alive(pid), "the coordinator's end", 10, every=0.05)
     print(f"kill -9 of the coordinator (pid {pid}) after the dump: step {step_at_kill}")
 
     try:
-        _until(lambda: _registration(cluster, job_id).get("pid") not in (None, pid), 30, "a restarted coordinator",
+        until(lambda: _registration(cluster, job_id).get("pid") not in (None, pid), "a restarted coordinator", 30,
                every=0.1)
         back_s = time.monotonic() - killed_at
-        _until(lambda: _kinds(cluster, job_id, "migration.rolled_back"), 30, "the move's rollback", every=0.2)
-        _until(lambda: _last_step(out) > step_at_kill + 1, 60, "training after the kill", every=0.1)
+        until(lambda: _kinds(cluster, job_id, "migration.rolled_back"), "the move's rollback", 30, every=0.2)
+        until(lambda: _last_step(out) > step_at_kill + 1, "training after the kill", 60, every=0.1)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
     went_on = time.monotonic() - killed_at
@@ -166,7 +166,7 @@ def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_mo
     inj = tj.run([*TPASSCTL, "inject", "--node", moved, "--fault", "ecc-sbe-storm"])
     assert inj.returncode == 0, inj.stderr
     try:
-        _until(lambda: _kinds(cluster, job_id, "migration.completed"), 120, "the move after the drill", every=0.5)
+        until(lambda: _kinds(cluster, job_id, "migration.completed"), "the move after the drill", 120, every=0.5)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
     done = _kinds(cluster, job_id, "migration.completed")

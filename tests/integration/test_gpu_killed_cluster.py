@@ -33,7 +33,7 @@ import pytest
 import drill
 import training_jobs as tj
 from drill import Drill
-from slurm_helpers import until as _until
+from support.wait import until
 from torchpass.coordinator.policy import CoordinatorPolicy
 
 pytestmark = pytest.mark.integration
@@ -85,15 +85,15 @@ def _kill_gpu(cluster, node: str) -> dict:
 
 
 def _snapshot_done(cluster, job_id: int) -> None:
-    _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "snapshot.completed"], 90,
-           "a complete snapshot", every=0.1)
+    until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "snapshot.completed"],
+          "a complete snapshot", 90, every=0.1)
 
 
 def _leave_clean(d: Drill, jobs: list[int]) -> None:
     drill.leave_clean(d, jobs)
     for j in jobs:
         tj.wait_end(j, 60)
-    _until(lambda: all(tj.node(n)["state"] == ["IDLE"] for n in NODES), 60, "every node idle", every=0.5)
+    until(lambda: all(tj.node(n)["state"] == ["IDLE"] for n in NODES), "every node idle", 60, every=0.5)
 
 
 @pytest.mark.parametrize("d", [TRAIN, TRAIN_KOBE], ids=["default", "kill-on-bad-exit"])

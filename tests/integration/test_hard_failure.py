@@ -55,7 +55,7 @@ import pytest
 import drill
 import training_jobs as tj
 from drill import Drill
-from slurm_helpers import until as _until
+from support.wait import until
 from torchpass import layout
 from torchpass.coordinator.decide import ENDED_LIKE_SLURM, SLURM_ON_LOST_NODE
 from torchpass.devcluster.cluster import pid_alive
@@ -103,7 +103,7 @@ def test_a_node_lost_outright_with_no_snapshot_is_left_to_slurm_with_a_clear_eve
 
     def wait(cond, timeout_s: float, waited_for: str, every: float = 0.2):
         try:
-            return _until(cond, timeout_s, waited_for, every=every)
+            return until(cond, waited_for, timeout_s, every=every)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{diag()}") from None
 
@@ -199,11 +199,11 @@ def _revive(cluster, node: str) -> dict:
     service); drained, it stays out until an admin resumes it (here the test, also when it failed:
     the session's later tests need the node). The node's record once it registered."""
     cluster.revive(node)
-    back = _until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)), 60,
-                  f"{node}'s slurmd registered again", every=0.2)
+    back = until(lambda: (lambda n: n if "DOWN" not in n["state"] else None)(tj.node(node)),
+                 f"{node}'s slurmd registered again", 60, every=0.2)
     if "DRAIN" in back["state"]:
         tj.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
-    _until(lambda: tj.node(node)["state"] == ["IDLE"], 60, f"{node} idle again", every=0.2)
+    until(lambda: tj.node(node)["state"] == ["IDLE"], f"{node} idle again", 60, every=0.2)
     return back
 
 
@@ -311,8 +311,8 @@ def test_a_node_lost_outright_relaunches_the_job_from_its_newest_snapshot(cluste
         jobs.append(job_id)
         out = job_dir / f"snaprelaunch.{job_id}.out"
         drill.wait_step(cluster, job_id, out, at, what)
-        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "snapshot.completed"], 60,
-               "a complete snapshot", every=0.1)
+        until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "snapshot.completed"],
+              "a complete snapshot", 60, every=0.1)
         t0 = time.monotonic()
         cluster.crash(node)
         crashed = True

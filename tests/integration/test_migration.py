@@ -186,6 +186,27 @@ def test_fault_drill_on_random_node_at_random_step_migrates_bit_identical(cluste
         assert ph in pd, (pd, diag)
     print(f"migration {node} -> {SPARE} (drill at step {at}): phases {pd}"
           f" tools {done[0]['data'].get('tool_durations')}")
+    # The coordinator's summary reached the batch host's tpassd (its last one as it stopped) and
+    # is on its /metrics, without job_id: the devcluster's slurm.conf has PrivateData=jobs.
+    text = _batch_host_metrics(cluster, 'tpassd_job_migrations_total{outcome="completed"}')
+    assert "job_id=" not in text, diag
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _batch_host_metrics(cluster, sample: str, timeout_s: float = 30.0) -> str:
+    """node1's (the batch host's) /metrics once ``sample`` is at least 1 there."""
+    import urllib.request
+
+    url = f"http://{cluster.node_address('node1')}:{cluster.spec.tpassd_ports[2]}/metrics"
+    end = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        got = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
+        if (got and got[0] >= 1) or time.monotonic() > end:
+            assert got and got[0] >= 1, f"{sample} not >= 1 on node1's /metrics within {timeout_s:g} s: {got}"
+            return text
+        time.sleep(1)
 
 
 def test_restore_failure_on_spare_rolls_back_to_source(cluster, reference, job_dir, clean, job_user):

@@ -21,7 +21,7 @@ import pytest
 import drill
 import training_jobs as tj
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env
-from slurm_helpers import until as _until
+from support.wait import until
 from torchpass import layout
 from torchpass.errors import SlurmError
 from torchpass.ports import TPASSD_CONTROL_PORT
@@ -66,7 +66,7 @@ def _last_step(out: Path) -> int:
 
 def _coordinator_pid(cluster, job_id: int) -> int:
     path = layout.coordinator_json(cluster.state_dir, job_id)
-    _until(path.exists, 60, f"job {job_id}'s coordinator registration", every=0.1)
+    until(path.exists, f"job {job_id}'s coordinator registration", 60, every=0.1)
     return int(json.loads(path.read_text())["pid"])
 
 
@@ -89,16 +89,16 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
     clean.append(job_id)
     out = job_dir / f"outage.{job_id}.out"
     coord = _coordinator_pid(cluster, job_id)
-    _until(lambda: _last_step(out) >= 5, 120, "step 5", every=0.1)
+    until(lambda: _last_step(out) >= 5, "step 5", 120, every=0.1)
     ctld_pidfile = cluster.run_dir / "ctld" / "slurmctld.pid"
     ctld = int(ctld_pidfile.read_text().split()[0])
     os.kill(ctld, signal.SIGTERM)
-    _until(lambda: not tj.alive(ctld), 60, "slurmctld's exit", every=0.1)
+    until(lambda: not tj.alive(ctld), "slurmctld's exit", 60, every=0.1)
     t0, step0 = time.monotonic(), _last_step(out)
     try:
         try:
-            _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.unavailable"], 60,
-                   "event slurm.unavailable", every=0.5)
+            until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.unavailable"],
+                  "event slurm.unavailable", 60, every=0.5)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
         # A node degrades meanwhile (a pending row remap: it stays so until cleared, unlike an ECC
@@ -122,10 +122,10 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
         cluster._start_slurmctld()  # the devcluster's own start: same flags, pid recorded for down()
     assert step1 > step0 + 100, (step0, step1, _diag(cluster, job_id, out))  # trained on throughout
     try:
-        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.available"], 60,
-               "event slurm.available", every=0.5)
-        _until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "migration.completed"], 120,
-               "the move after slurmctld came back", every=0.5)
+        until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "slurm.available"],
+              "event slurm.available", 60, every=0.5)
+        until(lambda: [e for e in drill.events(cluster, job_id) if e["kind"] == "migration.completed"],
+              "the move after slurmctld came back", 120, every=0.5)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{_diag(cluster, job_id, out)}") from None
     events = drill.events(cluster, job_id)
@@ -138,5 +138,5 @@ def test_slurmctld_away_for_3_minutes_the_job_trains_and_moves_after(cluster, pl
     assert done["data"]["node"] == MOVED and done["data"]["target"] == SPARE, done
     assert tj.alive(coord)
     step2 = _last_step(out)
-    _until(lambda: _last_step(out) > step2 + 5, 60, "training after the move", every=0.2)
+    until(lambda: _last_step(out) > step2 + 5, "training after the move", 60, every=0.2)
     print(f"\nslurmctld away {OUTAGE_S} s: steps {step0} -> {step1}; moved {MOVED} -> {SPARE} after it came back")

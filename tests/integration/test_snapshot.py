@@ -26,7 +26,7 @@ import training_jobs as tj
 from conftest import make_job_dir
 from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
 from slurm_helpers import job_id_of, sbatch, tpassctl
-from slurm_helpers import until as _until
+from support.wait import until
 from torchpass import layout
 
 NODES = ("node1", "node2", "node3", "node4")
@@ -176,7 +176,7 @@ def test_stop_frees_the_nodes_and_resume_goes_on_at_the_same_step(cluster, ref, 
             j = tj.job(job_id)
             return j if "PENDING" in j["job_state"] and j.get("hold") else None
 
-        j = _until(held, 60, "the job requeued and held", every=0.5)
+        j = until(held, "the job requeued and held", 60, every=0.5)
         print(f"job {job_id} stopped with snapshot {sid} at step {step}: {j['job_state']} ({j['state_reason']}), "
               f"{time.monotonic() - t_stop:.1f} s after the stop was complete")
         assert at < step <= STEPS, stopping

@@ -138,3 +138,42 @@ def test_every_tpassd_runs_with_the_systemd_units_capability_bounding_set(cluste
         assert "tpassd" in open(f"/proc/{pid}/cmdline").read(), role  # setpriv exec'd tpassd: same pid
         assert int(status["CapBnd"], 16) == want, f"{role}: CapBnd {status['CapBnd']}"
         assert int(status["CapEff"], 16) == want, f"{role}: CapEff {status['CapEff']}"
+
+
+HEALTHCHECK = os.path.join(os.path.dirname(__file__), "..", "..", "contrib", "slurm", "torchpass-healthcheck")
+
+
+def test_the_healthcheck_program_drains_a_node_its_tpassd_calls_failed(cluster):
+    """contrib/slurm/torchpass-healthcheck, run as slurmd runs HealthCheckProgram (as root, in the
+    node's namespaces, SLURMD_NODENAME set), drains an idle node whose tpassd says failed, with a
+    "torchpass: " reason that sinfo -R shows; a healthy node is left alone."""
+    node = "node3"
+    env = {**os.environ, **cluster.env(), "SLURMD_NODENAME": node, "TPASSCTL": TPASSCTL[0],
+           "TORCHPASS_HEALTHCHECK_CONFIG": "/nonexistent"}
+
+    def check() -> subprocess.CompletedProcess:
+        return cluster.exec_on(node, ["bash", HEALTHCHECK], env=env, capture_output=True, text=True, timeout=60)
+
+    def sinfo_reason() -> str:
+        out = subprocess.run(["sinfo", "-R", "-h", "-n", node, "-o", "%E"], capture_output=True, text=True,
+                             timeout=30, env=env)
+        return out.stdout.strip()
+
+    wait_for(lambda: nodes_json()[node]["state"] == "healthy", 20, f"{node} healthy")
+    healthy = check()
+    assert healthy.returncode == 0 and sinfo_reason() == "", (healthy.stdout, healthy.stderr)
+    tpassctl("inject", "--node", node, "--fault", "xid79", "--gpu", "1")
+    try:
+        wait_for(lambda: nodes_json()[node]["state"] == "failed", 30, f"{node} failed",
+                 show=lambda: nodes_json()[node])
+        failed = check()
+        assert failed.returncode == 1, (failed.stdout, failed.stderr)
+        reason = sinfo_reason()
+        assert reason.startswith("torchpass: ") and "79" in reason, (reason, failed.stdout)
+        state = json.loads(subprocess.run(["scontrol", "show", "node", node, "--json"], capture_output=True,
+                                          text=True, timeout=30, env=env, check=True).stdout)["nodes"][0]["state"]
+        assert "DRAIN" in state and "DOWN" not in state, state
+    finally:
+        tpassctl("inject", "--node", node, "--fault", "clear")
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, timeout=30,
+                       capture_output=True)

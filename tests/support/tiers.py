@@ -46,6 +46,7 @@ HOST_MODULES = {
     "test_tpassd_control.py": "a private munged and a live tpassd",
     "test_tpassd_daemon.py": "a private munged and a live tpassd, credentials of other uids",
     "test_tpassd_limits.py": "a private munged, a live tpassd, other uids' processes",
+    "test_prometheus.py": "a private munged, a live tpassd, credentials of other uids (setpriv)",
     "test_tpassd_ports.py": "a private munged, ports below 1024, runuser",
     "test_tpassd_sweep.py": "a private munged, a live tpassd, root-owned state",
     "test_fleet_spool.py": "root-owned spool directories (safeio refuses others)",
@@ -54,6 +55,7 @@ HOST_MODULES = {
     "test_wire_fuzz.py": "a private munged and a live tpassd",
     # CRIU, tpass-init, PID and mount namespaces, cgroups: root.
     "test_cgroup_join.py": "cgroup v1 hierarchies (root)",
+    "test_gpu_device_cgroup.py": "a cgroup v1 devices cgroup and char devices made with mknod (root)",
     "test_checkpoint_full_disk.py": "a full tmpfs in a mount namespace (root)",
     "test_checkpoint_service.py": "CRIU dumps and restores (root)",
     "test_criu_cgroups.py": "cgroups and CRIU (root)",

@@ -20,12 +20,6 @@ NAME = re.compile(r"TORCHPASS_[A-Z0-9_]*")
 PYTHON_SPELLS = {
     # runs first in every Python process of a task and imports torchpass only when these say so
     "torchpass/runtime/boot/sitecustomize.py",
-    # root code (torchpass.checkpoint) and the decision core's phase table, rewritten meanwhile
-    # elsewhere; they move to envnames next
-    "torchpass/checkpoint/rankwrap.py",
-    "torchpass/checkpoint/restore_agent.py",
-    "torchpass/checkpoint/restore_token.py",
-    "torchpass/coordinator/phases.py",
 }
 
 

@@ -30,6 +30,10 @@ TARGET_BY_MINOR = {0: TARGET[2], 1: TARGET[0], 2: "GPU-22222222-2222-2222-2222-2
 SOURCE_BY_MINOR = {4: SOURCE[0], 6: SOURCE[1], 5: "GPU-55555555-5555-5555-5555-555555555555"}
 
 
+def _inventory(by_minor, major=gpu_map.NVIDIA_MAJOR):
+    return gpu_map.GpuInventory(major, dict(by_minor), {m: f"/dev/nvidia{m}" for m in by_minor})
+
+
 def pair_bytes(pairs):
     return b"".join(cuda.uuid_bytes(u) for p in pairs for u in p)
 
@@ -99,7 +103,7 @@ def test_a_step_whose_gpus_cannot_be_verified_is_refused_in_one_line(tmp_path):
 def test_pairs_map_each_source_gpu_onto_the_steps_gpu_in_local_order(tmp_path):
     proc = fake_proc(tmp_path, 9000, devices_list=STEP_DEVICES)
     meta = {"gpu": True, "gpu_uuids": SOURCE}
-    pairs = ra.gpu_pairs_for(meta, 9000, proc, by_minor=lambda: TARGET_BY_MINOR)
+    pairs = ra.gpu_pairs_for(meta, 9000, proc, inventory=lambda: _inventory(TARGET_BY_MINOR))
     assert pairs == [(SOURCE[0], TARGET[0]), (SOURCE[1], TARGET[1])]
 
 
@@ -108,7 +112,7 @@ def test_an_old_manifest_without_gpu_uuids_restores_as_before(tmp_path):
         raise AssertionError("NVML asked for an image that names no GPUs")
 
     # no devices cgroup at all: nothing is read for an image that names no GPUs
-    assert ra.gpu_pairs_for({"gpu": True, "gpu_pids": [1]}, 9000, str(tmp_path), by_minor=no_nvml) == []
+    assert ra.gpu_pairs_for({"gpu": True, "gpu_pids": [1]}, 9000, str(tmp_path), inventory=no_nvml) == []
     lib = CLibcuda()
     resume_cuda_of(4242, 4242, {"gpu": True}, cuda=cuda.CudaCheckpoint(lib))
     assert lib.restore_args == [bytes(64)]  # zeroed args: onto the same UUIDs, as before
@@ -144,10 +148,10 @@ def agent_seams(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ra.criu_mod, "restore", criu_restore)
     monkeypatch.setattr(cuda.CudaCheckpoint, "load", classmethod(lambda cls: cls(lib)))
-    monkeypatch.setattr(gpu_map, "nvml_uuids_by_minor", lambda: TARGET_BY_MINOR)
+    monkeypatch.setattr(gpu_map, "nvml_inventory", lambda: _inventory(TARGET_BY_MINOR))
     proc = fake_proc(tmp_path, os.getpid(), devices_list=STEP_DEVICES)
     real = gpu_map.target_gpu_minors
-    monkeypatch.setattr(gpu_map, "target_gpu_minors", lambda task, _proc="/proc": real(task, proc))
+    monkeypatch.setattr(gpu_map, "target_gpu_minors", lambda task, _proc="/proc", inv=None: real(task, proc, inv=inv))
     yield lib, manifest, criu_calls
     child.close()
 
@@ -241,3 +245,111 @@ def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(
         d.executor.close()
         for p in procs:
             p.wait(10)
+
+
+@pytest.mark.parametrize("gpus", [True, False], ids=["gpu-job", "cpu-job"])
+def test_only_a_job_whose_tasks_have_gpus_asks_both_tpassds_for_their_driver(tmp_path, gpus):
+    """Slurm's record of the training step (gres/gpu in its TRES) says whether a rank can hold CUDA
+    state: a CPU job's transfer asks no tpassd for its NVIDIA driver, a GPU job's asks the target
+    and the source before the images are verified on the target."""
+    import test_executor as tx
+    from test_slurm_gres import STEP_D
+    from torchpass.slurm.base import StepInfo
+
+    calls = []
+
+    def request(node, type_, body, timeout_s):
+        calls.append((node, type_, body.get("op")))
+        if type_ == "tpassd.health":
+            return {"state": "healthy", "gpu_driver": "570.86.15"}
+        if type_ == "tpassd.snapshot":
+            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        return {}
+
+    tp = tx.FakeTpassd(fail_dump=False)
+    tp.request = request
+    d, slurm = tx._driver(tmp_path, tp)
+    slurm.step_table[42] = [StepInfo("42.0", "python", ("n1", "n2", "n3"), "RUNNING")]
+    slurm.step_detail = lambda step_id: STEP_D if gpus else STEP_D.replace(",gres/gpu=6,gres/gpu:h100=6", "")
+    try:
+        ex = d.executor
+        d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+        at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+        for r in range(3):
+            d.feed(mc.Quiesced(r, gen, at))
+        tx._pump_until(d, lambda: any(c[2] == "verify" for c in calls), timeout_s=30)
+        asked = sorted(c[0] for c in calls if c[1] == "tpassd.health")
+        assert asked == (["n2", "n4"] if gpus else []), calls
+    finally:
+        tx._open_executors.remove(d.executor)
+        procs = d.executor.steps()
+        d.executor.close()
+        for p in procs:
+            p.wait(10)
+
+
+def test_under_slurms_deny_rules_the_steps_gpus_are_asked_from_inside_its_devices_cgroup(tmp_path, monkeypatch):
+    """Slurm 24.11 denies the node's other GPUs under the default-allow rule: devices.list reads
+    ``a *:* rwm``. The agent, in the step's devices cgroup, asks the kernel per GPU; not in it, or
+    with no inventory to ask about, it refuses in one line as before."""
+    proc = fake_proc(tmp_path, 9000, devices_list="a *:* rwm\n")
+    inv = _inventory(TARGET_BY_MINOR)
+    asked = []
+    monkeypatch.setattr(gpu_map, "accessible_gpu_minors", lambda i: asked.append(i) or [1, 3])
+    with pytest.raises(CheckpointError, match="allows every GPU"):
+        gpu_map.target_gpu_minors(9000, proc, inv=inv)  # this process is not in the step's cgroup
+    assert asked == []
+    (Path(proc) / "self" / "cgroup").write_text("5:devices:/slurm/uid_1000/job_7/step_2\n")
+    assert gpu_map.target_gpu_minors(9000, proc, inv=inv) == [1, 3] and asked == [inv]
+    with pytest.raises(CheckpointError, match="allows every GPU"):
+        gpu_map.target_gpu_minors(9000, proc)  # no inventory: nothing to ask about
+
+
+def test_a_rank_without_gpu_state_is_paired_too_and_a_step_that_may_open_every_gpu_is_refused(tmp_path,
+                                                                                              monkeypatch):
+    """gloo on a GPU allocation: the manifest names the GPUs its task was allowed (gpu: false),
+    the agent pairs them all the same (the event's table, the too-few refusal); a step allowed
+    all four GPUs of the node for a rank that had two is not confined, and is refused."""
+    proc = fake_proc(tmp_path, 9000, devices_list=STEP_DEVICES)
+    meta = {"gpu": False, "gpu_uuids": SOURCE}
+    assert ra.gpu_pairs_for(meta, 9000, proc, inventory=lambda: _inventory(TARGET_BY_MINOR)) == [
+        (SOURCE[0], TARGET[0]), (SOURCE[1], TARGET[1])]
+    every = fake_proc(tmp_path / "every", 9000, devices_list="c 195:0 rw\nc 195:1 rw\nc 195:2 rw\nc 195:3 rw\n")
+    with pytest.raises(CheckpointError, match="ConstrainDevices is off") as exc:
+        ra.gpu_pairs_for(meta, 9000, every, inventory=lambda: _inventory(TARGET_BY_MINOR))
+    assert "\n" not in str(exc.value)
+
+
+def test_the_dump_of_a_rank_without_gpu_state_records_the_gpus_its_task_may_open(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(gpu_map, "allowed_in_cgroup_of", lambda pid, inv, proc: seen.append(pid) or [4, 6])
+    settings = rank_dump.NodeSettings(snapshot_dir=tmp_path, node="n1", proc=str(tmp_path),
+                                      gpu_inventory=lambda: _inventory(SOURCE_BY_MINOR))
+    dumps = rank_dump.RankDumps(settings, None, None, lambda *a, **k: None)
+    assert dumps._allocated_gpu_uuids(4242) == [SOURCE[0], SOURCE[1]] and seen == [4242]
+
+    def no_nvml():
+        raise CheckpointError("NVML did not start")
+
+    settings.gpu_inventory = no_nvml  # a node whose GPUs cannot be read: the rank moves as a CPU rank
+    assert dumps._allocated_gpu_uuids(4242) == []
+    settings.gpu_inventory = None  # a node without GPUs: its cgroup is never asked
+    assert dumps._allocated_gpu_uuids(4243) == [] and seen == [4242]
+
+
+def test_an_inventory_file_is_roots_and_well_formed(tmp_path):
+    good = tmp_path / "gpus.json"
+    good.write_text('{"major": 120, "gpus": [{"minor": 0, "uuid": "%s", "path": "/run/x/gpu0"}]}' % TARGET[0])
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"major": 120, "gpus": [{"minor": 0}]}')
+    if os.geteuid() == 0:
+        inv = gpu_map.file_inventory(good)
+        assert (inv.major, inv.uuids, inv.paths) == (120, {0: TARGET[0]}, {0: "/run/x/gpu0"})
+        assert gpu_map.inventory_loader(good)() == inv
+    else:  # not root's: refused
+        with pytest.raises(CheckpointError, match="cannot read the GPU inventory"):
+            gpu_map.file_inventory(good)
+    with pytest.raises(CheckpointError) as exc:
+        gpu_map.file_inventory(bad)
+    assert "\n" not in str(exc.value)
+    assert gpu_map.inventory_loader(None) is gpu_map.nvml_inventory

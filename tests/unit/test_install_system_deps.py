@@ -2,7 +2,7 @@
 
 On Debian 12, Slurm 24.11 and CRIU 4.x come from trixie and bring trixie's libc6 and base along.
 The script prints, in one line, what trixie would upgrade (from `apt-get -s`) and stops, unless
-TORCHPASS_ALLOW_TRIXIE_BASE=1; only Slurm, CRIU and nftables get `-t trixie`. Run against a stand-in
+TORCHPASS_ALLOW_TRIXIE_BASE=1; only Slurm, CRIU, nftables and promtool get `-t trixie`. Run against a stand-in
 `apt-get` (a script first on PATH that records its arguments) in a private mount namespace whose
 /etc/debian_version says 12 and whose apt and sysusers directories are empty tmpfs: nothing is
 installed and the host's /etc is untouched.
@@ -20,7 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "install-system-deps.sh"
 # nftables too: trixie's criu brings trixie's libnftables1, which bookworm's nftables cannot use.
-TRIXIE_PACKAGES = {"slurmd", "slurmctld", "slurm-client", "libslurm-dev", "criu", "nftables"}
+# promtool: bookworm has it only inside the prometheus server package.
+TRIXIE_PACKAGES = {"slurmd", "slurmctld", "slurm-client", "libslurm-dev", "criu", "nftables", "promtool"}
 OWN_SUITE_PACKAGES = {"munge", "iproute2", "gcc", "make", "util-linux", "procps"}
 
 # What `apt-get -s install -t trixie ...` prints on a Debian 12 machine (abridged): upgrades of
@@ -107,7 +108,7 @@ def test_debian_12_says_in_one_line_what_trixie_would_upgrade_and_stops(tmp_path
     assert any("-s" in argv for argv in calls)
 
 
-def test_debian_12_with_the_base_allowed_takes_only_slurm_criu_and_nftables_from_trixie(tmp_path):
+def test_debian_12_with_the_base_allowed_takes_only_slurm_criu_nftables_and_promtool_from_trixie(tmp_path):
     proc, calls = run_script(tmp_path, "12.8", allow=True)
     assert proc.returncode == 0, proc.stderr
     assert "TORCHPASS_ALLOW_TRIXIE_BASE=1: trixie upgrades libc6 2.36-9+deb12u9 -> 2.41-12" in proc.stdout

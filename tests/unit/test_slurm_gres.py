@@ -65,6 +65,31 @@ def test_step_record_gives_one_tasks_share():
         parse_step_share("StepId=1.0 State=RUNNING")
 
 
+# Slurm 24.11's step records on the GRES devcluster (2 nodes, 2 tasks each): no gres/gpu in TRES;
+# the GPUs as the step asked for them.
+STEP_GPUS_PER_TASK = """StepId=55200001.0 UserId=1001 StartTime=2026-12-07T15:27:19 TimeLimit=UNLIMITED
+   State=RUNNING Partition=debug NodeList=node[1-2]
+   Nodes=2 CPUs=4 Tasks=4 Name=sleep Network=(null)
+   TRES=cpu=4,mem=4000M,node=2
+   ResvPorts=(null)
+   CPUFreqReq=Default Dist=Block
+   SrunHost:Pid=node1:2998
+   TresBind=gres/gpu:per_task:1
+   TresPerStep=cpu:4
+   TresPerTask=gres/gpu=1
+"""
+
+
+@pytest.mark.parametrize("asked", ["TresPerTask=gres/gpu=1", "TresPerNode=gres/gpu:2",
+                                   "TresPerStep=cpu:4,gres/gpu:4", "TresPerNode=gres/gpu:a100:2"])
+def test_a_step_that_asked_for_gpus_gives_each_task_its_share(asked):
+    text = STEP_GPUS_PER_TASK.replace("TresPerStep=cpu:4\n", "").replace("TresPerTask=gres/gpu=1", asked)
+    assert parse_step_share(text) == TaskShare(gpus=1, cpus=1, mem_mb=1000)
+    no_gpus = STEP_GPUS_PER_TASK.replace("   TresPerTask=gres/gpu=1\n", "").replace(
+        "   TresBind=gres/gpu:per_task:1\n", "")
+    assert parse_step_share(no_gpus) == TaskShare(gpus=0, cpus=1, mem_mb=1000)
+
+
 def test_restore_steps_and_spares_ask_for_what_the_rank_had():
     share = parse_step_share(STEP_D)
     assert restore_step_options(share) == ["--cpus-per-task=4", "--mem=8192M", "--gres=gpu:1"]
@@ -114,3 +139,26 @@ def test_expand_is_dropped_under_task_affinity_and_the_reason_says_so(tmp_path):
     assert spare_strategies_for(("hot", "expand", "companion"), task_plugins(str(conf))) == (
         ("hot", "expand", "companion"), "")
     assert spare_strategies_for(("expand",), task_plugins(str(tmp_path / "missing"))) == (("expand",), "")
+
+
+def test_a_refused_gpu_spare_says_what_it_asked_for(monkeypatch):
+    """salloc's refusal of a GPU job's spare names the GPUs, CPUs and memory it asked for: the one
+    line a user reads in spare.unavailable says why no node fits (too few GPUs). salloc's answer is
+    the one Slurm 24.11 gave on the GRES devcluster (tests/integration/test_gres_cluster.py)."""
+    import subprocess
+
+    from torchpass.errors import SlurmError
+    from torchpass.slurm import cli
+    from torchpass.slurm.base import SpareRequest
+
+    said = "salloc: error: Job submit/allocate failed: Requested node configuration is not available\n"
+    asked = []
+    monkeypatch.setattr(cli.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(cli.subprocess, "run", lambda argv, **kw: asked.append(argv)
+                        or subprocess.CompletedProcess(argv, 1, "", said))
+    req = SpareRequest(job_id=7, name="s", comment="c", resources=("--cpus-per-task=2", "--gres=gpu:2"))
+    with pytest.raises(SlurmError) as exc:
+        cli.CliSlurmClient(environ={"PATH": "/usr/bin"}).allocate(req)
+    assert asked[0][-2:] == ["--cpus-per-task=2", "--gres=gpu:2"]
+    assert str(exc.value) == ("salloc of a spare (--cpus-per-task=2 --gres=gpu:2) for job 7 failed: salloc: error: "
+                              "Job submit/allocate failed: Requested node configuration is not available")

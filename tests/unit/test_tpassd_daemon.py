@@ -268,15 +268,16 @@ def test_status_and_metrics(node, munge):
     assert st["state"] == "healthy" and set(st["collectors"]) == {"nvml", "ib_sysfs", "host"}
     assert all(c["ok"] for c in st["collectors"].values())
     text = urllib.request.urlopen(f"http://127.0.0.1:{node.ports()['metrics_port']}/metrics", timeout=5).read().decode()
-    for family in ("tpassd_node_health", "tpassd_component_health", "tpassd_gpu_ecc_errors",
+    for family in ("tpassd_node_health", "tpassd_component_health", "tpassd_gpu_ecc_errors_total",
                    "tpassd_gpu_nvlink_errors_total", "tpassd_gpu_temperature_celsius",
                    "tpassd_infiniband_port_state_id", "tpassd_infiniband_symbol_error_total",
                    "tpassd_host_memory_available_bytes", "tpassd_scrape_collector_success",
-                   "tpassd_control_auth_failed_total"):
+                   "tpassd_control_auth_failed_total", "tpassd_build_info", "tpassd_node_info"):
         assert f"# HELP {family} " in text and f"# TYPE {family} " in text, family
-    assert 'tpassd_node_health{node="node1",state="healthy"} 1' in text
-    assert ('tpassd_gpu_ecc_errors{gpu="0",uuid="GPU-fake-0000-0000-0000-0000-000000000000",'
-            'type="sbe",counter="volatile"} 0' in text)
+    assert 'tpassd_node_health{state="healthy"} 1.0' in text
+    assert 'tpassd_node_info{gpu_driver="fake-0.0",node="node1"} 1.0' in text
+    assert ('tpassd_gpu_ecc_errors_total{counter="volatile",gpu="0",type="sbe",'
+            'uuid="GPU-fake-0000-0000-0000-0000-000000000000"} 0.0' in text)
 
 
 class Hang(Collector):

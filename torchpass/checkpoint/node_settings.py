@@ -56,6 +56,9 @@ class NodeSettings:
     cuda_loader: Callable[[], Any] | None = None
     # GPU device minor -> UUID (NVML): the UUIDs a GPU rank's image names, recorded in its manifest.
     gpu_uuids_by_minor: Callable[[], dict[int, str]] = gpu_map.nvml_uuids_by_minor
+    # The node's GPUs (tpassd.toml gpu_inventory, else NVML where tpassd reads NVML): a rank that holds
+    # no GPU state records the GPUs its task's devices cgroup allows. None: not asked (no GPUs known).
+    gpu_inventory: Callable[[], gpu_map.GpuInventory] | None = None
     dump_timeout_s: float = criu_mod.DUMP_TIMEOUT_S
     # How many bytes a dump of a tree will write (checked against snapshot_dir's free space before
     # anything moves, and again right before CRIU, after a CUDA suspend brought the GPU state into

@@ -129,7 +129,7 @@ class RankDumps:
         # The GPUs the image will name, in local order, so that the restore can remap each onto the
         # restore step's (gpu_map); read before anything is touched, so a failure moves nothing.
         try:
-            gpu_uuids = self._gpu_uuids(holders) if gpu else []
+            gpu_uuids = self._gpu_uuids(holders) if gpu else self._allocated_gpu_uuids(p.pid)
         except TorchpassError as exc:
             raise RemoteError("unavailable", f"rank {rank} of job {job_id}: {exc}; it cannot be moved") from None
         t0 = time.monotonic()
@@ -154,8 +154,8 @@ class RankDumps:
                                 meta={"job": job_id, "rank": rank, "generation": generation, "node": s.node,
                                       "gpu": gpu, "init": p.pid != pid, "uid": owner,
                                       # their pids as the restore gives them back (the task's PID namespace)
-                                      **({"gpu_pids": [procs.ns_pid(q, s.proc) for q in holders],
-                                          "gpu_uuids": gpu_uuids} if gpu else {}),
+                                      **({"gpu_pids": [procs.ns_pid(q, s.proc) for q in holders]} if gpu else {}),
+                                      **({"gpu_uuids": gpu_uuids} if gpu_uuids or gpu else {}),
                                       **({"snapshot": snapshot} if snapshot else {})})
         except BaseException as exc:
             # Aborted (criu failed, timed out, the disk filled, the suspend failed half way):
@@ -187,6 +187,22 @@ class RankDumps:
         NVIDIA device file (a stand-in for GPU state: NVML is then not asked)."""
         minors = gpu_map.mapped_gpu_minors(holders, self.settings.proc)
         return gpu_map.uuids_of(minors, self.settings.gpu_uuids_by_minor()) if minors else []
+
+    def _allocated_gpu_uuids(self, pid: int) -> list[str]:
+        """The UUIDs of the GPUs the devices cgroup of a rank that holds no GPU state (gloo on a GPU
+        allocation) lets it open, in local order, so that its move still pairs them, refuses a
+        restore step with fewer, and shows the table. None where the node's GPUs are not known or
+        its cgroup cannot be asked (no ConstrainDevices, cgroup v2): the rank moves as a CPU rank."""
+        if self.settings.gpu_inventory is None:
+            return []
+        try:
+            inv = self.settings.gpu_inventory()
+            if not inv.uuids:
+                return []
+            return gpu_map.uuids_of(gpu_map.allowed_in_cgroup_of(pid, inv, self.settings.proc), inv.uuids)
+        except TorchpassError as exc:
+            log.info("a rank without GPU state: its allocated GPUs are not recorded", pid=pid, why=str(exc))
+            return []
 
     @staticmethod
     def _resume_cuda(cuda: Any, job_id: int, rank: int, pids: list[int]) -> str | None:

@@ -84,7 +84,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchpass import __version__, layout
+from torchpass import __version__, envnames, layout
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWTIME = 0x00000080
@@ -130,11 +130,11 @@ def set_child_subreaper() -> None:
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-TASK_ENV = "TORCHPASS_TASK"
+TASK_ENV = envnames.TASK
 
 
 def identity(env=os.environ) -> tuple[str, str]:
-    job = env.get("TORCHPASS_JOB_ID") or env.get("SLURM_JOB_ID") or "0"
+    job = env.get(envnames.JOB_ID) or env.get("SLURM_JOB_ID") or "0"
     rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
     return job, rank
 
@@ -696,9 +696,9 @@ def wake(wake_file: str | None, text: str = "") -> None:
     os.replace(tmp, path)
 
 
-RESTORE_RANK_ENV = "TORCHPASS_RESTORE_RANK"  # set on the restore srun: the plugin starts its restore agent
+RESTORE_RANK_ENV = envnames.RESTORE_RANK  # set on the restore srun: the plugin starts its restore agent
 # ... and the rank's job, which is not the step's when it runs in a companion allocation
-RESTORE_JOB_ENV = "TORCHPASS_RESTORE_JOB"
+RESTORE_JOB_ENV = envnames.RESTORE_JOB
 
 
 def wait_agent(agent: int, timeout_s: float) -> int | None:
@@ -814,9 +814,9 @@ def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:
     rank $SLURM_PROCID from the snapshot through the plugin's root restore agent, wake it with
     a hold file that says ``restored ID`` (its runtime then registers again and waits for the
     coordinator's resume), relay its output, and end with its exit code: this task is the rank."""
-    job = env.get("TORCHPASS_JOB_ID") or env.get("SLURM_JOB_ID") or ""
+    job = env.get(envnames.JOB_ID) or env.get("SLURM_JOB_ID") or ""
     rank = env.get("SLURM_PROCID") or ""
-    jobs_state = env.get("TORCHPASS_STATE_DIR") or ""
+    jobs_state = env.get(envnames.STATE_DIR) or ""
     if not layout.valid_snapshot_id(snap) or not job.isdigit() or not rank.isdigit() or not jobs_state:
         say(f"cannot restore from snapshot {snap!r}: needs a snapshot id, TORCHPASS_JOB_ID, SLURM_PROCID and "
             "TORCHPASS_STATE_DIR (a --torchpass step relaunched by the SPANK plugin)")
@@ -837,8 +837,8 @@ def restore_snapshot(snap: str, state_dir: str, env=os.environ) -> int:
         return 1
     # This run's coordinator and job secret: a job stopped and resumed has a new coordinator
     # (elsewhere) and a new secret; the copy's image knows the old ones (runtime.control).
-    said = "".join(f"{key}={env[var]}\n" for key, var in (("coordinator", "TORCHPASS_COORDINATOR"),
-                                                          ("secret", "TORCHPASS_JOB_SECRET")) if env.get(var))
+    said = "".join(f"{key}={env[var]}\n" for key, var in (("coordinator", envnames.COORDINATOR),
+                                                          ("secret", envnames.JOB_SECRET)) if env.get(var))
     return restore_via_agent(images, state_dir, str(hold), children(os.getpid()),
                              wake_text=f"{layout.RESTORED_WAKE} {snap}\n{said}", env=env)
 
@@ -889,10 +889,10 @@ def finish_restored(paths: Paths, images: str, result: int) -> int:
 def default_state_dir(env=os.environ) -> str:
     """$TORCHPASS_RANK_STATE_DIR; else the job's shared rank directory, exported as
     $TORCHPASS_RANK_STATE_DIR (the rank inherits it); else /run/torchpass/ranks."""
-    sd, job = env.get("TORCHPASS_STATE_DIR"), env.get("TORCHPASS_JOB_ID")
-    if sd and job and not env.get("TORCHPASS_RANK_STATE_DIR"):
-        env["TORCHPASS_RANK_STATE_DIR"] = str(layout.rank_records_dir(sd, job))
-    return env.get("TORCHPASS_RANK_STATE_DIR", layout.DEFAULT_RANK_DIR)
+    sd, job = env.get(envnames.STATE_DIR), env.get(envnames.JOB_ID)
+    if sd and job and not env.get(envnames.RANK_STATE_DIR):
+        env[envnames.RANK_STATE_DIR] = str(layout.rank_records_dir(sd, job))
+    return env.get(envnames.RANK_STATE_DIR, layout.DEFAULT_RANK_DIR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -922,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         from torchpass.checkpoint import moved_exit
 
         return moved_exit.collect(args.collect_moved, args.status, args.state_dir,
-                                  os.environ.get("TORCHPASS_STATE_DIR", ""), identity()[0])
+                                  os.environ.get(envnames.STATE_DIR, ""), identity()[0])
     if args.restore_snapshot is not None:
         return restore_snapshot(args.restore_snapshot, args.state_dir)
     if args.restore:

@@ -73,6 +73,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,29 +245,37 @@ def task_pipes(task_pidfd: int, fds: Any, meta: dict[str, Any]) -> dict[int, str
 
 
 def gpu_pairs_for(meta: dict[str, Any], task: int, proc: str = "/proc",
-                  by_minor: gpu_map.UuidsByMinor | None = None) -> list[tuple[str, str]]:
-    """(source UUID, target UUID) for every GPU the image names (its manifest's ``gpu_uuids``, in
-    local order), onto the GPUs the restore step's devices cgroup allows, in local order
-    (gpu_map). None named (a CPU rank, a stand-in for GPU state, or a manifest written before
-    the dump recorded them): no pairs, the CUDA restore is as before. Fewer targets than sources:
-    a one-line CheckpointError, before anything is restored."""
-    source = meta.get("gpu_uuids") if meta.get("gpu") else None
+                  inventory: Callable[[], gpu_map.GpuInventory] | None = None) -> list[tuple[str, str]]:
+    """(source UUID, target UUID) for every GPU the image's manifest names (``gpu_uuids``, in
+    local order: those its GPU state maps, or for a rank that holds none, those its task was
+    allowed), onto the GPUs the restore step's devices cgroup allows, in local order (gpu_map).
+    None named (a CPU rank, a stand-in for GPU state, or a manifest written before the dump
+    recorded them): no pairs, the CUDA restore is as before. Fewer targets than sources, or a
+    step allowed every GPU of a node that has more than it needs (no confinement): a one-line
+    CheckpointError, before anything is restored."""
+    source = meta.get("gpu_uuids")
     if not source:
         return []
     if not isinstance(source, list) or not all(isinstance(u, str) for u in source):
         raise CheckpointError(f"the manifest's gpu_uuids {source!r} is not a list of GPU UUIDs; restore refused")
-    target = gpu_map.uuids_of(gpu_map.target_gpu_minors(task, proc), (by_minor or gpu_map.nvml_uuids_by_minor)())
-    return gpu_pair_table(source, target)
+    inv = (inventory or gpu_map.nvml_inventory)()
+    minors = gpu_map.target_gpu_minors(task, proc, inv=inv)
+    if len(minors) == len(inv.uuids) > len(source):
+        raise CheckpointError(f"the restore step may open every GPU of the node ({len(minors)}) but the rank had "
+                              f"{len(source)}: ConstrainDevices is off, and a GPU rank is not restored onto GPUs "
+                              "root has not told apart")
+    return gpu_pair_table(source, gpu_map.uuids_of(minors, inv.uuids))
 
 
 def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
-            task_pidfd: int | None = None) -> dict[str, Any]:
+            task_pidfd: int | None = None,
+            inventory: Callable[[], gpu_map.GpuInventory] | None = None) -> dict[str, Any]:
     """Restore what ``req`` names for the task ``task`` (its pidfd: ``task_pidfd``, held by the
     caller; opened here if None); the result's fields, or an exception (one line: why)."""
     if task_pidfd is None:
         task_pidfd = os.pidfd_open(task)
         try:
-            return restore(task, req, job, rank, uid, task_pidfd)
+            return restore(task, req, job, rank, uid, task_pidfd, inventory)
         finally:
             os.close(task_pidfd)
     images, manifest = check_images(req.get("images"), job, rank, uid)
@@ -276,7 +285,7 @@ def restore(task: int, req: dict[str, Any], job: int, rank: int, uid: int,
     join_cgroups_of(task, pidfd=task_pidfd)
     # The restored process keeps its source environment (CUDA_VISIBLE_DEVICES too): only this
     # remap makes its device n the restore step's n-th GPU. Refused here, before criu runs.
-    pairs = gpu_pairs_for(meta, task)
+    pairs = gpu_pairs_for(meta, task, inventory=inventory)
     inherit = task_pipes(task_pidfd, req.get("fds"), meta)
     try:
         c = criu_mod.find_criu(None)
@@ -323,7 +332,7 @@ def write_result(dfd: int, rank: int, uid: int, out: dict[str, Any]) -> None:
 
 
 def main(job: int | None, rank: int | None, task: int | None, uid: int | None, state_dir: str | None,
-         generation: int | None = None, snapshot: str | None = None) -> int:
+         generation: int | None = None, snapshot: str | None = None, gpu_inventory: str | None = None) -> int:
     if None in (job, rank, task, uid, state_dir) or not os.path.isabs(state_dir or "") \
             or (generation is None) == (snapshot is None):
         sys.stderr.write("torchpass: restore agent: needs --job --rank --task-pid --uid --jobs-state-dir and one "
@@ -348,7 +357,7 @@ def main(job: int | None, rank: int | None, task: int | None, uid: int | None, s
         dfd, req = got
         try:
             allowed_images(req.get("images"), job, rank, generation, snapshot)
-            out = restore(task, req, job, rank, uid, pidfd)
+            out = restore(task, req, job, rank, uid, pidfd, gpu_map.inventory_loader(gpu_inventory))
             audit(**fields, pid=out["pid"], images=out["images"], outcome="ok")
         except (Refused, TorchpassError, OSError) as exc:
             out = {"error": str(exc)}
@@ -383,8 +392,13 @@ def cli(argv: list[str] | None = None) -> int:
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--generation", type=int, help="restore only the dump of this generation (a migration)")
     which.add_argument("--snapshot", help="restore only from this whole-job snapshot")
+    ap.add_argument("--gpu-inventory", help="the node's GPUs from this root-owned file (plugstack.conf "
+                                            "gpu_inventory=), not from NVML")
     args = ap.parse_args(argv)
-    return main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir, args.generation, args.snapshot)
+    if args.gpu_inventory is not None and not os.path.isabs(args.gpu_inventory):
+        ap.error("--gpu-inventory must be an absolute path")
+    return main(args.job, args.rank, args.task_pid, args.uid, args.jobs_state_dir, args.generation, args.snapshot,
+                args.gpu_inventory)
 
 
 if __name__ == "__main__":

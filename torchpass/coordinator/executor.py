@@ -94,6 +94,7 @@ from typing import Any
 import structlog
 
 from torchpass.coordinator import contract as ct
+from torchpass.coordinator.accounting_actions import JobAccounting
 from torchpass.coordinator.executor_ports import ExecutorPorts, TpassdClient
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.job_snapshot_actions import JobSnapshotActions
@@ -162,6 +163,7 @@ class Executor:
         self.spares = SpareActions(self.ports, follow)
         self.lost_nodes = LostNodeActions(self.ports, self.restore_steps)
         self.job_snapshots = JobSnapshotActions(self.ports)
+        self.accounting = JobAccounting(self.ports)
         m, sp, ln, js = self.migrations, self.spares, self.lost_nodes, self.job_snapshots
         # Every action type of contract.Action has its handler here (a unit test checks it).
         self.handlers: dict[type, Callable[[Any, CoordState], None]] = {
@@ -281,11 +283,13 @@ class Executor:
         self.job.record(self.ports.wall(), a.kind, a.message, **a.data)
         log.info("event", kind=a.kind, message=a.message)
         self.save_events()
+        self.accounting.event_recorded(a.kind)  # after the save: tpassd reads the saved log
 
     def close(self) -> None:
         self._deferred = []  # nothing new starts at the end
         self.migrations.close()
         self.spares.close()
+        self.accounting.close()
 
 
 __all__ = ["FAILURE_OF", "OWN_OUTCOMES", "Executor"]

@@ -513,11 +513,17 @@ def _on_migration_dump_done(st: CoordState, ev: MigrationDumpDone, now: float, o
     return st
 
 
-def _on_migration_dump_failed(st: CoordState, ev: MigrationDumpFailed, now: float, owned: Owned) -> CoordState:
+def _record_failure(st: CoordState, ev, phase: Phase, failure: Failure, *, at_target: bool = False) -> CoordState:
+    """The migration's first failure, if ``ev`` answers its current ``phase`` (and, for the
+    steps on the spare, comes from its target); later failures of the same step add nothing."""
     m = st.migration
-    if _for(m, ev.migration, Phase.DUMP) and m.failure is None:
-        return replace(st, migration=replace(m, failure=Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}")))
+    if _for(m, ev.migration, phase) and (not at_target or ev.target == m.target) and m.failure is None:
+        return replace(st, migration=replace(m, failure=failure))
     return st
+
+
+def _on_migration_dump_failed(st: CoordState, ev: MigrationDumpFailed, now: float, owned: Owned) -> CoordState:
+    return _record_failure(st, ev, Phase.DUMP, Failure(FailedStep.DUMP, f"rank {ev.rank}: {ev.why}"))
 
 
 def _on_transfer_done(st: CoordState, ev: TransferDone, now: float, owned: Owned) -> CoordState:
@@ -530,11 +536,8 @@ def _on_transfer_done(st: CoordState, ev: TransferDone, now: float, owned: Owned
 
 
 def _on_transfer_failed(st: CoordState, ev: TransferFailed, now: float, owned: Owned) -> CoordState:
-    m = st.migration
-    if _for(m, ev.migration, Phase.TRANSFER) and ev.target == m.target and m.failure is None:
-        f = Failure(FailedStep.TRANSFER, f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
-        return replace(st, migration=replace(m, failure=f))
-    return st
+    failure = Failure(FailedStep.TRANSFER, f"rank {ev.rank} to {ev.target}: {ev.why}", ev.target_lost)
+    return _record_failure(st, ev, Phase.TRANSFER, failure, at_target=True)
 
 
 def _on_restore_done(st: CoordState, ev: RestoreDone, now: float, owned: Owned) -> CoordState:
@@ -548,11 +551,8 @@ def _on_restore_done(st: CoordState, ev: RestoreDone, now: float, owned: Owned) 
 
 
 def _on_restore_failed(st: CoordState, ev: RestoreFailed, now: float, owned: Owned) -> CoordState:
-    m = st.migration
-    if _for(m, ev.migration, Phase.RESTORE) and ev.target == m.target and m.failure is None:
-        f = Failure(FailedStep.RESTORE, f"rank {ev.rank}: {ev.why}", ev.target_lost)
-        return replace(st, migration=replace(m, failure=f))
-    return st
+    failure = Failure(FailedStep.RESTORE, f"rank {ev.rank}: {ev.why}", ev.target_lost)
+    return _record_failure(st, ev, Phase.RESTORE, failure, at_target=True)
 
 
 def _on_source_killed(st: CoordState, ev: SourceKilled, now: float, owned: Owned) -> CoordState:
@@ -561,26 +561,27 @@ def _on_source_killed(st: CoordState, ev: SourceKilled, now: float, owned: Owned
 
 
 def _on_kill_failed(st: CoordState, ev: KillFailed, now: float, owned: Owned) -> CoordState:
+    return _record_failure(st, ev, Phase.KILL_SOURCE, Failure(FailedStep.KILL, ev.why))
+
+
+def _finish_cleanup_step(st: CoordState, ev, phase: Phase, flag: str, failed_note: str | None) -> CoordState:
+    """A cleanup step after the move (drain, shrink) is done whether or not it worked; a failure
+    becomes a note of the migration's event, never a rollback."""
     m = st.migration
-    if _for(m, ev.migration, Phase.KILL_SOURCE) and m.failure is None:
-        return replace(st, migration=replace(m, failure=Failure(FailedStep.KILL, ev.why)))
-    return st
+    if not _for(m, ev.migration, phase):
+        return st
+    notes = m.notes + ((failed_note,) if failed_note else ())
+    return replace(st, migration=replace(m, notes=notes, **{flag: True}))
 
 
 def _on_drained(st: CoordState, ev: Drained | DrainFailed, now: float, owned: Owned) -> CoordState:
-    m = st.migration
-    if _for(m, ev.migration, Phase.DRAIN):
-        notes = m.notes + ((f"drain of {ev.node} failed: {ev.why}",) if isinstance(ev, DrainFailed) else ())
-        return replace(st, migration=replace(m, drain_done=True, notes=notes))
-    return st
+    note = f"drain of {ev.node} failed: {ev.why}" if isinstance(ev, DrainFailed) else None
+    return _finish_cleanup_step(st, ev, Phase.DRAIN, "drain_done", note)
 
 
 def _on_shrunk(st: CoordState, ev: Shrunk | ShrinkFailed, now: float, owned: Owned) -> CoordState:
-    m = st.migration
-    if _for(m, ev.migration, Phase.SHRINK):
-        notes = m.notes + ((f"shrink failed: {ev.why}",) if isinstance(ev, ShrinkFailed) else ())
-        return replace(st, migration=replace(m, shrink_done=True, notes=notes))
-    return st
+    note = f"shrink failed: {ev.why}" if isinstance(ev, ShrinkFailed) else None
+    return _finish_cleanup_step(st, ev, Phase.SHRINK, "shrink_done", note)
 
 
 def _on_operator_migrate(st: CoordState, ev: OperatorMigrate, now: float, owned: Owned) -> CoordState:

@@ -21,6 +21,7 @@ from torchpass.coordinator.decide import resumed_from_stop
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.executor_ports import TpassdClient
+from torchpass.coordinator.job_metrics import JobMetrics, MetricsPusher, batch_host
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.policy import CoordinatorPolicy, load_policy
 from torchpass.coordinator.recovery import InFlightWriter, Recovery, RecoveryAction, recover
@@ -223,6 +224,31 @@ def _supervise(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind
                       secret=secret).run()
 
 
+def _push_metrics(job: JobState, server: CoordinatorServer, driver, log) -> MetricsPusher | None:
+    """The job's summary for Prometheus, sent to the batch host's tpassd (torchpass/job_metrics.py)
+    over the executor's authenticated tpassd channel; None without one (no Slurm: no driver)."""
+    if driver is None or driver.executor is None or driver.executor.tpassd is None:
+        return None
+    ex = driver.executor
+    metrics = JobMetrics()
+    host: list[str | None] = []
+
+    def build():
+        metrics.observe(job.events)
+        return metrics.report(job.job_id, server.state, server.clock(), pusher.every_s)
+
+    def send(body: dict) -> dict:
+        if not host:
+            host.append(batch_host(dict(os.environ), lambda: ex.slurm.job(job.job_id)))
+        if host[0] is None:
+            raise TorchpassError("neither SLURMD_NODENAME nor slurmctld names this job's batch host")
+        return ex.tpassd.request(host[0], "tpassd.job_metrics", body, timeout_s=5.0)
+
+    pusher = MetricsPusher(build, server.later, send)
+    log.info("job metrics go to the batch host's tpassd", every_s=pusher.every_s)
+    return pusher.start()
+
+
 def _restarted(job: JobState, state_dir, restart: int, reason: str, log) -> Recovery:
     """This coordinator replaces one that died: the saved events go on, and what it left paused is
     decided on (recovery.recover) before anything else runs."""
@@ -320,6 +346,7 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
             driver.executor.save_events()  # coordinator.restarted on disk at once (tpassctl events, tests)
     log.info("coordinator listening", job_id=job_id, endpoint=endpoint, spares=spares, policy=policy)
 
+    pusher = None
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:
@@ -327,8 +354,11 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
             server.later(lambda: server.note_slurm(available, why))
 
         server.watch(job_liveness_check(client(), job_id, on_change=slurm_changed), slurm_poll_s)
+        pusher = _push_metrics(job, server, driver, log)
         server.serve()
     finally:
+        if pusher is not None:
+            pusher.close(final=True)
         if driver is not None and driver.health is not None:
             driver.health.close()
         if driver is not None and driver.executor is not None:

@@ -230,7 +230,8 @@ class MigrationActions:
         def run() -> None:
             t0 = time.monotonic()
             try:
-                self.same_gpu_driver(a.source, a.target)
+                if self.may_hold_gpus():
+                    self.same_gpu_driver(a.source, a.target)
             except PlacementRefused as exc:
                 self.ports.post(ct.TransferFailed(a.migration, a.rank, a.target, str(exc)))
                 return
@@ -257,6 +258,13 @@ class MigrationActions:
             return None
         driver = health.get("gpu_driver") if isinstance(health, dict) else None
         return driver if isinstance(driver, str) and driver else None
+
+    def may_hold_gpus(self) -> bool:
+        """False when Slurm's record of the training step gives its tasks no GPU (gres/gpu in its
+        TRES): then no rank holds CUDA state, and no tpassd is asked for its driver. True when it
+        does, or when the record cannot be read (the drivers are compared then, as for a GPU job)."""
+        share = self.restore_steps.task_share()
+        return share is None or share.gpus > 0
 
     def same_gpu_driver(self, source: str, target: str) -> None:
         """PlacementRefused (one line) when the target's NVIDIA driver is not the source's: a CUDA

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import os
 
+from torchpass import envnames
 from torchpass.errors import TorchpassError
 
 
@@ -128,7 +129,7 @@ def check_result(migration: str, phase: Phase, result: Result) -> None:
 
 def strict_default() -> bool:
     """Whether an illegal transition raises (see the module docstring)."""
-    return os.environ.get("TORCHPASS_STRICT_TRANSITIONS", "") not in ("", "0")
+    return os.environ.get(envnames.STRICT_TRANSITIONS, "") not in ("", "0")
 
 
 __all__ = ["Phase", "Result", "PAUSED_PHASES", "TRANSITIONS", "RESULTS", "IllegalTransition", "legal",

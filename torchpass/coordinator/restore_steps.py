@@ -23,7 +23,7 @@ from torchpass.coordinator.executor_ports import ExecutorPorts
 from torchpass.coordinator.model import CoordState, SpareHow
 from torchpass.errors import TorchpassError
 from torchpass.slurm.base import overlap_step_argv
-from torchpass.slurm.gres import parse_step_share, restore_step_options
+from torchpass.slurm.gres import TaskShare, parse_step_share, restore_step_options
 
 log = structlog.get_logger("torchpass.coordinator.executor")
 
@@ -35,6 +35,8 @@ RESTORE_GATE_MODULE = "torchpass.checkpoint.restore_gate"
 # that checks the job's owner with slurmctld; a tpassd that does not answer in this time fails
 # the restore (its step then fails at launch with the plugin's line why).
 PREPARE_TIMEOUT_S = 5.0
+# RestoreSteps.share before Slurm was asked (None is an answer: the share cannot be known).
+_UNREAD = object()
 
 
 class Gate(NamedTuple):
@@ -54,7 +56,7 @@ class RestoreSteps:
         # The job's stdout file (cached). Given at the start (main.py has Slurm's record then), so
         # the first restore step, launched in the serve thread at a pause, asks slurmctld nothing.
         self.output: str | None = output or None
-        self.resources: tuple[str, ...] | None = None  # task_resources(), once read
+        self.share: TaskShare | None | object = _UNREAD  # task_share(), once read
 
 
     def job_output(self) -> str:
@@ -70,25 +72,30 @@ class RestoreSteps:
             self.output = path or str(layout.restored_ranks_out(self.ports.state_dir, self.ports.job_id))
         return self.output
 
-    def task_resources(self) -> tuple[str, ...]:
-        """srun options for what one task of the job's training step had, when it had GPUs
-        (Slurm's ``scontrol show step -d``, read once). A CPU-only job's restore step asks for
-        nothing more than before, and so does one whose share cannot be read (logged)."""
-        if self.resources is None:
-            self.resources = ()
+    def task_share(self) -> TaskShare | None:
+        """What one task of the job's training step had (Slurm's ``scontrol show step -d``, read
+        once); None when it cannot be known (no training step found, or its record unreadable:
+        logged)."""
+        if self.share is _UNREAD:
+            self.share = None
             slurm = self.ports.slurm
             if slurm is not None:
                 try:
                     steps = [s for s in slurm.steps(self.ports.job_id)
                              if s.user_step and not s.name.startswith(RESTORE_STEP_NAME)]
                     if steps:
-                        share = parse_step_share(slurm.step_detail(steps[0].step_id))
-                        if share.gpus:
-                            self.resources = tuple(restore_step_options(share))
+                        self.share = parse_step_share(slurm.step_detail(steps[0].step_id))
                 except (OSError, TorchpassError) as exc:
                     log.warning("cannot read the training step's share from Slurm; restore steps ask for "
                                 "one task's default", error=str(exc))
-        return self.resources
+        return self.share  # type: ignore[return-value]
+
+    def task_resources(self) -> tuple[str, ...]:
+        """srun options for what one task of the job's training step had, when it had GPUs. A
+        CPU-only job's restore step asks for nothing more than before, and so does one whose
+        share cannot be read."""
+        share = self.task_share()
+        return tuple(restore_step_options(share)) if share is not None and share.gpus else ()
 
     def restore_err(self, a: ct.Restore) -> Path:
         """srun's stderr plus the restore wrapper's reason for failing: the rollback event quotes its

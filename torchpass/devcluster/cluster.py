@@ -20,7 +20,7 @@ import structlog
 
 import torchpass
 from torchpass import envnames
-from torchpass.devcluster import cgroups, cpu_quota, jobpython, rails
+from torchpass.devcluster import cgroups, cpu_quota, gpus, jobpython, rails
 from torchpass.devcluster.tpassd_node import ports_toml, start_args
 from torchpass.errors import DependencyError, DevclusterError
 from torchpass.ports import TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT, TPASSD_PUB_PORT
@@ -69,6 +69,9 @@ class DevclusterSpec:
     # Data rails beside the management network (eth0): railR on every node, one bridge per rail
     # (rails.py). 0 = the management network only.
     rails: int = 0
+    # Fake GPUs per node as Slurm GRES (gpus.py), node1 first; () = none. Needs the cgroup mode
+    # (ConstrainDevices is task/cgroup's).
+    gpus: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -87,6 +90,10 @@ class DevclusterSpec:
                                   "(pub, control) and a metrics port or -1")
         if not 0 <= self.rails <= rails.MAX_RAILS:
             raise DevclusterError(f"--rails {self.rails} is out of range; use 0 to {rails.MAX_RAILS}")
+        gpus.check_counts(self.gpus, self.nodes)
+        if any(self.gpus) and not self.cgroups:
+            raise DevclusterError("--gpus needs the cgroup mode (--cgroups): Slurm confines a step's GPUs with "
+                                  "task/cgroup's ConstrainDevices")
         for user in self.job_users:
             if not _USER_RE.match(user) or user == "root":
                 raise DevclusterError(f"job user {user!r} must be an ordinary user name (lowercase, not root)")
@@ -125,6 +132,14 @@ class DevclusterSpec:
         return f"tp-{self.name}"
 
     @property
+    def gpu_dev_dir(self) -> Path:
+        """Where each node's GPU device files and inventory are, inside its own mount namespace."""
+        return self.run_dir / "dev"
+
+    def node_gpus(self, i: int) -> int:
+        return self.gpus[i - 1] if self.gpus else 0
+
+    @property
     def rail_interfaces(self) -> tuple[str, ...]:
         return tuple(rails.rail_interface(r) for r in range(self.rails))
 
@@ -158,6 +173,7 @@ class _State:
     job_python: str = ""  # what plugstack.conf names (resolved at bring-up)
     crashed: list[str] = field(default_factory=list)  # nodes a drill cut off (crash) and not yet revived
     cgroups: list[str] = field(default_factory=list)  # the nodes' cgroup subtrees (cgroup mode), removed by down
+    gpu_major: int = 0  # the fake GPUs' character major (gpus.unused_char_major), chosen at bring-up
 
 
 def _run(argv: list[str], *, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -307,6 +323,7 @@ class Devcluster:
             if spec_d.get(key):
                 spec_d[key] = Path(spec_d[key])
         spec_d["job_users"] = tuple(spec_d.get("job_users", DEFAULT_JOB_USERS))
+        spec_d["gpus"] = tuple(spec_d.get("gpus", ()))
         if "tpassd_ports" in spec_d:
             spec_d["tpassd_ports"] = tuple(spec_d["tpassd_ports"])
         cluster = cls(DevclusterSpec(**spec_d))
@@ -706,7 +723,9 @@ class Devcluster:
             # the nodes share this host's /run: the cluster's own restore tokens (per node below it)
             f" restore_tokens={self.restore_tokens}"
             # a dev cluster's jobs last seconds: periodic snapshots may be as close as 1 s apart
-            " snapshot_every_min_s=1\n"
+            " snapshot_every_min_s=1"
+            # fake GPUs: the restore agent reads the node's own inventory (each node mounts its own there)
+            + (f" gpu_inventory={spec.gpu_dev_dir / gpus.INVENTORY_NAME}" if any(spec.gpus) else "") + "\n"
         )
         (rd / "etc" / "plugstack.conf").write_text(plug_line if plugin.exists() else "")
         if not plugin.exists():
@@ -717,8 +736,19 @@ class Devcluster:
                              else ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none"))
         select = "\n".join(cgroups.SLURM_CONF_SELECT if spec.cgroups else ("SelectTypeParameters=CR_Core",))
         if spec.cgroups:
-            (rd / "etc" / "cgroup.conf").write_text(cgroups.CGROUP_CONF)  # Slurm reads it beside slurm.conf
+            # Slurm reads cgroup.conf and gres.conf beside slurm.conf
+            (rd / "etc" / "cgroup.conf").write_text(cgroups.CGROUP_CONF + ("ConstrainDevices=yes\n" if any(spec.gpus)
+                                                                            else ""))
         node_hw = "CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=2000"
+        node_lines = f"NodeName=node[1-{n}] NodeAddr={spec.subnet}.[11-{10 + n}] {node_hw} State=UNKNOWN"
+        gres_types = ""
+        if any(spec.gpus):
+            gres_types = "GresTypes=gpu\n"
+            node_lines = "\n".join(
+                f"NodeName={spec.node_name(i)} NodeAddr={spec.node_address(i)} {node_hw}"
+                + (f" Gres=gpu:{spec.node_gpus(i)}" if spec.node_gpus(i) else "") + " State=UNKNOWN"
+                for i in range(1, n + 1))
+            (rd / "etc" / "gres.conf").write_text(gpus.gres_conf(self.node_names, spec.gpus, spec.gpu_dev_dir))
         conf = f"""# Generated by torchpass devcluster {spec.name!r}; rewritten on every 'up'.
 ClusterName=tp{spec.name}
 SlurmctldHost={host}({spec.controller_address})
@@ -754,7 +784,7 @@ SlurmdTimeout=20
 KillWait=5
 MinJobAge=600
 PlugStackConfig={rd}/etc/plugstack.conf
-NodeName=node[1-{n}] NodeAddr={spec.subnet}.[11-{10 + n}] {node_hw} State=UNKNOWN
+{gres_types}{node_lines}
 PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
         if n == 1:
@@ -796,7 +826,13 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
             self._save()
             cgroups.make(dirs)
             start = cgroups.slurmd_command(dirs, slurmd)
-        script = f"hostname {node} && mount --bind {rd / 'etc' / 'hosts'} /etc/hosts && {start}"
+        dev = ""
+        if spec.node_gpus(i):
+            spec.gpu_dev_dir.mkdir(mode=0o755, exist_ok=True)  # each node mounts its own tmpfs here
+            inv = gpus.inventory(spec.name, node, spec.node_gpus(i), self._gpu_major(), spec.gpu_dev_dir)
+            dev = " && ".join(gpus.node_dev_commands(spec.node_gpus(i), self._gpu_major(), spec.gpu_dev_dir,
+                                                     gpus.inventory_json(inv))) + " && "
+        script = f"hostname {node} && mount --bind {rd / 'etc' / 'hosts'} /etc/hosts && {dev}{start}"
         _run(
             ["nsenter", f"--net=/run/netns/{spec.netns(i)}", "--", "unshare", "--uts", "--mount",
              "--propagation", "slave", "--", "sh", "-c", script],
@@ -804,6 +840,13 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         )
         self._state.pids[f"slurmd.{node}"] = _read_pidfile(rd / node / "slurmd.pid")
         self._save()
+
+    def _gpu_major(self) -> int:
+        """The fake GPUs' major: chosen once per bring-up (a revived node keeps it)."""
+        if not self._state.gpu_major:
+            self._state.gpu_major = gpus.unused_char_major(Path("/proc/devices").read_text())
+            self._save()
+        return self._state.gpu_major
 
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 5.0)
@@ -831,6 +874,9 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
                           restore_tokens=self.restore_tokens,
                           snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces,
+                          fake_gpu_uuids=tuple(gpus.fake_uuid(spec.name, node, g) for g in range(spec.node_gpus(i)))
+                          if spec.gpus else None,
+                          gpu_inventory=spec.gpu_dev_dir / gpus.INVENTORY_NAME if spec.node_gpus(i) else None,
                           # one spool every node shares, as a site's shared state_dir would give
                           fleet_spool=self.state_dir / "fleet" / "spool")
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")

@@ -112,9 +112,12 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
                interval_s: float = 1.0,
                ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT),
                snapshot_dir: Path | None = None, restore_tokens: Path | None = None,
-               rails: tuple[str, ...] = (), fleet_spool: Path | None = None) -> list[str]:
+               rails: tuple[str, ...] = (), fake_gpu_uuids: tuple[str, ...] | None = None,
+               gpu_inventory: Path | None = None, fleet_spool: Path | None = None) -> list[str]:
     """Write the node's config and policy under ``node_dir``; return tpassd's argv. ``snapshot_dir``:
-    the one every node shares (the devcluster's); default: the node's own, under ``node_dir``."""
+    the one every node shares (the devcluster's); default: the node's own, under ``node_dir``.
+    ``fake_gpu_uuids``: the node's fake GPUs (a GRES devcluster: its count and UUIDs); None: 8.
+    ``gpu_inventory``: the node's GPU inventory file (the dump reads the GPUs there, not NVML)."""
     node_dir = Path(node_dir)
     node_dir.mkdir(parents=True, exist_ok=True)
     (node_dir / "state").mkdir(exist_ok=True)
@@ -130,8 +133,11 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
         *ports_toml(ports),
         f"interval_s = {float(interval_s)}",
         'nvml_provider = "fake"',
-        "fake_gpus = 8",
+        *([f"fake_gpus = {len(fake_gpu_uuids)}",
+           f"fake_gpu_uuids = [{', '.join(_toml_str(u) for u in fake_gpu_uuids)}]"] if fake_gpu_uuids is not None
+          else ["fake_gpus = 8"]),
         "fake_nvlinks = 4",
+        *([f"gpu_inventory = {_toml_str(gpu_inventory)}"] if gpu_inventory is not None else []),
         f"sysfs_root = {_toml_str(node_dir / 'sys')}",
         "ib_expected_ports = 4",
         *([f"rails = [{', '.join(_toml_str(r) for r in rails)}]"] if rails else []),

@@ -41,6 +41,7 @@ class JobInfo:
     exit_code: int | None = None
     restarts: int = 0
     comment: str = ""
+    admin_comment: str = ""  # only root, SlurmUser and Slurm administrators may set it
     partition: str = ""
     account: str = ""
     qos: str = ""
@@ -178,6 +179,11 @@ class SlurmClient(ABC):
     def step_detail(self, step_id: str) -> str:
         """``scontrol show step -d J.S``: the step's TRES and task count (torchpass.slurm.gres)."""
         raise SlurmError(f"the {self.name} Slurm client cannot read step {step_id}'s allocation")
+
+    def set_job_field(self, job_id: int, name: str, value: str) -> None:
+        """``scontrol update JobId=J NAME=VALUE`` for a free-text field (AdminComment, Comment);
+        a client that cannot raises SlurmError."""
+        raise SlurmError(f"the {self.name} Slurm client cannot set {name} of job {job_id}")
 
     @abstractmethod
     def release(self, job_id: int) -> None:

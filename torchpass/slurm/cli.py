@@ -86,6 +86,7 @@ class CliSlurmClient(SlurmClient):
             exit_code=rc,
             restarts=int(j.get("restart_cnt", 0) or 0),
             comment=j.get("comment", "") or "",
+            admin_comment=j.get("admin_comment", "") or "",
             partition=j.get("partition", "") or "",
             account=j.get("account", "") or "",
             qos=j.get("qos", "") or "",
@@ -138,6 +139,11 @@ class CliSlurmClient(SlurmClient):
         if not keep_nodes:
             raise SlurmError("shrink would leave the job without nodes")
         self._run(["scontrol", "update", f"JobId={int(job_id)}", f"NodeList={','.join(keep_nodes)}"])
+
+    def set_job_field(self, job_id: int, name: str, value: str) -> None:
+        if name not in ("AdminComment", "Comment") or "\n" in value:
+            raise SlurmError(f"not a job text field or not one line: {name}")
+        self._run(["scontrol", "update", f"JobId={int(job_id)}", f"{name}={value}"])
 
     def steps(self, job_id: int) -> list[StepInfo]:
         # squeue 24.11 ignores --jobs with --json (it prints every step): filter here.
@@ -200,7 +206,9 @@ class CliSlurmClient(SlurmClient):
                 except SlurmError:
                     pass
             why = " ".join(out.split())[:300] or "no output"
-            raise SlurmError(f"salloc of a spare for job {req.job_id} failed: {why}")
+            # what a GPU job's spare asked for, so that a refusal says it (a spare with too few GPUs)
+            asked = f" ({' '.join(req.resources)})" if req.resources else ""
+            raise SlurmError(f"salloc of a spare{asked} for job {req.job_id} failed: {why}")
         alloc = int(m.group(1))
         info = self.job(alloc)
         if info is None or len(info.nodes) != 1:

@@ -8,7 +8,11 @@ Formats (Slurm's ``slurm_sprint_job_info`` and ``slurm_sprint_job_step_info``):
   job -d, one line per group of nodes with the same allocation:
       ``  Nodes=n[1-2] CPU_IDs=0-3 Mem=8192 GRES=gpu:a100:2(IDX:0-1)``
   (Mem in MB; GRES lists each GRES with its device indices; "GRES=" empty without GRES)
-  step: ``Nodes=2 CPUs=8 Tasks=4`` and ``TRES=cpu=8,mem=16G,node=2,gres/gpu=4``.
+  step: ``Nodes=2 CPUs=8 Tasks=4``, ``TRES=cpu=8,mem=16G,node=2`` and the GPUs as asked:
+      ``TresPerTask=gres/gpu=1`` (--gpus-per-task), ``TresPerNode=gres/gpu:2`` (--gres,
+      --gpus-per-node), ``TresPerStep=cpu:2,gres/gpu:2`` (--gpus). Slurm 24.11 puts no gres/gpu
+      in the step's TRES (measured on the GRES devcluster); a TRES that has one (other versions,
+      accounting setups) is read first.
 """
 
 from __future__ import annotations
@@ -89,19 +93,40 @@ def parse_job_allocations(text: str, expand: Callable[[str], list[str]]) -> dict
     return out
 
 
+# gres/gpu:2, gres/gpu=1, gres/gpu:a100:2, gres/gpu:a100=2 in a Tres* list
+_TRES_GPU = re.compile(r"(?:^|,)gres/gpu(?::[A-Za-z][A-Za-z0-9_.-]*)?[:=](\d+)(?=,|$)")
+
+
+def _tres_gpus(text: str, key: str) -> int | None:
+    m = re.search(rf"\b{key}=(\S+)", text)
+    g = _TRES_GPU.search(m.group(1)) if m else None
+    return int(g.group(1)) if g else None
+
+
 def parse_step_share(text: str) -> TaskShare:
     """One task's share of a step from ``scontrol show step -d J.S`` (its TRES over its tasks).
     Memory is limited per step per node by Slurm's cgroup, so a task's share is the step's
     memory on its node divided among the node's tasks; this reads the whole-step TRES and
-    divides by the tasks, which is the same for the evenly spread steps torchrun and srun start."""
+    divides by the tasks, which is the same for the evenly spread steps torchrun and srun start.
+    GPUs: the TRES's gres/gpu when it has one, else what the step asked per task, per node
+    (over the node's tasks) or for the whole step (over its tasks)."""
     tasks = re.search(r"\bTasks=(\d+)", text)
     tres = re.search(r"\bTRES=(\S+)", text)
     if not tasks or not tres or int(tasks.group(1)) == 0:
         raise PlacementRefused("Slurm's step record (scontrol show step -d) has no Tasks= or TRES=")
     n = int(tasks.group(1))
+    nodes_m = re.search(r"\bNodes=(\d+)", text)
+    nodes = int(nodes_m.group(1)) if nodes_m else 1
     fields = dict(kv.partition("=")[::2] for kv in tres.group(1).split(","))
     # Typed GPUs appear twice (gres/gpu=2,gres/gpu:a100=2): the untyped total is the count.
-    gpus = int(fields.get("gres/gpu", "0"))
+    if "gres/gpu" in fields:
+        gpus = int(fields["gres/gpu"])
+    elif (per_task := _tres_gpus(text, "TresPerTask")) is not None:
+        gpus = per_task * n
+    elif (per_node := _tres_gpus(text, "TresPerNode")) is not None:
+        gpus = per_node * nodes
+    else:
+        gpus = _tres_gpus(text, "TresPerStep") or 0
     cpus = int(fields.get("cpu", "0"))
     mem = _mem_mb(fields["mem"]) if "mem" in fields else 0
     for what, total in (("GPUs", gpus), ("CPUs", cpus), ("MB of memory", mem)):
