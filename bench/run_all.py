@@ -22,7 +22,9 @@ coordinator's serve thread sending a pause to every parked poll, against each
 reply encoded by itself, ~20 s) always runs. ``zmq_memory`` (bench_zmq_memory.py:
 libzmq's memory per connection, 8,192 connections against 1,024, ~1 minute) is opt-in, and so is
 ``failslow`` (bench_failslow.py: a node slowed under a job, the time to the coordinator's
-migration.started, ~1.5 minutes a run; one run, three with ``--full``).
+migration.started, ~1.5 minutes a run; one run, three with ``--full``), and so is
+``fleet_audit`` (bench_fleet_audit.py: a slowed node and a rate-limited rail, how often the audit
+names exactly them, ~40 s an audit; one run of each case, five with ``--full``).
 
 bench_tpassd runs first: ``tpassctl goodput --measured`` takes each figure
 from the newest results file that has it, and bench_migration's end-to-end
@@ -48,8 +50,9 @@ BENCHES = {
     "fanout": ("bench_fanout.py", [], []),
     "zmq_memory": ("bench_zmq_memory.py", [], []),
     "failslow": ("bench_failslow.py", ["--runs", "1"], []),
+    "fleet_audit": ("bench_fleet_audit.py", ["--runs", "1"], []),
 }
-OPT_IN = {"coordinator", "hard_failure", "zmq_memory", "failslow"}  # run only when named in --only
+OPT_IN = {"coordinator", "hard_failure", "zmq_memory", "failslow", "fleet_audit"}  # run only when named in --only
 
 
 def main() -> int:

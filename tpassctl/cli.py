@@ -20,6 +20,7 @@ from tpassctl.context import STATE_DIR_HELP, CliContext
 from tpassctl.devcluster_cmd import devcluster
 from tpassctl.events_cmd import events
 from tpassctl.exit_codes import as_cli_error
+from tpassctl.fleet_cmd import fleet
 from tpassctl.goodput_cmd import goodput
 from tpassctl.migrate_cmd import migrate
 from tpassctl.nodes_cmd import inject, nodes
@@ -89,7 +90,7 @@ def cli(ctx: click.Context, state_dir: Path | None, verbose: bool) -> None:
     ctx.obj = CliContext(verbose=verbose, state_dir_flag=state_dir)
 
 
-for command in (devcluster, events, goodput, inject, migrate, nodes, resume, snapshot, snapshots, status):
+for command in (devcluster, events, fleet, goodput, inject, migrate, nodes, resume, snapshot, snapshots, status):
     cli.add_command(command)
 
 

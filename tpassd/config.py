@@ -80,6 +80,9 @@ class TpassdConfig:
     # Remove STATE_DIR/jobs/J of a job Slurm no longer lists this many hours after it ended (at the
     # sweep); 0 = kept (then remove them yourself).
     job_dir_retention_h: float = 168.0
+    # Where this tpassd appends its node's health changes for the fleet history (docs/fleet.md):
+    # a root-only directory every node shares; "" = STATE_DIR/fleet/spool. "-" = none.
+    fleet_spool: str = ""
     # The job field tpassd keeps torchpass' "torchpass: ..." part in (torchpass/accounting.py):
     # AdminComment, Comment, or "" (off).
     accounting_field: str = DEFAULT_FIELD
@@ -129,6 +132,8 @@ class TpassdConfig:
                 raise ConfigError(f"rails: {rail!r} is not an interface name or ib:DEVICE/PORT")
         if len(set(self.rails)) != len(self.rails):
             raise ConfigError(f"rails lists a rail twice: {list(self.rails)}")
+        if self.fleet_spool not in ("", "-") and not Path(self.fleet_spool).is_absolute():
+            raise ConfigError(f"fleet_spool must be an absolute path, \"\" or \"-\", got {self.fleet_spool!r}")
         if self.accounting_field and self.accounting_field not in FIELDS:
             raise ConfigError(f"accounting_field must be one of {', '.join(FIELDS)} or \"\" (off), "
                               f"got {self.accounting_field!r}")

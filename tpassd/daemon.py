@@ -54,6 +54,7 @@ from torchpass.checkpoint import criu as criu_mod
 from torchpass.checkpoint.admission import Audit
 from torchpass.drill_kinds import ROOT_KINDS
 from torchpass.errors import ConfigError, RemoteError, TorchpassError
+from torchpass.fleet import records as fleet_records
 from torchpass.health_state import State
 from torchpass.job_metrics import ReportError
 from torchpass.job_metrics import parse as parse_job_report
@@ -261,6 +262,8 @@ class Tpassd:
         self._components: dict[str, dict[str, Any]] = {}
         self._node_state = State.UNKNOWN.value
         self.tick_seconds = 0.0
+        spool = None if cfg.fleet_spool == "-" else (cfg.fleet_spool or fleet_records.spool_dir(cfg.state_dir))
+        self.fleet_spool = None if spool is None else fleet_records.SpoolAppender(spool, self.node)
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> Tpassd:
@@ -477,10 +480,24 @@ class Tpassd:
             if node_state != self._node_state:
                 log.info("node state changed", state=node_state, previous=self._node_state,
                          reasons=list(health.reasons))
+                self._spool_change(now, node_state, list(health.reasons))
             pub.event(now, "node", node_state, self._node_state, list(health.reasons), node_state,
                       list(health.reasons), brief)
         self._components = brief
         self._node_state = node_state
+
+    def _spool_change(self, now: float, state: str, reasons: list[str]) -> None:
+        """The node's state change, for the fleet history. Never stops a tick: a spool that
+        cannot be written (not root's, full) is logged."""
+        if self.fleet_spool is None:
+            return
+        try:
+            rec = fleet_records.record("health.change", self.node, now, state=state, previous=self._node_state,
+                                       reasons=reasons[:20])
+            if not self.fleet_spool.append(rec):
+                log.warning("fleet spool full: health change not recorded", dropped=self.fleet_spool.dropped)
+        except (OSError, fleet_records.FleetError) as exc:
+            log.warning("fleet spool: health change not recorded", error=str(exc))
 
     # -- control handlers ------------------------------------------------------
     def _h_health(self, msg: wire.Message, ident: Any) -> dict[str, Any]:

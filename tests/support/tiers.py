@@ -49,6 +49,8 @@ HOST_MODULES = {
     "test_prometheus.py": "a private munged, a live tpassd, credentials of other uids (setpriv)",
     "test_tpassd_ports.py": "a private munged, ports below 1024, runuser",
     "test_tpassd_sweep.py": "a private munged, a live tpassd, root-owned state",
+    "test_fleet_spool.py": "root-owned spool directories (safeio refuses others)",
+    "test_fleet_probe.py": "the audit probe in a Python child (its source may load torch)",
     "test_tpassd_systemd.py": "a private munged, tpassd programs under setpriv's bounding set",
     "test_wire_fuzz.py": "a private munged and a live tpassd",
     # CRIU, tpass-init, PID and mount namespaces, cgroups: root.

@@ -484,6 +484,8 @@ class Devcluster:
             h = cpu_quota.find_hierarchy(cgroup_root)
             group = cpu_quota.slow(h, self.spec.name, node, pids, cpu_pct)
             lifter = cpu_quota.lift_later(h, group, for_s) if for_s and cpu_pct < 100 else None
+            if cpu_pct < 100:  # steps started later (an idle node audited) are slow too
+                cpu_quota.keep_slowing(h, group, self.spec.netns(i), daemons)
         log.warning("devcluster node slowed", name=self.spec.name, node=node, cpu_pct=cpu_pct, for_s=for_s,
                     processes=len(pids))
         return {"cpu_pct": min(cpu_pct, 100), "processes": len(pids), "cgroup": str(group),
@@ -874,7 +876,9 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
                           snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces,
                           fake_gpu_uuids=tuple(gpus.fake_uuid(spec.name, node, g) for g in range(spec.node_gpus(i)))
                           if spec.gpus else None,
-                          gpu_inventory=spec.gpu_dev_dir / gpus.INVENTORY_NAME if spec.node_gpus(i) else None)
+                          gpu_inventory=spec.gpu_dev_dir / gpus.INVENTORY_NAME if spec.node_gpus(i) else None,
+                          # one spool every node shares, as a site's shared state_dir would give
+                          fleet_spool=self.state_dir / "fleet" / "spool")
         logf = open(rd / "log" / f"tpassd.{node}.log", "ab")
         try:
             proc = subprocess.Popen(

@@ -4,7 +4,9 @@ The node's job processes (everything in its network namespace but its slurmd and
 slurmstepds, rank wrappers, ranks and their children) move into a CPU cgroup of their own,
 ``tp-<cluster>-slow-<node>``, whose quota allows PCT % of one CPU: cgroup v2's ``cpu.max``
 where the cpu controller is on the v2 hierarchy, else v1's ``cpu.cfs_quota_us``. Processes they
-start later inherit it; a restored copy on another node does not (it is not their child). Lifting
+start later inherit it, and a watcher (``keep_slowing``) moves in the node's new processes until
+the quota is lifted, so a job step started on an idle node later is slow too; a restored copy
+on another node is not (it is not there). Lifting
 sets the quota back to unlimited and leaves the processes where they are; ``devcluster down``
 removes the cgroups.
 
@@ -82,6 +84,22 @@ def slow(h: CpuHierarchy, cluster: str, node: str, pids: list[int], pct: int) ->
             if exc.errno != 3:  # ESRCH
                 raise
     return group
+
+
+def keep_slowing(h: CpuHierarchy, group: Path, netns: str, exclude: set[int], interval_s: float = 0.2) -> int:
+    """Move the node's new processes (a job step started on an idle node later: not a child of
+    anything already slowed) into ``group`` every ``interval_s``, from a process of its own that
+    ends once the quota is lifted or the cgroup removed; its pid. A step's first ``interval_s``
+    runs at full speed: a Python step takes seconds to start."""
+    quota = h.quota_file(group)
+    script = ('while [ -e "$1" ] && [ "$(cat "$1")" != "$2" ]; do '
+              'for p in $(ip netns pids "$3"); do case " $4 " in *" $p "*) ;; *) echo "$p" > "$5" 2>/dev/null;; '
+              'esac; done; sleep "$6"; done')
+    proc = subprocess.Popen(["sh", "-c", script, "keep-slowing", str(quota), h.quota_text(100), netns,
+                             " ".join(str(p) for p in sorted(exclude)), str(group / "cgroup.procs"), f"{interval_s:g}"],
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    return proc.pid
 
 
 def lift_later(h: CpuHierarchy, group: Path, after_s: float) -> int:

@@ -113,7 +113,7 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
                ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT),
                snapshot_dir: Path | None = None, restore_tokens: Path | None = None,
                rails: tuple[str, ...] = (), fake_gpu_uuids: tuple[str, ...] | None = None,
-               gpu_inventory: Path | None = None) -> list[str]:
+               gpu_inventory: Path | None = None, fleet_spool: Path | None = None) -> list[str]:
     """Write the node's config and policy under ``node_dir``; return tpassd's argv. ``snapshot_dir``:
     the one every node shares (the devcluster's); default: the node's own, under ``node_dir``.
     ``fake_gpu_uuids``: the node's fake GPUs (a GRES devcluster: its count and UUIDs); None: 8.
@@ -143,6 +143,7 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
         *([f"rails = [{', '.join(_toml_str(r) for r in rails)}]"] if rails else []),
         f"state_dir = {_toml_str(node_dir / 'state')}",
         f"snapshot_dir = {_toml_str(snapshot_dir)}",
+        *([f"fleet_spool = {_toml_str(fleet_spool)}"] if fleet_spool is not None else []),
         *([f"restore_token_dir = {_toml_str(restore_tokens)}"] if restore_tokens is not None else []),
         f"policy = {_toml_str(policy)}",
         f"munge_socket = {_toml_str(munge_socket)}",

@@ -1,0 +1,63 @@
+"""fleet audit's pure parts: which nodes it takes, how pairs become per-node figures, the probe's checksum."""
+
+from __future__ import annotations
+
+from torchpass.fleet import audit as A
+from torchpass.fleet import workload
+from torchpass.slurm.base import NodeInfo
+
+
+def test_only_idle_nodes_are_taken_and_drained_ones_only_by_root():
+    nodes = [NodeInfo("n1", "a1", ("IDLE",)), NodeInfo("n2", "a2", ("ALLOCATED",)), NodeInfo("n3", "a3", ("MIXED",)),
+             NodeInfo("n4", "a4", ("IDLE", "DRAIN"), "repaired"), NodeInfo("n5", "a5", ("IDLE", "NOT_RESPONDING")),
+             NodeInfo("n6", "a6", ("IDLE",))]
+    p = A.plan(nodes, None, root=True)
+    assert p.audit == ("n1", "n4", "n6") and p.drained == ("n4",)
+    assert set(p.skipped) == {"n2", "n3", "n5"} and "in use" in p.skipped["n2"]
+    user = A.plan(nodes, None, root=False)
+    assert user.audit == ("n1", "n6") and "only root" in user.skipped["n4"]
+    only = A.plan(nodes, ("n6", "n2", "nope"), root=True)
+    assert only.audit == ("n6",) and set(only.skipped) == {"n2", "nope"}
+
+
+def test_a_node_is_judged_by_its_best_pair_so_two_faults_among_four_do_not_hide_each_other():
+    slow = {"n2", "n4"}  # every pair touching n2 or n4 is slow
+    pairs = [{"a": a, "b": b, "bandwidth_bps": 1e8 if {a, b} & slow else 1e10, "latency_s": 1e-4}
+             for a, b in (("n1", "n2"), ("n1", "n3"), ("n1", "n4"), ("n2", "n3"), ("n2", "n4"), ("n3", "n4"))]
+    per = A.per_node_links(pairs)["bandwidth_bps"]
+    assert per == {"n1": 1e10, "n2": 1e8, "n3": 1e10, "n4": 1e8}
+
+
+def test_a_wrong_result_is_caught_by_the_checksum():
+    assert workload.expected_checksum(32, 7) != workload.expected_checksum(32, 8)
+    assert workload.expected_checksum(32, 7) != workload.expected_checksum(32, 7, seed=2)
+
+
+class _Runner(A.Runner):
+    def __init__(self, seconds, checksum_of=None):
+        super().__init__("python3", ("rail0",), {}, lambda line: None)
+        self.seconds, self.checksum_of = seconds, checksum_of or {}
+        self.link_nodes = None
+
+    def compute(self, node):
+        n, it = A.COMPUTE_ARGS["n"], A.COMPUTE_ARGS["iters"]
+        return {"n": n, "iters": it, "seconds": self.seconds[node], "engine": "numpy",
+                "checksum": self.checksum_of.get(node, workload.expected_checksum(n, it))}
+
+    def links(self, nodes, master):
+        self.link_nodes = nodes
+        return {"rail0": [{"a": a, "b": b, "bandwidth_bps": 1e10, "latency_s": 1e-4}
+                          for i, a in enumerate(nodes) for b in nodes[i + 1:]]}
+
+
+def test_a_slow_node_is_named_and_left_out_of_the_link_check_a_wrong_checksum_fails_its_node():
+    plan = A.Plan(("n1", "n2", "n3", "n4"), (), {})
+    r = _Runner({"n1": 0.3, "n2": 3.0, "n3": 0.31, "n4": 0.29}, {"n4": 5})
+    res = A.audit(plan, r, {})
+    assert set(res.verdict.nodes) == {"n2", "n4"} and res.verdict.links == {}
+    assert r.link_nodes == ("n1", "n3") and "checksum" in res.failed["n4"]
+    recs = res.records(100.0)
+    assert {(x["kind"], x["node"], x["outlier"]) for x in recs if x["kind"] == "audit.node"} == {
+        ("audit.node", "n1", False), ("audit.node", "n2", True), ("audit.node", "n3", False),
+        ("audit.node", "n4", True)}
+    assert A.reason_for(res.verdict.nodes["n2"]).startswith("torchpass-audit: compute_s 3 vs fleet median")
