@@ -10,7 +10,11 @@
    checked against ``probe.expected_checksum``; the probe also runs ``dcgmi diag -r 1``,
    ``ibstat`` and ``nvidia-smi nvlink -s`` where the binary exists ("absent" otherwise).
 3. Links: one job step on every audited node, per data rail, each pair in turn (probe.py).
-4. ``outliers.judge`` names nodes and (node, rail) links; ``--drain`` drains the nodes it names
+4. A second pass confirms before anything is named (``audit``): the nodes slower than
+   ``CONFIRM_BAND`` x the fastest are measured again, and the links again when a link looks bad;
+   each node and pair keeps its best of both passes. A slowed node or a limited rail is slow on
+   both; a healthy node that shared its CPU with another job during one pass is not.
+5. ``outliers.judge`` names nodes and (node, rail) links; ``--drain`` drains the nodes it names
    with reason ``torchpass-audit: ...``; root appends the results to the fleet spool.
 """
 
@@ -37,6 +41,11 @@ IN_USE = ("ALLOCATED", "MIXED", "COMPLETING")
 # ~0.4 s per repeat (numpy, one thread) on the development VM: long beside a 4 ms scheduler tick
 COMPUTE_ARGS = {"n": 256, "iters": 40, "repeats": 3}
 LINK_PORT = 29431
+# A node this much slower than the fastest (compute), or a node whose best pair on a rail has less
+# than 1/CONFIRM_BAND of the best pair's bandwidth, is measured a second time before the verdict.
+# With 4 nodes, one healthy node slowed by a burst of load in the first pass widens the spread
+# enough to hide a node at 5 % of a CPU (seen once in four devcluster audits at load average 8).
+CONFIRM_BAND = 1.25
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,7 @@ def audit(p: Plan, runner: Runner, addresses: dict[str, str]) -> AuditResult:
         except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
             res.failed[node] = f"compute check: {str(exc)[:200]}"
             runner.say(f"[{i}/{len(p.audit)}] {node}: FAILED {exc}")
+    _confirm_compute(res, runner)
     # A node slow on compute is named already, and slows every pair it is in: left out of the link check.
     compute_s = {n: c["seconds"] for n, c in res.compute.items() if n not in res.failed}
     slow = {o.key for o in outliers.outliers(compute_s, "compute_s")}
@@ -198,9 +208,72 @@ def audit(p: Plan, runner: Runner, addresses: dict[str, str]) -> AuditResult:
         except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
             res.notes.append(f"link check failed: {str(exc)[:300]}")
             runner.say(f"links: FAILED {exc}")
+        if res.links and _links_suspect(res.links):
+            runner.say("links: a link looks slow; every pair again, each keeps its best")
+            try:
+                res.links = best_pairs(res.links, runner.links(link_nodes, addresses.get(link_nodes[0],
+                                                                                          link_nodes[0])))
+                res.notes.append("links measured twice (one looked slow): each pair's best is judged")
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+                res.notes.append(f"link check's second pass failed (first pass judged): {str(exc)[:300]}")
     elif not runner.rails:
         res.notes.append("no data rails named (--rails or $TORCHPASS_DATA_RAILS): links not checked")
     links = {rail: per_node_links(pairs) for rail, pairs in res.links.items()}
     res.verdict = outliers.judge(compute_s, links, res.failed)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _confirm_compute(res: AuditResult, runner: Runner) -> None:
+    """Measure again the nodes slower than CONFIRM_BAND x the fastest; each keeps its best time."""
+    times = {n: c["seconds"] for n, c in res.compute.items() if n not in res.failed}
+    if len(times) < 3:
+        return
+    fastest = min(times.values())
+    again = [n for n, t in sorted(times.items()) if t > CONFIRM_BAND * fastest]
+    for node in again:
+        runner.say(f"{node}: {times[node]:.3f} s against the fastest {fastest:.3f} s: compute check again")
+        try:
+            got = runner.compute(node)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+            res.notes.append(f"{node}: second compute check failed (first pass judged): {str(exc)[:200]}")
+            continue
+        if got["checksum"] != workload.expected_checksum(got["n"], got["iters"]):
+            res.failed[node] = f"compute checksum {got['checksum']} on the second pass"
+        first = res.compute[node]
+        best = dict(got if got["seconds"] < first["seconds"] else first)
+        best["passes_s"] = [first["seconds"], got["seconds"]]
+        res.compute[node] = best
+    if again:
+        res.notes.append(f"compute measured twice on {', '.join(again)} (slower than {CONFIRM_BAND:g}x the "
+                         f"fastest in the first pass): each keeps its best")
+
+
+def _links_suspect(links: dict[str, list[dict[str, Any]]]) -> bool:
+    """Any node's best pair on a rail under 1/CONFIRM_BAND of that rail's best pair, or a named link."""
+    per_rail = {rail: per_node_links(pairs) for rail, pairs in links.items() if pairs}
+    if outliers.judge({}, per_rail).links:
+        return True
+    for measures in per_rail.values():
+        bw = measures.get("bandwidth_bps") or {}
+        if bw and min(bw.values()) * CONFIRM_BAND < max(bw.values()):
+            return True
+    return False
+
+
+def best_pairs(first: dict[str, list[dict[str, Any]]],
+               second: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """rail -> pairs, each pair with the higher bandwidth and the lower latency of two passes. Pure."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rail in first.keys() | second.keys():
+        by_pair: dict[tuple[str, str], dict[str, Any]] = {}
+        for p in [*first.get(rail, []), *second.get(rail, [])]:
+            key = tuple(sorted((p["a"], p["b"])))
+            have = by_pair.get(key)
+            if have is None:
+                by_pair[key] = dict(p)
+            else:
+                have["bandwidth_bps"] = max(have["bandwidth_bps"], p["bandwidth_bps"])
+                have["latency_s"] = min(have["latency_s"], p["latency_s"])
+        out[rail] = [by_pair[k] for k in sorted(by_pair)]
+    return out
