@@ -23,6 +23,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,37 @@ def worker_cluster(name: str, subnet: str, worker: str | None) -> tuple[str, str
     n = int(worker.removeprefix("gw"))
     a, b, c = subnet.split(".")
     return f"{name[:8 - len(str(n))]}{n}", f"{a}.{b}.{int(c) + n}"
+
+
+# The modules that need a devcluster of another shape (cgroups, data rails, GPUs) bring up their
+# own, beside the worker's, on 10.(X+offset).Y: one offset per module, so that two of them on the
+# two workers never share a subnet (nor the slurmctld port the devcluster derives from it).
+OWN_CLUSTER_OFFSETS = {"cg": 50, "lp": 60, "fa": 70, "gp": 80}
+
+
+def own_cluster_spec(suffix: str, subnet_env: str | None = None, **shape) -> DevclusterSpec:
+    """The spec of a module's own devcluster: NAME[:5]+suffix, on its own subnet (``subnet_env``
+    names a variable that may set it instead)."""
+    subnet = os.environ.get(subnet_env) if subnet_env else None
+    if not subnet:
+        a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
+        subnet = f"{a}.{(int(b) + OWN_CLUSTER_OFFSETS[suffix]) % 256}.{c}"
+    return DevclusterSpec(name=os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5] + suffix, subnet=subnet, **shape)
+
+
+@contextmanager
+def own_devcluster(spec: DevclusterSpec) -> Iterator[Devcluster]:
+    """A module's own devcluster, up for the block, with the Slurm helpers' environment pointing
+    at it; down after, whatever happened."""
+    _preflight()
+    c = Devcluster.up(spec)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in c.env().items():
+                mp.setenv(k, v)
+            yield c
+    finally:
+        c.down()
 
 
 @pytest.fixture(scope="session")

@@ -35,10 +35,10 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
-from conftest import JobUser, _job_user, _preflight, make_job_dir
+from conftest import JobUser, _job_user, make_job_dir, own_cluster_spec, own_devcluster
 from drill import Drill, diagnosis, events, leave_clean, reference, submit
 from torchpass import layout
-from torchpass.devcluster import Devcluster, DevclusterSpec
+from torchpass.devcluster import DevclusterSpec
 from torchpass.devcluster import cgroups as dc_cgroups
 
 pytestmark = pytest.mark.integration
@@ -51,27 +51,15 @@ JOB = Drill("cgroup", "", ("--steps", str(STEPS), "--params", "100K", "--sleep",
 
 
 def _spec() -> DevclusterSpec:
-    base = os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5]
-    subnet = os.environ.get("TORCHPASS_TEST_CGROUP_SUBNET")
-    if not subnet:
-        a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
-        subnet = f"{a}.{(int(b) + 50) % 256}.{c}"
-    return DevclusterSpec(name=f"{base}cg", subnet=subnet, nodes=3, cgroups=True)
+    return own_cluster_spec("cg", "TORCHPASS_TEST_CGROUP_SUBNET", nodes=3, cgroups=True)
 
 
 @pytest.fixture(scope="module")
 def cg_cluster(plugin_built):
-    _preflight()
-    spec = _spec()
-    c = Devcluster.up(spec)
-    subtrees = [Path(d) for d in c._require_state().cgroups]
-    try:
-        with pytest.MonkeyPatch.context() as mp:  # the helpers' Slurm commands talk to this cluster
-            for k, v in c.env().items():
-                mp.setenv(k, v)
-            yield c
-    finally:
-        c.down()
+    subtrees: list[Path] = []
+    with own_devcluster(_spec()) as c:
+        subtrees = [Path(d) for d in c._require_state().cgroups]
+        yield c
     assert subtrees and not [d for d in subtrees if d.exists()], "devcluster down left cgroups behind"
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _preflight
+from conftest import own_cluster_spec, own_devcluster
 from torchpass import layout
-from torchpass.devcluster import Devcluster, DevclusterSpec
+from torchpass.devcluster import DevclusterSpec
 
 pytestmark = pytest.mark.integration
 
@@ -44,19 +44,13 @@ SLOW = "node3"
 
 
 def _spec() -> DevclusterSpec:
-    base = os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5]
-    a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
-    return DevclusterSpec(name=f"{base}fa", subnet=f"{a}.{(int(b) + 70) % 256}.{c}", nodes=4, rails=2)
+    return own_cluster_spec("fa", nodes=4, rails=2)
 
 
 @pytest.fixture(scope="module")
 def fleet_cluster():
-    _preflight()
-    c = Devcluster.up(_spec())
-    try:
+    with own_devcluster(_spec()) as c:
         yield c
-    finally:
-        c.down()
 
 
 def tpassctl(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -27,7 +27,6 @@ driver behind the major), EPERM for one it denies.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -36,10 +35,10 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
-from conftest import JobUser, _job_user, _preflight, make_job_dir
+from conftest import JobUser, _job_user, make_job_dir, own_cluster_spec, own_devcluster
 from drill import Drill, diagnosis, events, leave_clean, reference, submit, wait_step
 from torchpass import layout
-from torchpass.devcluster import Devcluster, DevclusterSpec, gpus
+from torchpass.devcluster import DevclusterSpec, gpus
 from torchpass.devcluster import cgroups as dc_cgroups
 
 pytestmark = pytest.mark.integration
@@ -77,25 +76,13 @@ sys.exit(train_ddp.main())
 
 
 def _spec() -> DevclusterSpec:
-    base = os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5]
-    subnet = os.environ.get("TORCHPASS_TEST_GRES_SUBNET")
-    if not subnet:
-        a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
-        subnet = f"{a}.{(int(b) + 70) % 256}.{c}"
-    return DevclusterSpec(name=f"{base}gp", subnet=subnet, nodes=4, cgroups=True, gpus=(2, 2, 2, 1))
+    return own_cluster_spec("gp", "TORCHPASS_TEST_GRES_SUBNET", nodes=4, cgroups=True, gpus=(2, 2, 2, 1))
 
 
 @pytest.fixture(scope="module")
 def gres_cluster(plugin_built):
-    _preflight()
-    c = Devcluster.up(_spec())
-    try:
-        with pytest.MonkeyPatch.context() as mp:  # the helpers' Slurm commands talk to this cluster
-            for k, v in c.env().items():
-                mp.setenv(k, v)
-            yield c
-    finally:
-        c.down()
+    with own_devcluster(_spec()) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
-from conftest import _job_user, _preflight, make_job_dir
+from conftest import _job_user, make_job_dir, own_cluster_spec, own_devcluster
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, wait_job
 from torchpass import envnames, layout
-from torchpass.devcluster import Devcluster, DevclusterSpec
+from torchpass.devcluster import DevclusterSpec
 from training_jobs import train_script
 
 pytestmark = pytest.mark.integration
@@ -42,22 +42,13 @@ TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
 
 
 def _spec() -> DevclusterSpec:
-    base = os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5]
-    a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
-    return DevclusterSpec(name=f"{base}lp", subnet=f"{a}.{(int(b) + 60) % 256}.{c}", nodes=2, rails=2)
+    return own_cluster_spec("lp", nodes=2, rails=2)
 
 
 @pytest.fixture(scope="module")
 def rail_cluster():
-    _preflight()
-    c = Devcluster.up(_spec())
-    try:
-        with pytest.MonkeyPatch.context() as mp:  # the Slurm helpers talk to this cluster
-            for k, v in c.env().items():
-                mp.setenv(k, v)
-            yield c
-    finally:
-        c.down()
+    with own_devcluster(_spec()) as c:
+        yield c
 
 
 def tpassctl(cluster, *args: str) -> subprocess.CompletedProcess:

@@ -38,7 +38,6 @@ MODULE_SECONDS = {
     "test_migration.py": 70,
     "test_nonroot_migration.py": 70,
     "test_cli_scripts.py": 65,
-    "test_fleet_cluster.py": 70,
     "test_spank.py": 63,
     "test_subgroup_migration.py": 53,
     "test_cgroup_migration.py": 53,
