@@ -165,8 +165,8 @@ def kill_gpu(node, gpu, name, base_dir, as_json):
 @base_option
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def slow(node, cpu, for_s, name, base_dir, as_json):
-    """Slow NODE down (a fail-slow drill): its job processes (everything running on it but its
-    slurmd and tpassd, and what they start later) get PCT % of one CPU, through a CPU cgroup of
+    """Slow NODE down (a fail-slow drill): its processes (everything running on it but its
+    tpassd: slurmd and the steps it starts later too) get PCT % of one CPU, through a CPU cgroup of
     their own (cgroup v2 cpu.max, else v1 cpu.cfs_quota_us). '--cpu 100' or '--cpu clear' lifts it."""
     text = str(cpu).strip().lower()
     if text == "clear":

@@ -271,7 +271,7 @@ def test_epilog_stops_the_coordinator_when_the_batch_step_dies(cluster, job_dir)
         # the epilog logs once the process is gone
         try:
             _wait_for(lambda: f"tpass: epilog job {job_id}: stopped a coordinator" in log_path.read_text(),
-                      10, "the epilog's log line")
+                      30, "the epilog's log line")
         except AssertionError as e:
             # seen once in CI (2026-12-05) and never again by hand: keep what says who ended it
             lines = [line for line in log_path.read_text().splitlines()

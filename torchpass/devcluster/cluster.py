@@ -471,15 +471,21 @@ class Devcluster:
 
     def slow(self, node: str, cpu_pct: int, for_s: float | None = None,
              cgroup_root: Path = cpu_quota.CGROUP_ROOT) -> dict:
-        """Slow ``node`` down (a drill): its job processes (everything in its network namespace
-        but its slurmd and tpassd) under ``cpu_pct`` % of one CPU (100: the quota lifted);
-        ``for_s``: lifted again after that many seconds. What was done, as --json prints it."""
+        """Slow ``node`` down (a drill): every process in its network namespace but its tpassd
+        under ``cpu_pct`` % of one CPU (100: the quota lifted); ``for_s``: lifted again after that
+        many seconds. What was done, as --json prints it.
+
+        slurmd goes into the slowed group too, as on a real slow node: every step it starts later
+        (an idle node audited) is slow from its first instruction. A watcher alone that moved new
+        processes in every 0.2 s lost the race to a short step on a loaded machine: a 0.3 s
+        compute probe finished at full speed in one CI run at two devclusters' load. tpassd stays
+        out: it is torchpass' own view of the node."""
         state = self._require_state()
         i = self._index(node)
         with self._lock():
             if node in state.crashed:
                 raise DevclusterError(f"{node} is crashed; revive it first")
-            daemons = {pid for role, pid in state.pids.items() if role in (f"slurmd.{node}", f"tpassd.{node}")}
+            daemons = {pid for role, pid in state.pids.items() if role == f"tpassd.{node}"}
             pids = [p for p in self._netns_pids(self.spec.netns(i)) if p not in daemons]
             h = cpu_quota.find_hierarchy(cgroup_root)
             group = cpu_quota.slow(h, self.spec.name, node, pids, cpu_pct)

@@ -1,12 +1,12 @@
 """`tpassctl devcluster slow`: a devcluster node that only slows down, for fail-slow tests and demos.
 
-The node's job processes (everything in its network namespace but its slurmd and tpassd: the
+The node's processes (everything in its network namespace but its tpassd: slurmd, the
 slurmstepds, rank wrappers, ranks and their children) move into a CPU cgroup of their own,
 ``tp-<cluster>-slow-<node>``, whose quota allows PCT % of one CPU: cgroup v2's ``cpu.max``
 where the cpu controller is on the v2 hierarchy, else v1's ``cpu.cfs_quota_us``. Processes they
-start later inherit it, and a watcher (``keep_slowing``) moves in the node's new processes until
-the quota is lifted, so a job step started on an idle node later is slow too; a restored copy
-on another node is not (it is not there). Lifting
+start later inherit it (slurmd's new steps too, so a step started on an idle node later is slow
+from its start), and a watcher (``keep_slowing``) moves in the node's other new processes until
+the quota is lifted; a restored copy on another node is not slowed (it is not there). Lifting
 sets the quota back to unlimited and leaves the processes where they are; ``devcluster down``
 removes the cgroups.
 
