@@ -129,6 +129,7 @@ def test_a_released_source_node_can_be_crashed_and_the_job_completes_unchanged(c
         _run(["scancel", str(job_id)])
         if crashed:
             _run([*TPASSCTL, "devcluster", "revive", node, "--name", cluster.spec.name])
+            cluster.refresh()  # the revived node's new slurmd pid, for later modules' exec_on
             until(lambda: "DOWN" not in tj.node(node)["state"], f"{node}'s slurmd registered again", 90,
                   every=0.2)
         if set(tj.node(node)["state"]) & {"DRAIN", "DOWN"}:

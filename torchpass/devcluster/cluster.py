@@ -594,6 +594,11 @@ class Devcluster:
         tmp.write_text(json.dumps(asdict(self._state), indent=1, default=str))
         os.replace(tmp, self._state_path)
 
+    def refresh(self) -> None:
+        """Read the state file again: after another process changed it (``tpassctl devcluster
+        crash`` or ``revive`` give a node a new slurmd pid), this object's cached pids are stale."""
+        self._state = None
+
     def _require_state(self) -> _State:
         if self._state is None:
             other = Devcluster.attach(self.spec.name, self.spec.base_dir)
