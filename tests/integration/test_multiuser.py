@@ -144,6 +144,8 @@ def _an_ended_job_stays_private(cluster, job_id: int, owner: str, intruder: str)
     deadline = time.monotonic() + 30  # the coordinator saves its events as it exits
     while not layout.events_json(cluster.state_dir, job_id).exists() and time.monotonic() < deadline:
         time.sleep(0.3)
+    # A clean stop on the plugin's SIGTERM, not its SIGKILL 5 s later (the event log is saved then).
+    assert '"coordinator stopped"' in layout.coordinator_log(cluster.state_dir, job_id).read_text()
     slurm_user = re.search(r"^SlurmUser=(\S+)", cluster.slurm_conf.read_text(), re.M).group(1)
     st = jdir.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (

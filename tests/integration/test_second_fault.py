@@ -96,6 +96,15 @@ def reference(cluster, plugin_built, jobs_base, job_user) -> list[str]:
     return ref_lines
 
 
+def _plugin_lines(cluster, job_id: int) -> str:
+    """What the plugin said of the job's coordinator (started, stopped, killed) in slurmd's logs."""
+    lines = []
+    for log_file in sorted((cluster.run_dir / "log").glob("slurmd.*.log")):
+        lines += [f"{log_file.name}: {line}" for line in log_file.read_text(errors="replace").splitlines()
+                  if f"job {job_id}" in line and "coordinator" in line]
+    return "\n".join(lines[-20:]) or "(none)"
+
+
 def _diag(cluster, job_id: int, out_path: Path):
     coord_log = layout.coordinator_log(cluster.state_dir, job_id)
 
@@ -108,7 +117,8 @@ def _diag(cluster, job_id: int, out_path: Path):
                             if p.is_file()) if rank_dir.is_dir() else "(none)"
         return (f"{text}\n--- events ---\n" + "\n".join(f"{k}: {m}" for k, m in kinds)
                 + f"\n--- steps ---\n{steps}--- rank records ---\n{records}"
-                + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-8000:] if coord_log.exists() else ""))
+                + "\n--- coordinator.log ---\n" + (coord_log.read_text()[-8000:] if coord_log.exists() else "")
+                + "\n--- the plugin on the coordinator (slurmd logs) ---\n" + _plugin_lines(cluster, job_id))
 
     return diag
 

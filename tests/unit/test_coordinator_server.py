@@ -743,3 +743,29 @@ def test_a_wake_from_a_signal_handler_in_the_thread_holding_the_wake_lock_does_n
     t = threading.Thread(target=nested, daemon=True)
     t.start()
     assert done.wait(2.0), "wake() deadlocked on its own lock"
+
+
+def test_a_stop_from_a_signal_handler_that_interrupted_the_stop_itself_does_not_hang():
+    """SIGTERM comes twice at a batch step's end: the plugin signals the process group and the
+    supervisor forwards its copy. The second handler can run in the main thread while the first is
+    inside Event.set(), holding the Event's lock: the handler's stop must take no lock, and the
+    serve loop must still end (a coordinator hung there was SIGKILLed 5 s later, its event log
+    unsaved)."""
+    server = CoordinatorServer(JobState(job_id=42, spares=1), bind_address="127.0.0.1", clock=Clock(),
+                               wall=lambda: 1e9)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    until(lambda: server._wake_w >= 0, "the serve loop's wake pipe")
+    returned = threading.Event()
+
+    def interrupted_inside_set():
+        with server._stop._cond:  # where Event.set() is when the second SIGTERM's handler runs
+            server.stop_from_signal()
+        returned.set()
+
+    t = threading.Thread(target=interrupted_inside_set, daemon=True)
+    t.start()
+    assert returned.wait(2.0), "stop_from_signal() waited on the Event's lock"
+    serving.join(5)
+    assert not serving.is_alive(), "the serve loop did not end after stop_from_signal()"
+    assert server._stop.is_set()  # the watch() threads end with it

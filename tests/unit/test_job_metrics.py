@@ -3,10 +3,21 @@
 job_id, and the coordinator's pusher. The end-to-end path (a real tpassd, munge, promtool) is
 test_prometheus.py."""
 
+import threading
+import time
+
 import pytest
 from structlog.testing import capture_logs
 
-from torchpass.coordinator.job_metrics import JobMetrics, MetricsPusher, batch_host
+from support.wait import until
+from torchpass.coordinator.job_metrics import (
+    FINAL_JOIN_S,
+    FINAL_SEND_TIMEOUT_S,
+    SEND_TIMEOUT_S,
+    JobMetrics,
+    MetricsPusher,
+    batch_host,
+)
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.model import CoordState, RankView
 from torchpass.coordinator.phases import Result
@@ -137,7 +148,7 @@ def test_without_job_labels_the_jobs_are_summed_and_the_oldest_age_is_the_larges
 def test_the_pusher_sends_a_report_built_in_the_serve_thread_and_says_a_failure_once():
     sent, fail = [], [True]
 
-    def send(body):
+    def send(body, timeout_s):
         if fail[0]:
             raise RemoteError("unavailable", "tpassd is down")
         sent.append(body)
@@ -151,6 +162,30 @@ def test_the_pusher_sends_a_report_built_in_the_serve_thread_and_says_a_failure_
         "job metrics not sent to tpassd; Prometheus sees none for this job until they are",
         "job metrics reach tpassd again"]
     assert sent == [JobReport(7, 15.0, 1, 1, 0.0, False).to_body()] and p.sent == 1
+
+
+def test_closing_sends_a_last_report_quickly_and_none_while_one_is_in_flight():
+    # The plugin kills the coordinator stop_timeout (5 s) after asking it to stop: closing the
+    # pusher must cost well under a second, whatever tpassd does.
+    timeouts, release = [], threading.Event()
+
+    def send(body, timeout_s):
+        timeouts.append(timeout_s)
+        if len(timeouts) == 1 and hung[0]:
+            release.wait(30)
+
+    for in_flight in (False, True):
+        timeouts.clear()
+        hung = [in_flight]
+        p = MetricsPusher(lambda: JobReport(7, 15.0, 1, 1, 0.0, False), later=lambda fn: fn(), send=send,
+                          every_s=60.0).start()
+        until(lambda: timeouts, "the first push", 5.0)
+        started = time.monotonic()
+        p.close(final=True)
+        took = time.monotonic() - started
+        assert took < FINAL_JOIN_S + 0.5, took
+        assert timeouts == ([SEND_TIMEOUT_S] if in_flight else [SEND_TIMEOUT_S, FINAL_SEND_TIMEOUT_S]), timeouts
+    release.set()
 
 
 def test_the_batch_host_is_slurmds_name_else_slurmctlds_word():

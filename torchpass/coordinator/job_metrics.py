@@ -38,6 +38,10 @@ log = structlog.get_logger("torchpass.coordinator.job_metrics")
 # A rerouted job's end events (decide_reroute.reroute_ended): each carries the pause's length.
 REROUTE_ENDS = frozenset({"link.rerouted", "link.restored", "link.reroute_failed"})
 SEND_TIMEOUT_S = 5.0
+# The last report, sent as the coordinator stops: the plugin kills it stop_timeout (5 s by default)
+# after asking it to stop, and the event log and the companion cancellations come first.
+FINAL_SEND_TIMEOUT_S = 1.0
+FINAL_JOIN_S = 0.5
 
 
 class JobMetrics:
@@ -107,7 +111,7 @@ class MetricsPusher:
     with ``send(body)``. ``close()`` stops it."""
 
     def __init__(self, build: Callable[[], JobReport], later: Callable[[Callable[[], None]], None],
-                 send: Callable[[dict[str, Any]], Any], every_s: float = PUSH_EVERY_S):
+                 send: Callable[[dict[str, Any], float], Any], every_s: float = PUSH_EVERY_S):
         self._build, self._later, self._send = build, later, send
         self.every_s = every_s
         self.sent = 0
@@ -119,7 +123,7 @@ class MetricsPusher:
         self._thread.start()
         return self
 
-    def push_once(self) -> bool:
+    def push_once(self, timeout_s: float = SEND_TIMEOUT_S) -> bool:
         box: queue.Queue[JobReport | BaseException] = queue.Queue(1)
 
         def build() -> None:
@@ -136,7 +140,7 @@ class MetricsPusher:
         if isinstance(got, BaseException):
             return self._failed(f"building the report failed: {got}")
         try:
-            self._send(got.to_body())
+            self._send(got.to_body(), timeout_s)
         except Exception as exc:  # noqa: BLE001 - the node's tpassd may be down or refuse: said once
             return self._failed(str(exc))
         self.sent += 1
@@ -164,10 +168,10 @@ class MetricsPusher:
         until it drops the job, STALE_AFTER_PUSHES intervals later."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=SEND_TIMEOUT_S + 1)
-        if final:
+            self._thread.join(timeout=FINAL_JOIN_S)
+        if final and not self._thread.is_alive():  # a send still in flight: that one is the last
             self._later = lambda fn: fn()
-            self.push_once()
+            self.push_once(FINAL_SEND_TIMEOUT_S)
 
 
 def batch_host(env: dict[str, str], slurm_job: Callable[[], Any]) -> str | None:

@@ -237,12 +237,12 @@ def _push_metrics(job: JobState, server: CoordinatorServer, driver, log) -> Metr
         metrics.observe(job.events)
         return metrics.report(job.job_id, server.state, server.clock(), pusher.every_s)
 
-    def send(body: dict) -> dict:
+    def send(body: dict, timeout_s: float) -> dict:
         if not host:
             host.append(batch_host(dict(os.environ), lambda: ex.slurm.job(job.job_id)))
         if host[0] is None:
             raise TorchpassError("neither SLURMD_NODENAME nor slurmctld names this job's batch host")
-        return ex.tpassd.request(host[0], "tpassd.job_metrics", body, timeout_s=5.0)
+        return ex.tpassd.request(host[0], "tpassd.job_metrics", body, timeout_s=timeout_s)
 
     pusher = MetricsPusher(build, server.later, send)
     log.info("job metrics go to the batch host's tpassd", every_s=pusher.every_s)
@@ -347,8 +347,8 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
     log.info("coordinator listening", job_id=job_id, endpoint=endpoint, spares=spares, policy=policy)
 
     pusher = None
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    signal.signal(signal.SIGTERM, lambda *_: server.stop_from_signal())
+    signal.signal(signal.SIGINT, lambda *_: server.stop_from_signal())
     try:
         def slurm_changed(available: bool, why: str) -> None:  # in the liveness thread
             server.later(lambda: server.note_slurm(available, why))
@@ -357,14 +357,16 @@ def main(job_id, state_dir, spares, policy, snapshot_every, ready_fd, bind_addre
         pusher = _push_metrics(job, server, driver, log)
         server.serve()
     finally:
+        if driver is not None and driver.executor is not None:
+            # The log outlives the coordinator, also of a job that never had an event worth saving
+            # at once (tpassctl events of an ended job; readable by its owner, root and SlurmUser only).
+            # First: the plugin's SIGKILL follows its SIGTERM after stop_timeout (5 s by default),
+            # and what comes below talks to tpassd, which a loaded node answers slowly.
+            driver.executor.save_events()
         if pusher is not None:
             pusher.close(final=True)
         if driver is not None and driver.health is not None:
             driver.health.close()
-        if driver is not None and driver.executor is not None:
-            # The log outlives the coordinator, also of a job that never had an event worth saving
-            # at once (tpassctl events of an ended job; readable by its owner, root and SlurmUser only).
-            driver.executor.save_events()
     try:
         layout.coordinator_json(state_dir, job_id).unlink()
     except OSError:

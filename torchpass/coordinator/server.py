@@ -246,6 +246,7 @@ class CoordinatorServer:
         self.sock, self.port = zmqio.bind_router(self.ctx, bind_address, port)
         self.counters: dict[str, int] = {}
         self._stop = threading.Event()
+        self._signalled = False  # stop_from_signal: a plain flag, no lock
         self._later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # Other threads' news (an executor outcome, a health change, later()) wakes the serve loop
         # through this pipe at once: it waited for its poll's time-out (20 ms) before, and a
@@ -542,6 +543,21 @@ class CoordinatorServer:
         self._stop.set()
         self.wake()
 
+    def stop_from_signal(self) -> None:
+        """stop() for a signal handler, which takes no lock: Python runs a handler in the main
+        thread between two of its bytecodes, possibly inside Event.set() already. The plugin's
+        SIGTERM to the process group and the supervisor's forwarded copy arrive together, and the
+        second handler then waited forever on the Event's lock held by the first (one stop in
+        four on a devcluster; the plugin's SIGKILL followed 5 s later, before the event log was
+        saved or a companion allocation cancelled)."""
+        self._signalled = True
+        w = self._wake_w  # -1 once serve() ended; it sets -1 before closing the pipe
+        if w >= 0:
+            try:
+                os.write(w, b"\0")
+            except OSError:  # full: a wake-up is pending already
+                pass
+
     def later(self, fn: Callable[[], None]) -> None:
         """Thread-safe: run ``fn`` in the serve thread (which alone touches the job and the driver)."""
         self._later.put(fn)
@@ -595,7 +611,7 @@ class CoordinatorServer:
         if set_waker is not None:
             set_waker(self.wake)
         try:
-            while not self._stop.is_set():
+            while not (self._stop.is_set() or self._signalled):
                 ready = dict(poller.poll(self._poll_ms(100 if self.driver is None else 20)))
                 if self._wake_r in ready:
                     self._drain_wake()
@@ -608,6 +624,10 @@ class CoordinatorServer:
                     self._flush_bundles()
                     self._after_replies()
         finally:
+            # The stop's start, in the log: the plugin kills the coordinator stop_timeout seconds
+            # after its SIGTERM, and what follows must fit in them.
+            log.info("coordinator stopping", signalled=self._signalled)
+            self._stop.set()  # the watch() threads end too
             self._run_later()  # news that came with the end (the job's last events)
             if self.driver is not None:
                 self.driver.close()
