@@ -31,6 +31,9 @@ from torchpass import layout
 from torchpass.checkpoint import safeio
 
 MAX_REGISTRATION_BYTES = 64 * 1024  # coordinator.json: a few hundred bytes
+# events.json keeps the last 10,000 events (coordinator/job_record.py EVENTS_KEPT): about 3 MB at
+# 8,192 ranks. Larger is not a log a coordinator wrote.
+MAX_EVENTS_BYTES = 64 << 20
 
 
 def open_jobs_dir(state_dir: layout.PathLike) -> int:
@@ -89,6 +92,26 @@ def read_json(dfd: int, name: str, owner: int, cap: int) -> Any:
         return json.loads(read_file(dfd, name, owner, cap))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
+
+
+def read_events(state_dir: layout.PathLike, job: int | str, *, owner: int | None = None,
+                cap: int = MAX_EVENTS_BYTES) -> tuple[list[Any], int]:
+    """(the event log STATE_DIR/jobs/J/events.json, its owner's uid). ``owner``: the uid the job
+    directory and the file must belong to (what Slurm says, for root acting on a request); None:
+    the directory's owner, who is the job's (the plugin made it so). OSError when it is missing or
+    refused, ValueError when it is not a JSON list."""
+    dfd, dir_owner = open_job_dir(state_dir, job)
+    try:
+        if owner is not None and dir_owner != owner:
+            raise OSError(errno.EPERM, f"{layout.job_dir(state_dir, int(job))} belongs to uid {dir_owner}, "
+                                       f"not to the job's owner (uid {owner})")
+        data = read_file(dfd, layout.EVENTS_JSON, dir_owner, cap)
+    finally:
+        os.close(dfd)
+    events = json.loads(data)
+    if not isinstance(events, list):
+        raise ValueError("not a list of events")
+    return events, dir_owner
 
 
 def registration(dfd: int, job_id: int, owner: int) -> dict[str, Any] | None:

@@ -29,8 +29,6 @@ from torchpass.slurm import client
 POLL_S = 0.25  # a phase lasts 0.1 s at the least (pause on 2 ranks); every poll is one request
 SLURM_POLL_S = 2.0  # asking slurmctld is a process (scontrol) per poll: not every 0.25 s
 SLURM_LIVE = ("PENDING", "CONFIGURING", "RUNNING")  # a job that may still have (or get) a coordinator
-# The saved log holds at most 10,000 events (job_record.EVENTS_KEPT; per-rank ones go first).
-SAVED_EVENTS_MAX_BYTES = 64 * 1024 * 1024
 
 
 def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
@@ -40,14 +38,8 @@ def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
     job's user) and is a plain file of one link, read without following a link (torchpass.jobdir).
     """
     try:
-        fd, owner = jobdir.open_job_dir(state_dir, job_id)
-    except OSError:
-        return None
-    try:
-        events = jobdir.read_json(fd, layout.EVENTS_JSON, owner, SAVED_EVENTS_MAX_BYTES)
-    finally:
-        os.close(fd)
-    if not isinstance(events, list):
+        events, _ = jobdir.read_events(state_dir, job_id)
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
     return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(layout.events_json(state_dir, job_id)),
             "events": [e for e in events if isinstance(e, dict)]}

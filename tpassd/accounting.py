@@ -4,15 +4,14 @@ The coordinator runs as the job's user, and slurmctld lets only root, SlurmUser 
 administrators set AdminComment, so the coordinator asks a tpassd of its job's nodes after each
 migration, snapshot, reroute and relaunch. The request carries nothing but the job id: tpassd
 checks with slurmctld that the requester owns the job (or is root or SlurmUser) and that the job
-runs on this node, reads the job's own event log through safeio (no link followed, a regular
-file of the job's owner, at most EVENTS_MAX bytes), and builds the part itself
+runs on this node, reads the job's own event log through torchpass.jobdir (no link followed, the
+job directory and a regular file of the job's owner, at most EVENTS_MAX bytes), and builds the part itself
 (torchpass/accounting.py: counted, never copied as text, at most 200 characters). So a user can
 write only into the record of a job of their own, and only text of torchpass' making.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +19,8 @@ from typing import Any
 
 import structlog
 
-from torchpass import accounting, layout, wire
+from torchpass import accounting, jobdir, wire
 from torchpass.auth import AuthFailure
-from torchpass.checkpoint import safeio
 from torchpass.checkpoint.admission import Audit
 from torchpass.errors import RemoteError, TorchpassError
 from torchpass.slurm import SlurmClient
@@ -73,20 +71,13 @@ class JobAccounting:
             return {"job_id": job_id, "field": self.field, "value": value, "changed": value != current}
 
     def _events(self, job_id: int, owner: int) -> list[Any]:
-        """The job's events.json, opened below state_dir without following a link, a regular file
-        of the job's owner; RemoteError when it cannot be read or is not a JSON list."""
-        where = layout.events_json(self.state_dir, job_id)
+        """The job's events.json, opened below state_dir without following a link, in the job
+        directory of the job's owner (Slurm's word), a regular file of theirs; RemoteError when it
+        cannot be read or is not a JSON list."""
         try:
-            fd = safeio.open_dir(self.state_dir, where.relative_to(self.state_dir).parts[:-1])
-            try:
-                data = safeio.read_regular(where.name, EVENTS_MAX, dir_fd=fd, owner=owner)
-            finally:
-                os.close(fd)
-            events = json.loads(data)
-        except (OSError, ValueError) as exc:
+            events, _ = jobdir.read_events(self.state_dir, job_id, owner=owner, cap=EVENTS_MAX)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
             raise RemoteError("bad_request", f"cannot read job {job_id}'s event log: {exc}") from None
-        if not isinstance(events, list):
-            raise RemoteError("bad_request", f"job {job_id}'s event log is not a list of events")
         return events
 
 

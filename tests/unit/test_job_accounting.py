@@ -72,7 +72,11 @@ def test_another_users_job_is_refused_but_root_and_slurmuser_may(state_dir):
     with pytest.raises(AuthFailure, match="does not own"):
         account(state_dir, slurm)
     assert slurm.updates == []
-    with pytest.raises(RemoteError, match="not a file of uid"):  # the log must be the owner's
+    # The job directory and the log must be the owner's (Slurm's word), whoever asks.
+    with pytest.raises(RemoteError, match=r"belongs to uid \d+, not to the job's owner"):
+        account(state_dir, slurm, uid=0, admins=(0,))
+    os.chown(layout.job_dir(state_dir, 7), ME + 1, -1)
+    with pytest.raises(RemoteError, match="not a file of uid"):
         account(state_dir, slurm, uid=0, admins=(0,))
 
 

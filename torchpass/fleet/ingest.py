@@ -2,7 +2,7 @@
 
 Job events reach the history this way: the writer (root) reads ``STATE_DIR/jobs/J/events.json``
 of each job through ``torchpass.jobdir`` (safeio: no symlink followed, a regular file of the job
-directory's owner with one link, at most MAX_EVENTS_BYTES) and keeps, per job, the seq of the last
+directory's owner with one link, at most jobdir.MAX_EVENTS_BYTES) and keeps, per job, the seq of the last
 event it took, so a job still running is read again from there next time. No daemon and no socket
 is added for it: the state directory is shared by every node and the login node, and root reads
 the users' files there only through safeio (docs/security.md).
@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchpass import jobdir, layout
+from torchpass import jobdir
 from torchpass.fleet import records as R
 from torchpass.fleet.store import FleetStore, Retention
-
-MAX_EVENTS_BYTES = 64 << 20  # events.json of a job at 8,192 ranks is ~3 MB
 
 MIGRATION_ENDS = {"migration.completed": "completed", "migration.rolled_back": "rolled_back",
                   "migration.aborted": "aborted", "migration.abandoned": "abandoned"}
@@ -98,16 +96,10 @@ def _user_name(uid: int) -> str:
 def read_job_events(state_dir: str | os.PathLike, job: int) -> tuple[list[dict[str, Any]], str] | None:
     """(events.json of job, its owner's name) read through safeio; None when it has none."""
     try:
-        dfd, owner = jobdir.open_job_dir(state_dir, job)
-    except OSError:
+        events, owner = jobdir.read_events(state_dir, job)
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
-    try:
-        events = jobdir.read_json(dfd, layout.EVENTS_JSON, owner, MAX_EVENTS_BYTES)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(dfd)
-    return (events, _user_name(owner)) if isinstance(events, list) else None
+    return events, _user_name(owner)
 
 
 @dataclass(frozen=True)
