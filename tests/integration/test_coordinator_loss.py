@@ -89,18 +89,10 @@ def _diag(cluster, job_id: int, out: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, plugin_built, policy, jobs_base, job_user) -> dict:
-    """The fault-free run, once for the module."""
-    d = jobs_base / "coordloss-ref"
-    d.mkdir(mode=0o755)
-    os.chown(d, job_user.uid, job_user.gid)
-    job_id = _submit(d, "ref", job_user.name)
-    final = tj.wait_end(job_id, 300)
-    text = (d / f"ref.{job_id}.out").read_text()
-    assert final["job_state"][0] == "COMPLETED", text[-3000:]
-    lines = tj.steps(text)
-    assert len(lines) == 3 * STEPS, text[-3000:]
-    return {"per_step": tj.per_step(lines)}
+def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
+    """The fault-free run (the policy changes nothing in a run without a fault), once per process:
+    training_jobs.reference_run, shared with the other modules of train_ddp.py on 4 nodes."""
+    return tj.reference_run(jobs_base, job_user, "coordloss", STEPS)
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,19 +112,10 @@ def _assert_finished_unchanged(cluster, job_id: int, out_path: Path, reference: 
 
 @pytest.fixture(scope="module")
 def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
-    """The fault-free run of the job (as the job user), once for every module that uses it
-    (this one, and test_full_disk, which imports it: each gets its own directory)."""
+    """The fault-free run of the job (as the job user), once per process for every module of
+    train_ddp.py on 4 nodes (training_jobs.reference_run; test_full_disk imports this fixture)."""
     print(f"\ntest_migration seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = Path(tempfile.mkdtemp(dir=jobs_base, prefix=f"test_migration-ref-{os.getpid()}-"))
-    d.chmod(0o755)
-    os.chown(d, job_user.uid, job_user.gid)
-    ref_id = _submit(d, "ref", job_user)
-    ref = _wait_end(ref_id)
-    text = (d / f"ref.{ref_id}.out").read_text()
-    assert ref["job_state"][0] == "COMPLETED", text[-3000:]
-    lines = _steps(text)
-    assert len(lines) == 3 * STEPS, text[-3000:]
-    return {"job_id": ref_id, "per_step": _per_step(lines)}
+    return tj.reference_run(jobs_base, job_user, "test_migration", STEPS, context=f"seed={SEED}: ")
 
 
 @pytest.fixture
