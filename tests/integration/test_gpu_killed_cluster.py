@@ -1,8 +1,9 @@
 """A rank that dies on a live node: the GPU under it killed, a bug in the script, no restore point.
 
 Every job is examples/train_ddp.py (3 gloo DDP ranks at 0.1 s a step on node1..node3, one per node,
-SLURM_LOCALID 0) as the ordinary job user; node4 is the hot spare. One plain run (no
-``--torchpass``: the runtime is not loaded) is the module's reference: per-step losses.
+SLURM_LOCALID 0) as the ordinary job user; node4 is the hot spare. Its reference, per-step losses,
+is training_jobs.reference_run's fault-free run, shared with the other train_ddp.py modules of the
+test process (the sleep between steps changes no loss).
 
 * ``sbatch --torchpass=spares=1,snapshot_every=2``; once a snapshot completed, at a random step,
   ``tpassctl devcluster kill-gpu NODE --gpu 0`` on a random training node other than the batch host
@@ -85,16 +86,10 @@ POLICY = CoordinatorPolicy()
 
 @pytest.fixture(scope="module")
 def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
+    """train_ddp.py's losses per step with 3 ranks: training_jobs.reference_run, shared with the
+    other modules of this process (the sleep between steps changes no loss)."""
     print(f"\ntest_gpu_killed seed={SEED} (replay: TORCHPASS_TEST_SEED={SEED})")
-    d = jobs_base / f"gpukill-ref-{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    d.chmod(0o755)
-    os.chown(d, job_user.uid, job_user.gid)
-    jobs: list[int] = []
-    t0 = time.monotonic()
-    ref = drill.reference(TRAIN, d, job_user.name, jobs)
-    print(f"reference: {STEPS} steps in {time.monotonic() - t0:.1f} s")
-    return ref
+    return tj.reference_run(jobs_base, job_user, "gpukill", STEPS, context=f"seed={SEED}: ")["per_step"]
 
 
 def _kill_gpu(cluster, node: str, gpu: int = 0) -> dict:
