@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -102,6 +103,50 @@ def test_a_symlinked_or_oversized_event_log_is_refused(state_dir, tmp_path_facto
     with pytest.raises(RemoteError, match="more than"):
         account(state_dir, slurm)
     assert slurm.updates == []
+
+
+def test_a_log_swapped_for_a_link_to_a_root_file_while_tpassd_reads_never_counts_that_file(state_dir, tmp_path_factory):
+    """The owner races tpassd: a thread swaps events.json, by rename, between their own log and a
+    symlink to a root-only log of 7 migrations, while tpassd answers 300 requests. Every answer
+    counts the owner's log (1 migration) or refuses; none counts the root file."""
+    owner = ME + 12345  # an ordinary user's uid: no file of root's is theirs
+    secret = tmp_path_factory.mktemp("root-only") / "events.json"
+    secret.write_text(json.dumps([{**EVENTS[0], "seq": i} for i in range(1, 8)]))
+    secret.chmod(0o600)
+    jdir = layout.job_dir(state_dir, 7)
+    os.chown(jdir, owner, -1)
+    log_path = layout.events_json(state_dir, 7)
+    os.chown(log_path, owner, -1)
+    real, link = jdir / "real.tmp", jdir / "link.tmp"
+    stop = threading.Event()
+
+    def swap():
+        while not stop.is_set():
+            os.link(log_path, real)  # keep the owner's log under a second name...
+            os.unlink(log_path)
+            link.symlink_to(secret)
+            os.rename(link, log_path)  # ...put the link in its place...
+            os.rename(real, log_path)  # ...and the log back (one link again)
+
+    slurm = Slurm(running(user_id=owner))
+    answers = {"mig 1": 0, "refused": 0}
+    racer = threading.Thread(target=swap, daemon=True)
+    racer.start()
+    try:
+        for _ in range(300):
+            try:
+                value = account(state_dir, slurm, uid=owner)["value"]
+            except RemoteError as exc:
+                assert "event log" in str(exc), exc
+                answers["refused"] += 1
+                continue
+            assert value.startswith("torchpass: mig 1 "), value  # never "mig 7"
+            answers["mig 1"] += 1
+    finally:
+        stop.set()
+        racer.join(5)
+    print(f"answers while racing: {answers}")
+    assert all(answers.values()), answers  # both states of the file were met
 
 
 def test_the_comment_field_and_off(state_dir):
