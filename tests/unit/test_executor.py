@@ -666,6 +666,21 @@ def test_the_jobs_output_file_given_at_the_start_is_not_asked_again(tmp_path):
     assert argv[argv.index("-o") + 1] == "/home/u/slurm-42.out" and CountingSlurm.asked == 0
 
 
+def _relaunch_n2_to_n4(tmp_path, tp) -> str:
+    """A relaunch of job 42 (hosts n1..n3) from snapshot s1 with n4 in n2's place, by an executor
+    with no Slurm: the verdict file's text, once written (5 s at most)."""
+    d, _ = _driver(tmp_path, tp)
+    d.executor.slurm = None
+    layout.hostfile(tmp_path, 42).parent.mkdir(parents=True, exist_ok=True)
+    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
+    d.executor.perform(ct.Relaunch(1, (("n2", "n4"),), 0, "s1"), d.state)
+    verdict = layout.relaunch_file(tmp_path, 42)
+    end = time.monotonic() + 5
+    while not verdict.exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    return verdict.read_text()
+
+
 def test_a_relaunch_from_a_snapshot_is_prepared_on_every_node_before_its_verdict(tmp_path):
     """Each node of the new host file gets its restore token (tpassd.restore op=prepare, kind snapshot)
     before the verdict lets srun's exit hook start the step again: its tasks take the token at launch."""
@@ -678,16 +693,7 @@ def test_a_relaunch_from_a_snapshot_is_prepared_on_every_node_before_its_verdict
             return super().request(node, type_, body, timeout_s)
 
     tp = Tp(fail_dump=False)
-    d, _ = _driver(tmp_path, tp)
-    ex = d.executor
-    ex.slurm = None
-    layout.hostfile(tmp_path, 42).parent.mkdir(parents=True, exist_ok=True)
-    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
-    ex.perform(ct.Relaunch(1, (("n2", "n4"),), 0, "s1"), d.state)
-    end = time.monotonic() + 5
-    while not verdict.exists() and time.monotonic() < end:
-        time.sleep(0.01)
-    assert "snapshot=s1" in verdict.read_text()
+    assert "snapshot=s1" in _relaunch_n2_to_n4(tmp_path, tp)
     assert sorted(seen) == [("n1", False), ("n3", False), ("n4", False)]
     assert {(t, b["op"], b["kind"], b["snapshot"]) for _, t, b in tp.calls} == {
         ("tpassd.restore", "prepare", "snapshot", "s1")}
@@ -709,16 +715,7 @@ def test_a_node_whose_tpassd_did_not_answer_the_prepare_is_asked_again_before_th
                 raise UnreachableError("no reply from n1's tpassd")
             return super().request(node, type_, body, timeout_s)
 
-    d, _ = _driver(tmp_path, Tp(fail_dump=False))
-    ex = d.executor
-    ex.slurm = None
-    layout.hostfile(tmp_path, 42).parent.mkdir(parents=True, exist_ok=True)
-    layout.hostfile(tmp_path, 42).write_text("n1\nn2\nn3\n")
-    ex.perform(ct.Relaunch(1, (("n2", "n4"),), 0, "s1"), d.state)
-    end = time.monotonic() + 5
-    while not verdict.exists() and time.monotonic() < end:
-        time.sleep(0.01)
-    assert "snapshot=s1" in verdict.read_text()
+    assert "snapshot=s1" in _relaunch_n2_to_n4(tmp_path, Tp(fail_dump=False))
     assert [s for s in seen if s[0] == "n1"] == [("n1", 5.0, False), ("n1", RETRY_PREPARE_TIMEOUT_S, False)]
     assert sorted(s[0] for s in seen) == ["n1", "n1", "n3", "n4"]
 
