@@ -202,6 +202,15 @@ def test_nvml_collector_reads_the_driver_version_once_a_gpu_is_seen():
     assert c.driver_version == "570.86.15"
 
 
+def _move_n2(d) -> None:
+    """n2 degrades and the job's 3 ranks quiesce where told: the move of n2 starts its dump."""
+    ex = d.executor
+    d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
+    at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
+    for r in range(3):
+        d.feed(mc.Quiesced(r, gen, at))
+
+
 @pytest.mark.parametrize("target_driver", ["575.51.03", "570.86.15"])
 def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(tmp_path, target_driver):
     """The CUDA checkpoint is restored by the same driver only: the target's tpassd.health names
@@ -224,11 +233,7 @@ def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(
     tp.request = request
     d, _ = tx._driver(tmp_path, tp)
     try:
-        ex = d.executor
-        d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
-        at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
-        for r in range(3):
-            d.feed(mc.Quiesced(r, gen, at))
+        _move_n2(d)
         tx._pump_until(d, lambda: any(e.kind == "migration.rollback" for e in d.job.events), timeout_s=30)
         rb = [e for e in d.job.events if e.kind == "migration.rollback"][0]
         verified = [c for c in calls if c[2] == "verify"]
@@ -272,11 +277,7 @@ def test_only_a_job_whose_tasks_have_gpus_asks_both_tpassds_for_their_driver(tmp
     slurm.step_table[42] = [StepInfo("42.0", "python", ("n1", "n2", "n3"), "RUNNING")]
     slurm.step_detail = lambda step_id: STEP_D if gpus else STEP_D.replace(",gres/gpu=6,gres/gpu:h100=6", "")
     try:
-        ex = d.executor
-        d.feed(mc.NodeHealthChanged("n2", "degraded", ("x",)))
-        at, gen = ex.command_for(0)["at"], ex.command_for(0)["generation"]
-        for r in range(3):
-            d.feed(mc.Quiesced(r, gen, at))
+        _move_n2(d)
         tx._pump_until(d, lambda: any(c[2] == "verify" for c in calls), timeout_s=30)
         asked = sorted(c[0] for c in calls if c[1] == "tpassd.health")
         assert asked == (["n2", "n4"] if gpus else []), calls
