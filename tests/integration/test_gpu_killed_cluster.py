@@ -272,14 +272,6 @@ TR_SCRIPT = textwrap.dedent(
     os._exit(0)  # plain torch 2.13 may abort at a normal exit (docs/runtime.md, "Unprotected jobs")
     """
 )
-TR_BATCH = """#!/bin/bash
-#SBATCH --ntasks-per-node=1
-cd {d}
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-port=$((20000 + SLURM_JOB_ID % 20000))
-srun {torchrun} --nnodes=3 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d \\
-  --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" tr_ckpt.py {steps} {every} {ckpt}
-"""
 TR_WORKERS = 6
 _TR_REFERENCE: dict = {}
 
@@ -293,8 +285,8 @@ def _torchrun_submit(d: Path, tag: str, torchpass: str | None, user) -> tuple[in
     args = ["-N", str(3 + bool(torchpass)), "-o", str(d / f"{tag}.%j.out")]
     if torchpass:
         args.insert(0, f"--torchpass={torchpass}")
-    body = TR_BATCH.format(d=d, torchrun=Path(job_python()).parent / "torchrun", steps=TR_STEPS,
-                           every=TR_CKPT_EVERY, ckpt=d / f"{tag}.ckpt")
+    body = tj.torchrun_batch(d, Path(job_python()).parent / "torchrun", 3,
+                             f"tr_ckpt.py {TR_STEPS} {TR_CKPT_EVERY} {d / f'{tag}.ckpt'}", conf="--max-restarts=0")
     job_id = job_id_of(sbatch(args, body, cwd=d, user=user.name, env=submit_env(user.name)))
     return job_id, d / f"{tag}.{job_id}.out"
 

@@ -84,18 +84,6 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-BATCH = """#!/bin/bash
-#SBATCH --ntasks-per-node=1
-cd {d}
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-port=$((20000 + SLURM_JOB_ID % 20000))
-{serve}
-srun {torchrun} --nnodes={nnodes} --nproc-per-node=2 --rdzv-backend=c10d \\
-  --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" {conf} tr.py {steps} {release}
-rc=$?
-{stop}
-exit $rc
-"""
 # The recipe of docs/runtime.md ("torchrun"): the batch script serves the rendezvous store on the
 # batch host, outside every task, and no agent hosts it (is_host=false): every node can move.
 SERVE = ('{py} -c "import datetime, sys, time, torch.distributed as d; '
@@ -111,10 +99,10 @@ def _submit(d: Path, tag: str, torchpass: bool, user, served_by_batch: bool = Fa
     if torchpass:
         args.insert(0, "--torchpass=spares=1")
     torchrun = Path(job_python()).parent / "torchrun"  # torch's console script in the job venv
-    script = BATCH.format(d=d, torchrun=torchrun, steps=STEPS, release=release, nnodes=nnodes,
-                          serve=SERVE.format(py=job_python()) if served_by_batch else "",
-                          conf="--rdzv-conf=is_host=false" if served_by_batch else "",
-                          stop="kill $store" if served_by_batch else "")
+    script = tj.torchrun_batch(d, torchrun, nnodes, f"tr.py {STEPS} {release}",
+                               serve=SERVE.format(py=job_python()) if served_by_batch else "",
+                               conf="--rdzv-conf=is_host=false" if served_by_batch else "",
+                               stop="kill $store" if served_by_batch else "")
     job_id = job_id_of(sbatch(args, script, cwd=d, user=user.name, env=submit_env(user.name)))
     return job_id, d / f"{tag}.{job_id}.out", release
 

@@ -51,6 +51,29 @@ def submit(job_dir: Path, tag: str, steps: int, nodes: int, torchpass: str = "sp
     return job_id_of(proc)
 
 
+# srun torchrun, 2 workers per node, the c10d rendezvous on the first node of the job (or a store
+# the batch script serves: ``serve``/``stop`` around it, ``conf`` for torchrun's own options);
+# ``script`` is the worker's file and arguments, in ``d``.
+TORCHRUN_BATCH = """#!/bin/bash
+#SBATCH --ntasks-per-node=1
+cd {d}
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+port=$((20000 + SLURM_JOB_ID % 20000))
+{serve}
+srun {torchrun} --nnodes={nnodes} --nproc-per-node=2 --rdzv-backend=c10d \\
+  --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID" {conf} {script}
+rc=$?
+{stop}
+exit $rc
+"""
+
+
+def torchrun_batch(d: Path, torchrun: Path | str, nnodes: int, script: str, conf: str = "", serve: str = "",
+                   stop: str = "") -> str:
+    return TORCHRUN_BATCH.format(d=d, torchrun=torchrun, nnodes=nnodes, script=script, conf=conf, serve=serve,
+                                 stop=stop)
+
+
 def job(job_id: int) -> dict:
     out = run(["scontrol", "show", "job", str(job_id), "--json"])
     assert out.returncode == 0, out.stderr
