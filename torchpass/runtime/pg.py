@@ -235,9 +235,7 @@ class _ForwardingGroup(dist.ProcessGroup):
         Every rank builds the same list (the same rails, the same order): both ends of every
         pair must agree, so a rail this node lacks is an error, never silently left out."""
         if self.rails:
-            missing = [r for r in self.rails if not interface_present(r)]
-            if missing:
-                raise RuntimeError(f"torchpass: data rail(s) {', '.join(missing)} are not interfaces of this node")
+            self._check_rails()
             return [dist.ProcessGroupGloo.create_device(interface=r) for r in self.rails]
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
         if ifname and interface_present(ifname):
@@ -245,6 +243,11 @@ class _ForwardingGroup(dist.ProcessGroup):
         # After a move the interface names and addresses differ: take the
         # address the kernel routes towards the rendezvous host.
         return [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(rv.master_addr, rv.master_port))]
+
+    def _check_rails(self) -> None:
+        missing = [r for r in self.rails if not interface_present(r)]
+        if missing:
+            raise RuntimeError(f"torchpass: data rail(s) {', '.join(missing)} are not interfaces of this node")
 
     def _make_inner(self, st: dist.Store, rv: Rendezvous) -> None:
         """Build the inner native group on ``st`` (a generation's prefix of the switchable store)."""
@@ -477,6 +480,10 @@ class ReconfigurablePG(_ForwardingGroup):
         self.store.switch(tcp)
 
     def _build(self, generation: int, rv: Rendezvous) -> None:
+        # This node's own configuration first, before any wait on the others: rank 0 serves the
+        # store without waiting for the workers, so a rank 0 that failed after opening it left
+        # the others waiting for it to listen until the group's timeout (4 of 10 runs).
+        self._check_rails()
         if not self.store.is_open or rv != self.rendezvous:
             self._open_store(rv)
         self.rendezvous = rv
