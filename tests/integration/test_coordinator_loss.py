@@ -104,7 +104,7 @@ def clean(cluster):
 
 
 def test_kill_9_of_the_coordinator_between_dump_and_restore_it_comes_back_and_moves_later(
-        cluster, reference, job_dir, job_user, clean):
+        cluster, policy, reference, job_dir, job_user, clean):
     seed = int(os.environ.get("TORCHPASS_TEST_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
     moved, at = rng.choice(("node2", "node3")), rng.randint(5, 40)
