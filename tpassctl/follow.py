@@ -39,7 +39,7 @@ def saved_events(state_dir: Path, job_id: int) -> dict[str, Any] | None:
     """
     try:
         events, _ = jobdir.read_events(state_dir, job_id)
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):
         return None
     return {"job_id": job_id, "endpoint": None, "reachable": False, "saved": str(layout.events_json(state_dir, job_id)),
             "events": [e for e in events if isinstance(e, dict)]}

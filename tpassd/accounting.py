@@ -76,7 +76,7 @@ class JobAccounting:
         cannot be read or is not a JSON list."""
         try:
             events, _ = jobdir.read_events(self.state_dir, job_id, owner=owner, cap=EVENTS_MAX)
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError) as exc:
             raise RemoteError("bad_request", f"cannot read job {job_id}'s event log: {exc}") from None
         return events
 

@@ -165,7 +165,9 @@ class MetricsPusher:
     def close(self, final: bool = False) -> None:
         """Stop. ``final``: then send one last report, built here (the serve loop has ended, so
         nothing else touches the job): what the job did in its last interval, which tpassd serves
-        until it drops the job, STALE_AFTER_PUSHES intervals later."""
+        until it drops the job, STALE_AFTER_PUSHES intervals later. None when a send is still in
+        flight after FINAL_JOIN_S: that one is the last (the whole close stays well inside the
+        plugin's 5 s)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=FINAL_JOIN_S)

@@ -97,7 +97,7 @@ def read_job_events(state_dir: str | os.PathLike, job: int) -> tuple[list[dict[s
     """(events.json of job, its owner's name) read through safeio; None when it has none."""
     try:
         events, owner = jobdir.read_events(state_dir, job)
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):
         return None
     return events, _user_name(owner)
 
