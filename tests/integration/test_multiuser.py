@@ -141,11 +141,15 @@ def _an_ended_job_stays_private(cluster, job_id: int, owner: str, intruder: str)
     it so), and tpuser2 reads none of its events, log or rank records, neither with tpassctl nor
     with open(); tpuser1 reads them all (the control)."""
     jdir = layout.job_dir(cluster.state_dir, job_id)
-    deadline = time.monotonic() + 30  # the coordinator saves its events as it exits
-    while not layout.events_json(cluster.state_dir, job_id).exists() and time.monotonic() < deadline:
+    # A clean stop on the plugin's SIGTERM, not its SIGKILL stop_timeout (5 s) later: the last line
+    # the coordinator logs comes after its events are saved, its metrics pushed and its health
+    # link closed (up to 1.5 s after "coordinator stopping"), and never after a SIGKILL.
+    log_path = layout.coordinator_log(cluster.state_dir, job_id)
+    deadline = time.monotonic() + 30
+    while '"coordinator stopped"' not in (log := log_path.read_text()) and time.monotonic() < deadline:
         time.sleep(0.3)
-    # A clean stop on the plugin's SIGTERM, not its SIGKILL 5 s later (the event log is saved then).
-    assert '"coordinator stopped"' in layout.coordinator_log(cluster.state_dir, job_id).read_text()
+    assert '"coordinator stopped"' in log, log
+    assert layout.events_json(cluster.state_dir, job_id).exists()
     slurm_user = re.search(r"^SlurmUser=(\S+)", cluster.slurm_conf.read_text(), re.M).group(1)
     st = jdir.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (
