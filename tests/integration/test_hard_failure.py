@@ -57,7 +57,7 @@ import training_jobs as tj
 from drill import Drill
 from support.wait import until
 from torchpass import layout
-from torchpass.coordinator.decide import ENDED_LIKE_SLURM, SLURM_ON_LOST_NODE
+from torchpass.coordinator.decide_relaunch import ENDED_LIKE_SLURM, SLURM_ON_LOST_NODE
 from torchpass.devcluster.cluster import pid_alive
 
 pytestmark = pytest.mark.integration

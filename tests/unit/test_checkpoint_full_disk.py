@@ -164,7 +164,7 @@ def test_the_rollback_event_quotes_the_no_space_line():
     the reason of its rollback and of the event it publishes."""
     from test_decide import Sim
     from torchpass.coordinator import machine as mc
-    from torchpass.coordinator.decide import Event, ResumeInPlace
+    from torchpass.coordinator.contract import Event, ResumeInPlace
     from torchpass.errors import RemoteError
 
     line = str(criu.no_space("rank 3", "/var/lib/torchpass/snapshots", 70_000_000, 8_000_000))

@@ -14,25 +14,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import (
+from torchpass.coordinator.contract import (
     AbortRestore,
-    CoordState,
     Drain,
     Event,
     HandToSlurm,
     KillSource,
     MigrationDump,
     PauseAt,
-    Phase,
     RequestSpare,
     Restore,
     Resume,
     ResumeInPlace,
     Shrink,
     Transfer,
-    decide,
-    job_ended,
 )
+from torchpass.coordinator.decide import decide, job_ended
+from torchpass.coordinator.model import CoordState
+from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health import State
 
@@ -863,7 +862,8 @@ def test_never_left_paused_and_one_migration_at_a_time(data):
 # ============================================================================
 # The pause point T and the standstill ("paused")
 # ============================================================================
-from torchpass.coordinator.decide import RankView, pause_point  # noqa: E402
+from torchpass.coordinator.decide_common import pause_point  # noqa: E402
+from torchpass.coordinator.model import RankView  # noqa: E402
 
 TP = replace(P, pause_margin_collectives=2, pause_slack_s=0.5, pause_slack_listening_s=0.1,
              pause_fallback_collectives=64)
@@ -1364,7 +1364,7 @@ def test_a_pinned_node_is_skipped_once_and_the_rest_of_the_job_still_moves():
     sim.degrade("node2")
     assert sim.m is not None and sim.m.node == "node2"
     assert len(sim.events("migration.skipped")) == 1  # said once
-    from torchpass.coordinator.decide import check_snapshot_request
+    from torchpass.coordinator.decide_snapshot import check_snapshot_request
 
     code, msg = check_snapshot_request(replace(sim.state, migration=None))
     assert code == "conflict" and "torchrun" in msg
@@ -1387,8 +1387,8 @@ def test_a_fan_in_in_a_batch_gives_the_same_state_as_one_report_at_a_time():
     from dataclasses import replace
 
     from torchpass.coordinator import machine as mc
-    from torchpass.coordinator.decide import Phase
     from torchpass.coordinator.model import CoordState, Migration, RankView
+    from torchpass.coordinator.phases import Phase
 
     ranks = {r: RankView(r, f"n{r // 4}", collectives=50, task=r) for r in range(16)}
     m = Migration(id="m1", node="n0", reason="x", trigger="health", ranks=(0, 1, 2, 3), detected=1.0,
@@ -1437,7 +1437,7 @@ def test_the_stall_pass_is_skipped_until_a_rank_could_be_quiet_and_then_finds_it
     """decide.stalled_ranks keeps the lowest last_advance of its last pass (carried from state to
     state, a batch's in-place ranks included): no pass over the ranks before a rank could have been
     quiet for stall_s, and the stalled rank is found once it has."""
-    from torchpass.coordinator.decide import stalled_ranks
+    from torchpass.coordinator.decide_common import stalled_ranks
     from torchpass.coordinator.model import STALL_FLOOR_CACHE
 
     pol = replace(P, stall_s=30.0)

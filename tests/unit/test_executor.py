@@ -265,7 +265,6 @@ def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy
     that copy finished would let both copies rejoin as the rank and hang the group."""
     import threading
 
-    from torchpass.coordinator import decide as dc
 
     release = threading.Event()
 
@@ -282,8 +281,8 @@ def test_rollback_after_a_restore_resumes_the_source_only_once_the_restored_copy
     st = d.state
     ex.move("m1").hold = (1,)
     ex.move("m1").dumps[1] = {"images": str(tmp_path / "img"), "pid": 7}
-    ex.perform(dc.AbortRestore("m1", "n4", (1,)), st)
-    ex.perform(dc.ResumeInPlace("m1", 2, "n1", "kill of the source failed"), st)
+    ex.perform(ct.AbortRestore("m1", "n4", (1,)), st)
+    ex.perform(ct.ResumeInPlace("m1", 2, "n1", "kill of the source failed"), st)
     end = time.monotonic() + 0.3
     while time.monotonic() < end:  # the serve loop runs on; the abort is still under way
         d.pump()
@@ -729,7 +728,6 @@ def test_a_restored_copy_whose_abort_tpassd_does_not_answer_gives_the_rank_recor
     wrapper would wait for one for ever (the job never ends)."""
     import json
 
-    from torchpass.coordinator import decide as dc
     from torchpass.errors import TorchpassError
 
     class AbortTpassd(FakeTpassd):
@@ -750,7 +748,7 @@ def test_a_restored_copy_whose_abort_tpassd_does_not_answer_gives_the_rank_recor
                 "previous": source}
     record.write_text(json.dumps(restored))
     ex.move("m1").dumps[1] = {"images": images, "pid": 7}
-    ex.perform(dc.AbortRestore("m1", "n4", (1,)), d.state)
+    ex.perform(ct.AbortRestore("m1", "n4", (1,)), d.state)
     for t in ex.move("m1").aborts:
         t.join(10)
     want = source if abort == "unanswered" else restored  # answered: tpassd (root) rewrote it, not this fake

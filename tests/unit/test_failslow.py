@@ -8,8 +8,9 @@ import pytest
 
 from torchpass.coordinator import decide_failslow as failslow
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState, Event, RequestSpare, decide
-from torchpass.coordinator.model import Trigger
+from torchpass.coordinator.contract import Event, RequestSpare
+from torchpass.coordinator.decide import decide
+from torchpass.coordinator.model import CoordState, Trigger
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.errors import ConfigError
 from torchpass.health import State

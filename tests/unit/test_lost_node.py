@@ -11,7 +11,8 @@ import time
 
 from torchpass import layout
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import SLURM_ON_LOST_NODE, check_snapshot_request
+from torchpass.coordinator.decide_relaunch import SLURM_ON_LOST_NODE
+from torchpass.coordinator.decide_snapshot import check_snapshot_request
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.job_record import JobState

@@ -7,7 +7,9 @@ from dataclasses import replace
 import pytest
 
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState, Migration, Phase, decide
+from torchpass.coordinator.decide import decide
+from torchpass.coordinator.model import CoordState, Migration
+from torchpass.coordinator.phases import Phase
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health import State
 

@@ -14,7 +14,8 @@ from test_snapshot_decide import P, Sim
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
 from torchpass.coordinator import relaunch_phases, snapshot_phases
-from torchpass.coordinator.decide import decide, resumed_from_stop
+from torchpass.coordinator.decide import decide
+from torchpass.coordinator.decide_relaunch import resumed_from_stop
 from torchpass.coordinator.relaunch_phases import (
     RELAUNCH_RESULTS,
     RELAUNCH_TRANSITIONS,

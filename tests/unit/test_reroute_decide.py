@@ -10,8 +10,9 @@ import pytest
 
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState, decide
+from torchpass.coordinator.decide import decide
 from torchpass.coordinator.decide_reroute import RETRY_AFTER_FAILED_S
+from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health_state import State
 

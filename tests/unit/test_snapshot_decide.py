@@ -8,7 +8,9 @@ import pytest
 
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import machine as mc
-from torchpass.coordinator.decide import CoordState, decide, periodic_snapshot_due
+from torchpass.coordinator.decide import decide
+from torchpass.coordinator.decide_snapshot import periodic_snapshot_due
+from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.health_state import State
 
@@ -299,7 +301,7 @@ def test_a_stop_whose_manifest_fails_resumes_every_rank_and_removes_the_images()
 
 
 def test_the_resumed_run_resumes_the_restored_ranks_once_all_are_back_and_forgets_the_stop():
-    from torchpass.coordinator.decide import resumed_from_stop
+    from torchpass.coordinator.decide_relaunch import resumed_from_stop
 
     sim = Sim(nodes=())
     sim.state = resumed_from_stop(7, sim.now, "s1", 10, 1, 3, 0)
@@ -320,13 +322,13 @@ def test_the_resumed_run_resumes_the_restored_ranks_once_all_are_back_and_forget
 
 
 def check_snapshot_refused(st) -> bool:
-    from torchpass.coordinator.decide import check_snapshot_request
+    from torchpass.coordinator.decide_snapshot import check_snapshot_request
 
     return check_snapshot_request(st) is not None
 
 
 def test_a_resumed_run_whose_step_started_afresh_says_so_and_forgets_the_stop():
-    from torchpass.coordinator.decide import resumed_from_stop
+    from torchpass.coordinator.decide_relaunch import resumed_from_stop
 
     sim = Sim(nodes=())
     sim.state = resumed_from_stop(7, sim.now, "s1", 10, 1, 3, 0)

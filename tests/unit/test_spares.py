@@ -12,10 +12,11 @@ import zmq
 from support.fake_slurm import FakeSlurm
 from torchpass import layout
 from torchpass.checkpoint import moved_exit
-from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
+from torchpass.coordinator.contract import RequestSpare, Restore, Shrink
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.job_record import JobState
+from torchpass.coordinator.model import CoordState, SpareView
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.errors import SlurmError
 from torchpass.health import HealthSubscriber
@@ -67,13 +68,13 @@ def _wait(posted, n=1):
 
 
 def _state(*spares):
-    return dc.CoordState(job_id=42, spares=tuple(spares))
+    return CoordState(job_id=42, spares=tuple(spares))
 
 
 def test_expand_allocates_a_donor_like_the_job_and_merges_it(tmp_path):
     slurm, followed = _slurm(), []
     ex, posted = _executor(tmp_path, slurm, followed)
-    ex.perform(dc.RequestSpare("m2", "expand", "n3"), _state(dc.SpareView("n3", "hot", "used")))
+    ex.perform(RequestSpare("m2", "expand", "n3"), _state(SpareView("n3", "hot", "used")))
     assert _wait(posted) == [mc.SpareGranted("m2", "n4", "expand", allocation=77)]
     (_, req), merge = _changes(slurm)
     assert merge == ("merge_into", 77, 42)
@@ -87,7 +88,7 @@ def test_expand_allocates_a_donor_like_the_job_and_merges_it(tmp_path):
 def test_failed_merge_cancels_the_donor_and_reports_unavailable(tmp_path):
     slurm = _slurm(merge_fails=True)
     ex, posted = _executor(tmp_path, slurm)
-    ex.perform(dc.RequestSpare("m1", "expand", "n2"), _state())
+    ex.perform(RequestSpare("m1", "expand", "n2"), _state())
     (out,) = _wait(posted)
     assert isinstance(out, mc.SpareUnavailable) and out.strategy == "expand" and "did not take" in out.why
     assert ("cancel", 77) in slurm.calls
@@ -95,7 +96,7 @@ def test_failed_merge_cancels_the_donor_and_reports_unavailable(tmp_path):
 
 def test_no_free_node_is_unavailable_with_slurms_words(tmp_path):
     ex, posted = _executor(tmp_path, _slurm(grant=None))
-    ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
+    ex.perform(RequestSpare("m1", "companion", "n2"), _state())
     (out,) = _wait(posted)
     assert out == mc.SpareUnavailable("m1", "companion", "salloc of a spare for job 42 failed: "
                                                        "Immediate execution impossible")
@@ -104,11 +105,11 @@ def test_no_free_node_is_unavailable_with_slurms_words(tmp_path):
 def test_companion_runs_the_restore_step_and_is_cancelled_at_close(tmp_path):
     slurm = _slurm()
     ex, posted = _executor(tmp_path, slurm)
-    ex.perform(dc.RequestSpare("m1", "companion", "n2"), _state())
+    ex.perform(RequestSpare("m1", "companion", "n2"), _state())
     assert _wait(posted) == [mc.SpareGranted("m1", "n4", "companion", allocation=77)]
     assert not _changes(slurm)[0][1].expand and ex.companions == {77: "n4"}
-    st = _state(dc.SpareView("n4", "companion", "reserved", allocation=77))
-    argv = ex.restore_argv(dc.Restore("m1", 1, "n4", "/img", "sha"),
+    st = _state(SpareView("n4", "companion", "reserved", allocation=77))
+    argv = ex.restore_argv(Restore("m1", 1, "n4", "/img", "sha"),
                            st.spare("n4").allocation)
     assert "--jobid=77" in argv and argv[argv.index("-w") + 1] == "n4"
     ex.close()
@@ -120,7 +121,7 @@ def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
                                   StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
     ex, posted = _executor(tmp_path, slurm)
     ex.spares.settle_grace_s = 0.5  # no launch wrapper says it left: waited for, then kept
-    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    ex.perform(Shrink("m1", ("n2",)), _state())
     (out,) = _wait(posted)
     assert isinstance(out, mc.ShrinkFailed)
     assert "step 42.0 (python) still has a task on n2 that did not leave it" in out.why
@@ -130,7 +131,7 @@ def test_shrink_keeps_a_node_where_a_step_still_has_a_task(tmp_path):
     job_dir.mkdir(parents=True)
     layout.rank_record(layout.rank_records_dir(tmp_path, 42), 42, 1).write_text(json.dumps({"node": "n2"}))
     ex.spares.settle_grace_s = 60.0
-    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    ex.perform(Shrink("m1", ("n2",)), _state())
     (_, out) = _wait(posted, 2)
     assert isinstance(out, mc.ShrinkFailed) and "ranks ['1'] run there" in out.why, out
 
@@ -146,7 +147,7 @@ def test_shrink_releases_a_node_whose_moved_ranks_launch_wrapper_left(tmp_path):
     old = time.time() - 10  # written long enough ago: the wrapper has exited
     os.utime(released, (old, old))
     ex, posted = _executor(tmp_path, slurm)
-    ex.perform(dc.Shrink("m1", ("n2",)), _state())
+    ex.perform(Shrink("m1", ("n2",)), _state())
     assert _wait(posted) == [mc.Shrunk("m1", ("n2",))]
     assert ("shrink", 42, ("n1", "n3")) in slurm.calls
 
@@ -155,14 +156,14 @@ def test_shrink_releases_a_node_no_step_runs_on(tmp_path):
     slurm = _slurm(steps=[StepInfo("42.batch", "batch", ("n1",), "RUNNING"),
                                   StepInfo("42.0", "python", ("n1", "n2"), "RUNNING")])
     ex, posted = _executor(tmp_path, slurm)
-    ex.perform(dc.Shrink("m2", ("n3",)), _state())
+    ex.perform(Shrink("m2", ("n3",)), _state())
     assert _wait(posted) == [mc.Shrunk("m2", ("n3",))]
     assert ("shrink", 42, ("n1", "n2")) in slurm.calls
 
 
 def test_shrink_never_releases_the_batch_host(tmp_path):
     ex, posted = _executor(tmp_path, _slurm())
-    ex.perform(dc.Shrink("m1", ("n1",)), _state())
+    ex.perform(Shrink("m1", ("n1",)), _state())
     (out,) = _wait(posted)
     assert isinstance(out, mc.ShrinkFailed) and "batch host" in out.why
 
@@ -171,7 +172,7 @@ def test_shrink_of_a_companion_node_cancels_its_allocation(tmp_path):
     slurm = _slurm()
     ex, posted = _executor(tmp_path, slurm)
     ex.companions[77] = "n4"
-    ex.perform(dc.Shrink("m3", ("n4",)), _state(dc.SpareView("n4", "companion", "used", allocation=77)))
+    ex.perform(Shrink("m3", ("n4",)), _state(SpareView("n4", "companion", "used", allocation=77)))
     assert _wait(posted) == [mc.Shrunk("m3", ("n4",))]
     assert ("cancel", 77) in slurm.calls and ex.companions == {}
 

@@ -44,79 +44,20 @@ from dataclasses import replace
 
 from torchpass.coordinator import decide_failslow as failslow
 from torchpass.coordinator import decide_reroute as reroute
-from torchpass.coordinator.contract import (
-    AbortRestore,
-    Action,
-    Drain,
-    Event,
-    HandToSlurm,
-    KillSource,
-    MigrationDump,
-    PauseAt,
-    RequestSpare,
-    Restore,
-    Resume,
-    ResumeInPlace,
-    Shrink,
-    Transfer,
-)
-from torchpass.coordinator.decide_common import (
-    Decision,
-    _Out,
-    in_place_master,
-    pause_point,
-    spare_usable,
-    stalled_ranks,
-)
+from torchpass.coordinator.decide_common import Decision, _Out
 from torchpass.coordinator.decide_migration import (
     _PHASE_TEXT,
-    Candidate,
     _advance,
     _finish,
     _recover_migration,
     _start_next,
     candidates,
-    check_operator_request,
-    phase_complete,
 )
 from torchpass.coordinator.decide_rank_death import handle_deaths
-from torchpass.coordinator.decide_relaunch import (
-    ENDED_LIKE_SLURM,
-    SLURM_ON_LOST_NODE,
-    _handle_lost,
-    _recover_relaunch,
-    resumed_from_stop,
-)
-from torchpass.coordinator.decide_snapshot import (
-    _recover_snapshot,
-    _snapshot_step,
-    check_snapshot_request,
-    periodic_snapshot_due,
-    snapshot_phase_complete,
-    snapshot_reason,
-)
-from torchpass.coordinator.model import (
-    CoordState,
-    Failure,
-    Image,
-    Migration,
-    MigrationRecord,
-    NodeHealth,
-    OperatorRequest,
-    RankView,
-    SnapshotRun,
-    SpareHow,
-    SpareStatus,
-    SpareView,
-    Trigger,
-)
-from torchpass.coordinator.phases import (
-    PAUSED_PHASES,
-    IllegalTransition,
-    Phase,
-    Result,
-    strict_default,
-)
+from torchpass.coordinator.decide_relaunch import _handle_lost, _recover_relaunch
+from torchpass.coordinator.decide_snapshot import _recover_snapshot, _snapshot_step, snapshot_reason
+from torchpass.coordinator.model import CoordState
+from torchpass.coordinator.phases import IllegalTransition, Phase, Result, strict_default
 from torchpass.coordinator.policy import CoordinatorPolicy
 from torchpass.coordinator.relaunch_phases import IllegalRelaunchTransition
 from torchpass.coordinator.snapshot_phases import IllegalSnapshotTransition
@@ -276,15 +217,3 @@ def job_ended(now: float, state: CoordState, policy: CoordinatorPolicy) -> Decis
                      f"{m.node} was released ({'; '.join(m.notes)})", "migration.completed")
     return Decision(tuple(out.actions), "the job has ended", st)
 
-
-# Re-exported for callers that know the core as one module (tests, tpassctl's helpers).
-__all__ = [
-    "Phase", "PAUSED_PHASES", "Result", "NodeHealth", "RankView", "SpareView", "OperatorRequest", "Image",
-    "Failure", "Migration", "MigrationRecord", "CoordState", "SpareHow", "SpareStatus", "Trigger",
-    "RequestSpare", "PauseAt", "MigrationDump", "Transfer", "Restore", "AbortRestore", "KillSource", "Resume",
-    "ResumeInPlace", "Drain", "Shrink", "HandToSlurm", "Event", "Action", "Decision", "decide", "job_ended",
-    "candidates", "stalled_ranks", "check_operator_request", "phase_complete", "spare_usable", "pause_point",
-    "IllegalTransition", "SnapshotRun", "check_snapshot_request", "periodic_snapshot_due", "snapshot_phase_complete",
-    "Turn", "next_turn", "in_place_master", "resumed_from_stop", "SLURM_ON_LOST_NODE", "ENDED_LIKE_SLURM",
-    "Candidate",
-]

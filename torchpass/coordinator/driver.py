@@ -20,6 +20,7 @@ import structlog
 from torchpass.coordinator import contract as ct
 from torchpass.coordinator import decide as dc
 from torchpass.coordinator import machine as mc
+from torchpass.coordinator.decide_snapshot import periodic_snapshot_due
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.job_record import JobState
 from torchpass.coordinator.migration_actions import AbortsFinished
@@ -136,7 +137,7 @@ class Driver:
 
     def decide(self) -> None:
         now = self.clock()
-        if dc.periodic_snapshot_due(now, self.state, self.policy):
+        if periodic_snapshot_due(now, self.state, self.policy):
             self._periodic_snapshot()
         d = dc.decide(now, self.state, self.policy)
         self.state = self.state.carry_views(d.state)

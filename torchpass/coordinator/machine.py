@@ -64,13 +64,9 @@ from torchpass.coordinator.contract import (
     TransferDone,
     TransferFailed,
 )
-from torchpass.coordinator.decide import (
-    check_operator_request,
-    check_snapshot_request,
-    phase_complete,
-    snapshot_phase_complete,
-)
+from torchpass.coordinator.decide_migration import check_operator_request, phase_complete
 from torchpass.coordinator.decide_reroute import initial_plan
+from torchpass.coordinator.decide_snapshot import check_snapshot_request, snapshot_phase_complete
 from torchpass.coordinator.model import (
     COMPUTE_KEPT,
     PINNED_CACHE,

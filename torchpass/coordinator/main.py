@@ -17,7 +17,7 @@ import click
 import zmq
 
 from torchpass import __version__, auth, jobauth, layout, logs
-from torchpass.coordinator.decide import resumed_from_stop
+from torchpass.coordinator.decide_relaunch import resumed_from_stop
 from torchpass.coordinator.driver import Driver
 from torchpass.coordinator.executor import Executor
 from torchpass.coordinator.executor_ports import TpassdClient

@@ -25,7 +25,7 @@ import structlog
 from torchpass import layout, wire
 from torchpass.checkpoint.restore_gate import write_gate
 from torchpass.coordinator import contract as ct
-from torchpass.coordinator import decide as dc
+from torchpass.coordinator.decide_common import in_place_master
 from torchpass.coordinator.executor_ports import DRAIN_TIMEOUT_S, ExecutorPorts
 from torchpass.coordinator.model import CoordState
 from torchpass.coordinator.rank_commands import RankCommands, hold_deadline_s
@@ -169,7 +169,7 @@ class MigrationActions:
         self.rank_commands.urgent = tuple(a.hold_ranks)
         # What a rank does if no resume comes within deadline_s (the coordinator died): the
         # rollback's own resume in place (docs/coordinator.md, "Never left paused").
-        fallback = self.rank_commands.resume_command(a.generation, dc.in_place_master(st))
+        fallback = self.rank_commands.resume_command(a.generation, in_place_master(st))
         # One command object for every rank that is not held (never modified; the server encodes
         # it once for all of them: a pause to 8,192 ranks is one batch of replies).
         cmd = {"command": wire.COMMAND_PAUSE, "at": a.at, "generation": a.generation,
