@@ -13,7 +13,12 @@ shared cluster's tests keep today's single network. Nothing but the drills and t
   trains over the data rails: their byte counters carry its collectives, eth0 does not;
 * the same job with rail0 of a random node flapping five times at a random step is rerouted in
   place once (link.down, link.rerouted with the pause), no migration, every rank on its node, the
-  losses of a fault-free run of the same job bit for bit.
+  losses of a fault-free run of the same job bit for bit; once the rail has stayed healthy for the
+  policy's rail_restore_after_s, the job goes back onto both rails (link.restored) and rail0's
+  byte counters rise again.
+
+The nodes' tpassds keep a flapped rail degraded for 10 s (``rail_flap_window_s``; 300 s by
+default), so that the rail comes back within a test job.
 """
 
 from __future__ import annotations
@@ -41,8 +46,23 @@ SEED = int(os.environ.get("TORCHPASS_TEST_SEED") or time.time_ns() % 1_000_000)
 TPASSCTL = str(Path(sys.executable).parent / "tpassctl")
 
 
+FLAP_WINDOW_S = 10.0
+RESTORE_AFTER_S = 3.0
+POLICY = "tprailback-lp"  # a file name no other test uses (/etc/torchpass/policies is global)
+
+
 def _spec() -> DevclusterSpec:
-    return own_cluster_spec("lp", nodes=2, rails=2)
+    return own_cluster_spec("lp", nodes=2, rails=2, rail_flap_window_s=FLAP_WINDOW_S)
+
+
+@pytest.fixture(scope="module")
+def rail_policy():
+    """The jobs' policy: rails back in use after 3 s of health on every node (30 s by default)."""
+    path = Path("/etc/torchpass/policies") / f"{POLICY}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"rail_restore_after_s = {RESTORE_AFTER_S}\n")
+    yield POLICY
+    path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +102,10 @@ def link(cluster, node: str, rail: int, *action: str) -> str:
 
 
 # --- the reroute: a flapping rail, the job rerouted in place -----------------------------------
-# First in the module: a flapped rail stays degraded for tpassd's flap window (rail.window_s, 300 s),
-# so the rail-health test below pulls the other node's rails.
-STEPS = 200
+# The rail-health test below pulls the other node's rails, so that it never meets the flapped one
+# still degraded. 400 steps: the rail comes back about 15 s after the flaps (the flap window, then
+# rail_restore_after_s), about step 200 at 0.1 s a step, with steps left to carry on both rails.
+STEPS = 400
 
 
 def _nodes(cluster) -> tuple[str, str]:
@@ -108,7 +129,7 @@ def _submit_rail_job(cluster, tag: str) -> tuple[int, Path]:
     script = ("#!/bin/bash\n"
               f"srun {job_python()} {train_script(job_dir)} --steps {STEPS} --params 1M --sleep 0.05\n")
     out = job_dir / "out.txt"
-    job_id = job_id_of(sbatch(["-N2", "--ntasks-per-node=1", "--torchpass", "-o", str(out)], script,
+    job_id = job_id_of(sbatch(["-N2", "--ntasks-per-node=1", f"--torchpass=policy={POLICY}", "-o", str(out)], script,
                               cwd=job_dir, user=user.name, env=env))
     return job_id, out
 
@@ -122,8 +143,37 @@ def _wait_step(out: Path, step: int, timeout_s: float = 120) -> None:
     raise AssertionError(f"seed={SEED}: the job did not reach step {step}")
 
 
+def _rails_in_use(cluster, job_id: int) -> list[str] | None:
+    """The data rails the job's coordinator has its ranks on (tpassctl status); None: not known."""
+    out = tpassctl(cluster, "status", str(job_id), "--json")
+    try:
+        rails = json.loads(out.stdout)["jobs"][0].get("rails")
+    except (ValueError, KeyError, IndexError):
+        return None
+    return list(rails["using"]) if rails else None
+
+
+def _wait_event(cluster, job_id: int, kind: str, diag, timeout_s: float = 90, each=None) -> dict:
+    """The job's first ``kind`` event, from its running coordinator (tpassctl events); ``each()``
+    is called before every look."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if each is not None:
+            each()
+        out = tpassctl(cluster, "events", str(job_id), "--json")
+        try:
+            events = json.loads(out.stdout)["jobs"][0]["events"]
+        except (ValueError, KeyError, IndexError):
+            events = []
+        hit = next((e for e in events if e["kind"] == kind), None)
+        if hit is not None:
+            return hit
+        assert time.monotonic() < deadline, f"no {kind} event in {timeout_s:g} s: {out.stdout[-2000:]}\n{diag()}"
+        time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
-def rail_reference(rail_cluster) -> dict:
+def rail_reference(rail_cluster, rail_policy) -> dict:
     """The same job with no fault: its per-step losses (every rank prints the global loss)."""
     job_id, out = _submit_rail_job(rail_cluster, "reference")
     info = wait_job(job_id, timeout_s=240)
@@ -131,30 +181,63 @@ def rail_reference(rail_cluster) -> dict:
     return tj.per_step(tj.steps(out.read_text()))
 
 
-def test_a_flapping_rail_reroutes_the_job_in_place_once_with_the_same_losses(rail_cluster, rail_reference):
+def test_a_flapping_rail_reroutes_the_job_in_place_once_then_back_with_the_same_losses(rail_cluster,
+                                                                                         rail_reference):
     """Five flaps of rail0 on a random node (the batch host included) at a random step: the rail is
     degraded (still carrying packets between flaps, so no collective is lost on it), the
     coordinator pauses every rank at one collective and resumes them in place on rail1: one
-    reroute, no migration, every rank on its node, the reference's losses bit for bit."""
+    reroute, no migration, every rank on its node. Once rail0 has been healthy for
+    rail_restore_after_s, the ranks go back onto both rails (link.restored), and rail0 carries the
+    job's collectives again. The reference's losses bit for bit."""
     node, _ = _nodes(rail_cluster)
     at = random.Random(f"{SEED}:flap").randint(5, 30)
     print(f"seed {SEED}: flapping {node}'s rail0 at step {at} (TORCHPASS_TEST_SEED={SEED} replays)")
     for n in rail_cluster.node_names:  # a fresh cluster: every rail up and never flapped
         wait_for(rail_cluster, n, lambda r: r["rails"] == {"rail0": "healthy", "rail1": "healthy"})
     job_id, out = _submit_rail_job(rail_cluster, "flap")
+
+    def early_diag() -> str:
+        return f"seed={SEED}\n{out.read_text()[-2000:] if out.exists() else ''}"
+
     _wait_step(out, at)
     link(rail_cluster, node, 0, "flap", "--times", "5", "--period", "0.4")
+    # Between the two events every rank is on rail1 alone (the coordinator records each once every
+    # rank resumed on its new rails), and tpassctl status says which rails the job uses.
+    rerouted = _wait_event(rail_cluster, job_id, "link.rerouted", early_diag)
+    assert _rails_in_use(rail_cluster, job_id) == ["rail1"], early_diag()
+    samples: list[tuple[float, int]] = []  # (wall time, rail0's bytes sent) while rail0 is left out
+    restored = _wait_event(rail_cluster, job_id, "link.restored", early_diag,
+                           each=lambda: samples.append((time.time(), net_dev(rail_cluster, node)["rail0"][1])))
+    rail0_sent_at_restore = net_dev(rail_cluster, node)["rail0"][1]
+    assert _rails_in_use(rail_cluster, job_id) == ["rail0", "rail1"], early_diag()
+    # The control: the samples taken at least 0.5 s after the reroute was recorded and 0.5 s
+    # before the way back was (the ranks use rail0 again once they rebuilt, just before then).
+    left_out = [b for t, b in samples if rerouted["time"] + 0.5 < t < restored["time"] - 0.5]
+    assert len(left_out) >= 2, (samples, rerouted["time"], restored["time"])
+    step_at_restore = max(tj.per_step(tj.steps(out.read_text())))
     info = wait_job(job_id, timeout_s=240)
+    rail0_sent_after = net_dev(rail_cluster, node)["rail0"][1] - rail0_sent_at_restore
+    rail0_sent_unused = left_out[-1] - left_out[0]
     events = _job_events(rail_cluster, job_id)
     diag = (f"seed={SEED}\n{out.read_text()[-2000:]}\n--- events ---\n"
             + "\n".join(f"{e['kind']}: {e['message']}" for e in events))
     assert info.state == "COMPLETED", diag
     kinds = [e["kind"] for e in events]
-    assert kinds.count("link.rerouted") == 1, diag
+    assert kinds.count("link.rerouted") == 1 and kinds.count("link.restored") == 1, diag
+    assert kinds.index("link.rerouted") < kinds.index("link.restored"), diag
     assert "link.down" in kinds and not any(k.startswith("migration.") for k in kinds), diag
     rerouted = next(e for e in events if e["kind"] == "link.rerouted")
     assert rerouted["data"]["rails"] == ["rail1"] and rerouted["data"]["rails_before"] == ["rail0", "rail1"], diag
-    print(f"seed {SEED}: training stood still {rerouted['data']['pause_s']} s for the reroute")
+    restored = next(e for e in events if e["kind"] == "link.restored")
+    assert restored["data"]["rails"] == ["rail0", "rail1"] and restored["data"]["rails_before"] == ["rail1"], diag
+    print(f"seed {SEED}: training stood still {rerouted['data']['pause_s']} s for the reroute and "
+          f"{restored['data']['pause_s']} s for the way back, {restored['time'] - rerouted['time']:.1f} s apart")
+    # Back on both rails: gloo takes each collective's context round robin, one per rail, so about
+    # half of the steps left send the rank's ~4 MB share of the 1M-parameter all-reduce on rail0.
+    # Left out, rail0 sends next to nothing (the control).
+    print(f"seed {SEED}: rail0 of {node} sent {rail0_sent_unused / 2**10:.0f} KiB while left out, "
+          f"{rail0_sent_after / 2**20:.1f} MiB in the {STEPS - step_at_restore} steps after the way back")
+    assert rail0_sent_unused < 2**20 < rail0_sent_after, (rail0_sent_unused, rail0_sent_after, diag)
     registered = [e for e in events if e["kind"] == "rank.registered"]
     assert len(registered) == 2, diag  # every rank on its node: none registered again
     assert tj.per_step(tj.steps(out.read_text())) == rail_reference, diag

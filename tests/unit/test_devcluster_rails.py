@@ -1,12 +1,16 @@
 """The devcluster's link drills: what each one runs, on which end (commands recorded, not run)."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from torchpass.devcluster import DevclusterSpec
 from torchpass.devcluster.rails import LinkAction, RailLinks, rail_address, rail_veth
+from torchpass.devcluster.tpassd_node import start_args
 from torchpass.errors import DevclusterError
+from tpassd.config import load_config
+from tpassd.policy import load_policy
 
 INSIDE = ["nsenter", "-t", "42", "--net", "--uts", "--mount", "--"]
 
@@ -88,3 +92,18 @@ def test_names_fit_ifnamsiz_and_rails_are_validated():
     with pytest.raises(DevclusterError, match="--rails 9"):
         DevclusterSpec(rails=9).validate()
     assert DevclusterSpec(rails=2).rail_interfaces == ("rail0", "rail1")
+
+
+def test_the_nodes_tpassd_keeps_a_flapped_rail_degraded_for_the_specs_window(tmp_path, monkeypatch):
+    monkeypatch.setattr("torchpass.devcluster.tpassd_node.tpassd_program", lambda: "/bin/true")
+    def configured(node_dir: Path, **kw):
+        argv = start_args("node1", "10.0.0.11", node_dir, tmp_path / "munge.sock", **kw)
+        cfg = load_config(Path(argv[argv.index("--config") + 1]), environ={})
+        return cfg, load_policy(cfg.policy)
+
+    cfg, policy = configured(tmp_path / "short", rails=("rail0", "rail1"), rail_flap_window_s=10.0)
+    assert cfg.rails == ("rail0", "rail1") and policy.rail.window_s == 10.0
+    assert policy.host.disk_free_gb_degraded == 1.0  # the shared disk's floor stays
+    assert configured(tmp_path / "default")[1].rail.window_s == 300.0  # tpassd's own default
+    with pytest.raises(DevclusterError, match="flap window"):
+        DevclusterSpec(rails=2, rail_flap_window_s=0).validate()

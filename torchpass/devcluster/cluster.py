@@ -69,6 +69,9 @@ class DevclusterSpec:
     # Data rails beside the management network (eth0): railR on every node, one bridge per rail
     # (rails.py). 0 = the management network only.
     rails: int = 0
+    # How long a rail that flapped stays degraded on the nodes' tpassds (the [rail] window_s of
+    # their policy; tpassd's default, 300 s, outlasts a test job).
+    rail_flap_window_s: float = 300.0
     # Fake GPUs per node as Slurm GRES (gpus.py), node1 first; () = none. Needs the cgroup mode
     # (ConstrainDevices is task/cgroup's).
     gpus: tuple[int, ...] = ()
@@ -90,6 +93,8 @@ class DevclusterSpec:
                                   "(pub, control) and a metrics port or -1")
         if not 0 <= self.rails <= rails.MAX_RAILS:
             raise DevclusterError(f"--rails {self.rails} is out of range; use 0 to {rails.MAX_RAILS}")
+        if not self.rail_flap_window_s > 0:
+            raise DevclusterError(f"rail flap window {self.rail_flap_window_s!r} s must be > 0")
         gpus.check_counts(self.gpus, self.nodes)
         if any(self.gpus) and not self.cgroups:
             raise DevclusterError("--gpus needs the cgroup mode (--cgroups): Slurm confines a step's GPUs with "
@@ -885,6 +890,7 @@ PartitionName=debug Nodes=node[1-{n}] Default=YES MaxTime=INFINITE State=UP Over
         argv = start_args(node, spec.node_address(i), node_dir, self.munge_socket, ports=spec.tpassd_ports,
                           restore_tokens=self.restore_tokens,
                           snapshot_dir=self.snapshot_dir, rails=spec.rail_interfaces,
+                          rail_flap_window_s=spec.rail_flap_window_s,
                           fake_gpu_uuids=tuple(gpus.fake_uuid(spec.name, node, g) for g in range(spec.node_gpus(i)))
                           if spec.gpus else None,
                           gpu_inventory=spec.gpu_dev_dir / gpus.INVENTORY_NAME if spec.node_gpus(i) else None,

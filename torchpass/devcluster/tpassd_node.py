@@ -112,12 +112,14 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
                interval_s: float = 1.0,
                ports: tuple[int, int, int] = (TPASSD_PUB_PORT, TPASSD_CONTROL_PORT, TPASSD_METRICS_PORT),
                snapshot_dir: Path | None = None, restore_tokens: Path | None = None,
-               rails: tuple[str, ...] = (), fake_gpu_uuids: tuple[str, ...] | None = None,
+               rails: tuple[str, ...] = (), rail_flap_window_s: float = 300.0,
+               fake_gpu_uuids: tuple[str, ...] | None = None,
                gpu_inventory: Path | None = None, fleet_spool: Path | None = None) -> list[str]:
     """Write the node's config and policy under ``node_dir``; return tpassd's argv. ``snapshot_dir``:
     the one every node shares (the devcluster's); default: the node's own, under ``node_dir``.
     ``fake_gpu_uuids``: the node's fake GPUs (a GRES devcluster: its count and UUIDs); None: 8.
-    ``gpu_inventory``: the node's GPU inventory file (the dump reads the GPUs there, not NVML)."""
+    ``gpu_inventory``: the node's GPU inventory file (the dump reads the GPUs there, not NVML).
+    ``rail_flap_window_s``: how long a rail that flapped stays degraded (the policy's [rail] window_s)."""
     node_dir = Path(node_dir)
     node_dir.mkdir(parents=True, exist_ok=True)
     (node_dir / "state").mkdir(exist_ok=True)
@@ -125,7 +127,7 @@ def start_args(node_name: str, address: str, node_dir: Path, munge_socket: Path,
     snapshot_dir.mkdir(mode=0o755, exist_ok=True)
     policy = node_dir / "policy.toml"
     # The devcluster shares one disk among many nodes: a small free-space floor.
-    policy.write_text("[host]\ndisk_free_gb_degraded = 1.0\n")
+    policy.write_text(f"[host]\ndisk_free_gb_degraded = 1.0\n\n[rail]\nwindow_s = {float(rail_flap_window_s)}\n")
     cfg = node_dir / "tpassd.toml"
     cfg.write_text("\n".join([
         f"node_name = {_toml_str(node_name)}",
