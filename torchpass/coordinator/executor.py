@@ -18,67 +18,18 @@ executor record what an outcome tells it (``observe``: a dump's pid, a companion
 before ``machine.apply`` sees it, and work that must wait for workers (a rollback waiting for
 the aborts of restored copies) waits for an outcome of its own (``AbortsFinished``).
 
-How each action is performed (docs/coordinator.md, "Migration end to end"):
+How each action is performed, step by step, is in docs/coordinator.md: "Migration end to end"
+(PauseAt to Resume, MigrationDump, Transfer, Restore, KillSource, Drain), "Spares (for admins)"
+(RequestSpare: hot, expand, companion; Shrink) and "A node lost outright" (HandToSlurm, the
+relaunch: host file, relaunch verdict, steps cancelled). What a reader of this file needs besides:
 
-* PauseAt / Resume / ResumeInPlace: a command per rank, sent in the reply to
-  the rank's next ``rank.*`` request until acknowledged (rank.armed /
-  rank.resumed). Held ranks wait for a hold file in the job's state dir,
-  created by the coordinator only once the source copy is dead (Resume) or
-  the move is off (ResumeInPlace).
-* MigrationDump / KillSource: ``tpassd.snapshot`` (op dump / kill) to the source
-  node's tpassd, munge-authenticated. The dump leaves the rank running
-  (paused, holding) so that any later failure resumes it in place.
-* Transfer: ``tpassd.restore`` op verify on the target's tpassd (the image is
-  on a shared filesystem: the target checks its manifest and checksum).
-* Restore: first ``tpassd.restore`` op prepare (kind migration, the rank and the
-  dump's generation) to the target's tpassd, which writes the restore token
-  without which the SPANK plugin starts no root restore agent for the step
-  (torchpass.checkpoint.restore_token); then
-  ``srun --jobid=J --overlap -w TARGET -N1 -n1 --torchpass=off -o
-  <job output> --open-mode=append <python> -m torchpass.checkpoint.rankwrap
-  --restore IMAGES`` (``torchpass.slurm.overlap_step_argv``), from the batch
-  host; done when the restore wrapper has recorded the restored rank. The
-  step is started already at PauseAt (the target is known then) behind
-  torchpass.checkpoint.restore_gate, which waits for the image path: the
-  step launch overlaps the ranks' way to T and the dump instead of adding to
-  the standstill. A move called off (or sent
-  to another target) cancels the gate.
-* RequestSpare: one node from slurmctld (``salloc --no-shell --exclusive``
-  on the job's partition/account/QOS, the job's nodes excluded). "expand":
-  allocated with ``--dependency=expand:J`` and merged into the job
-  (``scontrol update JobId=DONOR NumNodes=0``); "companion": kept as a
-  one-node job of its own, named ``torchpass-spare-J``, whose only step is
-  the restore; cancelled when the coordinator exits. The new node's tpassd is
-  followed from then on.
-* Drain: ``tpassd.drain`` to the drained node's tpassd (root; slurmctld refuses a
-  job user's drain), which drains only a node it finds degraded or failed, unless
-  the coordinator runs as root or SlurmUser.
-* HandToSlurm: a log line (decide records the ``node.lost`` event); Slurm's normal handling
-  applies. A node is lost outright when its tpassd fell silent and slurmctld, asked by
-  ``check_silent`` in a worker at most every SILENT_CHECK_S, does not hear it either
-  (docs/coordinator.md, "A node lost outright"). Such a node is also drained, through
-  another node's tpassd (``tpassd.drain`` with ``node``; event ``node.drained``). With
-  ``end_job`` (no relaunch possible), after the drain the job is requeued if slurmctld
-  may requeue it (``scontrol requeue``, events ``job.requeuing`` saved before the call, which
-  may end this coordinator, and ``job.requeued``), else its steps with a
-  task on the node are ended (``job.steps_ended``): what slurmctld does at DOWN to a job
-  without ``--no-kill``, done at once and also for a ``--no-kill`` job.
-* Relaunch: the job's host file (layout.hostfile, which places every srun of
-  the batch script) gets each lost node's lines replaced by its spare, then the
-  relaunch verdict (layout.relaunch_file) counts one more relaunch and lists the
-  job's steps with a task on a lost node; then those steps are cancelled
-  (``scancel J.S``: Slurm would end them only when it marks the node DOWN).
-  srun's exit hook (the SPANK plugin) reads the verdict: the user's srun of a
-  listed step execs itself again. A relaunch from a whole-job snapshot is
-  first prepared (``tpassd.restore`` op prepare, kind snapshot) on every node
-  of the new host file, before the verdict is written. RelaunchPossible writes the same file with
-  ``pending=1`` while a silent node may lead to a relaunch, so that a srun that
-  ends meanwhile waits for the verdict.
-* Shrink and every other Slurm query or update: the torchpass.slurm
-  client. Shrink: ``scontrol update JobId=J NodeList=<the rest>`` only when
-  no step of the job still runs on the node (the source's task wrapper waits
-  for the moved rank's exit code: releasing its node would kill it and fail
-  the step); a companion node is released by cancelling its allocation.
+* a rank command is sent in the reply to the rank's next ``rank.*`` request, until acknowledged;
+* every call to tpassd is munge-authenticated and every Slurm query or update goes through the
+  ``torchpass.slurm`` client;
+* the restore step is launched at PauseAt behind ``torchpass.checkpoint.restore_gate`` and let go
+  at Restore, so that its launch overlaps the ranks' way to T and the dump;
+* a lost node's events that may end this coordinator (``job.requeuing``) are saved before the
+  call that may end it.
 """
 
 from __future__ import annotations
