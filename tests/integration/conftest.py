@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from torchpass import layout
+from torchpass.coordinator.policy import DEFAULT_POLICIES_DIR
 from torchpass.devcluster import Devcluster, DevclusterSpec
 from torchpass.devcluster.cluster import REPO_ROOT
 from torchpass.errors import DevclusterError
@@ -79,6 +80,20 @@ def own_cluster_spec(suffix: str, subnet_env: str | None = None, **shape) -> Dev
         a, b, c = os.environ.get("TORCHPASS_TEST_SUBNET", "10.78.0").split(".")
         subnet = f"{a}.{(int(b) + OWN_CLUSTER_OFFSETS[suffix]) % 256}.{c}"
     return DevclusterSpec(name=os.environ.get("TORCHPASS_TEST_CLUSTER", "t")[:5] + suffix, subnet=subnet, **shape)
+
+
+@contextmanager
+def site_policy(name: str, toml: str) -> Iterator[str]:
+    """/etc/torchpass/policies/NAME.toml holding ``toml`` for the block, for jobs submitted with
+    ``--torchpass=policy=NAME`` (the directory is the machine's, shared by every devcluster: NAME
+    must be the module's own); yields NAME."""
+    path = DEFAULT_POLICIES_DIR / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(toml)
+    try:
+        yield name
+    finally:
+        path.unlink(missing_ok=True)
 
 
 @contextmanager

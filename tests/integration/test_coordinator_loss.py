@@ -34,6 +34,7 @@ import pytest
 
 import drill
 import training_jobs as tj
+from conftest import site_policy
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, tpassctl
 from support.wait import until
 from torchpass import coordinator_lost, layout
@@ -51,11 +52,8 @@ FELL_BACK = "no resume from the coordinator in"
 
 @pytest.fixture(scope="module")
 def policy():
-    path = Path("/etc/torchpass/policies") / f"{POLICY}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"hold_deadline_s = {D}.0\ncoordinator_restarts = 2\n")
-    yield POLICY
-    path.unlink(missing_ok=True)
+    with site_policy(POLICY, f"hold_deadline_s = {D}.0\ncoordinator_restarts = 2\n") as name:
+        yield name
 
 
 def _submit(job_dir: Path, tag: str, user: str) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
-from conftest import _job_user, make_job_dir, own_cluster_spec, own_devcluster
+from conftest import _job_user, make_job_dir, own_cluster_spec, own_devcluster, site_policy
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, wait_job
 from torchpass import envnames, layout
 from torchpass.devcluster import DevclusterSpec
@@ -58,11 +58,8 @@ def _spec() -> DevclusterSpec:
 @pytest.fixture(scope="module")
 def rail_policy():
     """The jobs' policy: rails back in use after 3 s of health on every node (30 s by default)."""
-    path = Path("/etc/torchpass/policies") / f"{POLICY}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"rail_restore_after_s = {RESTORE_AFTER_S}\n")
-    yield POLICY
-    path.unlink(missing_ok=True)
+    with site_policy(POLICY, f"rail_restore_after_s = {RESTORE_AFTER_S}\n") as name:
+        yield name
 
 
 @pytest.fixture(scope="module")

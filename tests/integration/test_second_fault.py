@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 import training_jobs as tj
+from conftest import site_policy
 from torchpass import layout
 from training_jobs import TPASSCTL, drain_audit
 from training_jobs import job as _job
@@ -188,11 +189,14 @@ def test_second_fault_moves_the_rank_on_to_a_spare_from_slurmctld(cluster, refer
             _run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
 
 
-def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir, job_user):
+@pytest.fixture(scope="module")
+def companion_policy():
+    with site_policy(COMPANION_POLICY, 'spare_strategies = ["hot", "companion"]\n') as name:
+        yield name
+
+
+def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir, job_user, companion_policy):
     t_start = time.monotonic()
-    policy = Path("/etc/torchpass/policies") / f"{COMPANION_POLICY}.toml"
-    policy.parent.mkdir(parents=True, exist_ok=True)
-    policy.write_text('spare_strategies = ["hot", "companion"]\n')
     job_id = _submit(job_dir, "comp", job_user, nodes=2, torchpass=f"spares=0,policy={COMPANION_POLICY}")
     out_path = job_dir / f"comp.{job_id}.out"
     diag = _diag(cluster, job_id, out_path)
@@ -232,7 +236,6 @@ def test_companion_spare_when_the_job_cannot_grow(cluster, reference, job_dir, j
         print(f"\ncompanion {companion} on {chosen['target']}: phases {done['data']['phase_durations']}; "
               f"test took {time.monotonic() - t_start:.1f}s")
     finally:
-        policy.unlink(missing_ok=True)
         _run(["scancel", str(job_id)])
         _run(["scancel", "--name", f"torchpass-spare-{job_id}"])
         if bad:

@@ -20,6 +20,7 @@ import pytest
 
 import drill
 import training_jobs as tj
+from conftest import site_policy
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env
 from support.wait import until
 from torchpass import layout
@@ -41,11 +42,8 @@ OUTAGE_S = int(os.environ.get("TORCHPASS_TEST_OUTAGE_S", "180"))  # the issue's 
 
 @pytest.fixture(scope="module")
 def policy():
-    path = Path("/etc/torchpass/policies") / f"{POLICY}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"hold_deadline_s = {D}.0\nrebuild_timeout_s = 60.0\n")
-    yield POLICY
-    path.unlink(missing_ok=True)
+    with site_policy(POLICY, f"hold_deadline_s = {D}.0\nrebuild_timeout_s = 60.0\n") as name:
+        yield name
 
 
 def _submit(job_dir: Path, tag: str, user: str, steps: int = STEPS, sleep: float = 0.05) -> int:
