@@ -202,6 +202,35 @@ def test_nvml_collector_reads_the_driver_version_once_a_gpu_is_seen():
     assert c.driver_version == "570.86.15"
 
 
+def _tpassd_with_drivers(tmp_path, drivers: dict[str, str], calls: list):
+    """test_executor's fake tpassd whose tpassd.health names each node's NVIDIA driver; every
+    (node, type, op) asked goes into ``calls``, and every dump succeeds."""
+    import test_executor as tx
+
+    def request(node, type_, body, timeout_s):
+        calls.append((node, type_, body.get("op")))
+        if type_ == "tpassd.health":
+            return {"state": "healthy", "gpu_driver": drivers[node]}
+        if type_ == "tpassd.snapshot":
+            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
+        return {}
+
+    tp = tx.FakeTpassd(fail_dump=False)
+    tp.request = request
+    return tp
+
+
+def _close(d) -> None:
+    """The driver's executor closed, and the restore steps it started waited for."""
+    import test_executor as tx
+
+    tx._open_executors.remove(d.executor)
+    procs = d.executor.steps()
+    d.executor.close()
+    for p in procs:
+        p.wait(10)
+
+
 def _move_n2(d) -> None:
     """n2 degrades and the job's 3 ranks quiesce where told: the move of n2 starts its dump."""
     ex = d.executor
@@ -218,19 +247,8 @@ def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(
     are verified there or a restore step is released: the move rolls back."""
     import test_executor as tx
 
-    drivers = {"n2": "570.86.15", "n4": target_driver}
     calls = []
-
-    def request(node, type_, body, timeout_s):
-        calls.append((node, type_, body.get("op")))
-        if type_ == "tpassd.health":
-            return {"state": "healthy", "gpu_driver": drivers[node]}
-        if type_ == "tpassd.snapshot":
-            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
-        return {}
-
-    tp = tx.FakeTpassd(fail_dump=False)
-    tp.request = request
+    tp = _tpassd_with_drivers(tmp_path, {"n2": "570.86.15", "n4": target_driver}, calls)
     d, _ = tx._driver(tmp_path, tp)
     try:
         _move_n2(d)
@@ -245,11 +263,7 @@ def test_a_spare_whose_nvidia_driver_differs_is_refused_and_the_move_rolls_back(
             assert verified == [("n4", "tpassd.restore", "verify")]
             assert "driver" not in rb.message, rb.message
     finally:
-        tx._open_executors.remove(d.executor)
-        procs = d.executor.steps()
-        d.executor.close()
-        for p in procs:
-            p.wait(10)
+        _close(d)
 
 
 @pytest.mark.parametrize("gpus", [True, False], ids=["gpu-job", "cpu-job"])
@@ -262,17 +276,7 @@ def test_only_a_job_whose_tasks_have_gpus_asks_both_tpassds_for_their_driver(tmp
     from torchpass.slurm.base import StepInfo
 
     calls = []
-
-    def request(node, type_, body, timeout_s):
-        calls.append((node, type_, body.get("op")))
-        if type_ == "tpassd.health":
-            return {"state": "healthy", "gpu_driver": "570.86.15"}
-        if type_ == "tpassd.snapshot":
-            return {"images": str(tmp_path / "img"), "checksum": "c", "pid": 7, "bytes": 1}
-        return {}
-
-    tp = tx.FakeTpassd(fail_dump=False)
-    tp.request = request
+    tp = _tpassd_with_drivers(tmp_path, {n: "570.86.15" for n in ("n1", "n2", "n3", "n4")}, calls)
     d, slurm = tx._driver(tmp_path, tp)
     slurm.step_table[42] = [StepInfo("42.0", "python", ("n1", "n2", "n3"), "RUNNING")]
     slurm.step_detail = lambda step_id: STEP_D if gpus else STEP_D.replace(",gres/gpu=6,gres/gpu:h100=6", "")
@@ -282,11 +286,7 @@ def test_only_a_job_whose_tasks_have_gpus_asks_both_tpassds_for_their_driver(tmp
         asked = sorted(c[0] for c in calls if c[1] == "tpassd.health")
         assert asked == (["n2", "n4"] if gpus else []), calls
     finally:
-        tx._open_executors.remove(d.executor)
-        procs = d.executor.steps()
-        d.executor.close()
-        for p in procs:
-            p.wait(10)
+        _close(d)
 
 
 def test_under_slurms_deny_rules_the_steps_gpus_are_asked_from_inside_its_devices_cgroup(tmp_path, monkeypatch):
