@@ -183,7 +183,7 @@ def test_a_script_bug_that_kills_a_rank_twice_is_relaunched_once_then_the_job_en
         job_id = drill.submit(BUGGY, job_dir, "buggy", "spares=1,snapshot_every=2", job_user.name)
         jobs.append(job_id)
         out = job_dir / f"buggy.{job_id}.out"
-        final = tj.wait_end(job_id, 240, context=f"{what}: ")
+        final = tj.wait_end(job_id, 240, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
         diag = drill.diagnosis(cluster, job_id, out, what)
         # as without torchpass: srun exits with the failed task's status, so does the batch script
         assert final["job_state"][0] == "FAILED" and int(final.get("restart_cnt", 0)) == 0, diag
@@ -214,7 +214,7 @@ def test_a_gpu_killed_with_no_restore_point_ends_the_job_as_without_torchpass(cl
         out = job_dir / f"norestore.{job_id}.out"
         drill.wait_step(cluster, job_id, out, at, what)
         _kill_gpu(cluster, node)
-        final = tj.wait_end(job_id, 120, context=f"{what}: ")
+        final = tj.wait_end(job_id, 120, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
         diag = drill.diagnosis(cluster, job_id, out, what)
         assert final["job_state"][0] == "FAILED" and int(final.get("restart_cnt", 0)) == 0, diag
         evs = drill.events(cluster, job_id)
@@ -328,7 +328,7 @@ def test_a_gpu_killed_under_a_torchrun_worker_relaunches_the_job_from_its_checkp
         killed = _kill_gpu(cluster, node, gpu)
         task = TRAIN.training_nodes.index(node)  # one agent per node: its task is the node's index
         assert [k["rank"] for k in killed["killed"]] == [2 * task + gpu], (killed, what)  # the worker, not the agent
-        final = tj.wait_end(job_id, 180, context=f"{what}: ")
+        final = tj.wait_end(job_id, 180, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
         print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the kill")
         diag = drill.diagnosis(cluster, job_id, out, what)
         assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
