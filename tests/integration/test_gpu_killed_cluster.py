@@ -92,6 +92,23 @@ def reference(cluster, plugin_built, jobs_base, job_user) -> dict:
     return tj.reference_run(jobs_base, job_user, "gpukill", STEPS, context=f"seed={SEED}: ")["per_step"]
 
 
+def _ended(cluster, job_id: int, out: Path, timeout_s: float, what: str) -> dict:
+    """The job's record once it has ended; on a timeout the error carries the job's output, events
+    and coordinator log."""
+    return tj.wait_end(job_id, timeout_s, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
+
+
+def _completed_after_the_kill(cluster, job_id: int, out: Path, t0: float, what: str) -> tuple[str, list[dict]]:
+    """The job ended COMPLETED, exit 0, under its id and with no restart, within 180 s of the kill
+    (at ``t0``); its diagnosis and events."""
+    final = _ended(cluster, job_id, out, 180, what)
+    print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the kill")
+    diag = drill.diagnosis(cluster, job_id, out, what)
+    assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
+    assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
+    return diag, drill.events(cluster, job_id)
+
+
 def _kill_gpu(cluster, node: str, gpu: int = 0) -> dict:
     import json
     r = tj.run([*tj.TPASSCTL, "devcluster", "kill-gpu", node, "--gpu", str(gpu), "--name", cluster.spec.name,
@@ -137,12 +154,7 @@ def test_a_gpu_killed_under_a_rank_relaunches_the_job_from_its_snapshot_on_the_s
         # srun's block distribution: node i's local rank g is rank i * per_node + g
         assert [k["rank"] for k in killed["killed"]] == [d.training_nodes.index(node) * d.per_node + gpu], \
             (killed, what)
-        final = tj.wait_end(job_id, 180, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
-        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the kill")
-        diag = drill.diagnosis(cluster, job_id, out, what)
-        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
-        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
-        evs = drill.events(cluster, job_id)
+        diag, evs = _completed_after_the_kill(cluster, job_id, out, t0, what)
         (died,) = [e for e in evs if e["kind"] == "rank.died"]
         (going,) = [e for e in evs if e["kind"] == "job.relaunching"]
         (back,) = [e for e in evs if e["kind"] == "job.relaunched"]
@@ -183,7 +195,7 @@ def test_a_script_bug_that_kills_a_rank_twice_is_relaunched_once_then_the_job_en
         job_id = drill.submit(BUGGY, job_dir, "buggy", "spares=1,snapshot_every=2", job_user.name)
         jobs.append(job_id)
         out = job_dir / f"buggy.{job_id}.out"
-        final = tj.wait_end(job_id, 240, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
+        final = _ended(cluster, job_id, out, 240, what)
         diag = drill.diagnosis(cluster, job_id, out, what)
         # as without torchpass: srun exits with the failed task's status, so does the batch script
         assert final["job_state"][0] == "FAILED" and int(final.get("restart_cnt", 0)) == 0, diag
@@ -214,7 +226,7 @@ def test_a_gpu_killed_with_no_restore_point_ends_the_job_as_without_torchpass(cl
         out = job_dir / f"norestore.{job_id}.out"
         drill.wait_step(cluster, job_id, out, at, what)
         _kill_gpu(cluster, node)
-        final = tj.wait_end(job_id, 120, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
+        final = _ended(cluster, job_id, out, 120, what)
         diag = drill.diagnosis(cluster, job_id, out, what)
         assert final["job_state"][0] == "FAILED" and int(final.get("restart_cnt", 0)) == 0, diag
         evs = drill.events(cluster, job_id)
@@ -328,12 +340,7 @@ def test_a_gpu_killed_under_a_torchrun_worker_relaunches_the_job_from_its_checkp
         killed = _kill_gpu(cluster, node, gpu)
         task = TRAIN.training_nodes.index(node)  # one agent per node: its task is the node's index
         assert [k["rank"] for k in killed["killed"]] == [2 * task + gpu], (killed, what)  # the worker, not the agent
-        final = tj.wait_end(job_id, 180, context=f"{what}: ", diag=lambda: drill.diagnosis(cluster, job_id, out, ""))
-        print(f"job {job_id} ended {time.monotonic() - t0:.1f} s after the kill")
-        diag = drill.diagnosis(cluster, job_id, out, what)
-        assert final["job_id"] == job_id and final["job_state"][0] == "COMPLETED", diag
-        assert final["exit_code"]["return_code"]["number"] == 0 and int(final.get("restart_cnt", 0)) == 0, diag
-        evs = drill.events(cluster, job_id)
+        diag, evs = _completed_after_the_kill(cluster, job_id, out, t0, what)
         died = [e for e in evs if e["kind"] == "rank.died"]
         (going,) = [e for e in evs if e["kind"] == "job.relaunching"]
         assert [e["data"]["cause"] for e in died] == ["hardware"] and "Xid 79" in died[0]["data"]["faults"][node], diag
