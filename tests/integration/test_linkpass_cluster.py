@@ -36,6 +36,7 @@ import pytest
 import training_jobs as tj
 from conftest import _job_user, make_job_dir, own_cluster_spec, own_devcluster, site_policy
 from slurm_helpers import job_id_of, job_python, sbatch, submit_env, wait_job
+from support.wait import until
 from torchpass import envnames, layout
 from torchpass.devcluster import DevclusterSpec
 from training_jobs import train_script
@@ -150,23 +151,17 @@ def _rails_in_use(cluster, job_id: int) -> list[str] | None:
     return list(rails["using"]) if rails else None
 
 
-def _wait_event(cluster, job_id: int, kind: str, diag, timeout_s: float = 90, each=None) -> dict:
-    """The job's first ``kind`` event, from its running coordinator (tpassctl events); ``each()``
-    is called before every look."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if each is not None:
-            each()
-        out = tpassctl(cluster, "events", str(job_id), "--json")
-        try:
-            events = json.loads(out.stdout)["jobs"][0]["events"]
-        except (ValueError, KeyError, IndexError):
-            events = []
-        hit = next((e for e in events if e["kind"] == kind), None)
-        if hit is not None:
-            return hit
-        assert time.monotonic() < deadline, f"no {kind} event in {timeout_s:g} s: {out.stdout[-2000:]}\n{diag()}"
-        time.sleep(0.3)
+def _live_event(cluster, job_id: int, kind: str, each=None) -> dict | None:
+    """The job's first ``kind`` event so far, from its running coordinator (tpassctl events), or
+    None; ``each()`` is called first (for ``until``, which asks again until there is one)."""
+    if each is not None:
+        each()
+    out = tpassctl(cluster, "events", str(job_id), "--json")
+    try:
+        events = json.loads(out.stdout)["jobs"][0]["events"]
+    except (ValueError, KeyError, IndexError):
+        return None
+    return next((e for e in events if e["kind"] == kind), None)
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +195,13 @@ def test_a_flapping_rail_reroutes_the_job_in_place_once_then_back_with_the_same_
     link(rail_cluster, node, 0, "flap", "--times", "5", "--period", "0.4")
     # Between the two events every rank is on rail1 alone (the coordinator records each once every
     # rank resumed on its new rails), and tpassctl status says which rails the job uses.
-    rerouted = _wait_event(rail_cluster, job_id, "link.rerouted", early_diag)
+    rerouted = until(lambda: _live_event(rail_cluster, job_id, "link.rerouted"), "a link.rerouted event", 90,
+                     every=0.3, diag=early_diag)
     assert _rails_in_use(rail_cluster, job_id) == ["rail1"], early_diag()
     samples: list[tuple[float, int]] = []  # (wall time, rail0's bytes sent) while rail0 is left out
-    restored = _wait_event(rail_cluster, job_id, "link.restored", early_diag,
-                           each=lambda: samples.append((time.time(), net_dev(rail_cluster, node)["rail0"][1])))
+    restored = until(lambda: _live_event(rail_cluster, job_id, "link.restored", each=lambda: samples.append(
+        (time.time(), net_dev(rail_cluster, node)["rail0"][1]))), "a link.restored event", 90, every=0.3,
+        diag=early_diag)
     rail0_sent_at_restore = net_dev(rail_cluster, node)["rail0"][1]
     assert _rails_in_use(rail_cluster, job_id) == ["rail0", "rail1"], early_diag()
     # The control: the samples taken at least 0.5 s after the reroute was recorded and 0.5 s

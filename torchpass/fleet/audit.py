@@ -48,6 +48,8 @@ LINK_PORT = 29431
 # With 4 nodes, one healthy node slowed by a burst of load in the first pass widens the spread
 # enough to hide a node at 5 % of a CPU (seen once in four devcluster audits at load average 8).
 CONFIRM_BAND = 1.25
+# What a probe's srun can end in: its step failed, timed out, or printed no result line.
+PROBE_ERRORS = (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def audit(p: Plan, runner: Runner, addresses: dict[str, str]) -> AuditResult:
                 res.failed[node] = f"compute checksum {got['checksum']} != {want}"
             runner.say(f"[{i}/{len(p.audit)}] {node}: {got['seconds']:.3f} s ({got['engine']}), "
                        f"checksum {'ok' if node not in res.failed else 'WRONG'}")
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        except PROBE_ERRORS as exc:
             res.failed[node] = f"compute check: {str(exc)[:200]}"
             runner.say(f"[{i}/{len(p.audit)}] {node}: FAILED {exc}")
     _confirm_compute(res, runner)
@@ -207,7 +209,7 @@ def audit(p: Plan, runner: Runner, addresses: dict[str, str]) -> AuditResult:
         runner.say(f"links: {len(link_nodes)} nodes, rails {', '.join(runner.rails)}, every pair in turn")
         try:
             res.links = runner.links(link_nodes, addresses.get(link_nodes[0], link_nodes[0]))
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        except PROBE_ERRORS as exc:
             res.notes.append(f"link check failed: {str(exc)[:300]}")
             runner.say(f"links: FAILED {exc}")
         if res.links and _links_suspect(res.links):
@@ -216,7 +218,7 @@ def audit(p: Plan, runner: Runner, addresses: dict[str, str]) -> AuditResult:
                 res.links = best_pairs(res.links, runner.links(link_nodes, addresses.get(link_nodes[0],
                                                                                           link_nodes[0])))
                 res.notes.append("links measured twice (one looked slow): each pair's best is judged")
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+            except PROBE_ERRORS as exc:
                 res.notes.append(f"link check's second pass failed (first pass judged): {str(exc)[:300]}")
     elif not runner.rails:
         res.notes.append("no data rails named (--rails or $TORCHPASS_DATA_RAILS): links not checked")
@@ -239,14 +241,14 @@ def _confirm_compute(res: AuditResult, runner: Runner) -> None:
     times = {n: c["seconds"] for n, c in res.compute.items() if n not in res.failed}
     if len(times) < 3:
         return
-    fastest = min(times.values())
-    ref = min(sorted(times), key=lambda n: times[n])
+    ref = min(sorted(times), key=times.__getitem__)  # the fastest node
+    fastest = times[ref]
     again = [n for n, t in sorted(times.items()) if t > CONFIRM_BAND * fastest]
     for node in again:
         runner.say(f"{node}: {times[node]:.3f} s against the fastest {fastest:.3f} s: compute check again")
         try:
             got = runner.compute(node)
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        except PROBE_ERRORS as exc:
             res.notes.append(f"{node}: second compute check failed (first pass judged): {str(exc)[:200]}")
             continue
         if got["checksum"] != workload.expected_checksum(got["n"], got["iters"]):
@@ -256,7 +258,7 @@ def _confirm_compute(res: AuditResult, runner: Runner) -> None:
         best["passes_s"] = [first["seconds"], got["seconds"]]
         try:
             ref_s = runner.compute(ref)["seconds"]
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        except PROBE_ERRORS as exc:
             res.notes.append(f"{node}: its reference {ref} could not be measured again (passes judged): "
                              f"{str(exc)[:200]}")
             ref_s = None
